@@ -116,20 +116,20 @@ def resolve(
                 specs.setdefault(dep, []).append((name, req))
                 todo.append((dep, name))
         for name, wanted in specs.items():
-            prov = choice.get(name)
-            if prov is None:
+            pick = choice.get(name)
+            if pick is None:
                 continue
             version: str | None = None
-            if prov == "wheel" and name in wheels:
+            if pick == "wheel" and name in wheels:
                 version = wheels[name].version
-            elif prov == "image":
+            elif pick == "image":
                 version = have[name][0]
             if version is None:
                 continue
             bad = [(by, r) for by, r in wanted if Version(version) not in r.specifier]
             if not bad:
                 continue
-            if prov == "image" and name in wheels:
+            if pick == "image" and name in wheels:
                 alt = Version(wheels[name].version)
                 if all(alt in r.specifier for _, r in wanted):
                     choice[name] = "wheel"
