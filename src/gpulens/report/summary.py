@@ -1,0 +1,357 @@
+"""Per-GPU and per-run summaries of a sequence of rows.
+
+Used by ``gpulens report`` (rows read back from a JSONL record) and ``gpulens record`` (rows
+handed over live by :class:`gpulens.sinks.summary.SummarySink`).  Rows are folded one at a time,
+so a long recording costs constant memory.
+
+Every row covers a window that ends at its ``time``; the window of row *n* starts at the time of
+row *n-1*.  Means are weighted by window length in seconds, so an uneven logging cadence does not
+bias them.  The first row's window is ``perf/step_time_s * perf/steps`` when the row says so,
+else the ``start_time`` handed to the builder, else the median of the later windows.
+
+What a summary holds per GPU (absent metrics stay ``None``, never 0):
+
+* activity: mean/max of GPM ``sm_active_pct`` where present, else of NVML ``util_pct``
+  (``activity_metric`` names which); ``tensor_active_pct`` mean where present,
+* peak memory in GB (``mem_used_gb_max`` or ``mem_used_gb``) and total memory where known,
+* mean/max power in W and the power limit,
+* mean/max temperature in degrees Celsius,
+* energy in Wh: the sum of the rows' ``energy_j`` (NVML's counter differences); rows without it
+  add ``power_w`` times their window length (``energy_source`` says which was used),
+* the share of time and the seconds the clocks were held down, in total and by cause
+  (power cap, thermal).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_GPU_KEY = re.compile(r"^gpu/(\d+)/([a-z0-9_]+)$")
+
+
+@dataclass
+class _Stat:
+    """Time-weighted mean, max and last value of one metric."""
+
+    wsum: float = 0.0
+    weight: float = 0.0
+    max: float = -math.inf
+    last: float | None = None
+    count: int = 0
+
+    def add(self, value: float, weight: float, peak: float | None = None) -> None:
+        self.wsum += value * weight
+        self.weight += weight
+        self.max = max(self.max, value if peak is None else max(value, peak))
+        self.last = value
+        self.count += 1
+
+    @property
+    def mean(self) -> float | None:
+        if self.count == 0:
+            return None
+        if self.weight <= 0:
+            return self.last
+        return self.wsum / self.weight
+
+    @property
+    def maximum(self) -> float | None:
+        return None if self.count == 0 else self.max
+
+
+@dataclass
+class GpuSummary:
+    """Summary of one GPU over a run.  Units: percent, GB, W, Celsius, Wh, seconds."""
+
+    gpu: str
+    """The GPU's key in rows (``gpu/{gpu}/...``)."""
+    name: str | None = None
+    activity_metric: str | None = None
+    """``"sm_active_pct"`` (GPM) or ``"util_pct"`` (NVML utilization), ``None`` if neither."""
+    activity_mean_pct: float | None = None
+    activity_max_pct: float | None = None
+    util_mean_pct: float | None = None
+    sm_active_mean_pct: float | None = None
+    tensor_active_mean_pct: float | None = None
+    mem_peak_gb: float | None = None
+    mem_total_gb: float | None = None
+    power_mean_w: float | None = None
+    power_max_w: float | None = None
+    power_limit_w: float | None = None
+    temp_mean_c: float | None = None
+    temp_max_c: float | None = None
+    energy_wh: float | None = None
+    energy_source: str | None = None
+    """``"counter"`` (NVML energy counter), ``"power x time"`` (estimate) or ``"mixed"``."""
+    throttle_pct: float | None = None
+    """Share of the run's time with clocks held down, any cause."""
+    throttle_power_pct: float | None = None
+    throttle_thermal_pct: float | None = None
+    throttled_s: float | None = None
+    throttled_power_s: float | None = None
+    throttled_thermal_s: float | None = None
+
+    def throttle_reasons(self) -> str:
+        """``"power cap 12.0 s, thermal 1.5 s"``, or ``"none"`` / ``"n/a"``."""
+        if self.throttle_pct is None:
+            return "n/a"
+        parts = []
+        if self.throttled_power_s:
+            parts.append(f"power cap {self.throttled_power_s:.1f} s")
+        if self.throttled_thermal_s:
+            parts.append(f"thermal {self.throttled_thermal_s:.1f} s")
+        other = (self.throttled_s or 0.0) - (self.throttled_power_s or 0.0) - (
+            self.throttled_thermal_s or 0.0
+        )
+        if other > 0.05:
+            parts.append(f"other {other:.1f} s")
+        return ", ".join(parts) if parts else "none"
+
+
+@dataclass
+class Efficiency:
+    """Work done per energy: ``work`` units (tokens, samples, requests) over the run."""
+
+    work: float
+    unit: str
+    per_joule: float | None
+    """Units of work per joule of GPU energy."""
+    per_second_per_watt: float | None
+    """Throughput (units/s) per watt of mean GPU power."""
+    per_second: float | None
+
+
+@dataclass
+class RunSummary:
+    """Summary of a whole run: per GPU, plus training and energy figures across GPUs."""
+
+    rows: int = 0
+    duration_s: float | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    steps: int | None = None
+    """Training steps covered (sum of ``perf/steps`` where rows carry it)."""
+    gpus: list[GpuSummary] = field(default_factory=list)
+    energy_wh: float | None = None
+    """All GPUs together."""
+    power_mean_w: float | None = None
+    """All GPUs together (sum of the GPUs' mean power)."""
+    energy_per_step_j: float | None = None
+    loss_first: float | None = None
+    loss_last: float | None = None
+    loss_min: float | None = None
+    step_time_mean_s: float | None = None
+    efficiency: Efficiency | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``None`` stays ``null``)."""
+        return asdict(self)
+
+
+class SummaryBuilder:
+    """Fold rows (``step``, ``time``, values) into a :class:`RunSummary`.
+
+    Args:
+        gpu_names: GPU key -> model name, for the table.
+        mem_total_gb: GPU key -> total memory in GB, where known.
+        start_time: Unix time the first window started (the monitor's start), if known.
+    """
+
+    def __init__(
+        self,
+        gpu_names: Mapping[str, str] | None = None,
+        mem_total_gb: Mapping[str, float] | None = None,
+        start_time: float | None = None,
+    ) -> None:
+        self._names = dict(gpu_names or {})
+        self._mem_total = dict(mem_total_gb or {})
+        self._start = start_time
+        self._prev_time: float | None = None
+        self._first_time: float | None = None
+        self._first_window: float | None = None
+        self._pending_first: list[tuple[int, float, dict[str, float]]] = []
+        self._dts: list[float] = []
+        self._gpu: dict[str, dict[str, _Stat]] = {}
+        self._energy: dict[str, tuple[float, int, int]] = {}  # j, counter rows, estimated rows
+        self._rows = 0
+        self._steps_sum = 0.0
+        self._steps_seen = False
+        self._first_step: int | None = None
+        self._last_step: int | None = None
+        self._loss: list[float] = []  # first, last, min
+        self._step_time = _Stat()
+
+    def add(self, step: int, time: float, values: Mapping[str, float]) -> None:
+        """Fold in one row.  Rows must come in time order."""
+        self._rows += 1
+        if self._first_time is None:
+            self._first_time = time
+            window = self._first_row_window(time, values)
+            if window is None:
+                # decided at the end, from the median of the later windows
+                self._pending_first.append((step, time, dict(values)))
+                self._prev_time = time
+                return
+            self._first_window = window
+            self._fold(step, values, window)
+        else:
+            prev = self._prev_time if self._prev_time is not None else time
+            dt = max(0.0, time - prev)
+            self._dts.append(dt)
+            self._fold(step, values, dt)
+        self._prev_time = time
+
+    def _first_row_window(self, time: float, values: Mapping[str, float]) -> float | None:
+        st, n = values.get("perf/step_time_s"), values.get("perf/steps")
+        if st is not None and n is not None and st > 0 and n > 0:
+            return float(st) * float(n)
+        if self._start is not None and time > self._start:
+            return time - self._start
+        return None
+
+    def _fold(self, step: int, values: Mapping[str, float], weight: float) -> None:
+        if self._first_step is None or step < self._first_step:
+            self._first_step = step
+        if self._last_step is None or step > self._last_step:
+            self._last_step = step
+        n = values.get("perf/steps")
+        if n is not None:
+            self._steps_sum += float(n)
+            self._steps_seen = True
+        loss = values.get("train/loss")
+        if loss is not None and math.isfinite(loss):
+            if not self._loss:
+                self._loss = [loss, loss, loss]
+            else:
+                self._loss[1] = loss
+                self._loss[2] = min(self._loss[2], loss)
+        st = values.get("perf/step_time_s")
+        if st is not None:
+            self._step_time.add(float(st), weight)
+        per_gpu: dict[str, dict[str, float]] = {}
+        for key, value in values.items():
+            m = _GPU_KEY.match(key)
+            if m is None or not isinstance(value, int | float) or not math.isfinite(value):
+                continue
+            per_gpu.setdefault(m.group(1), {})[m.group(2)] = float(value)
+        for gpu, metrics in per_gpu.items():
+            stats = self._gpu.setdefault(gpu, {})
+            for suffix in (
+                "util_pct", "sm_active_pct", "tensor_active_pct", "mem_used_gb", "mem_pct",
+                "power_w", "power_limit_w", "temp_c", "throttle_pct", "throttle_power_pct",
+                "throttle_thermal_pct",
+            ):
+                if suffix in metrics:
+                    stats.setdefault(suffix, _Stat()).add(
+                        metrics[suffix], weight, metrics.get(suffix + "_max")
+                    )
+            if "mem_used_gb" in metrics and "mem_pct" in metrics and metrics["mem_pct"] > 0:
+                self._mem_total.setdefault(gpu, metrics["mem_used_gb"] / metrics["mem_pct"] * 100)
+            j, counted, estimated = self._energy.get(gpu, (0.0, 0, 0))
+            if "energy_j" in metrics:
+                self._energy[gpu] = (j + metrics["energy_j"], counted + 1, estimated)
+            elif "power_w" in metrics:
+                self._energy[gpu] = (j + metrics["power_w"] * weight, counted, estimated + 1)
+
+    def result(self, work: float | None = None, unit: str = "units") -> RunSummary:
+        """The summary of the rows folded so far; ``work`` adds efficiency figures."""
+        if self._pending_first:
+            window = statistics.median(self._dts) if self._dts else 0.0
+            self._first_window = window
+            for step, _, values in self._pending_first:
+                self._fold(step, values, window)
+            self._pending_first = []
+        out = RunSummary(rows=self._rows, first_step=self._first_step, last_step=self._last_step)
+        if self._first_time is not None and self._prev_time is not None:
+            out.start_time = self._first_time - (self._first_window or 0.0)
+            out.end_time = self._prev_time
+            out.duration_s = out.end_time - out.start_time
+        if self._steps_seen:
+            out.steps = round(self._steps_sum)
+        elif self._first_step is not None and self._last_step is not None:
+            out.steps = self._last_step - self._first_step + 1
+        if self._loss:
+            out.loss_first, out.loss_last, out.loss_min = self._loss
+        out.step_time_mean_s = self._step_time.mean
+        total_j = 0.0
+        total_power = 0.0
+        have_energy = have_power = False
+        for gpu in sorted(self._gpu, key=int):
+            g = self._gpu_summary(gpu, self._gpu[gpu], out.duration_s)
+            out.gpus.append(g)
+            if g.energy_wh is not None:
+                total_j += g.energy_wh * 3600
+                have_energy = True
+            if g.power_mean_w is not None:
+                total_power += g.power_mean_w
+                have_power = True
+        if have_energy:
+            out.energy_wh = total_j / 3600
+            if out.steps:
+                out.energy_per_step_j = total_j / out.steps
+        if have_power:
+            out.power_mean_w = total_power
+        if work is not None:
+            per_s = work / out.duration_s if out.duration_s else None
+            out.efficiency = Efficiency(
+                work=work,
+                unit=unit,
+                per_joule=work / total_j if have_energy and total_j > 0 else None,
+                per_second_per_watt=per_s / total_power
+                if per_s is not None and have_power and total_power > 0
+                else None,
+                per_second=per_s,
+            )
+        return out
+
+    def _gpu_summary(self, gpu: str, s: dict[str, _Stat], duration: float | None) -> GpuSummary:
+        g = GpuSummary(gpu=gpu, name=self._names.get(gpu), mem_total_gb=self._mem_total.get(gpu))
+
+        def mean(k: str) -> float | None:
+            return s[k].mean if k in s else None
+
+        def peak(k: str) -> float | None:
+            return s[k].maximum if k in s else None
+
+        g.util_mean_pct = mean("util_pct")
+        g.sm_active_mean_pct = mean("sm_active_pct")
+        g.tensor_active_mean_pct = mean("tensor_active_pct")
+        for metric in ("sm_active_pct", "util_pct"):
+            if metric in s:
+                g.activity_metric = metric
+                g.activity_mean_pct = mean(metric)
+                g.activity_max_pct = peak(metric)
+                break
+        g.mem_peak_gb = peak("mem_used_gb")
+        g.power_mean_w = mean("power_w")
+        g.power_max_w = peak("power_w")
+        g.power_limit_w = s["power_limit_w"].last if "power_limit_w" in s else None
+        g.temp_mean_c = mean("temp_c")
+        g.temp_max_c = peak("temp_c")
+        if gpu in self._energy:
+            j, counted, estimated = self._energy[gpu]
+            g.energy_wh = j / 3600
+            g.energy_source = (
+                "counter" if not estimated else "power x time" if not counted else "mixed"
+            )
+        g.throttle_pct = mean("throttle_pct")
+        g.throttle_power_pct = mean("throttle_power_pct")
+        g.throttle_thermal_pct = mean("throttle_thermal_pct")
+        if duration is not None:
+            if g.throttle_pct is not None:
+                g.throttled_s = g.throttle_pct / 100 * duration
+            if g.throttle_power_pct is not None:
+                g.throttled_power_s = g.throttle_power_pct / 100 * duration
+            if g.throttle_thermal_pct is not None:
+                g.throttled_thermal_s = g.throttle_thermal_pct / 100 * duration
+        return g
+
+
+__all__ = ["Efficiency", "GpuSummary", "RunSummary", "SummaryBuilder"]

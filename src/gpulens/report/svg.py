@@ -1,0 +1,180 @@
+"""Line charts as inline SVG: no JavaScript library, no network.
+
+Each chart is an ``<svg class="chart">`` whose ``data-points`` attribute counts the points drawn
+(the tests assert on it), with ``data-x0/x1/y0/y1`` giving the data range of the plot area so
+the page's small hover script can turn pixels back into values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from html import escape
+
+WIDTH, HEIGHT = 560, 210
+LEFT, RIGHT, TOP, BOTTOM = 56, 14, 12, 30
+PALETTE = (
+    "#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#db2777", "#0891b2", "#65a30d",
+)
+MAX_POINTS = 800
+"""Series longer than this are reduced to the min and max of each bucket (peaks survive)."""
+
+
+@dataclass
+class Series:
+    """One line: ``points`` are (x, y) in data units, sorted by x."""
+
+    label: str
+    points: list[tuple[float, float]]
+    color: str
+    dash: str | None = None
+    width: float = 1.8
+
+
+def color(i: int) -> str:
+    """The palette colour for series ``i``."""
+    return PALETTE[i % len(PALETTE)]
+
+
+def downsample(
+    points: list[tuple[float, float]], limit: int = MAX_POINTS
+) -> list[tuple[float, float]]:
+    """Keep at most about ``limit`` points: the min and max of each of ``limit/2`` buckets."""
+    if len(points) <= limit:
+        return points
+    buckets = limit // 2
+    size = len(points) / buckets
+    out: list[tuple[float, float]] = []
+    for b in range(buckets):
+        chunk = points[int(b * size) : int((b + 1) * size)]
+        if not chunk:
+            continue
+        lo = min(chunk, key=lambda p: p[1])
+        hi = max(chunk, key=lambda p: p[1])
+        out.extend(sorted({lo, hi}))
+    return out
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round tick values covering [lo, hi], about ``n`` of them."""
+    if not math.isfinite(lo) or not math.isfinite(hi):
+        return [0.0]
+    if hi <= lo:
+        hi = lo + (abs(lo) * 0.1 or 1.0)
+    raw = (hi - lo) / max(1, n - 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    start = math.floor(lo / step) * step
+    ticks: list[float] = []
+    v = start
+    while v <= hi + step * 0.5 and len(ticks) < 20:
+        ticks.append(round(v, 12))
+        v += step
+    return ticks
+
+
+def fmt(v: float) -> str:
+    """Short number text for axes and tables: ``1.2k``, ``0.35``, ``3e-04``."""
+    a = abs(v)
+    if a == 0:
+        return "0"
+    if a >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.3g}k"
+    if a >= 100:
+        return f"{v:.0f}"
+    if a >= 0.01:
+        return f"{v:.3g}"
+    return f"{v:.2g}"
+
+
+def line_chart(
+    chart_id: str,
+    title: str,
+    unit: str,
+    series: list[Series],
+    x_range: tuple[float, float],
+    y_floor: float | None = 0.0,
+    y_ceiling: float | None = None,
+) -> str:
+    """A ``<figure>`` with a title, a legend and the SVG chart; empty series are left out.
+
+    ``y_floor``/``y_ceiling`` pin the y-axis ends (0 for most gauges, 100 for percentages);
+    ``None`` lets the data decide.
+    """
+    series = [s for s in series if s.points]
+    pts = [p for s in series for p in s.points]
+    x0, x1 = x_range
+    if x1 <= x0:
+        x1 = x0 + 1
+    ys = [p[1] for p in pts] or [0.0]
+    y0 = min(ys) if y_floor is None else min(y_floor, min(ys))
+    y1 = max(ys) if y_ceiling is None else max(y_ceiling, max(ys))
+    if y1 <= y0:
+        pad = abs(y1) * 0.1 or 1.0
+        y0, y1 = y0 - (pad if y_floor is None else 0), y1 + pad
+    yt = nice_ticks(y0, y1)
+    y0, y1 = min(y0, yt[0]), max(y1, yt[-1])
+    pw, ph = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+    def sx(x: float) -> float:
+        return LEFT + (x - x0) / (x1 - x0) * pw
+
+    def sy(y: float) -> float:
+        return TOP + (1 - (y - y0) / (y1 - y0)) * ph
+
+    parts: list[str] = []
+    for t in yt:
+        y = sy(t)
+        parts.append(
+            f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{fmt(t)}</text>'
+        )
+    for t in nice_ticks(x0, x1, 6):
+        if t < x0 or t > x1:
+            continue
+        x = sx(t)
+        parts.append(
+            f'<line class="xtick" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP + ph}" y2="{TOP + ph + 4}"/>'
+            f'<text class="tick" x="{x:.1f}" y="{TOP + ph + 17}" text-anchor="middle">'
+            f"{fmt(t)}</text>"
+        )
+    parts.append(
+        f'<line class="axis" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + ph}" y2="{TOP + ph}"/>'
+    )
+    drawn = 0
+    for s in series:
+        reduced = downsample(s.points)
+        drawn += len(reduced)
+        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in reduced)
+        dash = f' stroke-dasharray="{s.dash}"' if s.dash else ""
+        if len(reduced) == 1:
+            cx, cy = sx(reduced[0][0]), sy(reduced[0][1])
+            parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{s.color}"/>')
+        parts.append(
+            f'<polyline data-label="{escape(s.label)}" fill="none" stroke="{s.color}" '
+            f'stroke-width="{s.width}"{dash} points="{coords}"/>'
+        )
+    if not series:
+        parts.append(
+            f'<text class="empty" x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle">'
+            "no data</text>"
+        )
+    legend = "".join(
+        f'<span class="key"><i style="background:{s.color}"'
+        f'{" class=dashed" if s.dash else ""}></i>{escape(s.label)}</span>'
+        for s in series
+    )
+    return (
+        f'<figure class="card" id="{escape(chart_id)}">'
+        f'<figcaption><b>{escape(title)}</b> <span class="unit">{escape(unit)}</span>'
+        f'<span class="legend">{legend}</span></figcaption>'
+        f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" data-points="{drawn}" '
+        f'data-x0="{x0!r}" data-x1="{x1!r}" data-y0="{y0!r}" data-y1="{y1!r}" '
+        f'data-left="{LEFT}" data-right="{WIDTH - RIGHT}" data-top="{TOP}" '
+        f'data-bottom="{TOP + ph}" role="img" aria-label="{escape(title)}">'
+        + "".join(parts)
+        + f'<line class="cursor" x1="0" x2="0" y1="{TOP}" y2="{TOP + ph}" visibility="hidden"/>'
+        "</svg></figure>"
+    )

@@ -1,0 +1,163 @@
+"""Small text helpers shared by the report, ``record`` and ``watch``: sparklines, durations,
+and the plain-text and Markdown summary tables."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gpulens.report.summary import GpuSummary, RunSummary
+
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], width: int = 32, lo: float | None = None,
+              hi: float | None = None) -> str:
+    """Unicode block sparkline of the last ``width`` buckets of ``values`` (mean per bucket)."""
+    vals = [v for v in values if math.isfinite(v)]
+    if not vals:
+        return ""
+    if len(vals) > width:
+        size = len(vals) / width
+        vals = [
+            sum(chunk) / len(chunk)
+            for b in range(width)
+            if (chunk := vals[int(b * size) : int((b + 1) * size)])
+        ]
+    a = min(vals) if lo is None else lo
+    b = max(vals) if hi is None else hi
+    if b <= a:
+        return BARS[0] * len(vals)
+    n = len(BARS) - 1
+    return "".join(BARS[max(0, min(n, round((v - a) / (b - a) * n)))] for v in vals)
+
+
+def duration(seconds: float | None) -> str:
+    """``"2 h 05 min"``, ``"3 min 12 s"``, ``"4.2 s"``."""
+    if seconds is None:
+        return "n/a"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(round(seconds), 60)
+    if m < 60:
+        return f"{m} min {s:02d} s"
+    h, m = divmod(m, 60)
+    return f"{h} h {m:02d} min"
+
+
+def num(v: float | None, unit: str = "", digits: int = 1) -> str:
+    """``v`` with ``digits`` decimals and a unit, or ``"n/a"``."""
+    if v is None:
+        return "n/a"
+    return f"{v:.{digits}f}{(' ' + unit) if unit and unit != '%' else unit}"
+
+
+def activity_text(g: GpuSummary) -> str:
+    """``"91.2% / 99.0% SM active"``."""
+    if g.activity_metric is None:
+        return "n/a"
+    label = "SM active" if g.activity_metric == "sm_active_pct" else "util"
+    return f"{num(g.activity_mean_pct, '%')} / {num(g.activity_max_pct, '%')} {label}"
+
+
+def memory_text(g: GpuSummary) -> str:
+    if g.mem_peak_gb is None:
+        return "n/a"
+    total = f" / {g.mem_total_gb:.1f}" if g.mem_total_gb else ""
+    return f"{g.mem_peak_gb:.2f}{total} GB"
+
+
+def power_text(g: GpuSummary) -> str:
+    if g.power_mean_w is None:
+        return "n/a"
+    limit = f" (limit {g.power_limit_w:.0f})" if g.power_limit_w else ""
+    return f"{g.power_mean_w:.0f} / {num(g.power_max_w, digits=0)} W{limit}"
+
+
+def throttle_text(g: GpuSummary) -> str:
+    if g.throttle_pct is None:
+        return "n/a"
+    return f"{g.throttle_pct:.1f}% ({g.throttle_reasons()})"
+
+
+def energy_text(wh: float | None) -> str:
+    if wh is None:
+        return "n/a"
+    return f"{wh:.3f} Wh" if wh < 10 else f"{wh:.1f} Wh"
+
+
+def gpu_label(g: GpuSummary) -> str:
+    return f"{g.gpu} · {g.name}" if g.name else g.gpu
+
+
+HEADERS = ("GPU", "Activity mean / max", "Tensor active", "Peak memory", "Power mean / max",
+           "Max temp", "Energy", "Throttled (why)")
+
+
+def gpu_cells(g: GpuSummary) -> tuple[str, ...]:
+    """One table row per GPU, same order as :data:`HEADERS`."""
+    return (
+        gpu_label(g),
+        activity_text(g),
+        num(g.tensor_active_mean_pct, "%"),
+        memory_text(g),
+        power_text(g),
+        num(g.temp_max_c, "°C", 0),
+        energy_text(g.energy_wh),
+        throttle_text(g),
+    )
+
+
+def headline(s: RunSummary) -> list[str]:
+    """Run-level facts as ``"label: value"`` pieces."""
+    out = []
+    if s.steps is not None and s.first_step is not None:
+        out.append(f"steps: {s.steps} ({s.first_step} to {s.last_step})")
+    out.append(f"duration: {duration(s.duration_s)}")
+    out.append(f"GPUs: {len(s.gpus)}")
+    if s.energy_wh is not None:
+        out.append(f"energy: {energy_text(s.energy_wh)}")
+    if s.power_mean_w is not None:
+        out.append(f"mean power: {s.power_mean_w:.0f} W")
+    if s.energy_per_step_j is not None:
+        out.append(f"energy/step: {s.energy_per_step_j:.1f} J")
+    if s.loss_first is not None and s.loss_last is not None:
+        out.append(f"loss: {s.loss_first:.4g} → {s.loss_last:.4g} (min {s.loss_min:.4g})")
+    e = s.efficiency
+    if e is not None:
+        out.append(f"work: {e.work:g} {e.unit}")
+        if e.per_joule is not None:
+            out.append(f"{e.unit}/J: {e.per_joule:.4g}")
+        if e.per_second_per_watt is not None:
+            out.append(f"{e.unit}/s per W: {e.per_second_per_watt:.4g}")
+    return out
+
+
+def render_text(s: RunSummary, title: str = "gpulens summary") -> str:
+    """Plain-text summary for a terminal: headline, then an aligned table per GPU."""
+    rows = [HEADERS, *(gpu_cells(g) for g in s.gpus)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADERS))]
+    lines = [title, "  " + " · ".join(headline(s))]
+    for r in rows:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if not s.gpus:
+        lines.append("  (no GPU metrics in the rows)")
+    return "\n".join(lines) + "\n"
+
+
+def _md(cell: str) -> str:
+    return cell.replace("|", "\\|")
+
+
+def render_markdown_summary(s: RunSummary, title: str = "gpulens summary") -> str:
+    """Markdown: a heading, the headline, the per-GPU table."""
+    lines = [f"### {title}", "", " · ".join(f"**{h}**" if i == 0 else h
+                                           for i, h in enumerate(headline(s))), ""]
+    if s.gpus:
+        lines.append("| " + " | ".join(HEADERS) + " |")
+        lines.append("|" + "---|" * len(HEADERS))
+        for g in s.gpus:
+            lines.append("| " + " | ".join(_md(c) for c in gpu_cells(g)) + " |")
+    else:
+        lines.append("_No GPU metrics in the rows._")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,223 @@
+"""``gpulens report``: reading JSONL back, the summary numbers, HTML checked in headless Chromium,
+Markdown, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpulens.cli import main
+from gpulens.report import load_jsonl, render_html, render_markdown, summarize
+
+T0 = 1_700_000_000.0
+
+
+def write_rows(path: Path, steps: int = 120, gpus: int = 2, gpm: bool = True,
+               junk: bool = True) -> Path:
+    """A hand-made record: 0.5 s windows, known power/energy, a loss curve, some junk lines."""
+    with path.open("w") as f:
+        for s in range(1, steps + 1):
+            row: dict[str, float | int] = {
+                "step": s, "time": T0 + s * 0.5, "train/global_step": s,
+                "train/loss": 3 * math.exp(-s / 40) + 0.3,
+                "train/learning_rate": 1e-4 * (1 - s / (steps + 10)),
+                "train/grad_norm": 1 + (s % 7) / 7, "perf/step_time_s": 0.5, "perf/steps": 1,
+            }
+            for g in range(gpus):
+                p = f"gpu/{g}/"
+                row.update({
+                    p + "util_pct": 95.0 - 10 * g, p + "mem_used_gb": 10.0 + s / 100 + g,
+                    p + "mem_used_gb_max": 10.5 + s / 100 + g, p + "mem_pct": 25.0,
+                    p + "power_w": 300.0 + 100 * g, p + "power_w_max": 350.0 + 100 * g,
+                    p + "power_limit_w": 700.0, p + "energy_j": (300.0 + 100 * g) * 0.5,
+                    p + "temp_c": 50.0 + s / 10, p + "temp_c_max": 51.0 + s / 10,
+                    p + "sm_clock_mhz": 1980.0,
+                    p + "throttle_pct": 50.0 if s > steps // 2 else 0.0,
+                    p + "throttle_power_pct": 50.0 if s > steps // 2 else 0.0,
+                    p + "throttle_thermal_pct": 0.0,
+                })
+                if gpm:
+                    row[p + "sm_active_pct"] = 80.0 - 10 * g
+                    row[p + "tensor_active_pct"] = 60.0 - 10 * g
+            f.write(json.dumps(row) + "\n")
+            if junk and s == 10:
+                f.write('{"step": 11, "time": \n')  # a torn line
+                f.write("[1, 2, 3]\n")
+                f.write('{"step": "x", "time": 1}\n')
+    return path
+
+
+def test_load_skips_malformed_lines(tmp_path: Path) -> None:
+    record = load_jsonl(write_rows(tmp_path / "run.jsonl"))
+    assert len(record.rows) == 120
+    assert record.skipped == 3
+    assert [r.step for r in record.rows[:3]] == [1, 2, 3]
+
+
+def test_summary_numbers(tmp_path: Path) -> None:
+    s = summarize(load_jsonl(write_rows(tmp_path / "run.jsonl")))
+    assert s.rows == 120 and s.steps == 120
+    assert s.first_step == 1 and s.last_step == 120
+    assert s.duration_s == pytest.approx(60.0)  # 120 windows of 0.5 s
+    g0, g1 = s.gpus
+    assert g0.activity_metric == "sm_active_pct"
+    assert g0.activity_mean_pct == pytest.approx(80.0)
+    assert g1.tensor_active_mean_pct == pytest.approx(50.0)
+    assert g0.util_mean_pct == pytest.approx(95.0)
+    assert g0.mem_peak_gb == pytest.approx(10.5 + 1.2)
+    assert g0.mem_total_gb == pytest.approx((10.01) / 0.25)
+    assert g1.power_mean_w == pytest.approx(400.0) and g1.power_max_w == pytest.approx(450.0)
+    assert g0.temp_max_c == pytest.approx(51.0 + 12.0)
+    assert g0.energy_wh == pytest.approx(300 * 60 / 3600)
+    assert g0.energy_source == "counter"
+    assert s.energy_wh == pytest.approx(700 * 60 / 3600)
+    assert s.energy_per_step_j == pytest.approx(350.0)
+    assert g0.throttle_pct == pytest.approx(25.0)
+    assert g0.throttled_power_s == pytest.approx(15.0)
+    assert g0.throttle_reasons() == "power cap 15.0 s"
+    assert s.loss_first == pytest.approx(3 * math.exp(-1 / 40) + 0.3)
+
+
+def test_summary_without_gpm_or_energy_uses_util_and_power(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "run.jsonl", gpm=False, junk=False)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    for row in lines:
+        for k in [k for k in row if k.endswith("/energy_j")]:
+            del row[k]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    s = summarize(load_jsonl(path))
+    assert s.gpus[0].activity_metric == "util_pct"
+    assert s.gpus[0].activity_mean_pct == pytest.approx(95.0)
+    assert s.gpus[0].tensor_active_mean_pct is None
+    assert s.gpus[0].energy_source == "power x time"
+    assert s.gpus[0].energy_wh == pytest.approx(300 * 60 / 3600)
+
+
+def test_markdown(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "run.jsonl")
+    out = tmp_path / "r.md"
+    assert main(["report", str(path), "-o", str(tmp_path / "r.html"), "--markdown", str(out)]) == 0
+    md = out.read_text()
+    assert md.startswith("### gpulens report: run.jsonl")
+    assert "| GPU | Activity mean / max |" in md
+    assert "| 0 | 80.0% / 80.0% SM active | 60.0% |" in md
+    assert "power cap 15.0 s" in md
+    assert "energy: 11.7 Wh" in md
+    assert "3 malformed line(s) skipped" in md
+    assert re.search(r"\| loss \| `[▁-█]+` \|", md)
+
+
+def test_markdown_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_rows(tmp_path / "run.jsonl", junk=False)
+    assert main(["report", str(path), "--markdown"]) == 0
+    assert "| GPU |" in capsys.readouterr().out
+    assert (tmp_path / "run.html").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["report", "/nonexistent/run.jsonl"], "no such file: /nonexistent/run.jsonl"),
+        (["report", "/"], "is a directory"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "gpulens.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr
+
+
+def test_unreadable_and_empty_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("garbage\n")
+    assert main(["report", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert "skipped 1 malformed line(s)" in err and "no rows in" in err
+    if os.geteuid() != 0:  # root reads anything
+        locked = write_rows(tmp_path / "locked.jsonl")
+        locked.chmod(0)
+        assert main(["report", str(locked)]) == 2
+        assert "cannot read" in capsys.readouterr().err
+    assert main(["report", str(write_rows(tmp_path / "ok.jsonl")), "-o",
+                 str(tmp_path / "missing-dir" / "r.html")]) == 2
+    assert "cannot write HTML report" in capsys.readouterr().err
+
+
+def _chromium() -> str:
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is missing in CI (apt-get install -y chromium)")
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    return exe
+
+
+def _chromium_args(tmp_path: Path) -> list[str]:
+    return [
+        _chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ]
+
+
+def check_page_in_chromium(html: Path, tmp_path: Path, min_charts: int) -> str:
+    """Dump the DOM after scripts ran and take a screenshot; returns the DOM."""
+    proc = subprocess.run(
+        [*_chromium_args(tmp_path), "--enable-logging=stderr", "--v=0", "--dump-dom",
+         html.as_uri()], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = proc.stdout
+    assert 'data-js="ok"' in dom, "the page's script did not run to its end"
+    assert re.search(r'<div id="js-errors" hidden=""></div>', dom), "the page logged JS errors"
+    assert "Uncaught" not in proc.stderr
+    assert "net::ERR" not in proc.stderr, "the page tried to fetch something"
+    counts = [int(n) for n in re.findall(r'<svg class="chart"[^>]*data-points="(\d+)"', dom)]
+    assert len(counts) >= min_charts
+    assert all(c > 0 for c in counts), counts
+    shot = tmp_path / "shot.png"
+    proc = subprocess.run(
+        [*_chromium_args(tmp_path), f"--screenshot={shot}", "--window-size=1280,2200",
+         html.as_uri()], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000
+    return dom
+
+
+def test_html_in_chromium(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "run.jsonl")
+    out = tmp_path / "report.html"
+    assert main(["report", str(path), "-o", str(out)]) == 0
+    html = out.read_text()
+    assert "http://" not in html and "https://" not in html  # nothing to fetch
+    dom = check_page_in_chromium(out, tmp_path, min_charts=9)
+    for chart in ("chart-loss", "chart-lr", "chart-grad-norm", "chart-activity", "chart-memory",
+                  "chart-power", "chart-temp", "chart-throttle"):
+        assert f'id="{chart}"' in dom
+    # 120 points per line: loss 1, activity 2 GPUs x (SM + tensor), power 2 x (power + limit)
+    assert re.search(r'id="chart-loss".*?data-points="120"', dom)
+    assert re.search(r'id="chart-activity".*?data-points="480"', dom)
+    assert dom.count('<tr data-gpu="') == 2
+
+
+def test_long_run_is_downsampled_and_stays_small(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "run.jsonl", steps=20_000, gpus=1, junk=False)
+    record = load_jsonl(path)
+    html = render_html(record, summarize(record))
+    assert len(html) < 400_000
+    counts = [int(n) for n in re.findall(r'data-points="(\d+)"', html)]
+    assert counts and max(counts) <= 2 * 800
+    assert "GPU 0" in render_markdown(record, summarize(record))
