@@ -1,0 +1,338 @@
+"""``Monitor``: the public face of the core (sources -> sampler -> window -> step logger -> sinks).
+
+::
+
+    import gpulens
+    with gpulens.Monitor(interval=0.5, sinks=["wandb", "jsonl:runs/gpu.jsonl"]) as mon:
+        for step, batch in enumerate(loader, start=1):
+            loss, lr, gn = train_step(batch)
+            mon.log(step, loss=loss, learning_rate=lr, grad_norm=gn)
+
+Each ``log`` call ends a window and writes one row (see :mod:`gpulens.schema` for its keys).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from gpulens._warn import logger, warn_once
+from gpulens.errors import NvmlUnavailable
+from gpulens.sampler import GpuState, Mark, Sampler
+from gpulens.schema import train_key
+from gpulens.sinks import resolve_sink
+from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sources.host import HostReader
+from gpulens.sources.nvml import NvmlSource
+from gpulens.sources.torch_alloc import TorchAllocator
+from gpulens.steplogger import SinkStats, StepLogger
+
+BACKENDS = ("auto", "nvml", "simulated")
+
+
+def _env_backend() -> Any:
+    name = os.environ.get("GPULENS_BACKEND", "").strip().lower()
+    if not name:
+        return None
+    if name not in BACKENDS:
+        raise ValueError(f"GPULENS_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def _simulated_from_env() -> Any:
+    from gpulens.testing.simulated import SimulatedNVML
+
+    raw = os.environ.get("GPULENS_SIMULATED_GPUS", "2")
+    try:
+        count = int(raw)
+    except ValueError:
+        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
+    if count < 1:
+        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be at least 1")
+    return SimulatedNVML(gpus=count)
+
+
+def distributed_env() -> tuple[int, int, int] | None:
+    """(global rank, local rank, world size) from torchrun's variables, or None if single."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world
+    except (KeyError, ValueError):
+        return None
+
+
+class Monitor:
+    """Samples this process's GPUs and writes one row per :meth:`log` call to the sinks.
+
+    Args:
+        gpus: CUDA device numbers to watch, as this process numbers them (after
+            ``CUDA_VISIBLE_DEVICES``).  ``None``: every GPU this process can see, or in a
+            distributed job (``WORLD_SIZE`` > 1) only this rank's GPU (``LOCAL_RANK``).
+        interval: seconds between cheap samples (utilization, memory, power, temperature,
+            clocks); must be > 0.  Energy and the driver's buffered samples are read every
+            ``max(1 s, interval)``, GPM every ``max(0.1 s, interval)``.
+        sinks: names (``"wandb"``, ``"mlflow"``, ``"jsonl:PATH"``, ``"prometheus:PORT"``) or
+            objects with ``open``/``write``/``close``.
+        backend: ``"nvml"``, ``"simulated"``, ``"auto"``/``None`` (NVML if a driver answers),
+            or an NVML-like object such as :class:`gpulens.testing.SimulatedNVML`.  The
+            environment variable ``GPULENS_BACKEND`` (with ``GPULENS_SIMULATED_GPUS=N``) picks
+            one when the argument is ``None``.
+        buffer_rows: rows each sink may fall behind before the oldest are dropped (counted).
+        distributed: gather the ranks' rows on rank 0 (``None``: when torch.distributed is
+            initialised with more than one rank).  Then every rank must call :meth:`log` for
+            the same steps: it is a collective.
+
+    Rows are finished by the sampler thread a little after ``log()`` (once the data covering
+    the window has been read, at most about ``max(1 s, interval) + 0.2 s``); ``stop()``
+    writes all of them.
+    """
+
+    def __init__(
+        self,
+        gpus: Sequence[int] | None = None,
+        interval: float = 0.5,
+        sinks: Iterable[str | Sink] = (),
+        backend: Any = None,
+        *,
+        buffer_rows: int = 10_000,
+        distributed: bool | None = None,
+    ) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+            raise ValueError(f"interval must be a number of seconds, got {interval!r}")
+        if not math.isfinite(interval) or interval <= 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+        if gpus is not None:
+            gpus = list(gpus)
+            for g in gpus:
+                if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+                    raise ValueError(f"gpus must be CUDA device numbers >= 0, got {g!r}")
+        if isinstance(sinks, (str, bytes)):
+            sinks = [sinks]
+        if buffer_rows < 1:
+            raise ValueError(f"buffer_rows must be >= 1, got {buffer_rows!r}")
+        self.interval = float(interval)
+        self.gpus = gpus
+        self.sinks: list[Sink] = [resolve_sink(s) for s in sinks]
+        if isinstance(backend, str):
+            if backend.lower() not in BACKENDS:
+                raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)} "
+                                 "or an NVML-like object")
+            backend = backend.lower()
+        self._backend_arg = backend
+        self._buffer_rows = buffer_rows
+        self._distributed_arg = distributed
+        self.context: RunContext | None = None
+        self.sink_stats: dict[str, SinkStats] = {}
+        self._source: NvmlSource | None = None
+        self._sampler: Sampler | None = None
+        self._steplogger: StepLogger | None = None
+        self._gather: Any = None
+        self._started = False
+        self._lock = threading.Lock()
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> Monitor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        return self._started
+
+    def _open_source(self) -> NvmlSource | None:
+        backend = self._backend_arg
+        if backend is None:
+            backend = _env_backend() or "auto"
+        if backend == "simulated":
+            source = NvmlSource(_simulated_from_env())
+        elif isinstance(backend, str):
+            source = NvmlSource()
+        else:
+            source = NvmlSource(backend)
+        try:
+            source.open()
+        except NvmlUnavailable as exc:
+            if backend == "nvml":
+                raise ValueError(f"backend='nvml' was asked for, but {exc}") from exc
+            warn_once("no-nvml", "gpulens: %s; logging host and training metrics only "
+                      "(set GPULENS_BACKEND=simulated for simulated GPUs)", exc)
+            return None
+        return source
+
+    def _choose_gpus(self, source: NvmlSource) -> list[tuple[int, int, int | None]]:
+        """(row key, NVML index, torch index) for each GPU to watch."""
+        visible = source.visible_nvml_indices()
+        dist = distributed_env()
+        if self.gpus is None:
+            if dist is not None:
+                rank, local_rank, _ = dist
+                if not visible:
+                    return []
+                ordinal = local_rank % len(visible)
+                return [(rank, visible[ordinal], ordinal)]
+            return [(i, n, i) for i, n in enumerate(visible)]
+        out: list[tuple[int, int, int | None]] = []
+        for g in self.gpus:
+            if g >= len(visible):
+                raise ValueError(
+                    f"GPU {g} does not exist: this process sees {len(visible)} GPU(s)"
+                    + (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})"
+                       if "CUDA_VISIBLE_DEVICES" in os.environ else "")
+                )
+            key = dist[0] if dist is not None and len(self.gpus) == 1 else g
+            out.append((key, visible[g], g))
+        return out
+
+    def start(self) -> Monitor:
+        """Open NVML, the sinks and the threads; take the first sample.  Idempotent."""
+        with self._lock:
+            if self._started:
+                return self
+            source = self._open_source()
+            states: list[GpuState] = []
+            try:
+                if source is not None:
+                    for key, nvml_index, torch_index in self._choose_gpus(source):
+                        device = source.device(nvml_index)
+                        states.append(GpuState(key=key, device=device, info=device.info(key),
+                                               torch_index=torch_index))
+                self.context = RunContext(
+                    gpus=tuple(s.info for s in states),
+                    hostname=socket.gethostname(),
+                    backend=source.name if source is not None else "none",
+                    interval=self.interval,
+                )
+                self._gather = self._make_gather()
+                is_writer = self._gather is None or self._gather.is_writer
+                steplogger = StepLogger(self.sinks if is_writer else [],
+                                        buffer_rows=self._buffer_rows)
+                steplogger.open(self.context)
+            except BaseException:
+                if source is not None:
+                    source.close()
+                raise
+            self._source, self._steplogger = source, steplogger
+            emit = steplogger.submit if self._gather is None else self._gather.local_row
+            self._sampler = Sampler(
+                states,
+                interval=self.interval,
+                slow_interval=max(1.0, self.interval),
+                emit=emit,
+                host=HostReader(),
+                torch_alloc=TorchAllocator(),
+            )
+            self._sampler.start()
+            self._started = True
+            self._finalizer = weakref.finalize(self, _stop_quietly, self._sampler, steplogger,
+                                               source)
+            logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s",
+                        len(states), self.context.backend, self.interval)
+            return self
+
+    def _make_gather(self) -> Any:
+        if self._distributed_arg is False:
+            return None
+        from gpulens.distributed import RankGather, torch_distributed_ready
+
+        if not torch_distributed_ready():
+            if self._distributed_arg:
+                raise ValueError("distributed=True, but torch.distributed is not initialised "
+                                 "with more than one rank")
+            return None
+        assert self.context is not None
+        return RankGather(self.context, submit=lambda row: self._submit(row))
+
+    def _submit(self, row: Row) -> None:
+        if self._steplogger is not None:
+            self._steplogger.submit(row)
+
+    def log(self, step: int, **scalars: Any) -> None:
+        """End the current window at training step ``step`` and write one row.
+
+        ``scalars`` (loss, learning_rate, grad_norm, ...) go into the same row; a name without
+        ``/`` is written as ``train/<name>``.  Pass Python numbers; a tensor is converted in
+        the background (never synchronised on this thread).  Never blocks on a network.  In a
+        distributed job this is a collective: every rank must call it for the same steps.
+        """
+        if not self._started:
+            raise RuntimeError("Monitor.log() before start(); use `with Monitor(...)` or start()")
+        sampler = self._sampler
+        assert sampler is not None
+        mark = Mark(int(step), time.monotonic(), time.time(),
+                    {train_key(k): v for k, v in scalars.items()})
+        sampler.marks.append(mark)
+        if self._gather is not None:
+            self._gather.exchange(sampler)
+        if self._steplogger is not None:
+            self._steplogger.drain_training_thread()
+
+    def stop(self, timeout: float = 10.0) -> dict[str, SinkStats]:
+        """Close the last windows, flush every sink (within ``timeout`` s) and stop.  Idempotent.
+
+        Returns, per sink, how many rows were written and dropped.
+        """
+        with self._lock:
+            if not self._started:
+                return self.sink_stats
+            self._started = False
+            assert self._sampler is not None and self._steplogger is not None
+            self._sampler.stop()
+            if self._gather is not None:
+                try:
+                    self._gather.flush(self._sampler)
+                except Exception as exc:
+                    logger.warning("gpulens: gathering the last rows failed: %r", exc)
+            self.sink_stats = self._steplogger.close(timeout)
+            for state in self._sampler.gpus:
+                state.device.close()
+            if self._source is not None:
+                self._source.close()
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            return self.sink_stats
+
+    # -- live view ---------------------------------------------------------------------------
+    def latest(self) -> dict[str, float]:
+        """The newest sample of each GPU metric, keyed like rows (for live views).
+
+        GPM and buffered figures come from the last completed read.
+        """
+        out: dict[str, float] = {}
+        sampler = self._sampler
+        if sampler is None:
+            return out
+        names = {"util_fast": "util_pct", "power_fast": "power_w"}
+        for gpu in sampler.gpus:
+            for key, series in gpu.series.items():
+                if series.v:
+                    out[f"gpu/{gpu.key}/{names.get(key, key)}"] = series.v[-1]
+            if gpu.gpm.spans:
+                for key, value in gpu.gpm.spans[-1][2].items():
+                    out[f"gpu/{gpu.key}/{key}"] = value
+        for key, series in sampler.host_series.items():
+            if series.v:
+                out[f"host/{key}"] = series.v[-1]
+        return out
+
+
+def _stop_quietly(sampler: Sampler, steplogger: StepLogger, source: NvmlSource | None) -> None:
+    """Last-resort cleanup when a Monitor is garbage-collected or the process exits."""
+    try:
+        sampler.stop(timeout=2.0)
+        steplogger.close(timeout=2.0)
+        if source is not None:
+            source.close()
+    except Exception:
+        pass

@@ -1,0 +1,369 @@
+"""The sampler thread: reads the sources on their cadences and closes step windows.
+
+One thread per :meth:`Sampler.start` (so stop-then-start works).  It
+
+* every ``interval`` seconds reads the cheap NVML values of each GPU, the host (psutil) and,
+  where this process uses CUDA through torch, the caching allocator (no device sync);
+* every ``slow_interval`` seconds reads the energy counter and the driver's buffered power and
+  utilization samples (the buffers hold ~2.4 s of power and ~14 s of utilization, so a read a
+  second loses nothing);
+* every ``gpm_interval`` seconds takes a GPM sample (Hopper and newer);
+* after each pass turns every step mark whose window is covered by data into a
+  :class:`~gpulens.sinks.base.Row` and hands it to ``emit``.
+
+The training thread only appends marks to a deque.  NVML's calls go through ctypes, which
+releases the GIL while the driver works.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpulens._warn import logger, warn_once
+from gpulens.errors import GpuLost
+from gpulens.schema import GPU_METRICS, gpu_key
+from gpulens.sinks.base import GpuInfo, Row
+from gpulens.sources.host import HostReader
+from gpulens.sources.nvml import (
+    POWER_REASONS,
+    POWER_SAMPLES,
+    THERMAL_REASONS,
+    THROTTLE_REASONS,
+    UTIL_SAMPLES,
+    NvmlDevice,
+)
+from gpulens.sources.torch_alloc import TorchAllocator
+from gpulens.window import IntervalSeries, Series, job_aggregates, window_energy_j
+
+_FAST_KEYS = (
+    "util_fast", "mem_used_gb", "mem_pct", "power_fast", "power_limit_w", "temp_c",
+    "sm_clock_mhz", "throttle_pct", "throttle_power_pct", "throttle_thermal_pct",
+    "torch_allocated_gb", "torch_peak_gb",
+)
+
+
+@dataclass
+class Mark:
+    """A ``log()`` call: the end of one window."""
+
+    step: int
+    t: float
+    """``time.monotonic()`` at the call."""
+    wall: float
+    """``time.time()`` at the call."""
+    scalars: dict[str, Any]
+
+
+@dataclass
+class GpuState:
+    """What the sampler keeps for one GPU."""
+
+    key: int
+    """The GPU's number in row keys."""
+    device: NvmlDevice
+    info: GpuInfo
+    torch_index: int | None
+    series: dict[str, Series] = field(default_factory=lambda: {k: Series() for k in _FAST_KEYS})
+    util_buf: Series = field(default_factory=Series)
+    power_buf: Series = field(default_factory=Series)
+    energy_mj: Series = field(default_factory=Series)
+    gpm: IntervalSeries = field(default_factory=IntervalSeries)
+    lost: bool = False
+
+    def trim_before(self, t: float) -> None:
+        for s in self.series.values():
+            s.trim_before(t)
+        self.util_buf.trim_before(t)
+        self.power_buf.trim_before(t)
+        self.energy_mj.trim_before(t)
+        self.gpm.trim_before(t)
+
+
+class Sampler:
+    """Reads GPUs and host on cadences and turns step marks into rows (see module doc)."""
+
+    def __init__(
+        self,
+        gpus: Sequence[GpuState],
+        *,
+        interval: float,
+        emit: Callable[[Row], None],
+        slow_interval: float = 1.0,
+        gpm_interval: float | None = None,
+        host: HostReader | None = None,
+        torch_alloc: TorchAllocator | None = None,
+    ) -> None:
+        self.gpus = list(gpus)
+        self.interval = interval
+        self.slow_interval = max(slow_interval, interval)
+        self.gpm_interval = max(gpm_interval or interval, 0.1)
+        self.emit = emit
+        self.host = host
+        self.torch_alloc = torch_alloc
+        self.marks: deque[Mark] = deque()
+        self.host_series: dict[str, Series] = {"cpu_pct": Series(), "ram_used_gb": Series()}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._window_start = 0.0
+        self._prev_step: int | None = None
+        self._last_fast = -math.inf
+        self._last_slow = -math.inf
+        self._unix_offset = time.time() - time.monotonic()
+        self.failed: BaseException | None = None
+        self.passes = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> float:
+        """Take the first reading on this thread, then start the loop.  Returns window start."""
+        self._stop.clear()
+        now = time.monotonic()
+        self._read_fast(now)
+        self._read_slow(now)
+        self._read_gpm(now)
+        self._window_start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="gpulens-sampler", daemon=True)
+        self._thread.start()
+        return self._window_start
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Take a last reading, close every pending window, and end the thread."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                warn_once("sampler-stuck", "gpulens: the sampler thread did not stop in %.0f s",
+                          timeout)
+            self._thread = None
+
+    def wake(self) -> None:
+        """Ask the loop to look at the marks now (used at stop and by distributed gathers)."""
+        self._wake.set()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        next_fast = time.monotonic() + self.interval
+        next_slow = time.monotonic() + self.slow_interval
+        next_gpm = time.monotonic() + self.gpm_interval
+        while True:
+            timeout = max(0.0, min(next_fast, next_slow, next_gpm) - time.monotonic())
+            self._wake.wait(timeout)
+            self._wake.clear()
+            stopping = self._stop.is_set()
+            try:
+                now = time.monotonic()
+                if now >= next_fast or stopping:
+                    self._read_fast(now)
+                    next_fast = max(next_fast + self.interval, now + self.interval / 2)
+                if now >= next_gpm or stopping:
+                    self._read_gpm(now)
+                    next_gpm = max(next_gpm + self.gpm_interval, now + self.gpm_interval / 2)
+                if now >= next_slow or stopping:
+                    self._read_slow(now)
+                    next_slow = max(next_slow + self.slow_interval, now + self.slow_interval / 2)
+                self._close_windows(final=stopping)
+                self.passes += 1
+            except Exception as exc:  # never let monitoring stop training
+                self.failed = exc
+                logger.warning("gpulens: sampler failed (%r); GPU metrics stop, training goes on",
+                               exc, exc_info=True)
+                if stopping:
+                    return
+                self._stop.wait(1.0)
+            if stopping:
+                return
+
+    # -- reads -------------------------------------------------------------------------------
+    def _lose(self, gpu: GpuState, exc: GpuLost) -> None:
+        gpu.lost = True
+        logger.warning("gpulens: %s; its metrics stop (a gap), training goes on", exc)
+
+    def _read_fast(self, now: float) -> None:
+        for gpu in self.gpus:
+            if gpu.lost:
+                continue
+            try:
+                r = gpu.device.read_fast()
+            except GpuLost as exc:
+                self._lose(gpu, exc)
+                continue
+            t = time.monotonic()
+            s = gpu.series
+            for key, value in (
+                ("util_fast", r.util_pct), ("mem_used_gb", r.mem_used_gb), ("mem_pct", r.mem_pct),
+                ("power_fast", r.power_w), ("power_limit_w", r.power_limit_w),
+                ("temp_c", r.temp_c), ("sm_clock_mhz", r.sm_clock_mhz),
+            ):
+                if value is not None:
+                    s[key].add(t, value)
+            if r.reasons is not None:
+                s["throttle_pct"].add(t, 100.0 if r.reasons & THROTTLE_REASONS else 0.0)
+                s["throttle_power_pct"].add(t, 100.0 if r.reasons & POWER_REASONS else 0.0)
+                s["throttle_thermal_pct"].add(t, 100.0 if r.reasons & THERMAL_REASONS else 0.0)
+            if self.torch_alloc is not None and gpu.torch_index is not None:
+                mem = self.torch_alloc.read(gpu.torch_index)
+                if mem is not None:
+                    s["torch_allocated_gb"].add(t, mem[0])
+                    s["torch_peak_gb"].add(t, mem[1])
+        self._last_fast = time.monotonic()
+        if self.host is not None:
+            t = time.monotonic()
+            for key, value in self.host.read().items():
+                self.host_series[key].add(t, value)
+
+    def _read_slow(self, now: float) -> None:
+        offset = self._unix_offset = time.time() - time.monotonic()
+        for gpu in self.gpus:
+            if gpu.lost:
+                continue
+            try:
+                energy = gpu.device.read_energy_mj()
+                t = time.monotonic()
+                if energy is not None:
+                    gpu.energy_mj.add(t, energy)
+                for kind, series in ((POWER_SAMPLES, gpu.power_buf), (UTIL_SAMPLES, gpu.util_buf)):
+                    series.extend([(ts - offset, v) for ts, v in gpu.device.read_samples(kind)])
+            except GpuLost as exc:
+                self._lose(gpu, exc)
+        self._last_slow = time.monotonic()
+
+    def _read_gpm(self, now: float) -> None:
+        for gpu in self.gpus:
+            if gpu.lost:
+                continue
+            try:
+                got = gpu.device.read_gpm()
+            except GpuLost as exc:
+                self._lose(gpu, exc)
+                continue
+            if got is not None:
+                gpu.gpm.add(*got)
+
+    # -- windows -----------------------------------------------------------------------------
+    def _ready(self, mark: Mark, now: float) -> bool:
+        if self._last_fast < mark.t:
+            return False
+        # The driver's buffers lag the read a little (utilization every ~1/6 s): wait for a
+        # slow read a bit past the mark, but never longer than max_lag.
+        if self._last_slow >= mark.t + 0.2:
+            return True
+        return now - mark.t > self.slow_interval + 2 * self.interval + 0.5
+
+    def _close_windows(self, final: bool) -> None:
+        now = time.monotonic()
+        while self.marks:
+            mark = self.marks[0]
+            if not final and not self._ready(mark, now):
+                break
+            self.marks.popleft()
+            row = self._row(mark)
+            try:
+                self.emit(row)
+            except Exception as exc:  # a sink problem is the step logger's to count
+                warn_once("emit", "gpulens: could not hand a row on: %r", exc)
+        horizon = self.marks[0].t if self.marks else self._window_start
+        horizon -= 2 * self.slow_interval + 1.0
+        for gpu in self.gpus:
+            gpu.trim_before(horizon)
+        for s in self.host_series.values():
+            s.trim_before(horizon)
+
+    def gpu_window(self, gpu: GpuState, t0: float, t1: float) -> dict[str, float]:
+        """The figures of one GPU over ``[t0, t1)``, keyed by schema suffix."""
+        stale = 2 * self.interval + 0.5
+        slack = 0.25
+        out: dict[str, float] = {}
+        s = gpu.series
+        count = 0
+        for metric in GPU_METRICS:
+            key = metric.key
+            if key == "util_pct":
+                series = gpu.util_buf if gpu.util_buf.covers(t0, t1, slack) else s["util_fast"]
+            elif key == "power_w":
+                series = gpu.power_buf if gpu.power_buf.covers(t0, t1, slack) else s["power_fast"]
+            elif key in s:
+                series = s[key]
+            else:
+                continue
+            st = series.stat(t0, t1, stale)
+            if st is None:
+                continue
+            if metric.agg.value == "last":
+                out[key] = st.last
+            else:
+                out[key] = st.mean
+            if metric.with_max:
+                out[key + "_max"] = st.max
+            if key == "mem_used_gb":
+                count = st.inside
+        power = gpu.power_buf if gpu.power_buf.covers(t0, t1, slack) else s["power_fast"]
+        if not gpu.lost or (power.last_time or -math.inf) >= t1:
+            energy = window_energy_j(gpu.energy_mj, power if power.t else None, t0, t1)
+            if energy is not None:
+                out["energy_j"] = energy
+        out.update(gpu.gpm.means(t0, t1))
+        if out:
+            out["samples"] = float(count)
+        return out
+
+    def _row(self, mark: Mark) -> Row:
+        t0, t1 = self._window_start, mark.t
+        self._window_start = t1
+        steps = 1 if self._prev_step is None else max(1, mark.step - self._prev_step)
+        self._prev_step = mark.step
+        values: dict[str, float] = {}
+        energy_total = 0.0
+        have_energy = False
+        per_gpu: list[dict[str, float]] = []
+        for gpu in self.gpus:
+            figures = self.gpu_window(gpu, t0, t1)
+            for suffix, value in figures.items():
+                values[gpu_key(gpu.key, suffix)] = value
+            if figures:
+                per_gpu.append(figures)
+            if "energy_j" in figures:
+                energy_total += figures["energy_j"]
+                have_energy = True
+        values.update(job_aggregates(per_gpu))
+        stale = 2 * self.interval + 0.5
+        for key, series in self.host_series.items():
+            st = series.stat(t0, t1, stale)
+            if st is not None:
+                values[f"host/{key}"] = st.mean
+        values["perf/steps"] = float(steps)
+        values["perf/step_time_s"] = (t1 - t0) / steps
+        if have_energy:
+            values["perf/energy_per_step_j"] = energy_total / steps
+        for name, value in mark.scalars.items():
+            number = _to_float(value)
+            if number is not None:
+                values[name] = number
+        values["train/global_step"] = float(mark.step)
+        return Row(step=mark.step, time=mark.wall, values=values)
+
+
+def _to_float(value: Any) -> float | None:
+    """A scalar as a float (tensors via ``.item()``, here in the sampler thread); else None."""
+    try:
+        if hasattr(value, "item"):
+            value = value.item()
+        number = float(value)
+    except (TypeError, ValueError):
+        warn_once(f"scalar:{type(value).__name__}",
+                  "gpulens: a logged value of type %s is not a number; left out",
+                  type(value).__name__)
+        return None
+    return number
+
+
+def torch_in_use() -> bool:
+    """Whether this process has imported torch (never imports it)."""
+    return "torch" in sys.modules

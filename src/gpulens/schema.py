@@ -1,0 +1,98 @@
+"""The one metric schema shared by every sink.
+
+A row is a flat ``dict[str, float | int]``.  Keys follow DESIGN.md:
+
+* ``gpu/{i}/{metric}`` for GPU ``i`` (unique across the whole job: the global rank in a
+  distributed job, the device index otherwise),
+* ``gpu/all/{metric}_mean|_min|_max`` job-level aggregates when more than one GPU is in the row,
+* ``host/{metric}`` for the host,
+* ``perf/{metric}`` for step anatomy,
+* ``train/{name}`` for the scalars the training loop passes to :meth:`gpulens.Monitor.log`,
+  with ``train/global_step`` as the shared x-axis.
+
+A metric the device cannot report is *absent* from the row, never 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Agg(Enum):
+    """How a window turns the samples of one metric into the logged value."""
+
+    MEAN = "mean"
+    """Time-weighted mean over the window (trapezoid integral / window length)."""
+    DELTA = "delta"
+    """Counter difference over the window (energy)."""
+    LAST = "last"
+    """The last value seen in the window (static limits, allocator peak)."""
+
+
+@dataclass(frozen=True)
+class GpuMetric:
+    """One per-GPU metric: its key suffix, unit, aggregation and Prometheus name."""
+
+    key: str
+    unit: str
+    agg: Agg
+    help: str
+    with_max: bool = False
+    """Also log ``{key}_max``, the largest sample in the window (where the peak matters)."""
+
+
+GPU_METRICS: tuple[GpuMetric, ...] = (
+    GpuMetric("util_pct", "percent", Agg.MEAN,
+              "NVML utilization: share of time any kernel ran (driver's buffered samples)"),
+    GpuMetric("sm_active_pct", "percent", Agg.MEAN,
+              "GPM: share of SM cycles with at least one warp resident (Hopper+)"),
+    GpuMetric("sm_occupancy_pct", "percent", Agg.MEAN,
+              "GPM: resident warps as a share of the maximum (Hopper+)"),
+    GpuMetric("tensor_active_pct", "percent", Agg.MEAN,
+              "GPM: share of cycles any tensor pipe was active (Hopper+)"),
+    GpuMetric("dram_bw_pct", "percent", Agg.MEAN,
+              "GPM: DRAM bandwidth used as a share of peak (Hopper+)"),
+    GpuMetric("mem_used_gb", "GB", Agg.MEAN, "device memory used (1 GB = 1e9 bytes)",
+              with_max=True),
+    GpuMetric("mem_pct", "percent", Agg.MEAN, "device memory used as a share of total"),
+    GpuMetric("power_w", "W", Agg.MEAN, "board power draw", with_max=True),
+    GpuMetric("power_limit_w", "W", Agg.LAST, "enforced power limit"),
+    GpuMetric("energy_j", "J", Agg.DELTA,
+              "energy used in the window: NVML's energy counter, power integral between reads"),
+    GpuMetric("temp_c", "Celsius", Agg.MEAN, "GPU core temperature", with_max=True),
+    GpuMetric("sm_clock_mhz", "MHz", Agg.MEAN, "SM clock"),
+    GpuMetric("throttle_pct", "percent", Agg.MEAN,
+              "share of the window with clocks held down (power cap, thermal, HW slowdown)"),
+    GpuMetric("throttle_power_pct", "percent", Agg.MEAN,
+              "share of the window with clocks held down by the power cap"),
+    GpuMetric("throttle_thermal_pct", "percent", Agg.MEAN,
+              "share of the window with clocks held down by temperature"),
+    GpuMetric("torch_allocated_gb", "GB", Agg.LAST,
+              "bytes held by this process's torch caching allocator for tensors"),
+    GpuMetric("torch_peak_gb", "GB", Agg.LAST,
+              "peak of torch_allocated_gb since the previous row"),
+)
+
+GPU_METRIC_BY_KEY: dict[str, GpuMetric] = {m.key: m for m in GPU_METRICS}
+
+GPU_ROW_KEYS: tuple[str, ...] = (
+    *(k for m in GPU_METRICS for k in ((m.key, m.key + "_max") if m.with_max else (m.key,))),
+    "samples",
+)
+"""Every suffix that can follow ``gpu/{i}/`` in a row, in a fixed order (also the layout of the
+fixed-size tensor that distributed jobs gather)."""
+
+HOST_KEYS: tuple[str, ...] = ("cpu_pct", "ram_used_gb")
+
+STEP_KEY = "train/global_step"
+
+
+def gpu_key(index: int | str, suffix: str) -> str:
+    """``gpu/{index}/{suffix}``."""
+    return f"gpu/{index}/{suffix}"
+
+
+def train_key(name: str) -> str:
+    """A scalar name without ``/`` becomes ``train/<name>``; names with ``/`` are kept."""
+    return name if "/" in name else f"train/{name}"

@@ -1,0 +1,43 @@
+"""Sinks: where rows go.  ``resolve_sink("jsonl:runs/gpu.jsonl")`` imports only what it needs.
+
+Names map to ``"module:Class"`` strings; each class has a ``from_spec(arg)`` classmethod taking
+the text after the first ``:`` (or ``None``).  Sink objects of the :class:`Sink` protocol are
+accepted as they are.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from gpulens.sinks.base import GpuInfo, Row, RunContext, Sink
+
+SINKS: dict[str, str] = {
+    "jsonl": "gpulens.sinks.jsonl:JsonlSink",
+    "wandb": "gpulens.sinks.wandb:WandbSink",
+    "mlflow": "gpulens.sinks.mlflow:MlflowSink",
+    "prometheus": "gpulens.sinks.prometheus:PrometheusSink",
+}
+
+__all__ = ["SINKS", "GpuInfo", "Row", "RunContext", "Sink", "resolve_sink"]
+
+
+def resolve_sink(spec: str | Sink) -> Sink:
+    """Turn ``"name"`` / ``"name:arg"`` or a sink object into a sink; ``ValueError`` if unknown."""
+    if not isinstance(spec, str):
+        if not isinstance(spec, Sink):
+            raise ValueError(
+                f"sink {spec!r} is neither a sink name nor an object with open/write/close"
+            )
+        return spec
+    name, _, arg = spec.partition(":")
+    target = SINKS.get(name.strip().lower())
+    if target is None:
+        known = ", ".join(f"'{n}'" for n in sorted(SINKS))
+        raise ValueError(
+            f"unknown sink {spec!r}; known sinks: {known} (e.g. 'jsonl:runs/gpu.jsonl')"
+        )
+    module_name, _, cls_name = target.partition(":")
+    cls: Any = getattr(importlib.import_module(module_name), cls_name)
+    sink: Sink = cls.from_spec(arg or None)
+    return sink

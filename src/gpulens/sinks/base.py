@@ -1,0 +1,64 @@
+"""The sink protocol: where finished rows go.
+
+A sink receives :class:`Row` objects, one per :meth:`gpulens.Monitor.log` call, in step order.
+Sinks run in the monitor's writer thread, except those whose ``on_training_thread`` attribute is
+true (W&B, whose ``wandb.log`` is not thread-safe): those are fed from the training thread the
+next time it calls ``log()`` or ``stop()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """Static facts about one monitored GPU."""
+
+    index: int
+    """The GPU's key in rows (``gpu/{index}/...``): global rank in distributed jobs."""
+    name: str
+    uuid: str
+    pci_bus_id: str
+    mem_total_gb: float | None = None
+    power_limit_w: float | None = None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a sink may want to know when it opens."""
+
+    gpus: tuple[GpuInfo, ...]
+    hostname: str
+    backend: str
+    """``"nvml"``, ``"simulated"`` or ``"none"`` (no driver: host and training metrics only)."""
+    interval: float
+    """Seconds between cheap samples."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One step-aligned record.
+
+    ``values`` uses the keys of :mod:`gpulens.schema`; ``train/global_step`` is always present.
+    """
+
+    step: int
+    time: float
+    """Unix time in seconds at the end of the window (when ``log()`` was called)."""
+    values: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Anything with ``open``, ``write`` and ``close`` can receive rows."""
+
+    def open(self, context: RunContext) -> None:
+        """Prepare to receive rows; raise ``ValueError`` for a user error (bad path, no run)."""
+
+    def write(self, row: Row) -> None:
+        """Write one row. May raise; the monitor counts, retries and reports failures."""
+
+    def close(self) -> None:
+        """Flush and release resources. Called once, also after failures."""

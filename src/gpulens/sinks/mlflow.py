@@ -1,0 +1,112 @@
+"""MLflow: rows as metrics with ``step=`` the training step, written by a background thread.
+
+MLflow's active run is thread-local, so the run is found at ``open()`` (on the thread that
+calls ``Monitor.start()``) and every write names its run id explicitly through
+``MlflowClient.log_batch``.  Keys are made valid for MLflow (letters, digits, ``_ - . / `` and
+space; anything else becomes ``_``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from typing import Any
+
+from gpulens.sinks.base import Row, RunContext
+
+_INVALID = re.compile(r"[^A-Za-z0-9_\-. /]")
+_BATCH = 1000  # MLflow's limit of metrics per log_batch call
+
+
+def mlflow_key(key: str) -> str:
+    """``key`` with characters MLflow rejects replaced by ``_``."""
+    return _INVALID.sub("_", key)
+
+
+def import_mlflow() -> Any:
+    try:
+        import mlflow
+    except ImportError as exc:
+        raise ImportError("the 'mlflow' sink needs mlflow: pip install 'gpulens[mlflow]'") from exc
+    return mlflow
+
+
+class MlflowSink:
+    """Logs rows to an MLflow run.
+
+    Args:
+        run_id: the run to log to.  Default: the run active at ``open()``, else a new run in
+            the experiment of ``MLFLOW_EXPERIMENT_NAME``/``MLFLOW_EXPERIMENT_ID`` (MLflow's
+            default experiment otherwise), ended at close.
+        tracking_uri: default: MLflow's own setting (``MLFLOW_TRACKING_URI``, ...).
+        include_train: also write the ``train/*`` scalars (off when the framework logs them).
+    """
+
+    def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None,
+                 include_train: bool = True) -> None:
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.include_train = include_train
+        self._client: Any = None
+        self._owned = False
+
+    @classmethod
+    def from_spec(cls, arg: str | None) -> MlflowSink:
+        return cls(run_id=arg or None)
+
+    def open(self, context: RunContext) -> None:
+        mlflow = import_mlflow()
+        from mlflow.tracking import MlflowClient
+
+        uri = self.tracking_uri or mlflow.get_tracking_uri()
+        self._client = MlflowClient(tracking_uri=uri)
+        if self.run_id is None:
+            active = mlflow.active_run()
+            if active is not None:
+                self.run_id = active.info.run_id
+            else:
+                run = self._client.create_run(self._experiment_id(), tags={
+                    "mlflow.source.name": "gpulens", "gpulens.host": context.hostname})
+                self.run_id = run.info.run_id
+                self._owned = True
+        if context.gpus:
+            params = {f"gpulens.gpu.{g.index}.name": g.name for g in context.gpus}
+            # a parameter logged before (a resumed run) is no reason to fail
+            with contextlib.suppress(Exception):
+                self._client.log_batch(self.run_id, params=[
+                    mlflow.entities.Param(k, v) for k, v in params.items()])
+
+    def _experiment_id(self) -> str:
+        exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
+        if exp_id:
+            return exp_id
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        if name:
+            exp = self._client.get_experiment_by_name(name)
+            return str(exp.experiment_id) if exp is not None else str(
+                self._client.create_experiment(name))
+        return "0"
+
+    def write(self, row: Row) -> None:
+        self.write_many([row])
+
+    def write_many(self, rows: list[Row]) -> None:
+        """One ``log_batch`` call per 1000 metrics (all rows or none are retried)."""
+        from mlflow.entities import Metric
+
+        metrics = []
+        for row in rows:
+            ms = int(row.time * 1000)
+            for key, value in row.values.items():
+                if not self.include_train and key.startswith("train/"):
+                    continue
+                metrics.append(Metric(mlflow_key(key), value, ms, row.step))
+        for i in range(0, len(metrics), _BATCH):
+            self._client.log_batch(self.run_id, metrics=metrics[i:i + _BATCH],
+                                   synchronous=True)
+
+    def close(self) -> None:
+        if self._owned and self._client is not None and self.run_id is not None:
+            self._client.set_terminated(self.run_id)
+        self._client = None

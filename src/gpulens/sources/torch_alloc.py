@@ -1,0 +1,39 @@
+"""The torch caching allocator's view of GPU memory, read without synchronizing the device.
+
+Read only when this process has already imported torch *and* initialised CUDA: gpulens never
+imports torch and never creates a CUDA context.  ``torch.cuda.memory_allocated`` and
+``max_memory_allocated`` read the allocator's counters on the host; no kernel, no sync.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+_GB = 1e9
+
+
+class TorchAllocator:
+    """``read(index)`` gives (allocated GB, peak GB) of torch device ``index``, or ``None``.
+
+    The peak is torch's ``max_memory_allocated``: since the process started or since the
+    training code last called ``torch.cuda.reset_peak_memory_stats`` (gpulens never resets it).
+    """
+
+    def _cuda(self) -> Any | None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        cuda = getattr(torch, "cuda", None)
+        if cuda is None or not cuda.is_initialized():
+            return None
+        return cuda
+
+    def read(self, index: int) -> tuple[float, float] | None:
+        cuda = self._cuda()
+        if cuda is None:
+            return None
+        try:
+            return cuda.memory_allocated(index) / _GB, cuda.max_memory_allocated(index) / _GB
+        except Exception:
+            return None
