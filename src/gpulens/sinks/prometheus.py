@@ -1,0 +1,327 @@
+"""Prometheus exporter sink: ``sinks=["prometheus:9400"]`` serves the latest row on
+``http://127.0.0.1:9400/metrics``.
+
+The sink keeps its own :class:`prometheus_client.CollectorRegistry` (never the global one), so
+several monitors, tests, or an application's own metrics do not collide.  It binds 127.0.0.1
+unless told otherwise (``"prometheus:0.0.0.0:9400"``); port 0 picks a free port, readable as
+``sink.port`` after ``open()``.
+
+Exposed series (labels ``gpu``, ``uuid``, ``name``, ``host`` on every GPU series; ``host`` on the
+others).  Gauges hold the mean over the latest row's window; the energy counter is the sum of the
+windows' counter differences since the sink opened.
+
+======================================================  ==========================================
+``gpulens_gpu_info``                                    1, with ``pci_bus_id`` too
+``gpulens_gpu_utilization_percent``                     NVML utilization
+``gpulens_gpu_sm_active_percent``                       GPM SM active (Hopper+)
+``gpulens_gpu_sm_occupancy_percent``                    GPM SM occupancy (Hopper+)
+``gpulens_gpu_tensor_active_percent``                   GPM tensor pipes active (Hopper+)
+``gpulens_gpu_dram_bandwidth_percent``                  GPM DRAM bandwidth (Hopper+)
+``gpulens_gpu_memory_used_bytes`` / ``_max_bytes``      device memory used (mean / peak)
+``gpulens_gpu_memory_total_bytes``                      device memory total
+``gpulens_gpu_memory_used_percent``                     used share of total
+``gpulens_gpu_power_watts`` / ``_max_watts``            board power (mean / peak)
+``gpulens_gpu_power_limit_watts``                       enforced power limit
+``gpulens_gpu_energy_joules_total``                      counter
+``gpulens_gpu_temperature_celsius`` / ``_max_celsius``  core temperature (mean / peak)
+``gpulens_gpu_sm_clock_hertz``                          SM clock
+``gpulens_gpu_clocks_throttled_percent{reason}``        share of time clocks were held down;
+                                                        ``reason`` = any, power, thermal
+``gpulens_gpu_torch_allocated_bytes`` / ``_peak_bytes`` torch allocator (training process)
+``gpulens_host_cpu_percent``, ``..._memory_used_bytes`` host
+``gpulens_train_step``                                  ``train/global_step``
+``gpulens_train_last_step_timestamp_seconds``           Unix time the step last advanced
+``gpulens_train_steps_total``                           counter of steps seen (``perf/steps``)
+``gpulens_train_step_time_seconds``                     ``perf/step_time_s``
+``gpulens_train_loss``, ``..._learning_rate``, ...      every other ``train/*`` and ``perf/*``
+                                                        scalar, units spelled out
+======================================================  ==========================================
+
+Training series are left out with ``training=False`` (``gpulens serve``, where the step counter
+counts intervals, not training steps).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from gpulens.schema import GPU_METRIC_BY_KEY
+from gpulens.sinks.base import GpuInfo, Row, RunContext
+
+DEFAULT_PORT = 9400
+
+_GPU_KEY = re.compile(r"^gpu/(\d+)/([a-z0-9_]+)$")
+_GPU_LABELS = ("gpu", "uuid", "name", "host")
+
+# row suffix -> (metric name, scale to base unit)
+GPU_SERIES: dict[str, tuple[str, float]] = {
+    "util_pct": ("gpulens_gpu_utilization_percent", 1.0),
+    "sm_active_pct": ("gpulens_gpu_sm_active_percent", 1.0),
+    "sm_occupancy_pct": ("gpulens_gpu_sm_occupancy_percent", 1.0),
+    "tensor_active_pct": ("gpulens_gpu_tensor_active_percent", 1.0),
+    "dram_bw_pct": ("gpulens_gpu_dram_bandwidth_percent", 1.0),
+    "mem_used_gb": ("gpulens_gpu_memory_used_bytes", 1e9),
+    "mem_used_gb_max": ("gpulens_gpu_memory_used_max_bytes", 1e9),
+    "mem_pct": ("gpulens_gpu_memory_used_percent", 1.0),
+    "power_w": ("gpulens_gpu_power_watts", 1.0),
+    "power_w_max": ("gpulens_gpu_power_max_watts", 1.0),
+    "power_limit_w": ("gpulens_gpu_power_limit_watts", 1.0),
+    "temp_c": ("gpulens_gpu_temperature_celsius", 1.0),
+    "temp_c_max": ("gpulens_gpu_temperature_max_celsius", 1.0),
+    "sm_clock_mhz": ("gpulens_gpu_sm_clock_hertz", 1e6),
+    "torch_allocated_gb": ("gpulens_gpu_torch_allocated_bytes", 1e9),
+    "torch_peak_gb": ("gpulens_gpu_torch_peak_bytes", 1e9),
+}
+THROTTLE_SERIES = {"throttle_pct": "any", "throttle_power_pct": "power",
+                   "throttle_thermal_pct": "thermal"}
+_UNITS = (("_pct", "_percent", 1.0), ("_gb", "_bytes", 1e9), ("_mb", "_bytes", 1e6),
+          ("_w", "_watts", 1.0), ("_j", "_joules", 1.0), ("_c", "_celsius", 1.0),
+          ("_mhz", "_hertz", 1e6), ("_ms", "_seconds", 1e-3), ("_s", "_seconds", 1.0))
+
+
+def scalar_series_name(key: str) -> tuple[str, float]:
+    """``"train/loss"`` -> ``("gpulens_train_loss", 1.0)``; ``"perf/step_time_s"`` ->
+    ``("gpulens_train_step_time_seconds", 1.0)``; ``"host/ram_used_gb"`` ->
+    ``("gpulens_host_ram_used_bytes", 1e9)``: units spelled out, scaled to base units."""
+    if key == "perf/step_time_s":
+        return "gpulens_train_step_time_seconds", 1.0
+    if key == "perf/energy_per_step_j":
+        return "gpulens_train_energy_per_step_joules", 1.0
+    if key == "host/ram_used_gb":
+        return "gpulens_host_memory_used_bytes", 1e9
+    name = re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
+    scale = 1.0
+    for suffix, unit, factor in _UNITS:
+        if name.endswith(suffix):
+            name, scale = name[: -len(suffix)] + unit, factor
+            break
+    name = re.sub(r"_+", "_", name)
+    return f"gpulens_{name}", scale
+
+
+class PrometheusSink:
+    """Serve the latest row as Prometheus metrics (see the module docstring for the names).
+
+    Args:
+        port: TCP port; 0 picks a free one (``self.port`` tells which after ``open()``).
+        host: address to bind; 127.0.0.1 unless you mean to expose it.
+        training: also export ``train/*`` and ``perf/*`` scalars (the training process's view).
+    """
+
+    on_training_thread = False
+
+    def __init__(self, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
+                 training: bool = True) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"prometheus sink: port must be 0-65535, not {port}")
+        self.port = port
+        self.host = host
+        self.training = training
+        self._lock = threading.Lock()
+        self._context: RunContext | None = None
+        self._gpu_values: dict[str, dict[str, float]] = {}
+        self._energy_j: dict[str, float] = {}
+        self._scalars: dict[str, float] = {}
+        self._steps_total = 0.0
+        self._last_step: float | None = None
+        self._last_step_time: float | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_spec(cls, arg: str | None) -> PrometheusSink:
+        """``"9400"``, ``"0"`` (free port) or ``"HOST:PORT"``; ``None`` -> 9400 on 127.0.0.1."""
+        if arg is None or not arg.strip():
+            return cls()
+        host, sep, port_text = arg.strip().rpartition(":")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ValueError(
+                f"prometheus sink: expected 'prometheus:PORT' or 'prometheus:HOST:PORT', "
+                f"got 'prometheus:{arg}'"
+            ) from None
+        return cls(port=port, host=host.strip("[]") if sep and host else "127.0.0.1")
+
+    def open(self, context: RunContext) -> None:
+        """Start the HTTP server thread; ``ValueError`` if the port cannot be bound."""
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError as e:
+            raise ImportError(
+                "the prometheus sink needs prometheus_client: pip install 'gpulens[prometheus]'"
+            ) from e
+        with self._lock:
+            self._context = context
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self))
+        try:
+            server, thread = start_http_server(self.port, addr=self.host, registry=registry)
+        except OSError as e:
+            reason = "port in use" if e.errno == 98 else (e.strerror or str(e))
+            raise ValueError(
+                f"prometheus sink: cannot serve on {self.host}:{self.port}: {reason}"
+            ) from None
+        self._server, self._thread = server, thread
+        self.port = int(server.server_port)
+
+    def write(self, row: Row) -> None:
+        """Keep the row's values as the latest; add its energy to the counters."""
+        gpu: dict[str, dict[str, float]] = {}
+        scalars: dict[str, float] = {}
+        for key, value in row.values.items():
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                continue
+            m = _GPU_KEY.match(key)
+            if m is not None:
+                gpu.setdefault(m.group(1), {})[m.group(2)] = float(value)
+            elif key.startswith("host/") or (
+                self.training and key.startswith(("train/", "perf/"))
+            ):
+                scalars[key] = float(value)
+        with self._lock:
+            for index, values in gpu.items():
+                self._gpu_values[index] = values
+                if "energy_j" in values:
+                    self._energy_j[index] = self._energy_j.get(index, 0.0) + values["energy_j"]
+            self._scalars.update(scalars)
+            if self.training:
+                steps = scalars.get("perf/steps")
+                if steps is not None:
+                    self._steps_total += steps
+                step = scalars.get("train/global_step", float(row.step))
+                if self._last_step is None or step != self._last_step:
+                    self._last_step = step
+                    self._last_step_time = row.time
+
+    def close(self) -> None:
+        """Stop the HTTP server."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT/metrics``."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def snapshot(self) -> tuple[RunContext | None, dict[str, dict[str, float]], dict[str, float],
+                                dict[str, float], tuple[float, float | None, float | None]]:
+        """A consistent copy of the state, for the collector."""
+        with self._lock:
+            return (
+                self._context,
+                {k: dict(v) for k, v in self._gpu_values.items()},
+                dict(self._energy_j),
+                dict(self._scalars),
+                (self._steps_total, self._last_step, self._last_step_time),
+            )
+
+
+class _Collector:
+    """Turns the sink's latest state into metric families at scrape time."""
+
+    def __init__(self, sink: PrometheusSink) -> None:
+        self._sink = sink
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        context, gpu_values, energy, scalars, steps = self._sink.snapshot()
+        host = context.hostname if context is not None else ""
+        infos: dict[str, GpuInfo] = (
+            {str(g.index): g for g in context.gpus} if context is not None else {}
+        )
+        indices = sorted(set(infos) | set(gpu_values), key=int)
+
+        def labels(index: str) -> list[str]:
+            info = infos.get(index)
+            return [index, info.uuid if info else "", info.name if info else "", host]
+
+        info_f = GaugeMetricFamily("gpulens_gpu_info", "GPU identity (value 1)",
+                                   labels=[*_GPU_LABELS, "pci_bus_id"])
+        total_f = GaugeMetricFamily("gpulens_gpu_memory_total_bytes", "device memory total",
+                                    labels=list(_GPU_LABELS))
+        for index in indices:
+            info = infos.get(index)
+            info_f.add_metric([*labels(index), info.pci_bus_id if info else ""], 1.0)
+            if info is not None and info.mem_total_gb:
+                total_f.add_metric(labels(index), info.mem_total_gb * 1e9)
+        yield info_f
+        if total_f.samples:
+            yield total_f
+
+        for suffix, (name, scale) in GPU_SERIES.items():
+            base = suffix.removesuffix("_max")
+            meta = GPU_METRIC_BY_KEY.get(base)
+            text = (meta.help if meta else suffix) + (" (peak in the window)" if
+                                                      suffix.endswith("_max") else "")
+            fam = GaugeMetricFamily(name, text, labels=list(_GPU_LABELS))
+            for index in indices:
+                v = gpu_values.get(index, {}).get(suffix)
+                if v is not None:
+                    fam.add_metric(labels(index), v * scale)
+            if fam.samples:
+                yield fam
+
+        thr = GaugeMetricFamily(
+            "gpulens_gpu_clocks_throttled_percent",
+            "share of the window with clocks held down; reason: any, power (cap), thermal",
+            labels=[*_GPU_LABELS, "reason"],
+        )
+        for index in indices:
+            for suffix, reason in THROTTLE_SERIES.items():
+                v = gpu_values.get(index, {}).get(suffix)
+                if v is not None:
+                    thr.add_metric([*labels(index), reason], v)
+        if thr.samples:
+            yield thr
+
+        en = CounterMetricFamily(
+            "gpulens_gpu_energy_joules",
+            "energy used since the exporter started (NVML energy counter differences)",
+            labels=list(_GPU_LABELS),
+        )
+        for index in indices:
+            if index in energy:
+                en.add_metric(labels(index), energy[index])
+        if en.samples:
+            yield en
+
+        steps_total, last_step, last_step_time = steps
+        if last_step is not None:
+            yield _gauge(GaugeMetricFamily, "gpulens_train_step",
+                         "training step (train/global_step) of the latest row", host, last_step)
+        if last_step_time is not None:
+            yield _gauge(GaugeMetricFamily, "gpulens_train_last_step_timestamp_seconds",
+                         "Unix time at which the training step last advanced", host,
+                         last_step_time)
+        if self._sink.training and (last_step is not None or steps_total):
+            fam = CounterMetricFamily("gpulens_train_steps", "training steps seen (perf/steps)",
+                                      labels=["host"])
+            fam.add_metric([host], steps_total)
+            yield fam
+        seen: set[str] = set()
+        for key, value in sorted(scalars.items()):
+            if key in ("train/global_step", "perf/steps"):
+                continue
+            name, scale = scalar_series_name(key)
+            if name in seen:
+                continue
+            seen.add(name)
+            yield _gauge(GaugeMetricFamily, name, f"{key} of the latest row", host, value * scale)
+
+
+def _gauge(cls: Any, name: str, text: str, host: str, value: float) -> Any:
+    fam = cls(name, text, labels=["host"])
+    fam.add_metric([host], value)
+    return fam
