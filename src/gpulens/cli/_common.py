@@ -38,3 +38,9 @@ def gpu_list(text: str) -> list[int]:
     if not out:
         raise argparse.ArgumentTypeError("no GPU index given")
     return out
+
+
+def monitor_interval(row_interval: float) -> float:
+    """Seconds between cheap samples for rows every ``row_interval`` s: several per row,
+    at most 0.5 s apart, at least 0.05 s."""
+    return max(0.05, min(0.5, row_interval / 4))

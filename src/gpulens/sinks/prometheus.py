@@ -306,10 +306,10 @@ class _Collector:
                          "Unix time at which the training step last advanced", host,
                          last_step_time)
         if self._sink.training and (last_step is not None or steps_total):
-            fam = CounterMetricFamily("gpulens_train_steps", "training steps seen (perf/steps)",
-                                      labels=["host"])
-            fam.add_metric([host], steps_total)
-            yield fam
+            steps_f = CounterMetricFamily("gpulens_train_steps",
+                                          "training steps seen (perf/steps)", labels=["host"])
+            steps_f.add_metric([host], steps_total)
+            yield steps_f
         seen: set[str] = set()
         for key, value in sorted(scalars.items()):
             if key in ("train/global_step", "perf/steps"):
