@@ -158,28 +158,31 @@ class Sampler:
             self._wake.wait(timeout)
             self._wake.clear()
             stopping = self._stop.is_set()
-            try:
-                now = time.monotonic()
-                if now >= next_fast or stopping:
-                    self._read_fast(now)
-                    next_fast = max(next_fast + self.interval, now + self.interval / 2)
-                if now >= next_gpm or stopping:
-                    self._read_gpm(now)
-                    next_gpm = max(next_gpm + self.gpm_interval, now + self.gpm_interval / 2)
-                if now >= next_slow or stopping:
-                    self._read_slow(now)
-                    next_slow = max(next_slow + self.slow_interval, now + self.slow_interval / 2)
-                self._close_windows(final=stopping)
-                self.passes += 1
-            except Exception as exc:  # never let monitoring stop training
-                self.failed = exc
-                logger.warning("gpulens: sampler failed (%r); GPU metrics stop, training goes on",
-                               exc, exc_info=True)
-                if stopping:
-                    return
-                self._stop.wait(1.0)
+            now = time.monotonic()
+            if now >= next_fast or stopping:
+                self._guard(self._read_fast, now)
+                next_fast = max(next_fast + self.interval, now + self.interval / 2)
+            if now >= next_gpm or stopping:
+                self._guard(self._read_gpm, now)
+                next_gpm = max(next_gpm + self.gpm_interval, now + self.gpm_interval / 2)
+            if now >= next_slow or stopping:
+                self._guard(self._read_slow, now)
+                next_slow = max(next_slow + self.slow_interval, now + self.slow_interval / 2)
+            # Rows go on (host and training figures, a gap for the GPUs) whatever the reads did.
+            self._guard(lambda _now: self._close_windows(final=stopping), now)
+            self.passes += 1
             if stopping:
                 return
+
+    def _guard(self, step: Callable[[float], None], now: float) -> None:
+        """Run one part of a pass; a failure is warned about once and never stops training."""
+        try:
+            step(now)
+        except Exception as exc:
+            self.failed = exc
+            warn_once(f"sampler:{type(exc).__name__}:{exc}",
+                      "gpulens: sampler failed (%r); GPU metrics have a gap, training goes on",
+                      exc)
 
     # -- reads -------------------------------------------------------------------------------
     def _lose(self, gpu: GpuState, exc: GpuLost) -> None:
@@ -282,6 +285,9 @@ class Sampler:
         slack = 0.25
         out: dict[str, float] = {}
         s = gpu.series
+        last_seen = s["mem_used_gb"].last_time or s["temp_c"].last_time
+        if (gpu.lost or self.failed is not None) and (last_seen is None or last_seen < t0):
+            return out  # a gap: the GPU stopped answering before this window
         count = 0
         for metric in GPU_METRICS:
             key = metric.key
@@ -309,7 +315,7 @@ class Sampler:
             energy = window_energy_j(gpu.energy_mj, power if power.t else None, t0, t1)
             if energy is not None:
                 out["energy_j"] = energy
-        out.update(gpu.gpm.means(t0, t1))
+        out.update(gpu.gpm.means(t0, t1, stale))
         if out:
             out["samples"] = float(count)
         return out

@@ -136,6 +136,11 @@ class StepLogger:
 
     def __init__(self, sinks: list[Sink], *, buffer_rows: int = 10_000) -> None:
         self._deliveries = [_Delivery(s, buffer_rows) for s in sinks]
+        seen: dict[str, int] = {}
+        for d in self._deliveries:  # unique names: "MemorySink", "MemorySink#2", ...
+            seen[d.name] = seen.get(d.name, 0) + 1
+            if seen[d.name] > 1:
+                d.name = f"{d.name}#{seen[d.name]}"
         self._training = [d for d in self._deliveries if d.on_training_thread]
 
     def open(self, context: RunContext) -> None:

@@ -159,7 +159,7 @@ class IntervalSeries:
     def last_time(self) -> float | None:
         return self.spans[-1][1] if self.spans else None
 
-    def means(self, t0: float, t1: float) -> dict[str, float]:
+    def means(self, t0: float, t1: float, stale: float = 2.0) -> dict[str, float]:
         """Overlap-weighted mean of each key over ``[t0, t1]``.
 
         A window shorter than the spans (or between them) takes the values of the span(s) it
@@ -180,7 +180,7 @@ class IntervalSeries:
                 weight[key] = weight.get(key, 0.0) + overlap
         if not acc:
             nearest = min(self.spans, key=lambda s: min(abs(s[0] - t1), abs(s[1] - t0)))
-            if min(abs(nearest[0] - t1), abs(nearest[1] - t0)) > 2.0:
+            if min(abs(nearest[0] - t1), abs(nearest[1] - t0)) > stale:
                 return {}
             return dict(nearest[2])
         return {key: acc[key] / weight[key] for key in acc}
