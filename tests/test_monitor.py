@@ -156,7 +156,7 @@ def test_bad_interval(interval: object) -> None:
 
 
 def test_unknown_sink() -> None:
-    with pytest.raises(ValueError, match="unknown sink 'tensorboard'.*known sinks"):
+    with pytest.raises(ValueError, match=r"unknown sink 'tensorboard'.*known sinks"):
         gpulens.Monitor(sinks=["tensorboard"])
 
 

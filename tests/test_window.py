@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -75,7 +76,7 @@ def test_energy_short_windows_share_the_counter_by_power_and_add_up() -> None:
     # power: 100 W in the first half, 500 W in the second
     power = _series([(0.0, 100.0), (0.5, 100.0), (0.5000001, 500.0), (1.0, 500.0)])
     edges = [i / 20 for i in range(21)]  # 50 ms windows, shorter than a counter update
-    parts = [window_energy_j(counter, power, a, b) for a, b in zip(edges, edges[1:])]
+    parts = [window_energy_j(counter, power, a, b) for a, b in itertools.pairwise(edges)]
     assert all(p is not None and p > 0 for p in parts)
     assert sum(p for p in parts if p is not None) == pytest.approx(300.0)
     first_half = sum(p for p in parts[:10] if p is not None)

@@ -169,10 +169,16 @@ class Sampler:
                 self._guard(self._read_slow, now)
                 next_slow = max(next_slow + self.slow_interval, now + self.slow_interval / 2)
             # Rows go on (host and training figures, a gap for the GPUs) whatever the reads did.
-            self._guard(lambda _now: self._close_windows(final=stopping), now)
+            self._guard(self._close_final if stopping else self._close_ready, now)
             self.passes += 1
             if stopping:
                 return
+
+    def _close_ready(self, now: float) -> None:
+        self._close_windows(final=False)
+
+    def _close_final(self, now: float) -> None:
+        self._close_windows(final=True)
 
     def _guard(self, step: Callable[[float], None], now: float) -> None:
         """Run one part of a pass; a failure is warned about once and never stops training."""
