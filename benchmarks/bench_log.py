@@ -1,0 +1,278 @@
+"""CPU benchmark of gpulens's training-thread path, with simulated GPUs (issue 2's targets).
+
+Three measurements, each printed as a row of one Markdown table:
+
+(a) ``Monitor.log()`` latency on the training thread, 8 simulated GPUs sampled at 10 Hz, a JSONL
+    sink: ``perf_counter_ns`` around each call, median / p99 / max in microseconds. Between calls
+    the thread busy-waits ``--gap-us`` (a short step), so the sampler and writer threads run
+    concurrently, as in training, and compete for the GIL. Target: median <= 50 us.
+(b) A 5 ms training step logging every step, 8 simulated GPUs at 10 Hz: the loop's wall time
+    with and without gpulens, in interleaved repetitions in one process. The step stands for a
+    GPU training step as the host sees it: ~1 ms of Python holding the GIL (building the graph,
+    launching kernels: a busy-wait here) then ~4 ms blocked in C with the GIL released (waiting
+    for the GPU in ``loss.item()``: ``time.sleep`` here). Target: ratio within 1 %.
+(c) Memory over 100k rows (8 simulated GPUs, rows logged ``--mem-gap-us`` apart to a sink that
+    keeps only a count): ``tracemalloc`` traced bytes and process RSS after 20 % of the rows and
+    at the end, each read once every pending row has been finished; the growth between the
+    two. Target: no growth.
+
+Prints figures, asserts nothing about timings (the test suite runs ``--quick`` as a smoke test).
+
+    python benchmarks/bench_log.py            # full run, ~1 minute
+    python benchmarks/bench_log.py --quick    # a few seconds, tiny sizes
+    python benchmarks/bench_log.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+N_GPUS = 8
+INTERVAL_S = 0.1
+
+
+def _use_simulated(n_gpus: int) -> None:
+    os.environ["GPULENS_BACKEND"] = "simulated"
+    os.environ["GPULENS_SIMULATED_GPUS"] = str(n_gpus)
+
+
+@contextmanager
+def monitor(path: Path, interval: float = INTERVAL_S) -> Iterator[Any]:
+    """A started ``gpulens.Monitor`` over the simulated GPUs, writing JSONL to ``path``."""
+    import gpulens
+
+    mon = gpulens.Monitor(interval=interval, sinks=[f"jsonl:{path}"], backend="simulated")
+    mon.start()
+    try:
+        yield mon
+    finally:
+        mon.stop()
+
+
+def busy_wait(seconds: float) -> None:
+    """Spin in Python (holding the GIL) for ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by nearest rank."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def bench_latency(tmp: Path, calls: int, gap_us: float) -> dict[str, float]:
+    """(a) ``log()`` latency in microseconds, ``calls`` calls ``gap_us`` apart."""
+    lat_ns: list[int] = []
+    with monitor(tmp / "latency.jsonl") as mon:
+        busy_wait(3 * INTERVAL_S)  # let the sampler fill its first window
+        for step in range(1, calls + 1):
+            busy_wait(gap_us * 1e-6)
+            t0 = time.perf_counter_ns()
+            mon.log(step, loss=1.0 / step, learning_rate=3e-4, grad_norm=0.5)
+            lat_ns.append(time.perf_counter_ns() - t0)
+    us = [x / 1e3 for x in lat_ns]
+    return {
+        "log_calls": calls,
+        "log_median_us": statistics.median(us),
+        "log_p99_us": pct(us, 0.99),
+        "log_max_us": max(us),
+        "log_mean_us": statistics.fmean(us),
+    }
+
+
+def training_step(busy_s: float, wait_s: float) -> None:
+    """One simulated step: ``busy_s`` holding the GIL, then ``wait_s`` blocked without it."""
+    busy_wait(busy_s)
+    time.sleep(wait_s)
+
+
+def bench_loop(tmp: Path, steps: int, reps: int, busy_s: float, wait_s: float) -> dict[str, Any]:
+    """(b) Loop seconds per step with and without gpulens, interleaved repetitions."""
+    times: dict[str, list[float]] = {"without": [], "with": []}
+    for rep in range(reps):
+        order = ("without", "with") if rep % 2 == 0 else ("with", "without")
+        for variant in order:
+            gc.collect()
+            if variant == "without":
+                t0 = time.perf_counter()
+                for step in range(1, steps + 1):
+                    training_step(busy_s, wait_s)
+                    _ = 1.0 / step  # the loss the loop would hand to a logger
+                times[variant].append((time.perf_counter() - t0) / steps)
+            else:
+                with monitor(tmp / f"loop-{rep}.jsonl") as mon:
+                    t0 = time.perf_counter()
+                    for step in range(1, steps + 1):
+                        training_step(busy_s, wait_s)
+                        mon.log(step, loss=1.0 / step, learning_rate=3e-4, grad_norm=0.5)
+                    times[variant].append((time.perf_counter() - t0) / steps)
+    paired = [w / wo for w, wo in zip(times["with"], times["without"], strict=True)]
+    without = statistics.median(times["without"])
+    with_ = statistics.median(times["with"])
+    return {
+        "loop_steps": steps,
+        "loop_reps": reps,
+        "loop_step_without_ms": without * 1e3,
+        "loop_step_with_ms": with_ * 1e3,
+        "loop_ratio": with_ / without,
+        "loop_ratio_paired_median": statistics.median(paired),
+        "loop_ratio_paired_min": min(paired),
+        "loop_ratio_paired_max": max(paired),
+    }
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class CountingSink:
+    """A sink that keeps only a count and the newest row (the memory figure is gpulens's own)."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.last: Any = None
+
+    def open(self, context: Any) -> None:
+        pass
+
+    def write(self, row: Any) -> None:
+        self.written += 1
+        self.last = row
+
+    def close(self) -> None:
+        pass
+
+
+def _drained(sink: CountingSink, rows: int, timeout: float = 60.0) -> bool:
+    """Wait until every logged row reached the sink (rows are finished in the background)."""
+    end = time.monotonic() + timeout
+    while sink.written < rows and time.monotonic() < end:
+        time.sleep(0.02)
+    return sink.written >= rows
+
+
+def bench_memory(rows: int, gap_us: float) -> dict[str, Any]:
+    """(c) Traced-memory and RSS growth between 20 % of ``rows`` and the end.
+
+    Rows are logged ``gap_us`` apart (a fast training loop); before each reading the monitor
+    is allowed to finish every pending row, so both readings see the same steady state.
+    """
+    import gpulens
+
+    mark = max(1, rows // 5)
+    sink = CountingSink()
+    tracemalloc.start()
+    try:
+        mon = gpulens.Monitor(interval=INTERVAL_S, sinks=[sink], backend="simulated")
+        mon.start()
+        try:
+            traced0 = rss0 = 0
+            ok0 = True
+            for step in range(1, rows + 1):
+                busy_wait(gap_us * 1e-6)
+                mon.log(step, loss=1.0 / step, learning_rate=3e-4, grad_norm=0.5)
+                if step == mark:
+                    ok0 = _drained(sink, step)
+                    gc.collect()
+                    traced0, rss0 = tracemalloc.get_traced_memory()[0], _rss_bytes()
+            ok1 = _drained(sink, rows)
+            gc.collect()
+            traced1, rss1 = tracemalloc.get_traced_memory()[0], _rss_bytes()
+        finally:
+            mon.stop()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return {
+        "mem_rows": rows,
+        "mem_gap_us": gap_us,
+        "mem_mark_row": mark,
+        "mem_drained": ok0 and ok1,
+        "mem_traced_at_mark_kib": traced0 / 1024,
+        "mem_traced_end_kib": traced1 / 1024,
+        "mem_traced_growth_kib": (traced1 - traced0) / 1024,
+        "mem_traced_peak_kib": peak / 1024,
+        "mem_rss_growth_mib": (rss1 - rss0) / 2**20,
+        "mem_rows_written": sink.written,
+    }
+
+
+def table(fig: dict[str, Any]) -> str:
+    """The figures as a Markdown table (figure, value, target)."""
+    rows = [
+        (f"log() median, {N_GPUS} simulated GPUs, 10 Hz", f"{fig['log_median_us']:.1f} us",
+         "<= 50 us"),
+        ("log() p99 / max", f"{fig['log_p99_us']:.1f} / {fig['log_max_us']:.1f} us", ""),
+        ("5 ms step loop, without gpulens", f"{fig['loop_step_without_ms']:.3f} ms/step", ""),
+        ("5 ms step loop, with gpulens (log every step)", f"{fig['loop_step_with_ms']:.3f} ms/step",
+         ""),
+        ("loop time ratio with / without (medians)", f"{fig['loop_ratio']:.4f}", "<= 1.01"),
+        ("paired ratio per repetition: median [min, max]",
+         f"{fig['loop_ratio_paired_median']:.4f} [{fig['loop_ratio_paired_min']:.4f}, "
+         f"{fig['loop_ratio_paired_max']:.4f}]", ""),
+        (f"traced memory growth, rows {fig['mem_mark_row']} -> {fig['mem_rows']}",
+         f"{fig['mem_traced_growth_kib']:.1f} KiB", "~0 (no growth)"),
+        ("RSS growth over the same rows", f"{fig['mem_rss_growth_mib']:.2f} MiB", "~0"),
+        ("rows that reached the sink", f"{fig['mem_rows_written']}", f"= {fig['mem_rows']}"),
+    ]
+    out = ["| figure | value | target |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run (a), (b), (c); print the table and optionally write JSON."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--gap-us", type=float, default=1000.0, help="busy time between log() calls")
+    p.add_argument("--mem-gap-us", type=float, default=200.0,
+                   help="busy time between log() calls in the memory run")
+    args = p.parse_args(argv)
+    calls, steps, reps, rows = (300, 40, 2, 1000) if args.quick else (10_000, 400, 7, 100_000)
+    _use_simulated(N_GPUS)
+    import gpulens
+
+    fig: dict[str, Any] = {
+        "quick": args.quick,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "gpulens": getattr(gpulens, "__version__", "?"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    with tempfile.TemporaryDirectory(prefix="gpulens-bench-") as d:
+        tmp = Path(d)
+        t0 = time.perf_counter()
+        fig.update(bench_latency(tmp, calls, args.gap_us))
+        fig.update(bench_loop(tmp, steps, reps, busy_s=0.001, wait_s=0.004))
+        fig.update(bench_memory(rows, args.mem_gap_us))
+        fig["wall_s"] = time.perf_counter() - t0
+    print(f"gpulens {fig['gpulens']} | Python {fig['python']} | {fig['cpus']} CPUs | "
+          f"{fig['date']} | {'quick' if args.quick else 'full'} run in {fig['wall_s']:.1f} s")
+    print(table(fig))
+    if args.json:
+        args.json.write_text(json.dumps(fig, indent=2))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
