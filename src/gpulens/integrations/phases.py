@@ -1,0 +1,179 @@
+"""Step anatomy: how a training step's time splits into waiting for data, forward+backward and
+the optimizer, measured from framework hooks without ever synchronising the device.
+
+A training loop (or a framework callback) marks the boundaries of each step on the training
+thread::
+
+    phases.resume()            # the step loop is about to fetch the next batch
+    batch = next(it)
+    phases.step_begin()        # batch in hand: forward+backward starts
+    loss.backward()
+    phases.before_optimizer()  # gradients ready: optimizer phase starts
+    opt.step(); opt.zero_grad()
+    phases.step_end()          # step done: the wait for the next batch starts
+
+and at each log call reads :meth:`StepPhases.collect`, which returns
+
+* ``perf/data_wait_pct``: the time from ``step_end`` (or the latest ``resume``) to the next
+  ``step_begin``, as a percentage of the measured step time (data wait + forward/backward +
+  optimizer) of the steps completed in the window;
+* ``perf/forward_backward_pct`` and ``perf/optimizer_pct``: the same shares for the other two
+  phases (``step_begin`` -> ``before_optimizer`` and ``before_optimizer`` -> ``step_end``; a step
+  without ``before_optimizer`` counts wholly as forward/backward);
+* ``perf/data_wait_s``, ``perf/forward_backward_s``, ``perf/optimizer_s``: seconds per optimizer
+  step in the window (phase total divided by the ``steps`` passed to ``collect``).
+
+Time between ``step_end`` and a later ``resume`` (logging, evaluation, checkpointing) is left out
+of every phase and of the denominator.
+
+**Two clocks.** On CPU the marks are ``time.perf_counter()`` readings of the training thread. With
+``cuda=True`` each mark also records a CUDA event on the current stream, and the phases are
+measured on the *GPU's* timeline: the data wait is then the time the GPU sat idle between the
+last kernel of one step and the first of the next, which is what starves a GPU (while the host
+runs ahead of a busy GPU it is ~0 even if the host spends time fetching). Events are read with
+``Event.query()`` once they have completed, never with ``synchronize()``; steps whose events
+have not completed at a ``collect`` are counted in a later window.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+__all__ = ["StepPhases"]
+
+_BEGIN = "begin"
+_OPT = "opt"
+_END = "end"
+_RESUME = "resume"
+
+# (previous mark, this mark) -> phase that the interval between them belongs to
+_PHASE_OF: dict[tuple[str, str], str] = {
+    (_END, _BEGIN): "data_wait",
+    (_RESUME, _BEGIN): "data_wait",
+    (_BEGIN, _OPT): "forward_backward",
+    (_BEGIN, _END): "forward_backward",
+    (_OPT, _END): "optimizer",
+}
+_PHASES = ("data_wait", "forward_backward", "optimizer")
+
+_MAX_PENDING = 4096
+"""Marks kept while waiting for their CUDA events; older ones are dropped (and counted)."""
+
+
+class StepPhases:
+    """Times the phases of training steps from marks made on the training thread.
+
+    Args:
+        cuda: record CUDA events (on ``torch.cuda.current_stream()``) and measure on the GPU
+            timeline; ``False`` uses the host clock. ``None`` (default): CUDA when torch is
+            already imported and a CUDA device is available.
+
+    Each mark costs a ``perf_counter`` call (plus one ``cudaEventRecord`` with ``cuda=True``).
+    Not thread-safe: mark and collect from the training thread.
+    """
+
+    def __init__(self, cuda: bool | None = None) -> None:
+        if cuda is None:
+            cuda = _cuda_available()
+        self.cuda = cuda
+        self._torch: Any = None
+        if cuda:
+            import torch
+
+            self._torch = torch
+        self._pending: deque[tuple[str, Any]] = deque()
+        self._last: tuple[str, Any] | None = None
+        self._totals = dict.fromkeys(_PHASES, 0.0)
+        self._seen = dict.fromkeys(_PHASES, False)
+        self.dropped = 0
+        """Marks dropped because their CUDA events did not complete in time (bounded queue)."""
+
+    # -- marks ---------------------------------------------------------------------------------
+    def step_begin(self) -> None:
+        """The batch is in hand; forward+backward starts (ends the data wait)."""
+        self._mark(_BEGIN)
+
+    def before_optimizer(self) -> None:
+        """Gradients are ready; the optimizer step starts."""
+        self._mark(_OPT)
+
+    def step_end(self) -> None:
+        """The optimizer step is done; waiting for the next batch starts."""
+        self._mark(_END)
+
+    def resume(self) -> None:
+        """Restart the data-wait clock: what ran since ``step_end`` (logging, evaluation,
+        checkpointing, an epoch boundary) counts in no phase."""
+        self._mark(_RESUME)
+
+    def _mark(self, label: str) -> None:
+        if self.cuda:
+            event = self._torch.cuda.Event(enable_timing=True)
+            event.record()
+            stamp: Any = event
+        else:
+            stamp = time.perf_counter()
+        if len(self._pending) >= _MAX_PENDING:
+            self._pending.popleft()
+            self._last = None
+            self.dropped += 1
+        self._pending.append((label, stamp))
+
+    # -- reading ---------------------------------------------------------------------------------
+    def collect(self, steps: int) -> dict[str, float]:
+        """Phase figures of the steps completed since the previous ``collect``.
+
+        Args:
+            steps: optimizer steps in the window (for the per-step seconds); ``<= 0`` leaves the
+                ``_s`` keys out.
+
+        Returns:
+            ``perf/<phase>_pct`` and ``perf/<phase>_s`` for the phases that were observed; an
+            empty dict when no complete interval was seen (never zeros for "unknown").
+        """
+        self._drain()
+        totals, seen = self._totals, self._seen
+        self._totals = dict.fromkeys(_PHASES, 0.0)
+        self._seen = dict.fromkeys(_PHASES, False)
+        measured = sum(totals.values())
+        out: dict[str, float] = {}
+        for phase in _PHASES:
+            if not seen[phase]:
+                continue
+            if measured > 0:
+                out[f"perf/{phase}_pct"] = 100.0 * totals[phase] / measured
+            if steps > 0:
+                out[f"perf/{phase}_s"] = totals[phase] / steps
+        return out
+
+    def _drain(self) -> None:
+        while self._pending:
+            label, stamp = self._pending[0]
+            if self.cuda and not stamp.query():
+                return  # later marks cannot have completed before this one
+            self._pending.popleft()
+            if self._last is not None:
+                phase = _PHASE_OF.get((self._last[0], label))
+                if phase is not None:
+                    self._totals[phase] += self._elapsed(self._last[1], stamp)
+                    self._seen[phase] = True
+            self._last = (label, stamp)
+
+    def _elapsed(self, start: Any, end: Any) -> float:
+        if self.cuda:
+            return max(0.0, float(start.elapsed_time(end)) / 1000.0)
+        return max(0.0, float(end) - float(start))
+
+
+def _cuda_available() -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # a broken CUDA install must not stop training
+        return False

@@ -1,0 +1,230 @@
+"""GPU telemetry beside the Hugging Face ``Trainer``'s loss curve.
+
+Usage::
+
+    from gpulens.integrations.transformers import GPUMonitorCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[GPUMonitorCallback()])
+
+What it does, hook by hook:
+
+* ``on_train_begin``: starts a :class:`gpulens.Monitor`. Hugging Face calls its own integration
+  callbacks (``report_to``) before user callbacks, so the W&B run and the MLflow run that
+  ``WandbCallback`` / ``MLflowCallback`` start in their ``on_train_begin`` already exist: with
+  ``report_to`` containing ``"wandb"`` and/or ``"mlflow"`` the rows go into those very runs (the
+  ``"wandb"`` sink writes to the active ``wandb.run`` with ``train/global_step`` as x-axis and
+  never passes ``step=``; the ``"mlflow"`` sink takes the run active on this thread at start and
+  logs with ``step=state.global_step``). Those runs already get ``loss``, ``learning_rate``,
+  ``grad_norm`` from Hugging Face, so the rows sent to them leave out ``train/*`` (except
+  ``train/global_step``). Sinks given as ``sinks=`` get full rows. With neither, rows go to
+  ``{output_dir}/gpulens.jsonl``.
+* ``on_log`` with a training log (one holding ``loss``): ``monitor.log(state.global_step,
+  **logs)`` with exactly the numbers Hugging Face logged. Hugging Face averages the loss over the
+  ``logging_steps`` optimizer steps since its previous log, and the GPU window spans the same
+  steps. ``global_step`` counts optimizer steps, so under gradient accumulation a step is
+  ``gradient_accumulation_steps`` micro-batches. Evaluation logs (``eval_*``) make no row: their
+  time falls into the next training window.
+* ``on_log`` with the end-of-training summary (``train_runtime``), which Hugging Face emits
+  before ``on_train_end``: writes a last row if optimizer steps ran since the previous training
+  log, then stops the monitor, flushing every row while the MLflow run is still open
+  (``MLflowCallback.on_train_end`` ends it before user callbacks run).
+* ``on_train_end``: stops the monitor (idempotent). Hugging Face has no exception hook: if
+  ``train()`` raises, the monitor is stopped (rows flushed, threads ended) when the callback is
+  garbage-collected or, at the latest, at interpreter exit (``weakref.finalize``); a new
+  ``train()`` call stops a monitor left running by a failed one before starting afresh.
+
+Distributed jobs: every rank samples its own GPU and every rank calls ``monitor.log`` (a
+collective); Hugging Face calls ``on_log`` on every rank. Only ``state.is_world_process_zero``
+gets sinks.
+
+Keys each row can carry, beside the GPU and host keys of :mod:`gpulens.schema` and the core's
+``perf/step_time_s`` / ``perf/energy_per_step_j``:
+
+* ``train/<k>`` for each number in Hugging Face's ``logs`` (``train/loss``,
+  ``train/learning_rate``, ``train/grad_norm``, ``train/epoch``, ...), not sent to HF's trackers;
+* ``perf/data_wait_pct``, ``perf/data_wait_s``: the wall time (CPU) or GPU idle time (CUDA, from
+  CUDA events) from the end of ``on_step_end`` (or of the latest ``on_log`` / ``on_evaluate`` /
+  ``on_save`` / ``on_epoch_begin`` after it) to ``on_step_begin`` of the next optimizer step.
+  In Hugging Face's loop that span holds the fetch of all ``gradient_accumulation_steps``
+  micro-batches of the next step (``get_batch_samples``, which also counts the label tokens),
+  the epoch's ``iter(dataloader)`` at epoch starts, and the ``on_step_begin`` of callbacks before
+  this one. ``_pct`` is a share of the measured step time (data wait + forward/backward +
+  optimizer), ``_s`` seconds per optimizer step;
+* ``perf/forward_backward_pct|_s``: ``on_step_begin`` -> ``on_pre_optimizer_step``: moving the
+  inputs to the device, forward and backward of every micro-batch, gradient clipping;
+* ``perf/optimizer_pct|_s``: ``on_pre_optimizer_step`` -> ``on_step_end``: ``optimizer.step()``,
+  the LR scheduler step and ``zero_grad``.
+
+See :mod:`gpulens.integrations.phases` for how the phases are timed (CUDA events read with
+``query()``, never a device synchronisation).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpulens.integrations.phases import StepPhases
+from gpulens.sinks.base import Sink
+from gpulens.sinks.mlflow import MlflowSink
+from gpulens.sinks.wandb import WandbSink
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "gpulens.integrations.transformers needs Hugging Face transformers: "
+        "pip install 'gpulens[transformers]'"
+    ) from exc
+
+if TYPE_CHECKING:
+    from gpulens import Monitor
+
+__all__ = ["GPUMonitorCallback"]
+
+log = logging.getLogger(__name__)
+
+
+
+class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
+    """Writes a GPU telemetry row at each Hugging Face training log (see the module docstring
+    for every key and hook).
+
+    Args:
+        sinks: extra sinks (names such as ``"jsonl:runs/gpu.jsonl"``, ``"prometheus:9400"`` or
+            sink objects) that get full rows, training scalars included.
+        interval: seconds between the sampler's cheap reads.
+        gpus: device indices to sample; ``None``: the devices this process uses.
+        backend: ``"nvml"``, ``"simulated"`` or ``None`` (automatic, honours
+            ``GPULENS_BACKEND``).
+        follow_report_to: send rows to the W&B / MLflow runs of ``args.report_to``.
+        phases: time the phases of each step (``perf/data_wait_pct`` ...).
+    """
+
+    def __init__(
+        self,
+        sinks: Sequence[str | Sink] | None = None,
+        *,
+        interval: float = 0.5,
+        gpus: Sequence[int] | None = None,
+        backend: str | None = None,
+        follow_report_to: bool = True,
+        phases: bool = True,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+        self.sinks: list[str | Sink] = list(sinks or ())
+        self.interval = float(interval)
+        self.gpus = None if gpus is None else list(gpus)
+        self.backend = backend
+        self.follow_report_to = follow_report_to
+        self.time_phases = phases
+        self.monitor: Monitor | None = None
+        self._phases: StepPhases | None = None
+        self._last_logged_step = 0
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from gpulens import Monitor
+
+        self._stop()  # a previous train() that raised left it running
+        sinks = self._sinks_for(args) if state.is_world_process_zero else []
+        monitor = Monitor(gpus=self.gpus, interval=self.interval, sinks=sinks,
+                          backend=self.backend)
+        monitor.start()
+        self.monitor = monitor
+        self._finalizer = weakref.finalize(self, monitor.stop)
+        self._last_logged_step = int(state.global_step)
+        if self.time_phases:
+            device = getattr(args, "device", None)
+            self._phases = StepPhases(cuda=getattr(device, "type", None) == "cuda")
+            self._phases.resume()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # calls monitor.stop() once; later calls do nothing
+            self._finalizer = None
+        self.monitor = None
+        self._phases = None
+
+    # -- step anatomy ----------------------------------------------------------------------------
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._phases is not None:
+            self._phases.step_begin()
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._phases is not None:
+            self._phases.before_optimizer()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._phases is not None:
+            self._phases.step_end()
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._resume()
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._resume()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._resume()
+
+    def _resume(self) -> None:
+        if self._phases is not None:
+            self._phases.resume()
+
+    # -- rows ------------------------------------------------------------------------------------
+    def on_log(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        logs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        monitor = self.monitor
+        if monitor is None or not logs:
+            return
+        step = int(state.global_step)
+        final = "train_runtime" in logs
+        if "loss" in logs or (final and step > self._last_logged_step):
+            scalars = {k: float(v) for k, v in logs.items() if _is_number(v)}
+            if self._phases is not None:
+                scalars.update(self._phases.collect(step - self._last_logged_step))
+            monitor.log(step, **scalars)
+            self._last_logged_step = step
+        if final:
+            # Flush now: MLflowCallback.on_train_end (called before ours) ends its run.
+            self._stop()
+        else:
+            self._resume()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _sinks_for(self, args: Any) -> list[str | Sink]:
+        sinks: list[str | Sink] = []
+        report_to = list(getattr(args, "report_to", None) or ())
+        if self.follow_report_to:
+            # the runs HF's WandbCallback / MLflowCallback started in on_train_begin (called
+            # before ours); they log HF's loss etc. themselves, so rows skip train/*
+            if "wandb" in report_to:
+                sinks.append(WandbSink(include_train=False))
+            if "mlflow" in report_to:
+                sinks.append(MlflowSink(include_train=False))
+        sinks.extend(self.sinks)
+        if not sinks:
+            path = os.path.join(str(args.output_dir), "gpulens.jsonl")
+            log.info("gpulens: no W&B/MLflow in report_to and no sinks given; rows go to %s", path)
+            sinks.append(f"jsonl:{path}")
+        return sinks
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,221 @@
+"""The Hugging Face callback with real tiny Trainer runs: rows read back from the JSONL record,
+an offline W&B run file and a real MLflow server on loopback."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.mlflow_server import MlflowTracking
+from tests.support.wandb_offline import reset_wandb
+from tests.support.wandb_reader import find_run_file, read_history
+
+transformers = pytest.importorskip("transformers")
+
+from gpulens.integrations.transformers import GPUMonitorCallback  # noqa: E402
+
+GPU_KEY = "gpu/0/util_pct"
+
+
+@pytest.fixture(autouse=True)
+def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPULENS_BACKEND", "simulated")
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
+
+
+class Regression(nn.Module):
+    """y = w.x with a loss, the smallest model the Trainer accepts; ``fail_at`` raises in the
+    forward pass of that call (to test the exception path)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise RuntimeError("boom")
+        pred = self.linear(x).squeeze(-1)
+        return {"loss": nn.functional.mse_loss(pred, labels), "logits": pred}
+
+
+class Points(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int = 256, delay_s: float = 0.0) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=gen)
+        self.y = self.x.sum(-1)
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def make_trainer(tmp_path: Path, callback: GPUMonitorCallback, *, report_to: Any = "none",
+                 max_steps: int = 12, logging_steps: int = 4, grad_accum: int = 1,
+                 model: nn.Module | None = None, dataset: Any = None) -> Any:
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=max_steps,
+        logging_steps=logging_steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=grad_accum,
+        learning_rate=1e-2,
+        report_to=report_to,
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return transformers.Trainer(model=model or Regression(), args=args,
+                                train_dataset=dataset or Points(), callbacks=[callback])
+
+
+def loss_steps(trainer: Any) -> list[int]:
+    return [h["step"] for h in trainer.state.log_history if "loss" in h]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_report_to_none_rows_on_hf_log_steps_with_hf_scalars(tmp_path: Path) -> None:
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05))
+    trainer.train()
+    rows = read_jsonl(sink)
+    assert [r["step"] for r in rows] == loss_steps(trainer) == [4, 8, 12]
+    hf = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    for row in rows:
+        logged = hf[row["step"]]
+        assert row["train/global_step"] == row["step"]
+        # exactly the numbers HF logged, under train/<name>
+        for key in ("loss", "learning_rate", "grad_norm", "epoch"):
+            assert row[f"train/{key}"] == pytest.approx(logged[key])
+        assert GPU_KEY in row and "host/cpu_pct" in row
+        shares = [row[f"perf/{p}_pct"] for p in ("data_wait", "forward_backward", "optimizer")]
+        assert all(0.0 <= s <= 100.0 for s in shares)
+        assert sum(shares) == pytest.approx(100.0)
+        assert row["perf/steps"] == 4 or row is rows[0]
+
+
+def test_default_sink_is_jsonl_in_output_dir(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(interval=0.05), max_steps=8)
+    trainer.train()
+    rows = read_jsonl(tmp_path / "out" / "gpulens.jsonl")
+    assert [r["step"] for r in rows] == [4, 8]
+
+
+def test_gradient_accumulation_steps_are_optimizer_steps(tmp_path: Path) -> None:
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+                           max_steps=6, logging_steps=3, grad_accum=4)
+    trainer.train()
+    rows = read_jsonl(sink)
+    assert [r["step"] for r in rows] == loss_steps(trainer) == [3, 6]
+    assert rows[1]["perf/steps"] == 3
+
+
+def test_tail_after_last_log_gets_a_row_at_the_final_summary(tmp_path: Path) -> None:
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+                           max_steps=10, logging_steps=4)
+    trainer.train()
+    rows = read_jsonl(sink)
+    assert [r["step"] for r in rows] == [4, 8, 10]
+    assert "train/loss" not in rows[-1] and "train/train_loss" in rows[-1]
+
+
+def test_data_wait_share_follows_a_slow_dataloader(tmp_path: Path) -> None:
+    def run(delay_s: float, name: str) -> float:
+        sink = tmp_path / f"{name}.jsonl"
+        trainer = make_trainer(tmp_path / name,
+                               GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+                               max_steps=8, logging_steps=8, dataset=Points(delay_s=delay_s))
+        trainer.train()
+        (row,) = read_jsonl(sink)
+        return float(row["perf/data_wait_pct"])
+
+    slow = run(0.01, "slow")  # 4 samples x 10 ms per step: fetching dominates a tiny model
+    fast = run(0.0, "fast")
+    assert slow > 70.0
+    assert fast < slow / 2
+
+
+def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path,
+                                                     wandb_offline: Path) -> None:
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(interval=0.05), report_to="wandb")
+    trainer.train()
+    reset_wandb()  # finish the run HF started and let wandb-core write out its file
+    history = read_history(find_run_file(wandb_offline))  # exactly one run: no extra run
+    loss_rows = [h for h in history if "train/loss" in h]
+    gpu_rows = [h for h in history if GPU_KEY in h]
+    assert [h["train/global_step"] for h in loss_rows] == loss_steps(trainer) == [4, 8, 12]
+    assert [h["train/global_step"] for h in gpu_rows] == [4, 8, 12]
+    for row in gpu_rows:
+        assert "train/loss" not in row  # HF logs the loss itself; not written twice
+        assert "perf/data_wait_pct" in row
+    # W&B's own step only counts commits: never pushed to the training step
+    assert [h["_step"] for h in history] == list(range(len(history)))
+
+
+def test_mlflow_rows_join_hf_run_on_global_step(tmp_path: Path,
+                                                mlflow_tracking: MlflowTracking) -> None:
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(interval=0.05), report_to="mlflow")
+    trainer.train()
+    runs = mlflow_tracking.runs()
+    assert len(runs) == 1  # HF's run, no extra one
+    client = mlflow_tracking.client()
+    run_id = runs[0].info.run_id
+    loss = client.get_metric_history(run_id, "loss")
+    gpu = client.get_metric_history(run_id, GPU_KEY)
+    assert sorted(m.step for m in loss) == loss_steps(trainer) == [4, 8, 12]
+    assert sorted(m.step for m in gpu) == [4, 8, 12]
+    assert client.get_metric_history(run_id, "perf/data_wait_pct")
+    assert client.get_metric_history(run_id, "train/loss") == []
+
+
+def test_exception_in_training_stops_monitor_when_callback_is_collected(tmp_path: Path) -> None:
+    sink = tmp_path / "gpu.jsonl"
+    callback = GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)
+    trainer = make_trainer(tmp_path, callback, model=Regression(fail_at=7), max_steps=12,
+                           logging_steps=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    monitor = callback.monitor
+    assert monitor is not None and monitor.running
+    del trainer, callback
+    gc.collect()
+    assert not monitor.running
+    assert [r["step"] for r in read_jsonl(sink)] == [2, 4, 6]
+
+
+def test_second_train_call_restarts_after_a_failed_one(tmp_path: Path) -> None:
+    sink = tmp_path / "gpu.jsonl"
+    callback = GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)
+    model = Regression(fail_at=3)
+    trainer = make_trainer(tmp_path, callback, model=model, max_steps=4, logging_steps=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    first = callback.monitor
+    model.fail_at = None
+    trainer.train()
+    assert first is not None and not first.running
+    assert callback.monitor is None  # stopped at the end
+
+
+def test_bad_interval_is_rejected() -> None:
+    with pytest.raises(ValueError, match="interval"):
+        GPUMonitorCallback(interval=0)
