@@ -40,7 +40,7 @@ def _check_output(path: str | None, what: str) -> None:
         raise CliError(f"cannot write {what} {path}: {parent} is not a writable directory")
 
 
-def _spawn(cmd: list[str], child_mask: set[signal.Signals]) -> int:
+def _spawn(cmd: list[str], child_mask: set[int | signal.Signals]) -> int:
     defaults = [*FORWARDED, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD]
     try:
         return os.posix_spawnp(cmd[0], cmd, dict(os.environ), setsigmask=child_mask,
