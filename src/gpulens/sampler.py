@@ -17,6 +17,7 @@ releases the GIL while the driver works.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import threading
@@ -75,6 +76,8 @@ class GpuState:
     power_buf: Series = field(default_factory=Series)
     energy_mj: Series = field(default_factory=Series)
     gpm: IntervalSeries = field(default_factory=IntervalSeries)
+    periods: dict[int, float] = field(default_factory=dict)
+    """The driver's sample period of each kind of buffered sample, in seconds."""
     lost: bool = False
 
     def trim_before(self, t: float) -> None:
@@ -239,7 +242,14 @@ class Sampler:
                 if energy is not None:
                     gpu.energy_mj.add(t, energy)
                 for kind, series in ((POWER_SAMPLES, gpu.power_buf), (UTIL_SAMPLES, gpu.util_buf)):
-                    series.extend([(ts - offset, v) for ts, v in gpu.device.read_samples(kind)])
+                    points = gpu.device.read_samples(kind)
+                    if not points:
+                        continue
+                    # A buffered sample is the average over the driver's sample period that
+                    # ends at its timestamp (20 ms for power, ~200 ms for utilization on an
+                    # H200): it belongs at the middle of that period.
+                    period = gpu.periods[kind] = _spacing(points) or gpu.periods.get(kind, 0.0)
+                    series.extend([(ts - offset - period / 2, v) for ts, v in points])
             except GpuLost as exc:
                 self._lose(gpu, exc)
         self._last_slow = time.monotonic()
@@ -360,6 +370,15 @@ class Sampler:
                 values[name] = number
         values["train/global_step"] = float(mark.step)
         return Row(step=mark.step, time=mark.wall, values=values)
+
+
+def _spacing(points: list[tuple[float, float]]) -> float:
+    """The driver's sample period: the median gap between buffered samples (0 if unknown)."""
+    times = [t for t, _ in points]
+    gaps = sorted(b - a for a, b in itertools.pairwise(times) if b > a)
+    if gaps:
+        return gaps[len(gaps) // 2]
+    return 0.0
 
 
 def _to_float(value: Any) -> float | None:
