@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,29 @@ def test_long_run_is_downsampled_and_stays_small(tmp_path: Path) -> None:
     counts = [int(n) for n in re.findall(r'data-points="(\d+)"', html)]
     assert counts and max(counts) <= 2 * 800
     assert "GPU 0" in render_markdown(record, summarize(record))
+
+
+def test_report_of_a_real_monitor_run(tmp_path: Path) -> None:
+    """Rows written by a real Monitor (simulated GPUs) through the JSONL sink."""
+    import gpulens
+
+    path = tmp_path / "run.jsonl"
+    with gpulens.Monitor(backend="simulated", interval=0.02, sinks=[f"jsonl:{path}"]) as mon:
+        for step in range(1, 61):
+            time.sleep(0.02)
+            mon.log(step, loss=2.0 * math.exp(-step / 20), learning_rate=1e-3, grad_norm=0.7)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(rows) == 60
+    html, md = tmp_path / "r.html", tmp_path / "r.md"
+    assert main(["report", str(path), "-o", str(html), "--markdown", str(md)]) == 0
+    summary = summarize(load_jsonl(path))
+    assert [g.gpu for g in summary.gpus] == ["0", "1"]
+    for g in summary.gpus:
+        energy_j = sum(r[f"gpu/{g.gpu}/energy_j"] for r in rows if f"gpu/{g.gpu}/energy_j" in r)
+        assert g.energy_wh == pytest.approx(energy_j / 3600)
+        assert g.activity_metric == "sm_active_pct"
+        assert g.mem_total_gb == pytest.approx(85.9, abs=0.1)
+    assert summary.steps == 60
+    assert "| 0 | " in md.read_text() and "loss" in md.read_text()
+    dom = check_page_in_chromium(html, tmp_path, min_charts=9)
+    assert re.search(r'id="chart-loss".*?data-points="60"', dom)

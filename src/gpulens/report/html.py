@@ -152,10 +152,19 @@ def _charts(record: Record, summary: RunSummary) -> tuple[list[str], list[str]]:
         return [
             Series(f"GPU {g}", _series(record, f"gpu/{g}/power_w"), color(i)),
             Series(f"GPU {g} limit", _series(record, f"gpu/{g}/power_limit_w"), color(i),
-                   "2 4", 1.2),
+                   "2 4", 1.2, legend=False),
         ]
 
-    mem_totals = [g.mem_total_gb for g in summary.gpus if g.mem_total_gb]
+    totals = {g.gpu: g.mem_total_gb for g in summary.gpus if g.mem_total_gb}
+
+    def memory(i: int, g: str) -> list[Series]:
+        used = Series(f"GPU {g}", _series(record, f"gpu/{g}/mem_used_gb"), color(i))
+        total = totals.get(g)
+        if total is None or not used.points:
+            return [used]
+        return [used, Series(f"GPU {g} total", [(xr[0], total), (xr[1], total)], color(i),
+                             "2 4", 1.2, legend=False)]
+
     train = [
         one("chart-loss", "Loss", "train/loss", "train/loss", None),
         one("chart-lr", "Learning rate", "train/learning_rate", "train/learning_rate"),
@@ -165,8 +174,7 @@ def _charts(record: Record, summary: RunSummary) -> tuple[list[str], list[str]]:
     gpu = [
         per_gpu("chart-activity", "GPU activity", "% (SM / tensor active where GPM exists, "
                 "else NVML util)", activity, 0.0, 100.0),
-        per_gpu("chart-memory", "GPU memory used", "GB", simple("mem_used_gb", ""), 0.0,
-                max(mem_totals) if mem_totals else None),
+        per_gpu("chart-memory", "GPU memory used", "GB (dotted: total)", memory),
         per_gpu("chart-power", "GPU power", "W (dotted: limit)", power),
         per_gpu("chart-temp", "GPU temperature", "°C", simple("temp_c", ""), None),
         per_gpu("chart-throttle", "Clocks held down", "% of time (power cap, thermal, ...)",

@@ -29,6 +29,7 @@ class Series:
     color: str
     dash: str | None = None
     width: float = 1.8
+    legend: bool = True
 
 
 def color(i: int) -> str:
@@ -67,7 +68,7 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     start = math.floor(lo / step) * step
     ticks: list[float] = []
     v = start
-    while v <= hi + step * 0.5 and len(ticks) < 20:
+    while v < hi + step * 0.999 and len(ticks) < 20:
         ticks.append(round(v, 12))
         v += step
     return ticks
@@ -165,6 +166,7 @@ def line_chart(
         f'<span class="key"><i style="background:{s.color}"'
         f'{" class=dashed" if s.dash else ""}></i>{escape(s.label)}</span>'
         for s in series
+        if s.legend
     )
     return (
         f'<figure class="card" id="{escape(chart_id)}">'

@@ -1,0 +1,67 @@
+"""The ``gpulens`` command line as a whole: help, version, bad subcommands, a light import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+GPULENS = [sys.executable, "-m", "gpulens.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*GPULENS, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_no_subcommand_prints_usage_and_exits_2() -> None:
+    proc = run()
+    assert proc.returncode == 2
+    for cmd in ("watch", "record", "report", "serve"):
+        assert cmd in proc.stderr
+
+
+def test_version_and_help() -> None:
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("gpulens ")
+    for cmd in ("watch", "record", "report", "serve"):
+        proc = run(cmd, "--help")
+        assert proc.returncode == 0 and "usage: gpulens" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["report"], "the following arguments are required: RUN.jsonl"),
+        (["serve", "--port", "http"], "not a port number: 'http'"),
+        (["serve", "--port", "-5"], "port must be 0-65535"),
+        (["watch", "--interval", "fast"], "not a number: 'fast'"),
+        (["report", "x.jsonl", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_flags_one_line_exit_2(args: list[str], message: str) -> None:
+    proc = run(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_import_is_light() -> None:
+    code = (
+        "import sys, gpulens.cli; gpulens.cli.build_parser(); "
+        "heavy = [m for m in ('rich', 'prometheus_client', 'torch', 'wandb', 'mlflow', "
+        "'gpulens.report', 'gpulens.sinks.prometheus') if m in sys.modules]; print(heavy)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_console_script_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "gpulens"]
+    assert ep.value == "gpulens.cli:main"
