@@ -1,0 +1,242 @@
+"""The Lightning callback's hooks, shared by the ``lightning.pytorch`` and ``pytorch_lightning``
+classes (:mod:`gpulens.integrations.lightning`, :mod:`gpulens.integrations.pytorch_lightning`).
+
+This module imports neither package: the hooks only use the ``trainer`` and ``pl_module`` they are
+handed. The few private Lightning attributes read here (the step and the decision of Lightning's
+logger connector) are read in one place, :func:`_lightning_log_step`, and checked in ``setup``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpulens.integrations.phases import StepPhases
+from gpulens.sinks.base import Row, RunContext, Sink
+
+if TYPE_CHECKING:
+    from gpulens import Monitor
+
+DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on the steps where
+    Lightning writes the module's own ``self.log(...)`` metrics.
+
+    Usage::
+
+        trainer = Trainer(callbacks=[GPUMonitorCallback()], log_every_n_steps=10)
+
+    or with LightningCLI::
+
+        --trainer.callbacks+=gpulens.integrations.lightning.GPUMonitorCallback
+
+    A row is written in ``on_train_batch_end`` exactly when Lightning's logger connector is about
+    to log training-step metrics (every ``log_every_n_steps`` optimizer steps, never on a
+    gradient-accumulation micro-batch, and on the last step when training stops), at the same
+    step Lightning passes to ``logger.log_metrics`` (``trainer/global_step`` in W&B). The GPU
+    window covers every batch since the previous row. Each row reaches each logger through
+    ``logger.log_metrics(metrics, step=...)`` on the training thread, one log call later than
+    it is taken (rows are summarised in a background thread) and at the latest when training
+    ends. Only global rank 0 writes; every rank samples its own GPU and takes part in the row
+    (``Monitor.log`` is then a collective, called on every rank by this callback).
+
+    Keys, besides the per-GPU and host keys of :mod:`gpulens.schema` and the core's
+    ``perf/step_time_s`` / ``perf/energy_per_step_j``:
+
+    * ``perf/data_wait_pct``, ``perf/data_wait_s``: from the end of this callback's
+      ``on_train_batch_end`` (or of ``on_validation_end`` / ``on_train_epoch_start`` after it) to
+      its ``on_train_batch_start`` of the next batch: fetching the next batch, moving it to the
+      device, plus Lightning's own work after the batch (logger writes, checkpoints saved at
+      batch end, the ``on_train_batch_end`` of callbacks after this one).
+    * ``perf/forward_backward_pct|_s``: ``on_train_batch_start`` -> ``on_before_optimizer_step``
+      (training_step, backward; a gradient-accumulation micro-batch counts wholly here).
+    * ``perf/optimizer_pct|_s``: ``on_before_optimizer_step`` -> ``on_train_batch_end``.
+
+    ``_pct`` is a share of the measured step time (the three phases), ``_s`` seconds per optimizer
+    step. On a CUDA module the phases are timed with CUDA events on the GPU's timeline, read once
+    they have completed (``query()``), never by synchronising; on CPU with ``perf_counter``.
+
+    Args:
+        sinks: extra sinks (``"jsonl:PATH"``, ``"prometheus:PORT"``, sink objects) that get the
+            same rows.
+        interval: seconds between the sampler's cheap reads.
+        gpus: device indices to sample; ``None``: the devices this process uses.
+        backend: ``"nvml"``, ``"simulated"`` or ``None`` (automatic, honours ``GPULENS_BACKEND``).
+        to_loggers: write rows to ``trainer.loggers``.
+        phases: time the phases of each step.
+"""
+
+
+class LoggersSink:
+    """Writes rows to Lightning loggers with ``log_metrics(metrics, step=row.step)``.
+
+    Fed from the training thread (Lightning loggers are not thread-safe). ``train/*`` keys are
+    left out: the step goes in ``step=`` and the module logs its own metrics.
+    """
+
+    on_training_thread = True
+
+    def __init__(self, loggers: Sequence[Any]) -> None:
+        self.loggers = list(loggers)
+
+    def open(self, context: RunContext) -> None:
+        pass
+
+    def write(self, row: Row) -> None:
+        metrics = {k: v for k, v in row.values.items() if not k.startswith("train/")}
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=row.step)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.save()
+
+
+class GPUMonitorHooks:
+    """Hook implementations; mixed into each package's ``Callback``."""
+
+    def __init__(
+        self,
+        sinks: Sequence[str | Sink] | None = None,
+        interval: float = 0.5,
+        gpus: Sequence[int] | None = None,
+        backend: str | None = None,
+        to_loggers: bool = True,
+        phases: bool = True,
+    ) -> None:
+        super().__init__()
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
+        if backend is not None and backend not in ("nvml", "simulated"):
+            raise ValueError(f"backend must be 'nvml', 'simulated' or None, got {backend!r}")
+        self.sinks: list[str | Sink] = list(sinks or ())
+        self.interval = float(interval)
+        self.gpus = None if gpus is None else list(gpus)
+        self.backend = backend
+        self.to_loggers = to_loggers
+        self.time_phases = phases
+        self.monitor: Monitor | None = None
+        self._phases: StepPhases | None = None
+        self._last_step = 0
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            _check_lightning_internals(trainer)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from gpulens import Monitor
+
+        self._stop()
+        sinks: list[str | Sink] = []
+        if trainer.is_global_zero:
+            if self.to_loggers and trainer.loggers:
+                sinks.append(LoggersSink(trainer.loggers))
+            sinks.extend(self.sinks)
+        monitor = Monitor(gpus=self.gpus, interval=self.interval, sinks=sinks,
+                          backend=self.backend)
+        monitor.start()
+        self.monitor = monitor
+        self._finalizer = weakref.finalize(self, monitor.stop)
+        self._last_step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+        if self.time_phases:
+            self._phases = StepPhases(cuda=getattr(pl_module.device, "type", None) == "cuda")
+            self._phases.resume()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._stop()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._stop()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # monitor.stop(), once
+            self._finalizer = None
+        self.monitor = None
+        self._phases = None
+
+    # -- step anatomy ----------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        if self._phases is not None:
+            self._phases.step_begin()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._phases is not None:
+            self._phases.before_optimizer()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._phases is not None:
+            self._phases.resume()
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._phases is not None and trainer.training:
+            self._phases.resume()
+
+    # -- rows ------------------------------------------------------------------------------------
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._phases is not None:
+            self._phases.step_end()
+        monitor = self.monitor
+        if monitor is None:
+            return
+        step, will_log = _lightning_log_step(trainer)
+        if not will_log:
+            return
+        scalars: dict[str, float] = {}
+        if self._phases is not None:
+            # steps in the window: optimizer steps since the previous row, this one included
+            scalars.update(self._phases.collect(step + 1 - self._last_step))
+        monitor.log(step, **scalars)
+        self._last_step = step + 1
+
+
+def _lightning_log_step(trainer: Any) -> tuple[int, bool]:
+    """The step Lightning's logger connector logs training-step metrics at right after
+    ``on_train_batch_end``, and whether it logs them for this batch.
+
+    Mirrors ``_LoggerConnector.update_train_step_metrics`` (Lightning 2.x): no log on a
+    gradient-accumulation micro-batch under automatic optimisation; otherwise when
+    ``should_update_logs`` (every ``log_every_n_steps`` counted in ``_batches_that_stepped + 1``,
+    or ``trainer.should_stop``) or ``fast_dev_run``; the step is
+    ``fit_loop.epoch_loop._batches_that_stepped`` (optimizer steps before this one, so one less
+    than ``trainer.global_step`` once this batch's optimizer step ran).
+    """
+    fit_loop = trainer.fit_loop
+    step = int(fit_loop.epoch_loop._batches_that_stepped)
+    accumulating = bool(fit_loop._should_accumulate())
+    module = trainer.lightning_module
+    if accumulating and getattr(module, "automatic_optimization", True):
+        return step, False
+    will_log = bool(trainer._logger_connector.should_update_logs) or bool(trainer.fast_dev_run)
+    return step, will_log
+
+
+def _check_lightning_internals(trainer: Any) -> None:
+    """Raise at ``setup`` (not mid-training) when this Lightning lacks what
+    :func:`_lightning_log_step` reads."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    missing = [
+        name
+        for name, ok in (
+            ("fit_loop.epoch_loop._batches_that_stepped",
+             hasattr(getattr(fit_loop, "epoch_loop", None), "_batches_that_stepped")),
+            ("fit_loop._should_accumulate", hasattr(fit_loop, "_should_accumulate")),
+            ("_logger_connector.should_update_logs",
+             hasattr(type(getattr(trainer, "_logger_connector", None)), "should_update_logs")),
+        )
+        if not ok
+    ]
+    if missing:
+        raise RuntimeError(
+            "gpulens' Lightning callback follows Lightning 2.x's logging step and needs "
+            f"{', '.join(missing)}, which this Lightning version lacks"
+        )
+
+
+__all__ = ["DOC", "GPUMonitorHooks", "LoggersSink"]

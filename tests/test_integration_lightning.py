@@ -1,0 +1,264 @@
+"""The Lightning callback, for both ``lightning.pytorch`` and the standalone ``pytorch_lightning``:
+real tiny ``Trainer`` and ``LightningCLI`` runs, rows read back from the CSV logger's file, a
+real MLflow server on loopback and an offline W&B run file."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support.mlflow_server import MlflowTracking
+from tests.support.wandb_offline import reset_wandb
+from tests.support.wandb_reader import find_run_file, read_history
+
+pytestmark = pytest.mark.filterwarnings(
+    # Lightning 2.6.6 with torch 2.13: a deprecation inside Lightning's own pytree helper
+    "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning",
+    # Lightning's hint that the tiny loaders have no workers
+    "ignore:The '.*dataloader' does not have many workers:UserWarning",
+    "ignore:The number of training batches .* is smaller than the logging interval:UserWarning",
+)
+
+PACKAGES = {
+    "lightning": ("lightning.pytorch", "gpulens.integrations.lightning"),
+    "pytorch_lightning": ("pytorch_lightning", "gpulens.integrations.pytorch_lightning"),
+}
+GPU_KEY = "gpu/0/util_pct"
+
+
+@pytest.fixture(autouse=True)
+def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPULENS_BACKEND", "simulated")
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
+
+
+@pytest.fixture(params=sorted(PACKAGES))
+def pkg(request: pytest.FixtureRequest) -> tuple[Any, Any]:
+    """(the Lightning package, the gpulens module for it)."""
+    pl_name, ours = PACKAGES[request.param]
+    pl = pytest.importorskip(pl_name)
+    return pl, importlib.import_module(ours)
+
+
+def classes(pl: Any) -> tuple[type[Any], type[Any]]:
+    """A regression module logging ``train_loss`` every step, and its data module."""
+
+    class Regressor(pl.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self, fail_at: int = -1) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+            self.fail_at = fail_at
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == self.fail_at:
+                raise RuntimeError("boom")
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x).squeeze(-1), y)
+            self.log("train_loss", loss, on_step=True, on_epoch=False)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class Points(pl.LightningDataModule):  # type: ignore[misc, name-defined]
+        def __init__(self, n: int = 512, batch_size: int = 8) -> None:
+            super().__init__()
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(n, 8, generator=gen)
+            self.data = torch.utils.data.TensorDataset(x, x.sum(-1))
+            self.batch_size = batch_size
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+            return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size)
+
+    return Regressor, Points
+
+
+def fit(pl: Any, callback: Any, loggers: list[Any], tmp_path: Path, *, max_steps: int = 12,
+        log_every: int = 4, accumulate: int = 1, fail_at: int = -1) -> Any:
+    module_cls, data_cls = classes(pl)
+    trainer = pl.Trainer(
+        max_steps=max_steps, log_every_n_steps=log_every, accumulate_grad_batches=accumulate,
+        logger=loggers, callbacks=[callback], accelerator="cpu", devices=1,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module_cls(fail_at=fail_at), datamodule=data_cls())
+    return trainer
+
+
+def csv_rows(logger: Any) -> list[dict[str, str]]:
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def steps_with(rows: list[dict[str, str]], key: str) -> list[int]:
+    return sorted({int(r["step"]) for r in rows if r.get(key)})
+
+
+def test_callbacks_subclass_their_own_package(pkg: tuple[Any, Any]) -> None:
+    pl, ours = pkg
+    import lightning.pytorch as lp
+    import pytorch_lightning as ptl
+
+    callback = ours.GPUMonitorCallback()
+    assert isinstance(callback, pl.Callback)
+    other = ptl if pl is lp else lp
+    assert not isinstance(callback, other.Callback)
+
+
+def test_rows_reach_every_logger_on_the_module_log_steps(
+    pkg: tuple[Any, Any], tmp_path: Path, mlflow_tracking: MlflowTracking
+) -> None:
+    pl, ours = pkg
+    csv_logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    mlf_logger = pl.loggers.MLFlowLogger(experiment_name=mlflow_tracking.experiment_name,
+                                         tracking_uri=mlflow_tracking.uri)
+    sink = tmp_path / "gpu.jsonl"
+    fit(pl, ours.GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+        [csv_logger, mlf_logger], tmp_path, max_steps=12, log_every=4)
+
+    rows = csv_rows(csv_logger)
+    assert steps_with(rows, "train_loss") == [3, 7, 11]  # Lightning's own logging steps
+    assert steps_with(rows, GPU_KEY) == [3, 7, 11]
+    assert steps_with(rows, "perf/data_wait_pct") == [3, 7, 11]
+    assert not any(k.startswith("train/") for k in rows[0])  # the module's metrics stay its own
+
+    client = mlflow_tracking.client()
+    (run,) = mlflow_tracking.runs()
+    loss_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss"))
+    gpu_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, GPU_KEY))
+    assert loss_steps == gpu_steps == [3, 7, 11]
+
+    lines = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [3, 7, 11]
+    assert [r["perf/steps"] for r in lines[1:]] == [4, 4]
+
+
+def test_gradient_accumulation_logs_on_optimizer_steps(pkg: tuple[Any, Any],
+                                                       tmp_path: Path) -> None:
+    pl, ours = pkg
+    logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    fit(pl, ours.GPUMonitorCallback(interval=0.05), [logger], tmp_path, max_steps=6,
+        log_every=2, accumulate=3)
+    rows = csv_rows(logger)
+    assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [1, 3, 5]
+
+
+def test_wandb_logger_gets_rows_on_trainer_global_step(tmp_path: Path,
+                                                       wandb_offline: Path) -> None:
+    import lightning.pytorch as pl
+
+    from gpulens.integrations.lightning import GPUMonitorCallback
+
+    logger = pl.loggers.WandbLogger(save_dir=str(wandb_offline), project="gpulens-test")
+    fit(pl, GPUMonitorCallback(interval=0.05), [logger], tmp_path, max_steps=12, log_every=4)
+    reset_wandb()
+    history = read_history(find_run_file(wandb_offline))
+    loss = [h["trainer/global_step"] for h in history if "train_loss" in h]
+    gpu = [h["trainer/global_step"] for h in history if GPU_KEY in h]
+    assert loss == gpu == [3, 7, 11]
+    assert [h["_step"] for h in history] == list(range(len(history)))
+
+
+def test_exception_stops_the_monitor(pkg: tuple[Any, Any], tmp_path: Path) -> None:
+    pl, ours = pkg
+    sink = tmp_path / "gpu.jsonl"
+    callback = ours.GPUMonitorCallback(sinks=[f"jsonl:{sink}"], to_loggers=False,
+                                       interval=0.05)
+    started: list[Any] = []
+    original = callback.on_train_start
+
+    def spy(trainer: Any, module: Any) -> None:
+        original(trainer, module)
+        started.append(callback.monitor)
+
+    callback.on_train_start = spy
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(pl, callback, [], tmp_path, max_steps=12, log_every=2, fail_at=7)
+    (monitor,) = started
+    assert not monitor.running and callback.monitor is None
+    assert [json.loads(line)["step"] for line in sink.read_text().splitlines()] == [1, 3, 5]
+
+
+def write_cli_script(tmp_path: Path, pl_name: str) -> Path:
+    """A LightningCLI program (the classes of this test file, importable by path)."""
+    script = tmp_path / "cli_main.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        f"import {pl_name} as pl\n"
+        f"from {pl_name}.cli import LightningCLI\n"
+        "from tests.test_integration_lightning import classes\n"
+        "Regressor, Points = classes(pl)\n"
+        "LightningCLI(Regressor, Points, save_config_callback=None)\n"
+    )
+    return script
+
+
+CLI_TRAINER_ARGS = [
+    "--trainer.max_steps=8", "--trainer.log_every_n_steps=4", "--trainer.accelerator=cpu",
+    "--trainer.devices=1", "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
+]
+
+
+def run_cli(tmp_path: Path, pl_name: str, args: list[str]) -> None:
+    """Run the LightningCLI program in a new interpreter, as a user would from a shell."""
+    script = write_cli_script(tmp_path, pl_name)
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("name", sorted(PACKAGES))
+def test_lightning_cli_adds_callback_from_command_line(name: str, tmp_path: Path) -> None:
+    pl_name, ours = PACKAGES[name]
+    pytest.importorskip(pl_name)
+    log_dir = tmp_path / "logs"
+    run_cli(tmp_path, pl_name, ["fit", *CLI_TRAINER_ARGS,
+                 f"--trainer.logger={pl_name}.loggers.CSVLogger",
+                 f"--trainer.logger.save_dir={log_dir}",
+                 f"--trainer.callbacks+={ours}.GPUMonitorCallback",
+                 "--trainer.callbacks.interval=0.05"])
+    (metrics,) = log_dir.rglob("metrics.csv")
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+    assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [3, 7]
+
+
+@pytest.mark.parametrize("name", sorted(PACKAGES))
+def test_lightning_cli_adds_callback_from_yaml(name: str, tmp_path: Path) -> None:
+    pl_name, ours = PACKAGES[name]
+    pytest.importorskip(pl_name)
+    sink = tmp_path / "gpu.jsonl"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  logger: false\n"
+        "  callbacks:\n"
+        f"    - class_path: {ours}.GPUMonitorCallback\n"
+        "      init_args:\n"
+        "        interval: 0.05\n"
+        f"        sinks: ['jsonl:{sink}']\n"
+    )
+    run_cli(tmp_path, pl_name, ["fit", f"--config={config}", *CLI_TRAINER_ARGS])
+    assert [json.loads(line)["step"] for line in sink.read_text().splitlines()] == [3, 7]
+
+
+def test_bad_arguments_fail_at_construction() -> None:
+    from gpulens.integrations.lightning import GPUMonitorCallback
+
+    with pytest.raises(ValueError, match="interval"):
+        GPUMonitorCallback(interval=-1)
+    with pytest.raises(ValueError, match="backend"):
+        GPUMonitorCallback(backend="nvidia")
