@@ -173,3 +173,31 @@ def test_bad_input(args: list[str], code: int, message: str) -> None:
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_prometheus_sink_while_recording_has_gpu_but_no_training_series() -> None:
+    """The child scrapes its parent's exporter: GPU series, no gpulens_train_* (rows count
+    intervals here, not training steps)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    child = (
+        "import time, urllib.request\n"
+        "deadline = time.time() + 20\n"
+        "text = ''\n"
+        "while time.time() < deadline and 'gpulens_gpu_power_watts{' not in text:\n"
+        "    time.sleep(0.2)\n"
+        "    try:\n"
+        f"        text = urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read()"
+        ".decode()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('gpu' if 'gpulens_gpu_power_watts{' in text else 'nogpu',"
+        " 'train' if 'gpulens_train' in text else 'notrain')\n"
+    )
+    proc = record("--interval", "0.2", "--sink", f"prometheus:{port}", "--", sys.executable,
+                  "-c", child)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "gpu notrain"

@@ -77,12 +77,18 @@ def run_record(args: argparse.Namespace) -> int:
     _check_output(args.summary_md, "summary Markdown")
 
     import gpulens
+    from gpulens.sinks import resolve_sink
+    from gpulens.sinks.prometheus import PrometheusSink
     from gpulens.sinks.summary import SummarySink
 
     summary = SummarySink()
     try:
+        sinks = [resolve_sink(spec) for spec in args.sink]
+        for sink in sinks:
+            if isinstance(sink, PrometheusSink):
+                sink.training = False  # rows count intervals here, not training steps
         monitor = gpulens.Monitor(gpus=args.gpus, interval=monitor_interval(args.interval),
-                                  sinks=[*args.sink, summary])
+                                  sinks=[*sinks, summary])
     except (ValueError, ImportError) as e:
         raise CliError(str(e)) from None
 
