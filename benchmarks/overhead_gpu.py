@@ -175,7 +175,7 @@ def setup(quick: bool, target_ms: float, batch: int | None, seq: int | None) -> 
     if batch is None and not quick:
         for _ in range(3):
             dt = time_steps(s, 3)
-            want = max(1, min(128, round(s.batch_size * target_ms / 1e3 / dt)))
+            want = max(1, min(64, round(s.batch_size * target_ms / 1e3 / dt)))
             log(f"batch {s.batch_size}: {dt * 1e3:.1f} ms/step; target {target_ms} ms -> {want}")
             if abs(want - s.batch_size) <= max(1, s.batch_size // 10):
                 break
@@ -188,6 +188,7 @@ def setup(quick: bool, target_ms: float, batch: int | None, seq: int | None) -> 
                 for i in range(2):
                     train_step(s, i)
             except torch.cuda.OutOfMemoryError:
+                s.optimizer.zero_grad(set_to_none=True)
                 want = max(1, want // 2)
                 s.batches = []
                 gc.collect()
@@ -340,16 +341,14 @@ class WandbVariant(Variant):
             project="gpulens-bench", name=f"wandb-{rep}", mode="offline",
             dir=str(self.tmp),
             settings=wandb.Settings(x_stats_sampling_interval=INTERVAL_S, console="off",
-                                    silent=True, disable_git=True, save_code=False,
-                                    x_stats_buffer_size=100_000),
+                                    silent=True, disable_git=True, save_code=False),
         )
 
     def stop(self) -> str:
-        metrics = self.run._system_metrics
-        gpu = [k for k in metrics if k.startswith("gpu.0.")]
-        n = max((len(v) for v in metrics.values()), default=0)
+        run_dir = Path(self.run.dir).parent
         self.run.finish()
-        return f"{n} samples, {len(gpu)} gpu.0 series"
+        size = sum(f.stat().st_size for f in run_dir.glob("*.wandb"))
+        return f"offline run file {size / 1024:.0f} KiB"
 
 
 class MlflowVariant(Variant):
