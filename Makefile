@@ -15,6 +15,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build of torch lies on this machine's disk (pip's find-links); it is installed
 # FIRST so that nothing asking for "torch" later pulls a CUDA build of several GB.
+# pip runs with -qq: this machine's pip config names local indexes that warn once per missing
+# package; errors still show.
 TORCH_PIN := torch==2.13.0
 LINT_PATHS := $(wildcard src tests examples benchmarks integrations)
 PYTEST_ARGS ?=
@@ -25,9 +27,9 @@ venv $(VENV): $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet '$(TORCH_PIN)'
-	$(BIN)/python -m pip install --quiet -e '.[all,dev]'
+	$(BIN)/python -m pip install --quiet --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet --quiet '$(TORCH_PIN)'
+	$(BIN)/python -m pip install --quiet --quiet -e '.[all,dev]'
 	$(BIN)/python -c 'import sys, torch; v = torch.__version__; sys.exit(None if v.split("+")[0] == "2.13.0" else f"torch {v} replaced 2.13.0")'
 	touch $@
 

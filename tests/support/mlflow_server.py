@@ -9,6 +9,10 @@ in its own session (so its own process group: the CLI, the uvicorn worker and an
 spawn), waits until ``GET /health`` answers 200, and returns an ``MlflowServer`` whose
 ``stop()`` kills the whole process group and reaps it.
 
+The group's leader is a small watchdog that runs the server and kills the group when the test
+process that started it goes away without calling ``stop()`` (killed pytest, ``os._exit``), so
+no server outlives its test session.
+
 Notes for mlflow 3.17:
 - Its security middleware checks the Host header; the default allows localhost and 127.0.0.1
   on any port, which is all the tests use, so no ``--allowed-hosts`` is passed.
@@ -116,6 +120,25 @@ class MlflowServer:
             os.killpg(pgid, signal.SIGKILL)
 
 
+# The process-group leader: runs the command, passes on its exit code, and kills the whole
+# group if the process that started it dies first (it is then reparented).
+_WATCHDOG = """
+import os, signal, subprocess, sys, time
+starter = int(sys.argv[1])
+child = subprocess.Popen(sys.argv[2:])
+while child.poll() is None:
+    if os.getppid() != starter:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.killpg(0, signal.SIGTERM)
+        try:
+            child.wait(timeout=10)
+        finally:
+            os.killpg(0, signal.SIGKILL)
+    time.sleep(0.5)
+sys.exit(child.returncode)
+"""
+
+
 def _server_env() -> dict[str, str]:
     env = dict(os.environ)
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
@@ -130,6 +153,10 @@ def _start_once(root: Path, port: int, timeout_s: float) -> MlflowServer:
     artifacts = root / "artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
     command = [
+        sys.executable,
+        "-c",
+        _WATCHDOG,
+        str(os.getpid()),
         sys.executable,
         "-m",
         "mlflow",
