@@ -248,3 +248,29 @@ def test_report_of_a_real_monitor_run(tmp_path: Path) -> None:
     assert "| 0 | " in md.read_text() and "loss" in md.read_text()
     dom = check_page_in_chromium(html, tmp_path, min_charts=9)
     assert re.search(r'id="chart-loss".*?data-points="60"', dom)
+
+
+def test_report_of_a_gpulens_record_run(tmp_path: Path) -> None:
+    """Rows from `gpulens record` are intervals, not training steps: GPU charts only, no
+    per-step figures."""
+    rows = tmp_path / "rec.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpulens.cli", "record", "--quiet", "--interval", "0.1",
+         "--sink", f"jsonl:{rows}", "--", sys.executable, "-c", "import time; time.sleep(1)"],
+        capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="3"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    html, md = tmp_path / "rec.html", tmp_path / "rec.md"
+    assert main(["report", str(rows), "-o", str(html), "--markdown", str(md)]) == 0
+    page = html.read_text()
+    assert "<h2>GPUs, by row</h2>" in page
+    assert 'id="chart-loss"' not in page and 'id="chart-step-time"' not in page
+    assert "energy per step" not in page and "steps" not in _kpi_labels(page)
+    assert "energy/step" not in md.read_text() and "steps:" not in md.read_text()
+    dom = check_page_in_chromium(html, tmp_path, min_charts=5)
+    assert dom.count('<tr data-gpu="') == 3
+
+
+def _kpi_labels(page: str) -> list[str]:
+    return re.findall(r'<div class="l">([^<]*)</div>', page)

@@ -9,6 +9,8 @@ The command line front is ``gpulens report RUN.jsonl [-o report.html] [--markdow
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpulens.report.html import render_html
 from gpulens.report.load import Record, ReportError, load_jsonl
 from gpulens.report.summary import Efficiency, GpuSummary, RunSummary, SummaryBuilder
@@ -39,9 +41,14 @@ def summarize(record: Record, work: float | None = None, unit: str = "units") ->
 
 def render_markdown(record: Record, summary: RunSummary, title: str | None = None) -> str:
     """Markdown for a pull-request comment: headline, per-GPU table, sparklines by step."""
+    if not record.trained:
+        summary = dataclasses.replace(summary, steps=None, first_step=None, last_step=None,
+                                      energy_per_step_j=None, step_time_mean_s=None)
     text = render_markdown_summary(summary, title or f"gpulens report: {record.path.name}")
     lines = []
     for key, label in (("train/loss", "loss"), ("perf/step_time_s", "step time")):
+        if not record.trained:
+            break
         vals = [r.values[key] for r in record.rows if key in r.values]
         if vals:
             lines.append(

@@ -9,6 +9,7 @@ efficiency.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 from collections.abc import Callable
@@ -180,6 +181,8 @@ def _charts(record: Record, summary: RunSummary) -> tuple[list[str], list[str]]:
         per_gpu("chart-throttle", "Clocks held down", "% of time (power cap, thermal, ...)",
                 simple("throttle_pct", ""), 0.0, 100.0),
     ]
+    if not record.trained:  # e.g. `gpulens record`: rows are wall-clock intervals
+        train = []
     return [c for c in train if c], [c for c in gpu if c]
 
 
@@ -247,6 +250,9 @@ def render_html(record: Record, summary: RunSummary, title: str | None = None) -
     """The whole report page as one string."""
     title = title or f"gpulens report: {record.path.name}"
     train, gpu = _charts(record, summary)
+    if not record.trained:  # steps are interval numbers: per-step figures mean nothing
+        summary = dataclasses.replace(summary, steps=None, energy_per_step_j=None,
+                                      step_time_mean_s=None)
     if train:
         charts = (
             '<div class="cols"><div class="col"><div class="colhead">Training</div>'
@@ -271,7 +277,7 @@ def render_html(record: Record, summary: RunSummary, title: str | None = None) -
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body><main>"
         f"<h1>{escape(title)}</h1><div class=sub>{escape(sub)}</div>"
         f'<div class="kpis">{_kpis(summary)}</div>'
-        f"<h2>Training and GPUs, by step</h2>{charts}"
+        f"<h2>{'Training and GPUs, by step' if train else 'GPUs, by row'}</h2>{charts}"
         f"<h2>Per GPU</h2>{_table(record, summary)}"
         f"<h2>Energy and efficiency</h2>{_energy(summary)}"
         f"{note}<p class=note>Made by gpulens from {escape(str(record.path))}. Means are "

@@ -26,6 +26,13 @@ class Record:
     """GPU key -> model name, where the record says (a ``gpus`` list of objects)."""
     mem_total_gb: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def trained(self) -> bool:
+        """Whether the rows carry training scalars; if not (``gpulens record``), the steps are
+        wall-clock interval numbers and per-step figures mean nothing."""
+        return any(k.startswith("train/") and k != "train/global_step"
+                   for r in self.rows for k in r.values)
+
 
 def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
