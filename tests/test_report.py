@@ -274,3 +274,14 @@ def test_report_of_a_gpulens_record_run(tmp_path: Path) -> None:
 
 def _kpi_labels(page: str) -> list[str]:
     return re.findall(r'<div class="l">([^<]*)</div>', page)
+
+
+def test_report_efficiency_with_work(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "run.jsonl", junk=False)
+    html, md = tmp_path / "r.html", tmp_path / "r.md"
+    assert main(["report", str(path), "-o", str(html), "--markdown", str(md), "--work", "84000",
+                 "--unit", "tokens"]) == 0
+    # 700 W for 60 s = 42 kJ; 84000 tokens / 42000 J = 2 tokens/J; 1400 tokens/s / 700 W
+    assert "tokens/J: 2 " in md.read_text() + " "
+    assert "tokens/s per W: 2" in md.read_text()
+    assert "<th>tokens per joule</th><td>2</td>" in html.read_text()

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
                    help="also write Markdown (to stdout without FILE)")
     p.add_argument("--title", default=None)
+    p.add_argument("--work", type=positive_float, default=None,
+                   help="work the run did in total (tokens, samples, ...), for efficiency")
+    p.add_argument("--unit", default="tokens", choices=("tokens", "samples", "requests"),
+                   help="unit of --work (tokens)")
 
     p = sub.add_parser("serve", help="Prometheus exporter of live GPU metrics")
     p.add_argument("--port", type=_port, default=9400, help="TCP port (9400; 0 = any free)")

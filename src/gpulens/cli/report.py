@@ -33,7 +33,7 @@ def run_report(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if not record.rows:
         raise CliError(f"no rows in {args.input} (expected JSON objects with 'step' and 'time')")
-    summary = summarize(record)
+    summary = summarize(record, work=args.work, unit=args.unit)
     output = args.output
     if output is None:
         output = str(Path(args.input).with_suffix(".html"))
