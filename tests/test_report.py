@@ -212,6 +212,24 @@ def test_html_in_chromium(tmp_path: Path) -> None:
     assert re.search(r'id="chart-loss".*?data-points="120"', dom)
     assert re.search(r'id="chart-activity".*?data-points="480"', dom)
     assert dom.count('<tr data-gpu="') == 2
+    # hover read-out: a synthetic mouse move over the middle of the loss chart
+    probe = tmp_path / "probe.html"
+    probe.write_text(html.replace("</body>", (
+        "<script>var s=document.querySelector('#chart-loss svg'),r=s.getBoundingClientRect();"
+        "s.dispatchEvent(new MouseEvent('mousemove',{clientX:r.left+r.width*0.55,"
+        "clientY:r.top+r.height/2,bubbles:true}));"
+        "document.body.setAttribute('data-tip',document.getElementById('tip').textContent);"
+        "</script></body>")))
+    dom = check_page_in_chromium(probe, tmp_path, min_charts=9)
+    tip = re.search(r'<body data-tip="([^"]*)"', dom)
+    assert tip, "hover script did not run"
+    m = re.fullmatch(r"step (\d+)\ntrain/loss: ([\d.]+)", tip.group(1).replace("&#10;", "\n")
+                     .replace("\r", ""))
+    assert m, tip.group(1)
+    step, shown = int(m.group(1)), float(m.group(2))
+    assert 55 < step < 75
+    expected = 3 * math.exp(-step / 40) + 0.3
+    assert shown == pytest.approx(expected, rel=0.03)
 
 
 def test_long_run_is_downsampled_and_stays_small(tmp_path: Path) -> None:
