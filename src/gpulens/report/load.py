@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,16 +49,23 @@ def load_jsonl(path: str | Path) -> Record:
         ReportError: the file is missing or unreadable.
     """
     p = Path(path)
+    record = Record(path=p)
     try:
-        text = p.read_text(encoding="utf-8", errors="replace")
+        with p.open(encoding="utf-8", errors="replace") as f:
+            _read_lines(f, record)
     except FileNotFoundError:
         raise ReportError(f"no such file: {p}") from None
     except IsADirectoryError:
         raise ReportError(f"{p} is a directory, not a JSONL file") from None
     except OSError as e:
         raise ReportError(f"cannot read {p}: {e.strerror or e}") from None
-    record = Record(path=p)
-    for line in text.splitlines():
+    record.rows.sort(key=lambda r: r.time)
+    return record
+
+
+def _read_lines(lines: Iterable[str], record: Record) -> None:
+    """Parse line by line (constant memory beyond the rows themselves)."""
+    for line in lines:
         if not line.strip():
             continue
         try:
@@ -84,8 +92,6 @@ def load_jsonl(path: str | Path) -> Record:
             if f is not None:
                 values[key] = f
         record.rows.append(Row(step=step, time=time, values=values))
-    record.rows.sort(key=lambda r: r.time)
-    return record
 
 
 def _read_gpu_info(gpus: list[object], record: Record) -> None:
