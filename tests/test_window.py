@@ -26,6 +26,14 @@ def test_time_weighted_mean_is_trapezoid_over_window() -> None:
     assert st.inside == 2  # 0.0 and 1.0 lie in [0, 2); 2.0 does not
 
 
+def test_max_is_never_below_mean() -> None:
+    # the inside sample (10) is lower than the interpolated edges (ramps from/to 100)
+    s = _series([(0.0, 100.0), (1.0, 10.0), (2.0, 100.0)])
+    for a, b in ((0.1, 1.9), (0.5, 1.2), (0.9, 1.05)):
+        st = s.stat(a, b, stale=1.0)
+        assert st is not None and st.max >= st.mean
+
+
 def test_window_between_samples_interpolates() -> None:
     s = _series([(0.0, 0.0), (1.0, 100.0)])
     st = s.stat(0.25, 0.75, stale=1.0)

@@ -123,11 +123,13 @@ class Series:
             v = self.value_at(t1)
             return Stat(v, v, v, inside)
         mean = self.integral(t0, t1) / length
+        # The peak covers the interpolated edges too, so that max >= mean always holds.
+        edge_peak = max(self.value_at(t0), self.value_at(t1))
         if inside:
-            peak = max(self.v[lo:hi])
+            peak = max(edge_peak, max(self.v[lo:hi]))
             last = self.v[hi - 1]
         else:
-            peak = max(self.value_at(t0), self.value_at(t1))
+            peak = edge_peak
             last = self.value_at(t1)
         return Stat(mean, peak, last, inside)
 
