@@ -46,13 +46,13 @@ GPU_METRICS: tuple[GpuMetric, ...] = (
     GpuMetric("util_pct", "percent", Agg.MEAN,
               "NVML utilization: share of time any kernel ran (driver's buffered samples)"),
     GpuMetric("sm_active_pct", "percent", Agg.MEAN,
-              "GPM: share of SM cycles with at least one warp resident (Hopper+)"),
+              "GPM: share of SMs that were busy (NVML_GPM_METRIC_SM_UTIL; Hopper+)"),
     GpuMetric("sm_occupancy_pct", "percent", Agg.MEAN,
-              "GPM: resident warps as a share of the maximum (Hopper+)"),
+              "GPM: active warps as a share of the theoretical maximum (Hopper+)"),
     GpuMetric("tensor_active_pct", "percent", Agg.MEAN,
-              "GPM: share of cycles any tensor pipe was active (Hopper+)"),
+              "GPM: share of time the SMs ran any tensor-core operation (Hopper+)"),
     GpuMetric("dram_bw_pct", "percent", Agg.MEAN,
-              "GPM: DRAM bandwidth used as a share of peak (Hopper+)"),
+              "GPM: DRAM bandwidth used as a share of the theoretical maximum (Hopper+)"),
     GpuMetric("mem_used_gb", "GB", Agg.MEAN, "device memory used (1 GB = 1e9 bytes)",
               with_max=True),
     GpuMetric("mem_pct", "percent", Agg.MEAN, "device memory used as a share of total"),
@@ -71,7 +71,8 @@ GPU_METRICS: tuple[GpuMetric, ...] = (
     GpuMetric("torch_allocated_gb", "GB", Agg.LAST,
               "bytes held by this process's torch caching allocator for tensors"),
     GpuMetric("torch_peak_gb", "GB", Agg.LAST,
-              "peak of torch_allocated_gb since the previous row"),
+              "torch.cuda.max_memory_allocated: the peak since the process started or the "
+              "training code last reset it (gpulens never resets it)"),
 )
 
 GPU_METRIC_BY_KEY: dict[str, GpuMetric] = {m.key: m for m in GPU_METRICS}
