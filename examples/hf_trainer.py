@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("GPULENS_BACKEND", "simulated")
-        os.environ.setdefault("GPULENS_SIMULATED_GPUS", "1")
+        # one simulated GPU per process of the node (torchrun sets LOCAL_WORLD_SIZE)
+        os.environ.setdefault("GPULENS_SIMULATED_GPUS", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2)

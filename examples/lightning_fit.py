@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("GPULENS_BACKEND", "simulated")
-        os.environ.setdefault("GPULENS_SIMULATED_GPUS", "1")
+        # one simulated GPU per process of the node (torchrun sets LOCAL_WORLD_SIZE)
+        os.environ.setdefault("GPULENS_SIMULATED_GPUS", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     pl, GPUMonitorCallback = build(args.package)
     save_dir = args.save_dir or tempfile.mkdtemp(prefix="gpulens-lightning-")

@@ -1,0 +1,206 @@
+"""Turn GPU monitoring on from a Hydra / OmegaConf config: ``gpulens.from_config(cfg)``.
+
+Two ways to switch it on, both from the command line of an existing Hydra app:
+
+* verl's convention, keys added to the ``trainer`` node of a struct config that lacks them::
+
+      python train.py +trainer.enable_gpu_monitoring=true +trainer.gpu_monitor_interval=0.2 \\
+          '+trainer.gpu_monitor_sinks=[wandb,jsonl:runs/gpu.jsonl]'
+
+* a config group, registered in Hydra's ConfigStore by the ``hydra_plugins.gpulens`` module
+  (Hydra imports it when it looks for plugins)::
+
+      python train.py +gpu_monitor=default gpu_monitor.interval=0.2
+
+Keys read (all optional):
+
+==================================  =========================================================
+``trainer.enable_gpu_monitoring``   bool, default false (true when ``gpu_monitor`` is chosen)
+``trainer.gpu_monitor_interval``    seconds between cheap GPU samples, > 0 (default 0.5)
+``trainer.gpu_monitor_sinks``       list of sink names, or one comma-separated string
+``gpu_monitor.enabled|interval|sinks|gpus|backend``  the same, from the config group
+==================================  =========================================================
+
+``trainer.*`` keys win over the ``gpu_monitor`` group. A bad value raises ``ValueError`` naming
+the key. The app starts the returned monitor itself (``with monitor: ...``) and calls
+``monitor.log(step, loss=...)`` where it logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gpulens.sinks.base import Sink
+
+if TYPE_CHECKING:
+    from gpulens.monitor import Monitor
+
+__all__ = ["GpuMonitorConfig", "from_config", "register_configs"]
+
+ENABLE_KEY = "trainer.enable_gpu_monitoring"
+INTERVAL_KEY = "trainer.gpu_monitor_interval"
+SINKS_KEY = "trainer.gpu_monitor_sinks"
+GROUP = "gpu_monitor"
+DEFAULT_INTERVAL = 0.5
+
+_MISSING = object()
+
+
+@dataclass
+class GpuMonitorConfig:
+    """The ``gpu_monitor`` config group (``+gpu_monitor=default``)."""
+
+    enabled: bool = True
+    interval: float = DEFAULT_INTERVAL
+    """Seconds between cheap GPU samples."""
+    sinks: list[str] = field(default_factory=list)
+    """Sink names: ``wandb``, ``mlflow``, ``jsonl:PATH``, ``prometheus:PORT``."""
+    gpus: list[int] | None = None
+    """CUDA device numbers to watch; null: those this process uses."""
+    backend: str | None = None
+    """``nvml``, ``simulated`` or null (automatic, honours ``GPULENS_BACKEND``)."""
+
+
+def register_configs() -> None:
+    """Store :class:`GpuMonitorConfig` as ``gpu_monitor/default`` in Hydra's ConfigStore."""
+    try:
+        from hydra.core.config_store import ConfigStore
+    except ImportError as exc:
+        raise ImportError("gpulens' Hydra config group needs hydra-core: "
+                          "pip install 'gpulens[hydra]'") from exc
+    ConfigStore.instance().store(group=GROUP, name="default", node=GpuMonitorConfig)
+
+
+def from_config(cfg: Any, *, sinks: Sequence[str | Sink] = (),
+                default_sinks: Sequence[str | Sink] = ()) -> Monitor | None:
+    """A :class:`gpulens.Monitor` (not started) when the config turns GPU monitoring on, else
+    ``None``. ``cfg`` is an OmegaConf ``DictConfig`` (struct or not) or a plain mapping.
+
+    Args:
+        sinks: sinks the app adds to those of the config (e.g. a
+            :class:`gpulens.integrations.verl.RowHandoff` that hands rows to its own logger).
+        default_sinks: sinks used when the config names none (e.g. a JSONL file in the run's
+            output folder).
+
+    Raises:
+        ValueError: a key holds a value of the wrong kind (the message names the key).
+    """
+    group = _get(cfg, GROUP)
+    if group is not _MISSING and group is not None and not isinstance(group, Mapping):
+        raise ValueError(f"{GROUP}: expected a config node, got {group!r}")
+    has_group = isinstance(group, Mapping)
+
+    enabled = _first(cfg, (ENABLE_KEY, f"{GROUP}.enabled"))
+    if enabled is not None:
+        if not _as_bool(*enabled):
+            return None
+    elif not has_group:  # off unless asked for; choosing the group asks for it
+        return None
+
+    interval = _first(cfg, (INTERVAL_KEY, f"{GROUP}.interval") if has_group else (INTERVAL_KEY,))
+    interval_value = DEFAULT_INTERVAL if interval is None else _as_interval(*interval)
+    names = _first(cfg, (SINKS_KEY, f"{GROUP}.sinks") if has_group else (SINKS_KEY,))
+    named: list[str | Sink] = [] if names is None else list(_as_sinks(*names))
+    sink_list = named or list(default_sinks)
+    gpus = _first(cfg, (f"{GROUP}.gpus",)) if has_group else None
+    backend = _first(cfg, (f"{GROUP}.backend",)) if has_group else None
+
+    from gpulens.monitor import Monitor
+
+    return Monitor(
+        gpus=None if gpus is None else _as_gpus(*gpus),
+        interval=interval_value,
+        sinks=[*sink_list, *sinks],
+        backend=None if backend is None else _as_backend(*backend),
+    )
+
+
+# -- reading ---------------------------------------------------------------------------------
+def _get(cfg: Any, dotted: str) -> Any:
+    """The value at ``dotted`` or ``_MISSING``; never raises for an absent key, even on a struct
+    config. A mandatory value left unset (``???``) is a ``ValueError`` naming the key."""
+    node = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        try:
+            node = node[part]
+        except Exception as exc:  # omegaconf's MissingMandatoryValue, InterpolationResolutionError
+            raise ValueError(f"{dotted}: cannot be read: {exc}") from exc
+    return node
+
+
+def _first(cfg: Any, keys: tuple[str, ...]) -> tuple[Any, str] | None:
+    """(value, key) of the first key present with a non-null value."""
+    for key in keys:
+        value = _get(cfg, key)
+        if value is not _MISSING and value is not None:
+            return value, key
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers as plain Python lists/dicts (imports omegaconf only if it is one)."""
+    if type(value).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{key}: expected true or false, got {value!r}")
+
+
+def _as_interval(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{key}: expected a number of seconds > 0, got {value!r}")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{key}: expected a number of seconds > 0, got {value!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{key}: expected a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def _as_sinks(value: Any, key: str) -> list[str]:
+    value = _plain(value)
+    if isinstance(value, str):
+        items = [s.strip() for s in value.split(",") if s.strip()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        items = [s.strip() for s in value if s.strip()]
+    else:
+        raise ValueError(f"{key}: expected a list of sink names (e.g. [wandb, "
+                         f"'jsonl:runs/gpu.jsonl']), got {value!r}")
+    from gpulens.sinks import SINKS
+
+    for item in items:
+        name = item.partition(":")[0].strip().lower()
+        if name not in SINKS:
+            known = ", ".join(sorted(SINKS))
+            raise ValueError(f"{key}: unknown sink {item!r}; known sinks: {known}")
+    return items
+
+
+def _as_gpus(value: Any, key: str) -> list[int]:
+    value = _plain(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in value
+    ):
+        raise ValueError(f"{key}: expected a list of CUDA device numbers >= 0, got {value!r}")
+    return list(value)
+
+
+def _as_backend(value: Any, key: str) -> str:
+    if not isinstance(value, str) or value.lower() not in ("auto", "nvml", "simulated"):
+        raise ValueError(f"{key}: expected auto, nvml or simulated, got {value!r}")
+    return value.lower()
