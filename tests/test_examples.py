@@ -1,0 +1,103 @@
+"""Each example runs as a user would run it (a new interpreter, simulated GPUs, CPU only) in under
+a minute, and leaves the rows it promises."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.wandb_reader import find_run_file, read_history
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+LIMIT_S = 60.0
+
+
+def run_example(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    environ.update(env or {})
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=LIMIT_S)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert elapsed < LIMIT_S
+    return done.stdout
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_plain_loop(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    run_example([str(EXAMPLES / "plain_loop.py"), "--out", str(out), "--steps", "40",
+                 "--log-every", "10"], tmp_path)
+    rows = jsonl(out)
+    assert [r["step"] for r in rows] == [10, 20, 30, 40]
+    for row in rows:
+        assert {"gpu/0/util_pct", "train/loss", "train/learning_rate", "train/grad_norm",
+                "perf/data_wait_pct", "perf/step_time_s"} <= set(row)
+
+
+def test_hf_trainer(tmp_path: Path) -> None:
+    run_example([str(EXAMPLES / "hf_trainer.py"), "--output-dir", str(tmp_path / "out"),
+                 "--max-steps", "20", "--logging-steps", "5"], tmp_path)
+    rows = jsonl(tmp_path / "out" / "gpulens.jsonl")
+    assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    assert all("gpu/0/power_w" in r and "train/loss" in r for r in rows)
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_lightning_fit(tmp_path: Path, package: str) -> None:
+    run_example([str(EXAMPLES / "lightning_fit.py"), "--package", package, "--save-dir",
+                 str(tmp_path), "--max-steps", "20", "--log-every", "5"], tmp_path)
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+    loss_steps = sorted({int(r["step"]) for r in rows if r["train_loss"]})
+    gpu_steps = sorted({int(r["step"]) for r in rows if r.get("gpu/0/util_pct")})
+    assert loss_steps == gpu_steps == [4, 9, 14, 19]
+
+
+def test_hydra_app_off_by_default_on_with_plus_flag(tmp_path: Path) -> None:
+    env = {"GPULENS_EXAMPLE_OUT": str(tmp_path / "off")}
+    out = run_example([str(EXAMPLES / "hydra_app" / "train.py")], tmp_path, env)
+    assert "gpulens: off" in out
+    assert not list((tmp_path / "off").rglob("*.jsonl"))
+
+    env = {"GPULENS_EXAMPLE_OUT": str(tmp_path / "on")}
+    run_example([str(EXAMPLES / "hydra_app" / "train.py"), "+trainer.enable_gpu_monitoring=true",
+                 "+trainer.gpu_monitor_interval=0.05"], tmp_path, env)
+    (record,) = (tmp_path / "on").rglob("gpulens.jsonl")
+    rows = jsonl(record)
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert all("gpu/0/util_pct" in r and "train/loss" in r for r in rows)
+
+
+def test_hydra_app_config_group(tmp_path: Path) -> None:
+    sink = tmp_path / "group.jsonl"
+    run_example([str(EXAMPLES / "hydra_app" / "train.py"), "+gpu_monitor=default",
+                 "gpu_monitor.interval=0.05", f"gpu_monitor.sinks=[jsonl:{sink}]"], tmp_path,
+                {"GPULENS_EXAMPLE_OUT": str(tmp_path / "out")})
+    assert len(jsonl(sink)) == 8
+
+
+def test_verl_style_one_wandb_record_per_step(tmp_path: Path) -> None:
+    wandb_dir = tmp_path / "wandb-dir"
+    wandb_dir.mkdir()
+    run_example([str(EXAMPLES / "verl_style.py"), "+trainer.enable_gpu_monitoring=true",
+                 "+trainer.gpu_monitor_interval=0.05", "trainer.logger=[console,wandb]"],
+                tmp_path, {"WANDB_DIR": str(wandb_dir), "WANDB_MODE": "offline",
+                           "GPULENS_EXAMPLE_OUT": str(tmp_path / "out")})
+    history = read_history(find_run_file(wandb_dir))
+    assert [h["_step"] for h in history] == list(range(1, 21))  # W&B's step = global_step
+    assert all("actor/loss" in h and "gpu/0/util_pct" in h for h in history)
