@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True,
         dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
     )
     trainer = Trainer(
         model=model,

@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
         accelerator="auto",
-        devices="auto",
+        # under torchrun: one process per device, as many as torchrun started on this node
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // int(
+            os.environ.get("LOCAL_WORLD_SIZE", "1")),
         default_root_dir=save_dir,
     )
     trainer.fit(make_module(pl), make_data())
