@@ -11,10 +11,11 @@ Three measurements, each printed as a row of one Markdown table:
     GPU training step as the host sees it: ~1 ms of Python holding the GIL (building the graph,
     launching kernels: a busy-wait here) then ~4 ms blocked in C with the GIL released (waiting
     for the GPU in ``loss.item()``: ``time.sleep`` here). Target: ratio within 1 %.
-(c) Memory over 100k rows (8 simulated GPUs, rows logged ``--mem-gap-us`` apart to a sink that
-    keeps only a count): ``tracemalloc`` traced bytes and process RSS after 20 % of the rows and
-    at the end, each read once every pending row has been finished; the growth between the
-    two. Target: no growth.
+(c) Memory over 100k rows (8 simulated GPUs, a sink that keeps only a count): rows logged in
+    bursts of ``--mem-burst``, each burst waited for until the monitor has finished it; process
+    RSS and the number of objects the garbage collector tracks after 20 % of the rows and at the
+    end, and the growth between the two (``--tracemalloc`` adds traced bytes; slow). Target: no
+    growth.
 
 Prints figures, asserts nothing about timings (the test suite runs ``--quick`` as a smoke test).
 
@@ -168,50 +169,61 @@ def _drained(sink: CountingSink, rows: int, timeout: float = 60.0) -> bool:
     return sink.written >= rows
 
 
-def bench_memory(rows: int, gap_us: float) -> dict[str, Any]:
-    """(c) Traced-memory and RSS growth between 20 % of ``rows`` and the end.
+def bench_memory(rows: int, burst: int, trace: bool) -> dict[str, Any]:
+    """(c) Memory growth between 20 % of ``rows`` and the end.
 
-    Rows are logged ``gap_us`` apart (a fast training loop); before each reading the monitor
-    is allowed to finish every pending row, so both readings see the same steady state.
+    Rows are logged in bursts of ``burst`` back to back; after each burst the loop waits until
+    the monitor has finished them all. The backlog of unfinished rows is thus bounded by the
+    burst, and both readings (taken after a burst) see the same state: what grows between them
+    grows with the number of rows. Readings: process RSS, the number of objects the garbage
+    collector tracks, and with ``trace`` the bytes ``tracemalloc`` traces (it slows the
+    sampler several times over, so it is off for 100k rows).
     """
     import gpulens
 
-    mark = max(1, rows // 5)
+    burst = max(1, min(burst, rows // 3))
+    mark = max(burst, (rows // 5) // burst * burst)
     sink = CountingSink()
-    tracemalloc.start()
+    drained = True
+    traced0 = rss0 = objs0 = 0
+    if trace:
+        tracemalloc.start()
+    t0 = time.perf_counter()
     try:
         mon = gpulens.Monitor(interval=INTERVAL_S, sinks=[sink], backend="simulated")
         mon.start()
         try:
-            traced0 = rss0 = 0
-            ok0 = True
             for step in range(1, rows + 1):
-                busy_wait(gap_us * 1e-6)
                 mon.log(step, loss=1.0 / step, learning_rate=3e-4, grad_norm=0.5)
+                if step % burst == 0 or step == rows:
+                    drained = _drained(sink, step) and drained
                 if step == mark:
-                    ok0 = _drained(sink, step)
                     gc.collect()
-                    traced0, rss0 = tracemalloc.get_traced_memory()[0], _rss_bytes()
-            ok1 = _drained(sink, rows)
+                    traced0 = tracemalloc.get_traced_memory()[0] if trace else 0
+                    rss0, objs0 = _rss_bytes(), len(gc.get_objects())
             gc.collect()
-            traced1, rss1 = tracemalloc.get_traced_memory()[0], _rss_bytes()
+            traced1 = tracemalloc.get_traced_memory()[0] if trace else 0
+            rss1, objs1 = _rss_bytes(), len(gc.get_objects())
         finally:
             mon.stop()
-        peak = tracemalloc.get_traced_memory()[1]
     finally:
-        tracemalloc.stop()
-    return {
+        if trace:
+            tracemalloc.stop()
+    out: dict[str, Any] = {
         "mem_rows": rows,
-        "mem_gap_us": gap_us,
+        "mem_burst": burst,
         "mem_mark_row": mark,
-        "mem_drained": ok0 and ok1,
-        "mem_traced_at_mark_kib": traced0 / 1024,
-        "mem_traced_end_kib": traced1 / 1024,
-        "mem_traced_growth_kib": (traced1 - traced0) / 1024,
-        "mem_traced_peak_kib": peak / 1024,
+        "mem_drained": drained,
+        "mem_s": time.perf_counter() - t0,
         "mem_rss_growth_mib": (rss1 - rss0) / 2**20,
+        "mem_gc_objects_at_mark": objs0,
+        "mem_gc_objects_growth": objs1 - objs0,
         "mem_rows_written": sink.written,
     }
+    if trace:
+        out["mem_traced_at_mark_kib"] = traced0 / 1024
+        out["mem_traced_growth_kib"] = (traced1 - traced0) / 1024
+    return out
 
 
 def table(fig: dict[str, Any]) -> str:
@@ -227,11 +239,15 @@ def table(fig: dict[str, Any]) -> str:
         ("paired ratio per repetition: median [min, max]",
          f"{fig['loop_ratio_paired_median']:.4f} [{fig['loop_ratio_paired_min']:.4f}, "
          f"{fig['loop_ratio_paired_max']:.4f}]", ""),
-        (f"traced memory growth, rows {fig['mem_mark_row']} -> {fig['mem_rows']}",
-         f"{fig['mem_traced_growth_kib']:.1f} KiB", "~0 (no growth)"),
-        ("RSS growth over the same rows", f"{fig['mem_rss_growth_mib']:.2f} MiB", "~0"),
+        (f"RSS growth, rows {fig['mem_mark_row']} -> {fig['mem_rows']}",
+         f"{fig['mem_rss_growth_mib']:.2f} MiB", "~0 (no growth)"),
+        ("objects tracked by the GC: growth over the same rows",
+         f"{fig['mem_gc_objects_growth']:+d} (of {fig['mem_gc_objects_at_mark']})", "~0"),
         ("rows that reached the sink", f"{fig['mem_rows_written']}", f"= {fig['mem_rows']}"),
     ]
+    if "mem_traced_growth_kib" in fig:
+        rows.append(("tracemalloc: traced bytes growth over the same rows",
+                     f"{fig['mem_traced_growth_kib']:.1f} KiB", "~0"))
     out = ["| figure | value | target |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(out)
@@ -243,10 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes, for the smoke test")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument("--gap-us", type=float, default=1000.0, help="busy time between log() calls")
-    p.add_argument("--mem-gap-us", type=float, default=200.0,
-                   help="busy time between log() calls in the memory run")
+    p.add_argument("--mem-burst", type=int, default=5000,
+                   help="rows logged back to back before waiting for them in the memory run")
+    p.add_argument("--mem-rows", type=int, default=None, help="rows in the memory run")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="also trace allocations in the memory run (slow: use fewer rows)")
     args = p.parse_args(argv)
-    calls, steps, reps, rows = (300, 40, 2, 1000) if args.quick else (10_000, 400, 7, 100_000)
+    calls, steps, reps, rows = (300, 40, 2, 600) if args.quick else (10_000, 400, 7, 100_000)
+    rows = args.mem_rows or rows
     _use_simulated(N_GPUS)
     import gpulens
 
@@ -263,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         fig.update(bench_latency(tmp, calls, args.gap_us))
         fig.update(bench_loop(tmp, steps, reps, busy_s=0.001, wait_s=0.004))
-        fig.update(bench_memory(rows, args.mem_gap_us))
+        fig.update(bench_memory(rows, args.mem_burst, args.tracemalloc))
         fig["wall_s"] = time.perf_counter() - t0
     print(f"gpulens {fig['gpulens']} | Python {fig['python']} | {fig['cpus']} CPUs | "
           f"{fig['date']} | {'quick' if args.quick else 'full'} run in {fig['wall_s']:.1f} s")

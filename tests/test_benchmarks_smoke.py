@@ -57,7 +57,8 @@ def table_rows(out: str, first_col: str) -> dict[str, list[str]]:
 
 
 def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
-    out = run_script("bench_log.py", tmp_path, "--json", str(tmp_path / "log.json"))
+    out = run_script("bench_log.py", tmp_path, "--json", str(tmp_path / "log.json"),
+                     "--tracemalloc")
     rows = table_rows(out, "figure")
     assert re.fullmatch(rf"{NUMBER} us", rows["log() median, 8 simulated GPUs, 10 Hz"][0])
     assert re.fullmatch(rf"{NUMBER} ms/step", rows["5 ms step loop, without gpulens"][0])
@@ -65,12 +66,15 @@ def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
         rf"{NUMBER} ms/step", rows["5 ms step loop, with gpulens (log every step)"][0]
     )
     assert re.fullmatch(NUMBER, rows["loop time ratio with / without (medians)"][0])
-    growth = [k for k in rows if k.startswith("traced memory growth")]
-    assert growth and re.fullmatch(rf"{NUMBER} KiB", rows[growth[0]][0])
+    growth = [k for k in rows if k.startswith("RSS growth")]
+    assert growth and re.fullmatch(rf"{NUMBER} MiB", rows[growth[0]][0])
+    assert re.match(r"[+-]\d+ \(of \d+\)",
+                    rows["objects tracked by the GC: growth over the same rows"][0])
     fig = json.loads((tmp_path / "log.json").read_text())
     assert fig["log_calls"] == 300
     # every logged row reached the sink: the figure is about a complete run
-    assert fig["mem_rows_written"] == fig["mem_rows"]
+    assert fig["mem_rows_written"] == fig["mem_rows"] and fig["mem_drained"]
+    assert "mem_traced_growth_kib" in fig
     assert 0.5 < fig["loop_ratio"] < 2.0
 
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of issue 5 in one device call (about 6-7 minutes on an H100):
+#   carry: [".whl"]    command: bash benchmarks/run_on_device.sh
+# Installs the carried wheels (benchmarks/device_setup.sh), prints the hardware, runs
+# overhead_gpu.py and fidelity_gpu.py, and leaves under $OUT:
+#   run.log  overhead.md  overhead.json  fidelity.md  fidelity.json
+# Each script has its own time limit so that one hang cannot take the other's figures.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+export OUT="${OUT:-/tmp/gpulens-bench-out}"
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.." || exit 1
+# extra arguments for both scripts (e.g. GPULENS_BENCH_ARGS=--quick to try this on a CPU)
+read -r -a EXTRA <<< "${GPULENS_BENCH_ARGS:-}"
+
+main() {
+    echo "== $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname), $(nproc) CPUs"
+    nvidia-smi || echo "nvidia-smi failed"
+    nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total \
+        --format=csv || true
+    echo "== install the carried wheels"
+    local t0=$SECONDS
+    # shellcheck source=benchmarks/device_setup.sh
+    . benchmarks/device_setup.sh || { echo "device setup FAILED"; return 1; }
+    echo "   ($((SECONDS - t0)) s)"
+    python3 -c "import sys, torch, transformers, lightning; print('python', sys.version.split()[0], '| torch', torch.__version__, 'CUDA', torch.version.cuda, '| transformers', transformers.__version__, '| lightning', lightning.__version__, '| GPU', torch.cuda.get_device_name(0))"
+
+    echo "== overhead_gpu.py"
+    timeout -k 10 420 python3 benchmarks/overhead_gpu.py --budget-s 300 "${EXTRA[@]}" \
+        > "$OUT/overhead.md"
+    echo "   overhead_gpu.py exit $? after $((SECONDS - t0)) s"
+
+    echo "== fidelity_gpu.py"
+    timeout -k 10 120 python3 benchmarks/fidelity_gpu.py "${EXTRA[@]}" > "$OUT/fidelity.md"
+    echo "   fidelity_gpu.py exit $? after $((SECONDS - t0)) s"
+
+    echo
+    cat "$OUT/overhead.md"
+    echo
+    cat "$OUT/fidelity.md"
+}
+
+main 2>&1 | tee "$OUT/run.log"
