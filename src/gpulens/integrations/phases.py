@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["StepPhases"]
@@ -69,20 +70,26 @@ class StepPhases:
         cuda: record CUDA events (on ``torch.cuda.current_stream()``) and measure on the GPU
             timeline; ``False`` uses the host clock. ``None`` (default): CUDA when torch is
             already imported and a CUDA device is available.
+        event_factory: makes the device events when ``cuda`` is true (default:
+            ``torch.cuda.Event(enable_timing=True)``); anything with ``record()``, ``query()``
+            and ``elapsed_time(end)`` in milliseconds, e.g. another accelerator's events.
 
     Each mark costs a ``perf_counter`` call (plus one ``cudaEventRecord`` with ``cuda=True``).
     Not thread-safe: mark and collect from the training thread.
     """
 
-    def __init__(self, cuda: bool | None = None) -> None:
+    def __init__(self, cuda: bool | None = None,
+                 event_factory: Callable[[], Any] | None = None) -> None:
         if cuda is None:
             cuda = _cuda_available()
         self.cuda = cuda
-        self._torch: Any = None
-        if cuda:
+        if cuda and event_factory is None:
             import torch
 
-            self._torch = torch
+            def event_factory() -> Any:
+                return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call,unused-ignore]
+
+        self._new_event = event_factory
         self._pending: deque[tuple[str, Any]] = deque()
         self._last: tuple[str, Any] | None = None
         self._totals = dict.fromkeys(_PHASES, 0.0)
@@ -109,8 +116,8 @@ class StepPhases:
         self._mark(_RESUME)
 
     def _mark(self, label: str) -> None:
-        if self.cuda:
-            event = self._torch.cuda.Event(enable_timing=True)
+        if self._new_event is not None and self.cuda:
+            event = self._new_event()
             event.record()
             stamp: Any = event
         else:
