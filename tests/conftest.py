@@ -11,7 +11,8 @@ Fixtures
   the session server and ``MLFLOW_EXPERIMENT_NAME`` at an experiment of this test alone; ends
   every active run afterwards.
 - ``wandb_offline`` (function): a fresh ``WANDB_DIR`` with W&B offline and quiet; finishes any
-  run still open at teardown. Read the run back with ``tests.support.wandb_reader``.
+  run still open at teardown. Read the run back with ``tests.support.wandb_reader``, after
+  ``wait_for_finished_run``.
 """
 
 from __future__ import annotations
@@ -104,20 +105,29 @@ def mlflow_tracking(
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", tracking.experiment_name)
     monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
     mlflow.set_tracking_uri(tracking.uri)
+    # mlflow.set_experiment() in an earlier test leaves a process-wide active experiment that
+    # outranks MLFLOW_EXPERIMENT_NAME: make this test's experiment the active one.
+    mlflow.set_experiment(tracking.experiment_name)
     try:
         yield tracking
     finally:
         while mlflow.active_run() is not None:
             mlflow.end_run()
         mlflow.set_tracking_uri(None)  # type: ignore[arg-type]  # None resets to the env var
+        # Undo set_experiment() (no public API for it), so that a later test on another
+        # server does not start runs in this server's experiment id.
+        import mlflow.tracking.fluent
+
+        mlflow.tracking.fluent._active_experiment_id = None
 
 
 @pytest.fixture
 def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A fresh ``WANDB_DIR`` (returned) for an offline, quiet W&B run of this test.
 
-    The run's file ends up at ``<dir>/wandb/offline-run-*/run-<id>.wandb``; find it with
-    ``tests.support.wandb_reader.find_run_file(dir)`` after ``wandb.finish()``. wandb's
+    The run's file ends up at ``<dir>/wandb/offline-run-*/run-<id>.wandb``; after
+    ``wandb.finish()`` get it with ``tests.support.wandb_reader.wait_for_finished_run(dir,
+    run_id)`` (wandb-core may still be writing it when finish() returns). wandb's
     settings singleton is reset before and after, so this test's environment is the one used.
     """
     wandb_dir = tmp_path / "wandb-dir"

@@ -64,8 +64,9 @@ def real_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list[
             config.update({"late": [1, 2]})
         finally:
             wandb.finish()
-            reset_wandb()
-    return wandb_reader.find_run_file(wandb_dir), run_id, rows
+    path = wandb_reader.wait_for_finished_run(wandb_dir, run_id)
+    reset_wandb()
+    return path, run_id, rows
 
 
 def test_history_reads_back_exactly(real_run: tuple[Path, str, list[dict[str, Any]]]) -> None:
@@ -145,6 +146,38 @@ def test_find_run_file(
     shutil.copy(path, tmp_path / "two" / f"run-{run_id}.wandb")
     with pytest.raises(ValueError, match="2 run files"):
         wandb_reader.find_run_file(tmp_path / "two")
+
+
+def test_wait_for_finished_run_never_returns_a_partial_file(wandb_offline: Path) -> None:
+    """wandb.finish() may return before wandb-core wrote the file: the wait covers that."""
+    import wandb
+
+    for attempt in range(8):
+        run = wandb.init(project="gpulens-finish-race")
+        for step in range(3):
+            run.log({"train/global_step": step, "attempt": attempt})
+        run_id = run.id
+        run.finish()
+        path = wandb_reader.wait_for_finished_run(wandb_offline, run_id, timeout_s=20)
+        history = wandb_reader.read_history(path)
+        assert [(h["train/global_step"], h["attempt"]) for h in history] == [
+            (step, attempt) for step in range(3)
+        ]
+    with pytest.raises(TimeoutError, match=r"no run-nosuch\.wandb"):
+        wandb_reader.wait_for_finished_run(wandb_offline, "nosuch", timeout_s=0.1)
+
+
+def test_wait_for_finished_run_times_out_on_an_unfinished_file(
+    real_run: tuple[Path, str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    path, run_id, _ = real_run
+    fragments = list(wandb_reader.iter_fragments(path))
+    exit_fragment = fragments[-1]  # wandb writes the exit record last
+    unfinished = tmp_path / "offline-run-x" / path.name
+    unfinished.parent.mkdir()
+    unfinished.write_bytes(path.read_bytes()[: exit_fragment.offset])
+    with pytest.raises(TimeoutError, match="no exit record yet"):
+        wandb_reader.wait_for_finished_run(tmp_path, run_id, timeout_s=0.2)
 
 
 def _corrupt(src: Path, dst: Path, offset: int, value: bytes) -> Path:

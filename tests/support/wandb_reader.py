@@ -13,6 +13,10 @@ A run started with ``WANDB_MODE=offline`` writes every record it would have sent
   is verified here;
 - the reassembled payloads are ``wandb.proto.wandb_internal_pb2.Record`` messages.
 
+After ``wandb.finish()`` returns, wandb-core may still be writing the file (seen here: an empty
+file ~10 ms after ``finish()``, complete right after), so read a run with
+``wait_for_finished_run(wandb_dir, run_id)``, which waits for the run's ``exit`` record.
+
 Metric names: wandb 0.31 writes a flat key such as ``"train/loss"`` as ``nested_key=["train/loss"]``
 and a nested dict ``{"a": {"b": 1}}`` as ``nested_key=["a", "b"]``; here both become plain
 string keys, nested parts joined with ``"."`` (``"a.b"``), as the W&B UI shows them.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -264,3 +269,28 @@ def find_run_file(wandb_dir: str | Path, run_id: str | None = None) -> Path:
         names = ", ".join(str(p) for p in found)
         raise ValueError(f"{len(found)} run files under {wandb_dir}, pass run_id: {names}")
     return found[0]
+
+
+def wait_for_finished_run(
+    wandb_dir: str | Path, run_id: str | None = None, timeout_s: float = 30.0
+) -> Path:
+    """Return the run file (as ``find_run_file``) once it holds the run's ``exit`` record.
+
+    ``wandb.finish()`` can return before wandb-core has written the file; until the exit
+    record is there the file may be missing, empty, cut inside a record, or a clean prefix.
+    Polls every 20 ms; raises ``TimeoutError`` (with the last problem seen) after
+    ``timeout_s`` seconds. An ambiguous ``wandb_dir`` raises ``ValueError`` at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            path = find_run_file(wandb_dir, run_id)
+            kinds = [record.WhichOneof("record_type") for record in read_records(path)]
+            if "exit" in kinds:
+                return path
+            problem = f"{path}: {len(kinds)} records, no exit record yet"
+        except (FileNotFoundError, WandbFileError) as exc:
+            problem = str(exc)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run not finished after {timeout_s} s: {problem}")
+        time.sleep(0.02)
