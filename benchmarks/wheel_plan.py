@@ -153,11 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     have = installed()
     if args.mode == "plan":
         choice, problems = resolve(wheels, have)
+        kept = []
         for name in sorted(choice):
             if choice[name] == "wheel":
                 print(wheels[name].path)
             elif name in wheels:
-                print(f"keep image's {name}=={have[name][0]}", file=sys.stderr)
+                kept.append(f"{name}=={have[name][0]}")
+        if kept:
+            print(f"the image's own copies serve: {', '.join(kept)}", file=sys.stderr)
         shadow = sorted(n for n, p in choice.items() if p == "wheel" and n in have)
         if shadow:
             print(f"carried copies shadow the image's: {', '.join(shadow)}", file=sys.stderr)
