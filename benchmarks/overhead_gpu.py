@@ -632,6 +632,47 @@ def hardware(s: Setup) -> dict[str, Any]:
     return hw
 
 
+_HARDWARE: dict[str, dict[str, Any]] = {}
+
+
+def report(results: dict[str, Result], s: Setup, args: argparse.Namespace, reps: int,
+           steps: int, warmup: int, rounds: int, t_begin: float, final: bool) -> None:
+    """Write the JSON (after every round); with ``final`` also print the table."""
+    summary = summarize(results)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "complete": final,
+        "quick": args.quick,
+        "hardware": _HARDWARE.setdefault("hw", hardware(s)) if "hw" not in _HARDWARE
+        else _HARDWARE["hw"],
+        "versions": versions(),
+        "model": {"n_params": s.n_params, "n_layer": s.config.n_layer,
+                  "n_embd": s.config.n_embd, "seq_len": s.seq_len, "batch": s.batch_size,
+                  "dtype": "bfloat16",
+                  "attn": getattr(s.config, "_attn_implementation", None)},
+        "interval_s": INTERVAL_S, "reps": reps, "rounds_done": rounds, "steps": steps,
+        "warmup": warmup,
+        "command": " ".join([sys.executable, *sys.argv]),
+        "wall_s": time.perf_counter() - t_begin,
+    }
+    out = args.json or (Path(os.environ["OUT"]) / "overhead.json" if os.environ.get("OUT")
+                        else None)
+    if out is not None:
+        out.write_text(json.dumps({"meta": meta, "variants": summary}, indent=2))
+    if not final:
+        return
+    hw = meta["hardware"]
+    print(f"## overhead: {hw.get('gpu', hw['device'])}, driver {hw.get('driver', '-')}, "
+          f"CUDA {hw.get('cuda', '-')}, {hw['cpus']} CPUs; {meta['date']}")
+    print(f"model {s.n_params / 1e6:.1f}M params bf16, batch {s.batch_size} x {s.seq_len} tokens; "
+          f"{rounds} rounds x {steps} timed steps; monitors at {INTERVAL_S} s; "
+          f"versions {json.dumps(meta['versions'])}")
+    print()
+    print(table(summary))
+    if out is not None:
+        log(f"wrote {out}")
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -735,37 +776,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"round {rep} {name}: {statistics.median(r.step_s) * 1e3:.2f} ms/step, "
                 f"monitor CPU {r.monitor_cpu_s:.3f} s; {r.note}")
         round_s.append(time.perf_counter() - t_round)
+        # figures so far, in case a later round is cut off by a time limit
+        report(results, s, args, reps, steps, warmup, len(round_s), t_begin, final=False)
     for res in results.values():
         if not res.reps and res.skipped is None:
             res.skipped = "no repetition ran"
 
-    summary = summarize(results)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "quick": args.quick,
-        "hardware": hardware(s),
-        "versions": versions(),
-        "model": {"n_params": s.n_params, "n_layer": s.config.n_layer,
-                  "n_embd": s.config.n_embd, "seq_len": s.seq_len, "batch": s.batch_size,
-                  "dtype": "bfloat16",
-                  "attn": getattr(s.config, "_attn_implementation", None)},
-        "interval_s": INTERVAL_S, "reps": reps, "steps": steps, "warmup": warmup,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "wall_s": time.perf_counter() - t_begin,
-    }
-    hw = meta["hardware"]
-    print(f"## overhead: {hw.get('gpu', hw['device'])}, driver {hw.get('driver', '-')}, "
-          f"CUDA {hw.get('cuda', '-')}, {hw['cpus']} CPUs; {meta['date']}")
-    print(f"model {s.n_params / 1e6:.1f}M params bf16, batch {s.batch_size} x {s.seq_len} tokens; "
-          f"{len(round_s)} rounds x {steps} timed steps; monitors at {INTERVAL_S} s; "
-          f"versions {json.dumps(meta['versions'])}")
-    print()
-    print(table(summary))
-    out = args.json or (Path(os.environ["OUT"]) / "overhead.json" if os.environ.get("OUT")
-                        else None)
-    if out is not None:
-        out.write_text(json.dumps({"meta": meta, "variants": summary}, indent=2))
-        log(f"wrote {out}")
+    report(results, s, args, reps, steps, warmup, len(round_s), t_begin, final=True)
     tmpdir.cleanup()
     return 0
 

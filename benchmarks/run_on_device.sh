@@ -26,12 +26,12 @@ main() {
     python3 -c "import sys, torch, transformers, lightning; print('python', sys.version.split()[0], '| torch', torch.__version__, 'CUDA', torch.version.cuda, '| transformers', transformers.__version__, '| lightning', lightning.__version__, '| GPU', torch.cuda.get_device_name(0))"
 
     echo "== overhead_gpu.py"
-    timeout -k 10 420 python3 benchmarks/overhead_gpu.py --budget-s 300 "${EXTRA[@]}" \
+    timeout -k 10 400 python3 benchmarks/overhead_gpu.py --budget-s 300 "${EXTRA[@]}" \
         > "$OUT/overhead.md"
     echo "   overhead_gpu.py exit $? after $((SECONDS - t0)) s"
 
     echo "== fidelity_gpu.py"
-    timeout -k 10 120 python3 benchmarks/fidelity_gpu.py "${EXTRA[@]}" > "$OUT/fidelity.md"
+    timeout -k 10 100 python3 benchmarks/fidelity_gpu.py "${EXTRA[@]}" > "$OUT/fidelity.md"
     echo "   fidelity_gpu.py exit $? after $((SECONDS - t0)) s"
 
     echo
