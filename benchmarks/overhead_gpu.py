@@ -639,12 +639,13 @@ def report(results: dict[str, Result], s: Setup, args: argparse.Namespace, reps:
            steps: int, warmup: int, rounds: int, t_begin: float, final: bool) -> None:
     """Write the JSON (after every round); with ``final`` also print the table."""
     summary = summarize(results)
+    if "hw" not in _HARDWARE:  # read once (NVML init/shutdown)
+        _HARDWARE["hw"] = hardware(s)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "complete": final,
         "quick": args.quick,
-        "hardware": _HARDWARE.setdefault("hw", hardware(s)) if "hw" not in _HARDWARE
-        else _HARDWARE["hw"],
+        "hardware": _HARDWARE["hw"],
         "versions": versions(),
         "model": {"n_params": s.n_params, "n_layer": s.config.n_layer,
                   "n_embd": s.config.n_embd, "seq_len": s.seq_len, "batch": s.batch_size,
