@@ -715,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("GPULENS_SIMULATED_GPUS", "1")
     reps = args.reps or (2 if args.quick else 4)
     steps = args.steps or (6 if args.quick else 60)
-    warmup = args.warmup or (2 if args.quick else 5)
+    warmup = max(1, args.warmup or (2 if args.quick else 5))
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(wanted) - set(ALL_VARIANTS)
     if unknown:
