@@ -4,6 +4,7 @@
 # Installs the carried wheels (benchmarks/device_setup.sh), prints the hardware, runs
 # overhead_gpu.py and fidelity_gpu.py, and leaves under $OUT:
 #   run.log  overhead.md  overhead.json  fidelity.md  fidelity.json
+# (GPULENS_BENCH_WITH_LOG=1 adds bench_log.py, ~70 s more: bench_log.md)
 # Each script has its own time limit so that one hang cannot take the other's figures.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -34,7 +35,14 @@ main() {
     timeout -k 10 100 python3 benchmarks/fidelity_gpu.py "${EXTRA[@]}" > "$OUT/fidelity.md"
     echo "   fidelity_gpu.py exit $? after $((SECONDS - t0)) s"
 
+    if [ "${GPULENS_BENCH_WITH_LOG:-0}" = 1 ]; then  # opt-in: issue 2's CPU figures on this host
+        echo "== bench_log.py (20k memory rows)"
+        timeout -k 5 100 python3 benchmarks/bench_log.py --mem-rows 20000 > "$OUT/bench_log.md"
+        echo "   bench_log.py exit $? after $((SECONDS - t0)) s"
+    fi
+
     echo
+    [ -f "$OUT/bench_log.md" ] && cat "$OUT/bench_log.md" && echo
     cat "$OUT/overhead.md"
     echo
     cat "$OUT/fidelity.md"
