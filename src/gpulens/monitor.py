@@ -315,9 +315,9 @@ class Monitor:
             return out
         names = {"util_fast": "util_pct", "power_fast": "power_w"}
         for gpu in sampler.gpus:
-            for key, series in gpu.series.items():
-                if series.v:
-                    out[f"gpu/{gpu.key}/{names.get(key, key)}"] = series.v[-1]
+            for key, column in list(gpu.fast.cols.items()):
+                if column:
+                    out[f"gpu/{gpu.key}/{names.get(key, key)}"] = column[-1]
             if gpu.gpm.spans:
                 for key, value in gpu.gpm.spans[-1][2].items():
                     out[f"gpu/{gpu.key}/{key}"] = value

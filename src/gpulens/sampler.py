@@ -29,9 +29,12 @@ from typing import Any
 
 from gpulens._warn import logger, warn_once
 from gpulens.errors import GpuLost
-from gpulens.schema import GPU_METRICS, gpu_key
+from gpulens.schema import GPU_METRICS, Agg, gpu_key
 from gpulens.sinks.base import GpuInfo, Row
 from gpulens.sources.host import HostReader
+from gpulens.sources.nvml import (
+    GPM_METRICS as GPM_IDS,
+)
 from gpulens.sources.nvml import (
     POWER_REASONS,
     POWER_SAMPLES,
@@ -41,12 +44,16 @@ from gpulens.sources.nvml import (
     NvmlDevice,
 )
 from gpulens.sources.torch_alloc import TorchAllocator
-from gpulens.window import IntervalSeries, Series, job_aggregates, window_energy_j
+from gpulens.window import IntervalSeries, Series, Table, job_aggregates, window_energy_j
 
-_FAST_KEYS = (
-    "util_fast", "mem_used_gb", "mem_pct", "power_fast", "power_limit_w", "temp_c",
-    "sm_clock_mhz", "throttle_pct", "throttle_power_pct", "throttle_thermal_pct",
-    "torch_allocated_gb", "torch_peak_gb",
+GPM_KEYS = frozenset(GPM_IDS.values())
+
+# What each schema metric is made of: (suffix, column of the fast table, take, with max).
+# "util_pct" and "power_w" prefer the driver's buffered samples (see ``Sampler.gpu_window``).
+_FAST_PLAN: tuple[tuple[str, str, bool, bool], ...] = tuple(
+    (m.key, m.key, m.agg is Agg.LAST, m.with_max)
+    for m in GPU_METRICS
+    if m.key not in ("util_pct", "power_w", "energy_j") and m.key not in GPM_KEYS
 )
 
 
@@ -71,7 +78,10 @@ class GpuState:
     device: NvmlDevice
     info: GpuInfo
     torch_index: int | None
-    series: dict[str, Series] = field(default_factory=lambda: {k: Series() for k in _FAST_KEYS})
+    fast: Table = field(default_factory=Table)
+    """The cheap reads, one row per sample (columns named like schema suffixes, plus
+    ``util_fast``)."""
+    power_fast: Series = field(default_factory=Series)
     util_buf: Series = field(default_factory=Series)
     power_buf: Series = field(default_factory=Series)
     energy_mj: Series = field(default_factory=Series)
@@ -80,9 +90,18 @@ class GpuState:
     """The driver's sample period of each kind of buffered sample, in seconds."""
     lost: bool = False
 
+    keys: dict[str, str] = field(default_factory=dict)
+    """Row key of each suffix (``gpu/{key}/{suffix}``), made once."""
+
+    def row_key(self, suffix: str) -> str:
+        full = self.keys.get(suffix)
+        if full is None:
+            full = self.keys[suffix] = gpu_key(self.key, suffix)
+        return full
+
     def trim_before(self, t: float) -> None:
-        for s in self.series.values():
-            s.trim_before(t)
+        self.fast.trim_before(t)
+        self.power_fast.trim_before(t)
         self.util_buf.trim_before(t)
         self.power_buf.trim_before(t)
         self.energy_mj.trim_before(t)
@@ -208,23 +227,26 @@ class Sampler:
                 self._lose(gpu, exc)
                 continue
             t = time.monotonic()
-            s = gpu.series
+            row: dict[str, float] = {}
             for key, value in (
                 ("util_fast", r.util_pct), ("mem_used_gb", r.mem_used_gb), ("mem_pct", r.mem_pct),
-                ("power_fast", r.power_w), ("power_limit_w", r.power_limit_w),
-                ("temp_c", r.temp_c), ("sm_clock_mhz", r.sm_clock_mhz),
+                ("power_limit_w", r.power_limit_w), ("temp_c", r.temp_c),
+                ("sm_clock_mhz", r.sm_clock_mhz),
             ):
                 if value is not None:
-                    s[key].add(t, value)
+                    row[key] = value
+            if r.power_w is not None:
+                row["power_fast"] = r.power_w
+                gpu.power_fast.add(t, r.power_w)
             if r.reasons is not None:
-                s["throttle_pct"].add(t, 100.0 if r.reasons & THROTTLE_REASONS else 0.0)
-                s["throttle_power_pct"].add(t, 100.0 if r.reasons & POWER_REASONS else 0.0)
-                s["throttle_thermal_pct"].add(t, 100.0 if r.reasons & THERMAL_REASONS else 0.0)
+                row["throttle_pct"] = 100.0 if r.reasons & THROTTLE_REASONS else 0.0
+                row["throttle_power_pct"] = 100.0 if r.reasons & POWER_REASONS else 0.0
+                row["throttle_thermal_pct"] = 100.0 if r.reasons & THERMAL_REASONS else 0.0
             if self.torch_alloc is not None and gpu.torch_index is not None:
                 mem = self.torch_alloc.read(gpu.torch_index)
                 if mem is not None:
-                    s["torch_allocated_gb"].add(t, mem[0])
-                    s["torch_peak_gb"].add(t, mem[1])
+                    row["torch_allocated_gb"], row["torch_peak_gb"] = mem
+            gpu.fast.add_row(t, row)
         self._last_fast = time.monotonic()
         if self.host is not None:
             t = time.monotonic()
@@ -288,6 +310,9 @@ class Sampler:
                 self.emit(row)
             except Exception as exc:  # a sink problem is the step logger's to count
                 warn_once("emit", "gpulens: could not hand a row on: %r", exc)
+            # Finishing a row is pure Python under the GIL: yield it after each row, so that
+            # the training thread, if it waits for the GIL, waits for one row, not a burst.
+            time.sleep(0)
         horizon = self.marks[0].t if self.marks else self._window_start
         horizon -= 2 * self.slow_interval + 1.0
         for gpu in self.gpus:
@@ -300,40 +325,36 @@ class Sampler:
         stale = 2 * self.interval + 0.5
         slack = 0.25
         out: dict[str, float] = {}
-        s = gpu.series
-        last_seen = s["mem_used_gb"].last_time or s["temp_c"].last_time
+        last_seen = gpu.fast.last_time
         if (gpu.lost or self.failed is not None) and (last_seen is None or last_seen < t0):
             return out  # a gap: the GPU stopped answering before this window
-        count = 0
-        for metric in GPU_METRICS:
-            key = metric.key
-            if key == "util_pct":
-                series = gpu.util_buf if gpu.util_buf.covers(t0, t1, slack) else s["util_fast"]
-            elif key == "power_w":
-                series = gpu.power_buf if gpu.power_buf.covers(t0, t1, slack) else s["power_fast"]
-            elif key in s:
-                series = s[key]
-            else:
-                continue
-            st = series.stat(t0, t1, stale)
+        got = gpu.fast.window(t0, t1, stale)
+        if got is None:
+            return out
+        fast, count = got
+        for suffix, column, take_last, with_max in _FAST_PLAN:
+            st = fast.get(column)
             if st is None:
                 continue
-            if metric.agg.value == "last":
-                out[key] = st.last
-            else:
-                out[key] = st.mean
-            if metric.with_max:
-                out[key + "_max"] = st.max
-            if key == "mem_used_gb":
-                count = st.inside
-        power = gpu.power_buf if gpu.power_buf.covers(t0, t1, slack) else s["power_fast"]
-        if not gpu.lost or (power.last_time or -math.inf) >= t1:
-            energy = window_energy_j(gpu.energy_mj, power if power.t else None, t0, t1)
+            out[suffix] = st.last if take_last else st.mean
+            if with_max:
+                out[suffix + "_max"] = st.max
+        # utilization and power: the driver's buffered samples where they cover the window
+        util = gpu.util_buf.stat(t0, t1, stale) if gpu.util_buf.covers(t0, t1, slack) else None
+        if util is None:
+            util = fast.get("util_fast")
+        if util is not None:
+            out["util_pct"] = util.mean
+        power_series = gpu.power_buf if gpu.power_buf.covers(t0, t1, slack) else gpu.power_fast
+        power = power_series.stat(t0, t1, stale) if power_series.t else None
+        if power is not None:
+            out["power_w"] = power.mean
+            out["power_w_max"] = power.max
+            energy = window_energy_j(gpu.energy_mj, power_series, t0, t1)
             if energy is not None:
                 out["energy_j"] = energy
         out.update(gpu.gpm.means(t0, t1, stale))
-        if out:
-            out["samples"] = float(count)
+        out["samples"] = float(count)
         return out
 
     def _row(self, mark: Mark) -> Row:
@@ -347,8 +368,12 @@ class Sampler:
         per_gpu: list[dict[str, float]] = []
         for gpu in self.gpus:
             figures = self.gpu_window(gpu, t0, t1)
+            keys = gpu.keys
             for suffix, value in figures.items():
-                values[gpu_key(gpu.key, suffix)] = value
+                full = keys.get(suffix)
+                if full is None:
+                    full = gpu.row_key(suffix)
+                values[full] = value
             if figures:
                 per_gpu.append(figures)
             if "energy_j" in figures:

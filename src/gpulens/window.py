@@ -17,11 +17,10 @@ Samples live in bounded :class:`Series` on ``time.monotonic()``.  A step's windo
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Stat:
+class Stat(NamedTuple):
     """One metric over one window."""
 
     mean: float
@@ -31,32 +30,47 @@ class Stat:
     """How many samples fell inside the window."""
 
 
-class Series:
-    """Timestamped samples of one quantity, in time order, bounded to ``capacity`` points."""
+class Table:
+    """Samples of several quantities taken at the same instants (one read of a device).
 
-    __slots__ = ("capacity", "t", "v")
+    Each column keeps, beside its values, the running trapezoid integral from the first sample
+    (``cum``), so the integral over any window costs two binary searches for the whole table
+    and a few multiplications per column, however many samples the window holds.  Bounded to
+    ``capacity`` rows.  A column missing from one read holds its previous value; a column that
+    first appears late is back-filled with its first value.
+    """
+
+    __slots__ = ("capacity", "cols", "cums", "t")
 
     def __init__(self, capacity: int = 36_000) -> None:
         self.capacity = capacity
         self.t: list[float] = []
-        self.v: list[float] = []
+        self.cols: dict[str, list[float]] = {}
+        self.cums: dict[str, list[float]] = {}
 
     def __len__(self) -> int:
         return len(self.t)
 
-    def add(self, t: float, value: float) -> None:
-        """Append a sample; one older than the newest is ignored (clock went backwards)."""
-        if self.t and t <= self.t[-1]:
+    def add_row(self, t: float, values: dict[str, float]) -> None:
+        """Append one read; one not newer than the newest is ignored (clock went backwards)."""
+        ts = self.t
+        n = len(ts)
+        if n and t <= ts[-1]:
             return
-        self.t.append(t)
-        self.v.append(value)
-        if len(self.t) > self.capacity:
-            self.trim_count(len(self.t) - self.capacity // 2)
-
-    def extend(self, points: list[tuple[float, float]]) -> None:
-        """Append samples that are newer than the newest one held."""
-        for t, value in points:
-            self.add(t, value)
+        for key, value in values.items():
+            if key not in self.cols:
+                self.cols[key] = [value] * n
+                self.cums[key] = [value * (x - ts[0]) for x in ts]
+        dt = t - ts[-1] if n else 0.0
+        for key, col in self.cols.items():
+            got = values.get(key)
+            value = col[-1] if got is None else got
+            cum = self.cums[key]
+            cum.append(cum[-1] + (col[-1] + value) * dt * 0.5 if n else 0.0)
+            col.append(value)
+        ts.append(t)
+        if len(ts) > self.capacity:
+            self.trim_count(len(ts) - self.capacity // 2)
 
     def trim_before(self, t: float) -> None:
         """Drop samples older than ``t``, keeping one before it (for interpolation)."""
@@ -66,7 +80,10 @@ class Series:
 
     def trim_count(self, k: int) -> None:
         del self.t[:k]
-        del self.v[:k]
+        for col in self.cols.values():
+            del col[:k]
+        for cum in self.cums.values():
+            del cum[:k]
 
     @property
     def last_time(self) -> float | None:
@@ -76,62 +93,117 @@ class Series:
         """Whether samples exist within ``slack`` of both ends of ``[t0, t1]``."""
         return bool(self.t) and self.t[0] <= t0 + slack and self.t[-1] >= t1 - slack
 
+    def _position(self, t: float) -> tuple[int, float, float]:
+        """(i, f, d): ``t`` lies ``d`` seconds after sample ``i``, a fraction ``f`` of the way to
+        sample ``i + 1`` (``f = 0`` beyond the ends, where the series is held flat)."""
+        ts = self.t
+        i = bisect_right(ts, t) - 1
+        if i < 0:
+            return 0, 0.0, t - ts[0]
+        if i == len(ts) - 1:
+            return i, 0.0, t - ts[i]
+        d = t - ts[i]
+        return i, d / (ts[i + 1] - ts[i]), d
+
+    def window(
+        self, t0: float, t1: float, stale: float
+    ) -> tuple[dict[str, Stat], int] | None:
+        """Every column's :class:`Stat` over ``[t0, t1)`` and the count of samples inside.
+
+        ``None`` without a fresh sample: none within ``stale`` seconds of the window.
+        """
+        ts = self.t
+        n = len(ts)
+        if not n:
+            return None
+        lo = bisect_left(ts, t0)
+        hi = bisect_left(ts, t1)
+        inside = hi - lo
+        if inside == 0 and not (
+            (lo > 0 and t0 - ts[lo - 1] <= stale) or (lo < n and ts[lo] - t1 <= stale)
+        ):
+            return None
+        i0, f0, d0 = self._position(t0)
+        i1, f1, d1 = self._position(t1)
+        length = t1 - t0
+        out: dict[str, Stat] = {}
+        for key, v in self.cols.items():
+            c = self.cums[key]
+            a0 = v[i0]
+            x0 = a0 + (v[i0 + 1] - a0) * f0 if f0 else a0
+            a1 = v[i1]
+            x1 = a1 + (v[i1 + 1] - a1) * f1 if f1 else a1
+            if length > 0:
+                mean = ((c[i1] + (a1 + x1) * d1 * 0.5) - (c[i0] + (a0 + x0) * d0 * 0.5)) / length
+            else:
+                mean = x1
+            # The peak covers the interpolated edges too, so that max >= mean always holds.
+            peak = x0 if x0 > x1 else x1
+            if inside:
+                top = max(v[lo:hi])
+                if top > peak:
+                    peak = top
+                out[key] = Stat(mean, peak, v[hi - 1], inside)
+            else:
+                out[key] = Stat(mean, peak, x1, 0)
+        return out, inside
+
+
+class Series(Table):
+    """Timestamped samples of one quantity (a :class:`Table` of one column)."""
+
+    __slots__ = ("c", "v")
+
+    def __init__(self, capacity: int = 36_000) -> None:
+        super().__init__(capacity)
+        self.v: list[float] = []
+        self.c: list[float] = []
+        self.cols[""] = self.v
+        self.cums[""] = self.c
+
+    def add(self, t: float, value: float) -> None:
+        """Append a sample; one older than the newest is ignored (clock went backwards)."""
+        ts = self.t
+        if ts:
+            if t <= ts[-1]:
+                return
+            self.c.append(self.c[-1] + (self.v[-1] + value) * (t - ts[-1]) * 0.5)
+        else:
+            self.c.append(0.0)
+        self.v.append(value)
+        ts.append(t)
+        if len(ts) > self.capacity:
+            self.trim_count(len(ts) - self.capacity // 2)
+
+    def extend(self, points: list[tuple[float, float]]) -> None:
+        """Append samples that are newer than the newest one held."""
+        for t, value in points:
+            self.add(t, value)
+
     def value_at(self, t: float) -> float:
         """Linear interpolation, flat beyond the ends.  The series must not be empty."""
-        ts, vs = self.t, self.v
-        i = bisect_right(ts, t)
-        if i == 0:
-            return vs[0]
-        if i == len(ts):
-            return vs[-1]
-        ta, tb = ts[i - 1], ts[i]
-        va, vb = vs[i - 1], vs[i]
-        return va + (vb - va) * (t - ta) / (tb - ta)
+        i, f, _ = self._position(t)
+        v = self.v
+        return v[i] + (v[i + 1] - v[i]) * f if f else v[i]
+
+    def cumulative(self, t: float) -> float:
+        """The integral from the first sample to ``t`` (negative before it)."""
+        i, f, d = self._position(t)
+        v = self.v
+        x = v[i] + (v[i + 1] - v[i]) * f if f else v[i]
+        return self.c[i] + (v[i] + x) * d * 0.5
 
     def integral(self, t0: float, t1: float) -> float:
         """Trapezoid integral over ``[t0, t1]`` (value x seconds).  Series must not be empty."""
-        ts, vs = self.t, self.v
-        i = bisect_right(ts, t0)
-        prev_t, prev_v = t0, self.value_at(t0)
-        acc = 0.0
-        n = len(ts)
-        while i < n and ts[i] < t1:
-            acc += (prev_v + vs[i]) * (ts[i] - prev_t)
-            prev_t, prev_v = ts[i], vs[i]
-            i += 1
-        acc += (prev_v + self.value_at(t1)) * (t1 - prev_t)
-        return acc / 2
+        return self.cumulative(t1) - self.cumulative(t0)
 
     def stat(self, t0: float, t1: float, stale: float) -> Stat | None:
         """Mean, max, last and count over ``[t0, t1)``; ``None`` without a fresh sample.
 
         A sample is fresh when it lies within ``stale`` seconds of the window.
         """
-        ts = self.t
-        if not ts:
-            return None
-        lo = bisect_left(ts, t0)
-        hi = bisect_left(ts, t1)
-        inside = hi - lo
-        if inside == 0:
-            before_ok = lo > 0 and t0 - ts[lo - 1] <= stale
-            after_ok = lo < len(ts) and ts[lo] - t1 <= stale
-            if not (before_ok or after_ok):
-                return None
-        length = t1 - t0
-        if length <= 0:
-            v = self.value_at(t1)
-            return Stat(v, v, v, inside)
-        mean = self.integral(t0, t1) / length
-        # The peak covers the interpolated edges too, so that max >= mean always holds.
-        edge_peak = max(self.value_at(t0), self.value_at(t1))
-        if inside:
-            peak = max(edge_peak, max(self.v[lo:hi]))
-            last = self.v[hi - 1]
-        else:
-            peak = edge_peak
-            last = self.value_at(t1)
-        return Stat(mean, peak, last, inside)
+        got = self.window(t0, t1, stale)
+        return None if got is None else got[0][""]
 
 
 class IntervalSeries:
@@ -238,11 +310,22 @@ def job_aggregates(per_gpu: list[dict[str, float]]) -> dict[str, float]:
     keys: dict[str, list[float]] = {}
     for gpu in per_gpu:
         for suffix, value in gpu.items():
-            if suffix != "samples":
-                keys.setdefault(suffix, []).append(value)
+            values = keys.get(suffix)
+            if values is None:
+                keys[suffix] = [value]
+            else:
+                values.append(value)
+    keys.pop("samples", None)
     out: dict[str, float] = {}
     for suffix, values in keys.items():
-        out[f"gpu/all/{suffix}_mean"] = sum(values) / len(values)
-        out[f"gpu/all/{suffix}_min"] = min(values)
-        out[f"gpu/all/{suffix}_max"] = max(values)
+        names = _AGG_KEYS.get(suffix)
+        if names is None:
+            names = _AGG_KEYS[suffix] = (
+                f"gpu/all/{suffix}_mean", f"gpu/all/{suffix}_min", f"gpu/all/{suffix}_max")
+        out[names[0]] = sum(values) / len(values)
+        out[names[1]] = min(values)
+        out[names[2]] = max(values)
     return out
+
+
+_AGG_KEYS: dict[str, tuple[str, str, str]] = {}
