@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 
 def main() -> int:
@@ -27,6 +28,7 @@ def main() -> int:
     ap.add_argument("--phase", type=float, default=0.4, help="seconds busy / idle per step")
     ap.add_argument("--interval", type=float, default=0.1)
     ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--gpm-lag", action="store_true", help="also print raw GPM spans")
     ap.add_argument(
         "--json", default=os.path.join(os.environ.get("OUT", "."), "nvml_validate.json")
     )
@@ -142,9 +144,52 @@ def main() -> int:
         f"energy over all steps: gpulens {total_g:.1f} J,"
         f" NVML counter at step edges {total_c:.1f} J"
     )
+    lag = gpm_lag(pynvml, handle, busy) if args.gpm_lag else None
     with open(args.json, "w") as f:
-        json.dump({"rows": rows, "counter_edges_mj": edges}, f)
+        json.dump({"rows": rows, "counter_edges_mj": edges, "gpm_lag": lag}, f)
     return 0
+
+
+def gpm_lag(pynvml: Any, handle: Any, busy: Any) -> list[tuple[float, float, float]]:
+    """Raw GPM spans (start, end relative to the busy phase's start, SM util %) around a 1 s
+    busy phase run on another thread: shows how GPM's figures line up with host time."""
+    import threading
+
+    spans: list[tuple[float, float, float]] = []
+    prev = pynvml.nvmlGpmSampleAlloc()
+    cur = pynvml.nvmlGpmSampleAlloc()
+    marks: dict[str, float] = {}
+
+    def load() -> None:
+        time.sleep(0.5)
+        marks["start"] = time.monotonic()
+        busy(1.0)
+        marks["end"] = time.monotonic()
+
+    worker = threading.Thread(target=load)
+    pynvml.nvmlGpmSampleGet(handle, prev)
+    t_prev = time.monotonic()
+    worker.start()
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        t = time.monotonic()
+        pynvml.nvmlGpmSampleGet(handle, cur)
+        req = pynvml.c_nvmlGpmMetricsGet_t()
+        req.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        req.numMetrics = 1
+        req.sample1, req.sample2 = prev, cur
+        req.metrics[0].metricId = pynvml.NVML_GPM_METRIC_SM_UTIL
+        pynvml.nvmlGpmMetricsGet(req)
+        spans.append((t_prev, t, req.metrics[0].value))
+        prev, cur, t_prev = cur, prev, t
+    worker.join()
+    t0 = marks["start"]
+    out = [(a - t0, b - t0, v) for a, b, v in spans]
+    print(f"\nraw GPM SM util, 50 ms spans; busy from 0.000 to {marks['end'] - t0:.3f} s (host)")
+    for a, b, v in out:
+        print(f"  [{a:+.3f}, {b:+.3f}] s  {v:5.1f} %")
+    return out
 
 
 if __name__ == "__main__":
