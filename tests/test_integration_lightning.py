@@ -80,6 +80,10 @@ def classes(pl: Any) -> tuple[type[Any], type[Any]]:
             self.log("train_loss", loss, on_step=True, on_epoch=False)
             return loss
 
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x).squeeze(-1), y))
+
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
@@ -94,14 +98,22 @@ def classes(pl: Any) -> tuple[type[Any], type[Any]]:
         def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
             return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size)
 
+        def val_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+            return torch.utils.data.DataLoader(self.data, batch_size=64)
+
     return Regressor, Points
 
 
 def fit(pl: Any, callback: Any, loggers: list[Any], tmp_path: Path, *, max_steps: int = 12,
-        log_every: int = 4, accumulate: int = 1, fail_at: int = -1) -> Any:
+        log_every: int = 4, accumulate: int = 1, fail_at: int = -1,
+        val_every: int | None = None) -> Any:
     module_cls, data_cls = classes(pl)
+    val: dict[str, Any] = {"limit_val_batches": 0, "num_sanity_val_steps": 0}
+    if val_every is not None:
+        val = {"val_check_interval": val_every, "limit_val_batches": 2}
     trainer = pl.Trainer(
         max_steps=max_steps, log_every_n_steps=log_every, accumulate_grad_batches=accumulate,
+        **val,
         logger=loggers, callbacks=[callback], accelerator="cpu", devices=1,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         default_root_dir=str(tmp_path),
@@ -166,6 +178,17 @@ def test_gradient_accumulation_logs_on_optimizer_steps(pkg: tuple[Any, Any],
         log_every=2, accumulate=3)
     rows = csv_rows(logger)
     assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [1, 3, 5]
+
+
+def test_validation_leaves_the_training_rows_alone(pkg: tuple[Any, Any],
+                                                   tmp_path: Path) -> None:
+    pl, ours = pkg
+    logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    fit(pl, ours.GPUMonitorCallback(interval=0.05), [logger], tmp_path, max_steps=12,
+        log_every=4, val_every=6)
+    rows = csv_rows(logger)
+    assert steps_with(rows, "val_loss") == [5, 11]
+    assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [3, 7, 11]
 
 
 def test_wandb_logger_gets_rows_on_trainer_global_step(tmp_path: Path,

@@ -80,7 +80,12 @@ class Points(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
 def make_trainer(tmp_path: Path, callback: GPUMonitorCallback, *, report_to: Any = "none",
                  max_steps: int = 12, logging_steps: int = 4, grad_accum: int = 1,
-                 model: nn.Module | None = None, dataset: Any = None) -> Any:
+                 model: nn.Module | None = None, dataset: Any = None,
+                 eval_steps: int | None = None) -> Any:
+    extra: dict[str, Any] = {}
+    if eval_steps is not None:
+        extra = {"eval_strategy": "steps", "eval_steps": eval_steps,
+                 "per_device_eval_batch_size": 16}
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=max_steps,
@@ -92,9 +97,12 @@ def make_trainer(tmp_path: Path, callback: GPUMonitorCallback, *, report_to: Any
         save_strategy="no",
         use_cpu=True,
         disable_tqdm=True,
+        **extra,
     )
     return transformers.Trainer(model=model or Regression(), args=args,
-                                train_dataset=dataset or Points(), callbacks=[callback])
+                                train_dataset=dataset or Points(),
+                                eval_dataset=Points(64) if eval_steps is not None else None,
+                                callbacks=[callback])
 
 
 def loss_steps(trainer: Any) -> list[int]:
@@ -150,6 +158,17 @@ def test_tail_after_last_log_gets_a_row_at_the_final_summary(tmp_path: Path) -> 
     rows = read_jsonl(sink)
     assert [r["step"] for r in rows] == [4, 8, 10]
     assert "train/loss" not in rows[-1] and "train/train_loss" in rows[-1]
+
+
+def test_evaluation_logs_make_no_row(tmp_path: Path) -> None:
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+                           max_steps=12, logging_steps=4, eval_steps=6)
+    trainer.train()
+    assert [h["step"] for h in trainer.state.log_history if "eval_loss" in h] == [6, 12]
+    rows = read_jsonl(sink)
+    assert [r["step"] for r in rows] == loss_steps(trainer) == [4, 8, 12]
+    assert not any(k.startswith("train/eval_") for r in rows for k in r)
 
 
 def test_data_wait_share_follows_a_slow_dataloader(tmp_path: Path) -> None:

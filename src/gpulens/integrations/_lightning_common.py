@@ -37,7 +37,8 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
     ``logger.log_metrics(metrics, step=...)`` on the training thread, one log call later than
     it is taken (rows are summarised in a background thread) and at the latest when training
     ends. Only global rank 0 writes; every rank samples its own GPU and takes part in the row
-    (``Monitor.log`` is then a collective, called on every rank by this callback).
+    (``Monitor.log`` is then a collective, called on every rank by this callback); the row holds
+    every rank's GPU, the ``perf/*`` phase keys are rank 0's.
 
     Keys, besides the per-GPU and host keys of :mod:`gpulens.schema` and the core's
     ``perf/step_time_s`` / ``perf/energy_per_step_j``:

@@ -36,7 +36,8 @@ What it does, hook by hook:
 
 Distributed jobs: every rank samples its own GPU and every rank calls ``monitor.log`` (a
 collective); Hugging Face calls ``on_log`` on every rank. Only ``state.is_world_process_zero``
-gets sinks.
+gets sinks. The row holds every rank's GPU (``gpu/{rank}/...``, ``gpu/all/...``); the
+``train/*`` and ``perf/*`` phase keys are rank 0's.
 
 Keys each row can carry, beside the GPU and host keys of :mod:`gpulens.schema` and the core's
 ``perf/step_time_s`` / ``perf/energy_per_step_j``:
