@@ -249,6 +249,10 @@ def test_second_train_call_restarts_after_a_failed_one(tmp_path: Path) -> None:
     assert callback.monitor is None  # stopped at the end
 
 
-def test_bad_interval_is_rejected() -> None:
+def test_bad_arguments_fail_at_construction() -> None:
     with pytest.raises(ValueError, match="interval"):
         GPUMonitorCallback(interval=0)
+    with pytest.raises(ValueError, match="backend"):
+        GPUMonitorCallback(backend="cuda")
+    with pytest.raises(ValueError, match="unknown sink"):
+        GPUMonitorCallback(sinks=["kafka:topic"])

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpulens.integrations.phases import StepPhases
+from gpulens.monitor import Monitor
 from gpulens.sinks.base import Row, RunContext, Sink
-
-if TYPE_CHECKING:
-    from gpulens import Monitor
 
 DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on the steps where
     Lightning writes the module's own ``self.log(...)`` metrics.
@@ -61,7 +59,8 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
             same rows.
         interval: seconds between the sampler's cheap reads.
         gpus: device indices to sample; ``None``: the devices this process uses.
-        backend: ``"nvml"``, ``"simulated"`` or ``None`` (automatic, honours ``GPULENS_BACKEND``).
+        backend: ``"nvml"``, ``"simulated"``, ``"auto"`` or ``None`` (automatic, honours
+            ``GPULENS_BACKEND``).
         to_loggers: write rows to ``trainer.loggers``.
         phases: time the phases of each step.
 """
@@ -105,11 +104,9 @@ class GPUMonitorHooks:
         phases: bool = True,
     ) -> None:
         super().__init__()
-        if not interval > 0:
-            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
-        if backend is not None and backend not in ("nvml", "simulated"):
-            raise ValueError(f"backend must be 'nvml', 'simulated' or None, got {backend!r}")
         self.sinks: list[str | Sink] = list(sinks or ())
+        # the core's own argument checks, now rather than at train start (nothing starts here)
+        Monitor(gpus=gpus, interval=interval, sinks=self.sinks, backend=backend)
         self.interval = float(interval)
         self.gpus = None if gpus is None else list(gpus)
         self.backend = backend
@@ -126,8 +123,6 @@ class GPUMonitorHooks:
             _check_lightning_internals(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        from gpulens import Monitor
-
         self._stop()
         sinks: list[str | Sink] = []
         if trainer.is_global_zero:

@@ -67,9 +67,10 @@ import logging
 import os
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpulens.integrations.phases import StepPhases
+from gpulens.monitor import Monitor
 from gpulens.sinks.base import Sink
 from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
@@ -82,8 +83,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "pip install 'gpulens[transformers]'"
     ) from exc
 
-if TYPE_CHECKING:
-    from gpulens import Monitor
 
 __all__ = ["GPUMonitorCallback"]
 
@@ -116,9 +115,9 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         follow_report_to: bool = True,
         phases: bool = True,
     ) -> None:
-        if not interval > 0:
-            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
         self.sinks: list[str | Sink] = list(sinks or ())
+        # the core's own argument checks, now rather than at train begin (nothing starts here)
+        Monitor(gpus=gpus, interval=interval, sinks=self.sinks, backend=backend)
         self.interval = float(interval)
         self.gpus = None if gpus is None else list(gpus)
         self.backend = backend
@@ -131,8 +130,6 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        from gpulens import Monitor
-
         self._stop()  # a previous train() that raised left it running
         sinks = self._sinks_for(args) if state.is_world_process_zero else []
         monitor = Monitor(gpus=self.gpus, interval=self.interval, sinks=sinks,
