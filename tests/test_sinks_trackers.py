@@ -14,23 +14,15 @@ from gpulens.sinks.mlflow import MlflowSink, mlflow_key
 from gpulens.testing import SimulatedNVML
 from tests.support.mlflow_server import MlflowServer, MlflowTracking
 from tests.support.wandb_reader import (
-    WandbFileError,
-    find_run_file,
     read_history,
     read_metric_definitions,
+    wait_for_finished_run,
 )
 
 
 def _history_of(wandb_dir: Path, run_id: str) -> list[dict[str, Any]]:
-    """The run's history; wandb-core may still be writing the file's tail just after finish()."""
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            return read_history(find_run_file(wandb_dir, run_id))
-        except WandbFileError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    """The run's history, once wandb-core has written the run's exit record."""
+    return read_history(wait_for_finished_run(wandb_dir, run_id))
 
 
 def _train(mon: gpulens.Monitor, steps: int, dt: float = 0.05) -> None:
@@ -55,7 +47,7 @@ def test_wandb_rows_on_train_global_step(wandb_offline: Path) -> None:
     assert rows[-1]["train/loss"] == pytest.approx(0.2)
     # W&B's own step was never passed: it counts the log calls, one each
     assert [h["_step"] for h in history] == list(range(len(history)))
-    defs = read_metric_definitions(find_run_file(wandb_offline, run_id))
+    defs = read_metric_definitions(wait_for_finished_run(wandb_offline, run_id))
     globs = {d.glob: d.step_metric for d in defs if d.glob}
     assert globs["gpu/*"] == "train/global_step" and globs["train/*"] == "train/global_step"
 
