@@ -80,10 +80,44 @@ def test_log_every_n_steps_divides_per_step_figures() -> None:
         mon.log(10)
         time.sleep(0.2)
         mon.log(20)
-    last = sink.rows[-1].values
+    first, last = sink.rows[0].values, sink.rows[-1].values
+    assert first["perf/steps"] == 10.0  # the first window covers steps 1..10 too
+    assert first["perf/step_time_s"] == pytest.approx(0.02, abs=0.01)
     assert last["perf/steps"] == 10.0
     assert last["perf/step_time_s"] == pytest.approx(0.02, abs=0.01)
     assert last["perf/energy_per_step_j"] == pytest.approx(last["gpu/0/energy_j"] / 10)
+
+
+def test_resumed_run_starts_at_its_step() -> None:
+    sink = MemorySink()
+    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1))
+    mon.start(step=5000)
+    time.sleep(0.1)
+    mon.log(5004)
+    mon.stop()
+    assert sink.rows[0].values["perf/steps"] == 4.0
+
+
+def test_energy_counter_reads_too_close_together_are_not_kept() -> None:
+    """NVML's counter ticks every ~100 ms: a read soon after another (the last pass at stop)
+    would give the windows between them 0 J for energy that was used."""
+    sink = MemorySink()
+    sim = SimulatedNVML(gpus=1, load=lambda g, t: 0.9)
+    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim)
+    mon.start()
+    sampler = mon._sampler
+    assert sampler is not None
+    gpu = sampler.gpus[0]
+    time.sleep(0.35)
+    mon.stop()  # joins the sampler thread, so its series are ours to read
+    n = len(gpu.energy_mj)
+    sampler._read_slow(time.monotonic())
+    sampler._read_slow(time.monotonic())
+    assert len(gpu.energy_mj) == n
+    time.sleep(0.35)
+    sampler._read_slow(time.monotonic())
+    assert len(gpu.energy_mj) == n + 1
+    assert all(b - a >= 0.3 for a, b in zip(gpu.energy_mj.t, gpu.energy_mj.t[1:], strict=False))
 
 
 def test_jsonl_lines_are_flushed_as_they_are_written(tmp_path: Path) -> None:

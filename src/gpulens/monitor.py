@@ -195,8 +195,13 @@ class Monitor:
             out.append((key, visible[g], g))
         return out
 
-    def start(self) -> Monitor:
-        """Open NVML, the sinks and the threads; take the first sample.  Idempotent."""
+    def start(self, step: int = 0) -> Monitor:
+        """Open NVML, the sinks and the threads; take the first sample.  Idempotent.
+
+        ``step``: the training step the first window starts after (0 for a fresh run; a
+        resumed run passes the step it resumes from), so the first row's per-step figures
+        divide by the right number of steps.
+        """
         with self._lock:
             if self._started:
                 return self
@@ -233,7 +238,7 @@ class Monitor:
                 host=HostReader(),
                 torch_alloc=TorchAllocator(),
             )
-            self._sampler.start()
+            self._sampler.start(step)
             self._started = True
             self._finalizer = weakref.finalize(self, _stop_quietly, self._sampler, steplogger,
                                                source)

@@ -47,6 +47,9 @@ from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.window import IntervalSeries, Series, Table, job_aggregates, window_energy_j
 
 GPM_KEYS = frozenset(GPM_IDS.values())
+COUNTER_MIN_SPAN_S = 0.3
+"""Energy counter reads closer than this to the previous one are not kept (the counter
+updates about every 100 ms)."""
 
 # What each schema metric is made of: (suffix, column of the fast table, take, with max).
 # "util_pct" and "power_w" prefer the driver's buffered samples (see ``Sampler.gpu_window``).
@@ -135,7 +138,7 @@ class Sampler:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._window_start = 0.0
-        self._prev_step: int | None = None
+        self._prev_step = 0
         self._last_fast = -math.inf
         self._last_slow = -math.inf
         self._unix_offset = time.time() - time.monotonic()
@@ -143,9 +146,13 @@ class Sampler:
         self.passes = 0
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> float:
-        """Take the first reading on this thread, then start the loop.  Returns window start."""
+    def start(self, step: int = 0) -> float:
+        """Take the first reading on this thread, then start the loop.  Returns window start.
+
+        ``step`` is the training step the first window starts after (0 for a fresh run).
+        """
         self._stop.clear()
+        self._prev_step = step
         now = time.monotonic()
         self._read_fast(now)
         self._read_slow(now)
@@ -261,7 +268,10 @@ class Sampler:
             try:
                 energy = gpu.device.read_energy_mj()
                 t = time.monotonic()
-                if energy is not None:
+                last = gpu.energy_mj.last_time
+                # The counter ticks about every 100 ms: two reads closer than that can show no
+                # change for energy that was used (the last pass at stop() comes early).
+                if energy is not None and (last is None or t - last >= COUNTER_MIN_SPAN_S):
                     gpu.energy_mj.add(t, energy)
                 for kind, series in ((POWER_SAMPLES, gpu.power_buf), (UTIL_SAMPLES, gpu.util_buf)):
                     points = gpu.device.read_samples(kind)
@@ -360,7 +370,7 @@ class Sampler:
     def _row(self, mark: Mark) -> Row:
         t0, t1 = self._window_start, mark.t
         self._window_start = t1
-        steps = 1 if self._prev_step is None else max(1, mark.step - self._prev_step)
+        steps = max(1, mark.step - self._prev_step)
         self._prev_step = mark.step
         values: dict[str, float] = {}
         energy_total = 0.0

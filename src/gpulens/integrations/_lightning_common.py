@@ -131,10 +131,10 @@ class GPUMonitorHooks:
             sinks.extend(self.sinks)
         monitor = Monitor(gpus=self.gpus, interval=self.interval, sinks=sinks,
                           backend=self.backend)
-        monitor.start()
+        self._last_step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+        monitor.start(step=self._last_step)  # a resumed fit starts its windows there
         self.monitor = monitor
         self._finalizer = weakref.finalize(self, monitor.stop)
-        self._last_step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
         if self.time_phases:
             self._phases = StepPhases(cuda=getattr(pl_module.device, "type", None) == "cuda")
             self._phases.resume()

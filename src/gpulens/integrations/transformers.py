@@ -134,10 +134,10 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         sinks = self._sinks_for(args) if state.is_world_process_zero else []
         monitor = Monitor(gpus=self.gpus, interval=self.interval, sinks=sinks,
                           backend=self.backend)
-        monitor.start()
+        self._last_logged_step = int(state.global_step)
+        monitor.start(step=self._last_logged_step)  # a resumed run starts its windows there
         self.monitor = monitor
         self._finalizer = weakref.finalize(self, monitor.stop)
-        self._last_logged_step = int(state.global_step)
         if self.time_phases:
             device = getattr(args, "device", None)
             self._phases = StepPhases(cuda=getattr(device, "type", None) == "cuda")
