@@ -73,6 +73,28 @@ def test_figures_follow_the_simulated_load() -> None:
         assert r["gpu/0/power_w_max"] <= sim.MAX_W + 1e-6
 
 
+def test_busy_and_idle_steps_show_as_such() -> None:
+    """300 ms busy / 300 ms idle steps, logged at the phase edges (the fidelity benchmark's
+    pattern): GPM's refresh timing (100 ms, 90 ms late) is undone, utilization and power too."""
+    def load(gpu: int, t: float) -> float:
+        return 1.0 if int(t / 0.3) % 2 == 1 else 0.0
+
+    sink = MemorySink()
+    sim = SimulatedNVML(gpus=1, load=load)
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim) as mon:
+        for step in range(1, 9):
+            while sim.clock() - (sim._t0 or 0) < step * 0.3:
+                time.sleep(0.002)
+            mon.log(step)
+    rows = [r.values for r in sink.rows]
+    busy = [r for r in rows if int(r["train/global_step"]) % 2 == 0]
+    idle = [r for r in rows[1:] if int(r["train/global_step"]) % 2 == 1]
+    for key, hi, lo in (("sm_active_pct", 80, 20), ("util_pct", 70, 30), ("power_w", 500, 250)):
+        b = sum(r[f"gpu/0/{key}"] for r in busy) / len(busy)
+        i = sum(r[f"gpu/0/{key}"] for r in idle) / len(idle)
+        assert b >= hi and i <= lo, (key, b, i)
+
+
 def test_log_every_n_steps_divides_per_step_figures() -> None:
     sink = MemorySink()
     with gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1)) as mon:

@@ -69,13 +69,13 @@ def test_buffered_samples_arrive_once_with_unix_timestamps() -> None:
     assert dev.read_samples(UTIL_SAMPLES)
 
 
-def test_gpm_between_two_samples() -> None:
-    import time
-
-    sim = SimulatedNVML(gpus=1, load=lambda g, t: 0.8)
+def test_gpm_between_two_refreshes() -> None:
+    now = [0.0]
+    sim = SimulatedNVML(gpus=1, load=lambda g, t: 0.8, clock=lambda: now[0])
     dev = _open(sim).device(0)
+    now[0] = 0.15
     assert dev.read_gpm() is None  # the first call only takes a sample
-    time.sleep(0.05)
+    now[0] = 0.45  # three refreshes later
     got = dev.read_gpm()
     assert got is not None
     start, end, values = got
@@ -83,6 +83,24 @@ def test_gpm_between_two_samples() -> None:
     assert values["sm_active_pct"] == pytest.approx(80.0, abs=1.0)
     assert set(values) == {"sm_active_pct", "sm_occupancy_pct", "tensor_active_pct",
                            "dram_bw_pct"}
+
+
+def test_gpm_without_a_refresh_keeps_the_earlier_sample() -> None:
+    """Two samples between the same refreshes read 0 % (DRAM NaN): that is no figure at all,
+    and the next span runs from the kept sample."""
+    now = [0.0]
+    sim = SimulatedNVML(gpus=1, load=lambda g, t: 1.0, clock=lambda: now[0])
+    dev = _open(sim).device(0)
+    now[0] = 0.31
+    dev.read_gpm()
+    now[0] = 0.33  # same refresh period as the kept sample
+    assert dev.read_gpm() is None
+    now[0] = 0.36
+    assert dev.read_gpm() is None
+    now[0] = 0.52  # two refreshes after the kept sample
+    got = dev.read_gpm()
+    assert got is not None
+    assert got[2]["sm_active_pct"] == pytest.approx(100.0, abs=0.5)  # not 0, not 2x
 
 
 def test_no_gpm_is_remembered() -> None:

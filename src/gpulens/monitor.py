@@ -78,7 +78,8 @@ class Monitor:
             distributed job (``WORLD_SIZE`` > 1) only this rank's GPU (``LOCAL_RANK``).
         interval: seconds between cheap samples (utilization, memory, power, temperature,
             clocks); must be > 0.  Energy and the driver's buffered samples are read every
-            ``max(1 s, interval)``, GPM every ``max(0.1 s, interval)``.
+            ``max(1 s, interval)``; GPM, whose counters refresh about every 100 ms, is polled
+            every ``max(50 ms, interval / 2)``.
         sinks: names (``"wandb"``, ``"mlflow"``, ``"jsonl:PATH"``, ``"prometheus:PORT"``) or
             objects with ``open``/``write``/``close``.
         backend: ``"nvml"``, ``"simulated"``, ``"auto"``/``None`` (NVML if a driver answers),

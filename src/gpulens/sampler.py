@@ -7,7 +7,8 @@ One thread per :meth:`Sampler.start` (so stop-then-start works).  It
 * every ``slow_interval`` seconds reads the energy counter and the driver's buffered power and
   utilization samples (the buffers hold ~2.4 s of power and ~14 s of utilization, so a read a
   second loses nothing);
-* every ``gpm_interval`` seconds takes a GPM sample (Hopper and newer);
+* every ``gpm_interval`` seconds (half the interval, at least 50 ms) polls GPM (Hopper and
+  newer), whose counters refresh about every 100 ms;
 * after each pass turns every step mark whose window is covered by data into a
   :class:`~gpulens.sinks.base.Row` and hands it to ``emit``.
 
@@ -89,6 +90,8 @@ class GpuState:
     power_buf: Series = field(default_factory=Series)
     energy_mj: Series = field(default_factory=Series)
     gpm: IntervalSeries = field(default_factory=IntervalSeries)
+    limit_due: bool = True
+    """Read the power limit at the next fast read (set by each slow read)."""
     periods: dict[int, float] = field(default_factory=dict)
     """The driver's sample period of each kind of buffered sample, in seconds."""
     lost: bool = False
@@ -128,7 +131,9 @@ class Sampler:
         self.gpus = list(gpus)
         self.interval = interval
         self.slow_interval = max(slow_interval, interval)
-        self.gpm_interval = max(gpm_interval or interval, 0.1)
+        # GPM counters refresh about every 100 ms; polling at half the interval (at least
+        # every 50 ms) places each refresh within that much (see NvmlDevice.read_gpm).
+        self.gpm_interval = gpm_interval or max(0.05, interval / 2)
         self.emit = emit
         self.host = host
         self.torch_alloc = torch_alloc
@@ -229,7 +234,13 @@ class Sampler:
             if gpu.lost:
                 continue
             try:
-                r = gpu.device.read_fast()
+                # What the driver's buffered samples give is not read again; the enforced power
+                # limit once per slow period.
+                r = gpu.device.read_fast(
+                    util=not gpu.util_buf.t, power=not gpu.power_buf.t,
+                    limit=gpu.limit_due or not gpu.fast.t,
+                )
+                gpu.limit_due = False
             except GpuLost as exc:
                 self._lose(gpu, exc)
                 continue
@@ -266,6 +277,7 @@ class Sampler:
             if gpu.lost:
                 continue
             try:
+                gpu.limit_due = True
                 energy = gpu.device.read_energy_mj()
                 t = time.monotonic()
                 last = gpu.energy_mj.last_time
@@ -356,13 +368,15 @@ class Sampler:
         if util is not None:
             out["util_pct"] = util.mean
         power_series = gpu.power_buf if gpu.power_buf.covers(t0, t1, slack) else gpu.power_fast
+        if not power_series.t:  # buffered samples that do not cover, and no fast power read
+            power_series = gpu.power_buf
         power = power_series.stat(t0, t1, stale) if power_series.t else None
         if power is not None:
             out["power_w"] = power.mean
             out["power_w_max"] = power.max
-            energy = window_energy_j(gpu.energy_mj, power_series, t0, t1)
-            if energy is not None:
-                out["energy_j"] = energy
+        energy = window_energy_j(gpu.energy_mj, power_series if power_series.t else None, t0, t1)
+        if energy is not None:
+            out["energy_j"] = energy
         out.update(gpu.gpm.means(t0, t1, stale))
         out["samples"] = float(count)
         return out

@@ -18,6 +18,7 @@ Units are in the names: ``_w`` watts, ``_mj`` millijoules, ``_gb`` 1e9 bytes, ``
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Callable
@@ -57,6 +58,11 @@ GPM_METRICS: dict[int, str] = {
     5: "tensor_active_pct",  # NVML_GPM_METRIC_ANY_TENSOR_UTIL
     10: "dram_bw_pct",  # NVML_GPM_METRIC_DRAM_BW_UTIL
 }
+
+_GPM_REFRESH_KEY = "dram_bw_pct"  # NaN when the counters did not refresh between two samples
+GPM_DELAY_S = 0.09
+"""How long before it is read the activity shown by a GPM refresh ended (H200, driver
+580.159: a 1 s busy phase showed up ~90 ms late; see benchmarks/gpm_probe.py)."""
 
 POWER_SAMPLES = 0  # NVML_TOTAL_POWER_SAMPLES, values in mW
 UTIL_SAMPLES = 1  # NVML_GPU_UTILIZATION_SAMPLES, values in percent
@@ -154,13 +160,19 @@ class NvmlDevice:
         )
 
     # -- cheap reads, every sample --------------------------------------------------------
-    def read_fast(self) -> FastRead:
-        """Utilization, memory, power, limit, temperature, SM clock, clock-event reasons."""
+    def read_fast(
+        self, *, util: bool = True, power: bool = True, limit: bool = True
+    ) -> FastRead:
+        """Memory, temperature, SM clock, clock-event reasons; and utilization, power and the
+        power limit unless told not to (the sampler skips what the driver's buffered samples
+        already give, and reads the static limit once a second)."""
         lib, h = self._lib, self._handle
-        util = self._call("utilization", lib.nvmlDeviceGetUtilizationRates, h)
+        util_rates = self._call("utilization", lib.nvmlDeviceGetUtilizationRates, h) if util \
+            else None
         mem = self._call("memory", lib.nvmlDeviceGetMemoryInfo, h)
-        power = self._call("power", lib.nvmlDeviceGetPowerUsage, h)
-        limit = self._call("power_limit", lib.nvmlDeviceGetEnforcedPowerLimit, h)
+        power_mw = self._call("power", lib.nvmlDeviceGetPowerUsage, h) if power else None
+        limit_mw = self._call("power_limit", lib.nvmlDeviceGetEnforcedPowerLimit, h) if limit \
+            else None
         temp = self._call("temperature", lib.nvmlDeviceGetTemperature, h, 0)
         clock = self._call("sm_clock", lib.nvmlDeviceGetClockInfo, h, 1)
         reasons_fn = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None)
@@ -169,11 +181,11 @@ class NvmlDevice:
         reasons = self._call("clock_events", reasons_fn, h)
         used_gb = mem.used / _GB if mem is not None else None
         return FastRead(
-            util_pct=float(util.gpu) if util is not None else None,
+            util_pct=float(util_rates.gpu) if util_rates is not None else None,
             mem_used_gb=used_gb,
             mem_pct=100.0 * mem.used / mem.total if mem is not None and mem.total else None,
-            power_w=power / 1000.0 if power is not None else None,
-            power_limit_w=limit / 1000.0 if limit is not None else None,
+            power_w=power_mw / 1000.0 if power_mw is not None else None,
+            power_limit_w=limit_mw / 1000.0 if limit_mw is not None else None,
             temp_c=float(temp) if temp is not None else None,
             sm_clock_mhz=float(clock) if clock is not None else None,
             reasons=int(reasons) if reasons is not None else None,
@@ -208,9 +220,18 @@ class NvmlDevice:
         return out
 
     def read_gpm(self) -> tuple[float, float, dict[str, float]] | None:
-        """GPM metrics between the previous call and now: (start, end, values), monotonic s.
+        """GPM metrics since the GPU's counters last refreshed: (start, end, values), monotonic s.
 
-        The first call only takes a sample and returns ``None``.  ``None`` too where the GPU has
+        Measured on an H200 (driver 580.159): the GPM counters refresh about every 100 ms, and
+        what a refresh shows is the activity of the period that ended about 90 ms earlier.
+        Two samples taken between the same two refreshes show no change: every metric reads 0
+        and DRAM bandwidth reads NaN (0/0), while a refreshed idle GPU reads DRAM bandwidth 0.
+        So a NaN DRAM figure means "no refresh yet": the earlier sample is kept and ``None`` is
+        returned, and spans always run from one seen refresh to the next, placed
+        ``GPM_DELAY_S`` earlier than they were read.  (Sampling every 100 ms without this
+        check gave alternating 0 % and 2x figures.)
+
+        The first call only takes a sample and returns ``None``; ``None`` too where the GPU has
         no GPM (before Hopper), which is remembered.
         """
         lib, h = self._lib, self._handle
@@ -237,16 +258,24 @@ class NvmlDevice:
         request.sample2 = current
         for i, metric_id in enumerate(GPM_METRICS):
             request.metrics[i].metricId = metric_id
-        start = self._gpm_prev_t
-        self._gpm_spare, self._gpm_prev, self._gpm_prev_t = self._gpm_prev, current, now
         if self._call("gpm", lib.nvmlGpmMetricsGet, request) is None:
             return None
         values: dict[str, float] = {}
+        refreshed = False
         for i, key in enumerate(GPM_METRICS.values()):
             metric = request.metrics[i]
-            if metric.nvmlReturn == 0:
-                values[key] = float(metric.value)
-        return start, now, values
+            if metric.nvmlReturn != 0:
+                continue
+            value = float(metric.value)
+            if key == _GPM_REFRESH_KEY:
+                refreshed = not math.isnan(value)
+            if not math.isnan(value):
+                values[key] = value
+        if not refreshed:
+            return None  # the counters have not refreshed since the kept sample
+        start = self._gpm_prev_t
+        self._gpm_spare, self._gpm_prev, self._gpm_prev_t = self._gpm_prev, current, now
+        return start - GPM_DELAY_S, now - GPM_DELAY_S, values
 
     def close(self) -> None:
         """Free the GPM samples."""

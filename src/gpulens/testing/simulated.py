@@ -102,7 +102,8 @@ class _GpmSupport:
 
 @dataclass
 class _GpmSample:
-    t: float = 0.0
+    refresh: int = -1
+    """Which refresh of the GPU's GPM counters the sample saw."""
     gpu: int = -1
     integral: float = 0.0
 
@@ -149,6 +150,8 @@ class SimulatedNVML:
     POWER_PERIOD = 0.02
     UTIL_PERIOD = 1 / 6
     ENERGY_PERIOD = 0.1
+    GPM_PERIOD = 0.1
+    GPM_DELAY = 0.09
 
     def __init__(
         self,
@@ -331,9 +334,12 @@ class SimulatedNVML:
         return None
 
     def nvmlGpmSampleGet(self, h: _Handle, sample: _GpmSample) -> _GpmSample:
+        """Like the hardware: the counters refresh every ``GPM_PERIOD`` s and a refresh holds
+        the activity up to ``GPM_DELAY`` s before it."""
         self._check("nvmlGpmSampleGet", h)
-        t = self._now()
-        sample.t, sample.gpu = t, h.index
+        refresh = math.floor(self._now() / self.GPM_PERIOD)
+        t = max(0.0, refresh * self.GPM_PERIOD - self.GPM_DELAY)
+        sample.refresh, sample.gpu = refresh, h.index
         # integral of activity from init: the energy integral is its affine image
         sample.integral = (self.energy_j(h.index, t) - self.IDLE_W * t) / (
             self.MAX_W - self.IDLE_W
@@ -343,10 +349,12 @@ class SimulatedNVML:
     def nvmlGpmMetricsGet(self, request: GpmMetricsGet) -> GpmMetricsGet:
         self.calls["nvmlGpmMetricsGet"] = self.calls.get("nvmlGpmMetricsGet", 0) + 1
         s1, s2 = request.sample1, request.sample2
-        span = s2.t - s1.t
-        mean = (s2.integral - s1.integral) / span if span > 0 else 0.0
-        mean = min(1.0, max(0.0, mean))
-        per_metric = {2: 100 * mean, 3: 14 * mean, 5: 93 * mean, 10: 16 * mean}
+        span = (s2.refresh - s1.refresh) * self.GPM_PERIOD
+        if span <= 0:  # no refresh between the samples: 0s, and 0/0 for DRAM bandwidth
+            per_metric = {2: 0.0, 3: 0.0, 5: 0.0, 10: math.nan}
+        else:
+            mean = min(1.0, max(0.0, (s2.integral - s1.integral) / span))
+            per_metric = {2: 100 * mean, 3: 14 * mean, 5: 93 * mean, 10: 16 * mean}
         for m in request.metrics[: request.numMetrics]:
             if m.metricId in per_metric:
                 m.value, m.nvmlReturn = per_metric[m.metricId], NVML_SUCCESS
