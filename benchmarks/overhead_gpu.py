@@ -75,8 +75,9 @@ import psutil
 INTERVAL_S = 0.1
 PLAIN = ("none", "gpulens", "wandb", "mlflow", "nvitop")
 LIGHTNING = ("lightning", "lightning_dsm")
+DIAGNOSIS = ("gpulens_nogpm", "gpulens_cheap")  # only when asked for with --variants
 ALL_VARIANTS = PLAIN + LIGHTNING
-BASELINE = {v: "none" for v in PLAIN} | {v: "lightning" for v in LIGHTNING}
+BASELINE = {v: "none" for v in PLAIN + DIAGNOSIS} | {v: "lightning" for v in LIGHTNING}
 
 
 def log(msg: str) -> None:
@@ -300,6 +301,7 @@ class Variant:
 
 class GpulensVariant(Variant):
     name = "gpulens"
+    reads: dict[str, bool] = {}  # noqa: RUF012 - read-only per class
 
     def start(self, rep: int) -> None:
         import gpulens
@@ -307,7 +309,7 @@ class GpulensVariant(Variant):
         self.path = self.tmp / f"gpulens-{rep}.jsonl"
         backend = "simulated" if self.s.quick else None
         self.mon = gpulens.Monitor(interval=INTERVAL_S, sinks=[f"jsonl:{self.path}"],
-                                   backend=backend)
+                                   backend=backend, **self.reads)
         self.mon.start()
 
     def on_step(self, step: int, loss: float) -> None:
@@ -322,6 +324,20 @@ class GpulensVariant(Variant):
         dropped = sum(getattr(v, "dropped", 0) for v in stats.values())
         return (f"{len(rows)} rows, backend {backend}, {len(gpu_keys)} gpu/0 keys"
                 + (f", {dropped} dropped" if dropped else ""))
+
+
+class GpulensNoGpmVariant(GpulensVariant):
+    """Diagnosis: gpulens without GPM polling."""
+
+    name = "gpulens_nogpm"
+    reads = {"gpm": False}  # noqa: RUF012
+
+
+class GpulensCheapVariant(GpulensVariant):
+    """Diagnosis: gpulens with the cheap reads only (no GPM, energy counter, driver samples)."""
+
+    name = "gpulens_cheap"
+    reads = {"gpm": False, "energy": False, "driver_samples": False}  # noqa: RUF012
 
 
 class WandbVariant(Variant):
@@ -581,7 +597,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
         "| host RSS (MiB) | notes |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in ALL_VARIANTS:
+    for name in ALL_VARIANTS + DIAGNOSIS:
         f = summary.get(name)
         if f is None:
             continue
@@ -717,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (6 if args.quick else 60)
     warmup = max(1, args.warmup or (2 if args.quick else 5))
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(wanted) - set(ALL_VARIANTS)
+    unknown = set(wanted) - set(ALL_VARIANTS) - set(DIAGNOSIS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; known: {', '.join(ALL_VARIANTS)}")
     for v in wanted:  # every variant needs its baseline
@@ -733,10 +749,11 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tmpdir.name)
     classes: dict[str, Callable[[Path, Setup], Variant]] = {
         "none": Variant, "gpulens": GpulensVariant, "wandb": WandbVariant,
+        "gpulens_nogpm": GpulensNoGpmVariant, "gpulens_cheap": GpulensCheapVariant,
         "mlflow": MlflowVariant, "nvitop": NvitopVariant,
     }
-    plain = {n: classes[n](tmp, s) for n in PLAIN if n in wanted}
-    results = {n: Result(n) for n in ALL_VARIANTS if n in wanted}
+    plain = {n: classes[n](tmp, s) for n in PLAIN + DIAGNOSIS if n in wanted}
+    results = {n: Result(n) for n in ALL_VARIANTS + DIAGNOSIS if n in wanted}
     for n, v in plain.items():
         results[n].skipped = v.skip_reason()
     lightning: LightningRunner | None = None

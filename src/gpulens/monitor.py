@@ -87,6 +87,10 @@ class Monitor:
             environment variable ``GPULENS_BACKEND`` (with ``GPULENS_SIMULATED_GPUS=N``) picks
             one when the argument is ``None``.
         buffer_rows: rows each sink may fall behind before the oldest are dropped (counted).
+        gpm, energy, driver_samples: switch off a costly read (GPM activity; the energy
+            counter, 3-15 ms a call on an H200; the driver's buffered power and utilization
+            samples, ~2.4 ms).  Without them the figures come from the cheap reads alone:
+            no ``sm_active_pct``/``tensor_active_pct``, energy integrated from power.
         distributed: gather the ranks' rows on rank 0 (``None``: when torch.distributed is
             initialised with more than one rank).  Then every rank must call :meth:`log` for
             the same steps: it is a collective.
@@ -105,6 +109,9 @@ class Monitor:
         *,
         buffer_rows: int = 10_000,
         distributed: bool | None = None,
+        gpm: bool = True,
+        energy: bool = True,
+        driver_samples: bool = True,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)):
             raise ValueError(f"interval must be a number of seconds, got {interval!r}")
@@ -130,6 +137,7 @@ class Monitor:
         self._backend_arg = backend
         self._buffer_rows = buffer_rows
         self._distributed_arg = distributed
+        self._reads = {"gpm": gpm, "energy": energy, "driver_samples": driver_samples}
         self.context: RunContext | None = None
         self.sink_stats: dict[str, SinkStats] = {}
         self._source: NvmlSource | None = None
@@ -238,6 +246,7 @@ class Monitor:
                 emit=emit,
                 host=HostReader(),
                 torch_alloc=TorchAllocator(),
+                **self._reads,
             )
             self._sampler.start(step)
             self._started = True

@@ -125,6 +125,9 @@ class Sampler:
         emit: Callable[[Row], None],
         slow_interval: float = 1.0,
         gpm_interval: float | None = None,
+        gpm: bool = True,
+        energy: bool = True,
+        driver_samples: bool = True,
         host: HostReader | None = None,
         torch_alloc: TorchAllocator | None = None,
     ) -> None:
@@ -134,6 +137,9 @@ class Sampler:
         # GPM counters refresh about every 100 ms; polling at half the interval (at least
         # every 50 ms) places each refresh within that much (see NvmlDevice.read_gpm).
         self.gpm_interval = gpm_interval or max(0.05, interval / 2)
+        self.gpm = gpm
+        self.energy = energy
+        self.driver_samples = driver_samples
         self.emit = emit
         self.host = host
         self.torch_alloc = torch_alloc
@@ -278,7 +284,7 @@ class Sampler:
                 continue
             try:
                 gpu.limit_due = True
-                energy = gpu.device.read_energy_mj()
+                energy = gpu.device.read_energy_mj() if self.energy else None
                 t = time.monotonic()
                 last = gpu.energy_mj.last_time
                 # The counter ticks about every 100 ms: two reads closer than that can show no
@@ -286,6 +292,8 @@ class Sampler:
                 if energy is not None and (last is None or t - last >= COUNTER_MIN_SPAN_S):
                     gpu.energy_mj.add(t, energy)
                 for kind, series in ((POWER_SAMPLES, gpu.power_buf), (UTIL_SAMPLES, gpu.util_buf)):
+                    if not self.driver_samples:
+                        break
                     points = gpu.device.read_samples(kind)
                     if not points:
                         continue
@@ -299,6 +307,8 @@ class Sampler:
         self._last_slow = time.monotonic()
 
     def _read_gpm(self, now: float) -> None:
+        if not self.gpm:
+            return
         for gpu in self.gpus:
             if gpu.lost:
                 continue
