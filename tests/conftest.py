@@ -103,7 +103,10 @@ def mlflow_tracking(
     tracking = MlflowTracking(uri=mlflow_server, experiment_name=_experiment_name(request.node))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking.uri)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", tracking.experiment_name)
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+    # set then delete, so that teardown restores "unset" even if the test (or a framework's
+    # own MLflow integration calling mlflow.set_experiment) sets it
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID")
     mlflow.set_tracking_uri(tracking.uri)
     # mlflow.set_experiment() in an earlier test leaves a process-wide active experiment that
     # outranks MLFLOW_EXPERIMENT_NAME: make this test's experiment the active one.

@@ -41,20 +41,6 @@ def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
 
 
-@pytest.fixture
-def mlflow_isolated(mlflow_tracking: MlflowTracking,
-                    monkeypatch: pytest.MonkeyPatch) -> MlflowTracking:
-    """``mlflow_tracking``, plus an undo of what ``mlflow.set_experiment`` (called by the
-    framework's own MLflow integration) leaves behind for later tests: the process-wide active
-    experiment and the ``MLFLOW_EXPERIMENT_ID`` variable it sets."""
-    import mlflow.tracking.fluent as fluent
-
-    monkeypatch.setattr(fluent, "_active_experiment_id", None)
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "")  # recorded, so teardown restores "unset"
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID")
-    return mlflow_tracking
-
-
 @pytest.fixture(params=sorted(PACKAGES))
 def pkg(request: pytest.FixtureRequest) -> tuple[Any, Any]:
     """(the Lightning package, the gpulens module for it)."""
@@ -143,12 +129,12 @@ def test_callbacks_subclass_their_own_package(pkg: tuple[Any, Any]) -> None:
 
 
 def test_rows_reach_every_logger_on_the_module_log_steps(
-    pkg: tuple[Any, Any], tmp_path: Path, mlflow_isolated: MlflowTracking
+    pkg: tuple[Any, Any], tmp_path: Path, mlflow_tracking: MlflowTracking
 ) -> None:
     pl, ours = pkg
     csv_logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
-    mlf_logger = pl.loggers.MLFlowLogger(experiment_name=mlflow_isolated.experiment_name,
-                                         tracking_uri=mlflow_isolated.uri)
+    mlf_logger = pl.loggers.MLFlowLogger(experiment_name=mlflow_tracking.experiment_name,
+                                         tracking_uri=mlflow_tracking.uri)
     sink = tmp_path / "gpu.jsonl"
     fit(pl, ours.GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
         [csv_logger, mlf_logger], tmp_path, max_steps=12, log_every=4)
@@ -159,8 +145,8 @@ def test_rows_reach_every_logger_on_the_module_log_steps(
     assert steps_with(rows, "perf/data_wait_pct") == [3, 7, 11]
     assert not any(k.startswith("train/") for k in rows[0])  # the module's metrics stay its own
 
-    client = mlflow_isolated.client()
-    (run,) = mlflow_isolated.runs()
+    client = mlflow_tracking.client()
+    (run,) = mlflow_tracking.runs()
     loss_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss"))
     gpu_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, GPU_KEY))
     assert loss_steps == gpu_steps == [3, 7, 11]

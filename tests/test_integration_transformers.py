@@ -30,20 +30,6 @@ def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
 
 
-@pytest.fixture
-def mlflow_isolated(mlflow_tracking: MlflowTracking,
-                    monkeypatch: pytest.MonkeyPatch) -> MlflowTracking:
-    """``mlflow_tracking``, plus an undo of what ``mlflow.set_experiment`` (called by the
-    framework's own MLflow integration) leaves behind for later tests: the process-wide active
-    experiment and the ``MLFLOW_EXPERIMENT_ID`` variable it sets."""
-    import mlflow.tracking.fluent as fluent
-
-    monkeypatch.setattr(fluent, "_active_experiment_id", None)
-    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "")  # recorded, so teardown restores "unset"
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_ID")
-    return mlflow_tracking
-
-
 class Regression(nn.Module):
     """y = w.x with a loss, the smallest model the Trainer accepts; ``fail_at`` raises in the
     forward pass of that call (to test the exception path)."""
@@ -205,12 +191,12 @@ def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path,
 
 
 def test_mlflow_rows_join_hf_run_on_global_step(tmp_path: Path,
-                                                mlflow_isolated: MlflowTracking) -> None:
+                                                mlflow_tracking: MlflowTracking) -> None:
     trainer = make_trainer(tmp_path, GPUMonitorCallback(interval=0.05), report_to="mlflow")
     trainer.train()
-    runs = mlflow_isolated.runs()
+    runs = mlflow_tracking.runs()
     assert len(runs) == 1  # HF's run, no extra one
-    client = mlflow_isolated.client()
+    client = mlflow_tracking.client()
     run_id = runs[0].info.run_id
     loss = client.get_metric_history(run_id, "loss")
     gpu = client.get_metric_history(run_id, GPU_KEY)
