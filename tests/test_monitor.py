@@ -180,10 +180,17 @@ def test_stop_is_idempotent_and_start_again_works() -> None:
 
 def test_training_thread_sinks_are_written_from_the_training_thread() -> None:
     sink = MemorySink(on_training_thread=True)
+    per_log: list[int] = []
     with gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1)) as mon:
-        _run(mon, 20, 0.05)
-    assert len(sink.rows) == 20
+        for step in range(1, 41):
+            time.sleep(0.05)
+            before = len(sink.rows)
+            mon.log(step)
+            per_log.append(len(sink.rows) - before)
+    assert [r.step for r in sink.rows] == list(range(1, 41))
     assert sink.write_threads == {threading.current_thread().name}
+    # rows come finished in bursts (after each slow read): no single log() writes a burst
+    assert max(per_log) <= 2 and sum(per_log) >= 15
 
 
 def test_env_selects_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

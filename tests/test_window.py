@@ -104,7 +104,8 @@ def test_energy_counter_reset_falls_back_to_power() -> None:
 
 
 def test_job_aggregates() -> None:
-    out = job_aggregates([{"power_w": 100.0, "samples": 3.0}, {"power_w": 300.0}])
+    out = job_aggregates([{"power_w": 100.0, "samples": 3.0, "power_limit_w": 700.0},
+                          {"power_w": 300.0}])
     assert out == {"gpu/all/power_w_mean": 200.0, "gpu/all/power_w_min": 100.0,
                    "gpu/all/power_w_max": 300.0}
     assert job_aggregates([{"power_w": 1.0}]) == {}

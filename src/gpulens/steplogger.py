@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from gpulens._warn import logger, warn_once
 from gpulens.sinks.base import Row, RunContext, Sink
 
+TRAINING_THREAD_ROWS_PER_LOG = 2
+
 
 @dataclass
 class SinkStats:
@@ -69,16 +71,21 @@ class _Delivery:
             self.buffer.append(row)
         self._wake.set()
 
-    def deliver(self, deadline: float | None = None) -> bool:
-        """Write what is buffered, oldest first.  False if a write failed (rows kept)."""
+    def deliver(self, deadline: float | None = None, limit: int | None = None) -> bool:
+        """Write what is buffered, oldest first (at most ``limit`` rows).  False if a write
+        failed (rows kept) or rows are left."""
         if time.monotonic() < self._retry_at and not self._closing.is_set():
             return False
         write_many = getattr(self.sink, "write_many", None)
+        written = 0
         while self.buffer:
             if deadline is not None and time.monotonic() > deadline:
                 return False
+            room = 200 if limit is None else limit - written
+            if room <= 0:
+                return False
             with self._lock:
-                batch = list(self.buffer)[:200] if write_many else [self.buffer[0]]
+                batch = list(self.buffer)[:room] if write_many else [self.buffer[0]]
             try:
                 if write_many is not None:
                     write_many(batch)
@@ -97,6 +104,7 @@ class _Delivery:
                     if self.buffer:
                         self.buffer.popleft()
             self.stats.written += len(batch)
+            written += len(batch)
             self._backoff = 0.0
         return True
 
@@ -164,10 +172,16 @@ class StepLogger:
             d.put(row)
 
     def drain_training_thread(self) -> None:
-        """Write queued rows to the training-thread sinks (called inside ``log()``)."""
+        """Write queued rows to the training-thread sinks (called inside ``log()``).
+
+        Rows are finished in bursts (after each slow read); writing a whole burst inside one
+        ``log()`` would make that one step slow (``wandb.log`` costs milliseconds).  At most
+        ``TRAINING_THREAD_ROWS_PER_LOG`` rows go out per call: more than one row per ``log()``
+        on average, so the backlog drains, and ``stop()`` writes the rest.
+        """
         for d in self._training:
             if d.buffer:
-                d.deliver()
+                d.deliver(limit=TRAINING_THREAD_ROWS_PER_LOG)
 
     def close(self, timeout: float = 10.0) -> dict[str, SinkStats]:
         """Flush within ``timeout`` seconds, close the sinks, report what was dropped."""

@@ -300,22 +300,29 @@ def window_energy_j(
     return None
 
 
-def job_aggregates(per_gpu: list[dict[str, float]]) -> dict[str, float]:
-    """``gpu/all/<suffix>_mean|_min|_max`` over the GPUs that report each suffix.
+JOB_SUFFIXES = frozenset({
+    "util_pct", "sm_active_pct", "tensor_active_pct", "mem_used_gb", "mem_pct", "power_w",
+    "energy_j", "temp_c", "sm_clock_mhz", "throttle_pct",
+})
+"""The per-GPU figures that get job-level aggregates: the headline ones (every aggregate is
+three more keys a row for every tracker to store)."""
 
-    Empty for fewer than two GPUs.  ``samples`` is left out (it is a count, not a metric).
-    """
+
+def job_aggregates(per_gpu: list[dict[str, float]]) -> dict[str, float]:
+    """``gpu/all/<suffix>_mean|_min|_max`` of the :data:`JOB_SUFFIXES` over the GPUs that
+    report each; empty for fewer than two GPUs."""
     if len(per_gpu) < 2:
         return {}
     keys: dict[str, list[float]] = {}
     for gpu in per_gpu:
         for suffix, value in gpu.items():
+            if suffix not in JOB_SUFFIXES:
+                continue
             values = keys.get(suffix)
             if values is None:
                 keys[suffix] = [value]
             else:
                 values.append(value)
-    keys.pop("samples", None)
     out: dict[str, float] = {}
     for suffix, values in keys.items():
         names = _AGG_KEYS.get(suffix)
