@@ -62,9 +62,14 @@ def main() -> int:
     os.environ["WANDB_DIR"] = str(out)
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+    import logging
+
     import mlflow
     import torch
     import wandb
+
+    for name in ("mlflow", "alembic"):  # their database set-up chatter, not the demo's
+        logging.getLogger(name).setLevel(logging.WARNING)
     from torch import nn
 
     import gpulens
