@@ -193,6 +193,18 @@ def test_training_thread_sinks_are_written_from_the_training_thread() -> None:
     assert max(per_log) <= 2 and sum(per_log) >= 15
 
 
+def test_latest_has_every_live_figure() -> None:
+    """The live view's figures, also those the buffered samples give instead of cheap reads."""
+    with gpulens.Monitor(interval=0.05, backend=SimulatedNVML(gpus=2)) as mon:
+        time.sleep(1.3)  # past the first slow read: power and utilization come buffered now
+        latest = mon.latest()
+    for gpu in (0, 1):
+        for key in ("util_pct", "power_w", "power_limit_w", "mem_used_gb", "temp_c",
+                    "sm_clock_mhz", "sm_active_pct"):
+            assert f"gpu/{gpu}/{key}" in latest, key
+    assert "host/ram_used_gb" in latest
+
+
 def test_env_selects_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_BACKEND", "simulated")
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "3")

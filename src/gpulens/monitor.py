@@ -333,6 +333,11 @@ class Monitor:
             for key, column in list(gpu.fast.cols.items()):
                 if column:
                     out[f"gpu/{gpu.key}/{names.get(key, key)}"] = column[-1]
+            # where the driver's buffered samples stand in for the cheap reads
+            for key, series in (("util_pct", gpu.util_buf), ("power_w", gpu.power_buf)):
+                values = series.v
+                if values:
+                    out[f"gpu/{gpu.key}/{key}"] = values[-1]
             if gpu.gpm.spans:
                 for key, value in gpu.gpm.spans[-1][2].items():
                     out[f"gpu/{gpu.key}/{key}"] = value
