@@ -195,9 +195,12 @@ def test_training_thread_sinks_are_written_from_the_training_thread() -> None:
 
 def test_latest_has_every_live_figure() -> None:
     """The live view's figures, also those the buffered samples give instead of cheap reads."""
-    with gpulens.Monitor(interval=0.05, backend=SimulatedNVML(gpus=2)) as mon:
-        time.sleep(1.3)  # past the first slow read: power and utilization come buffered now
+    sim = SimulatedNVML(gpus=2, load=lambda g, t: 0.0 if t < 0.3 else 1.0)
+    with gpulens.Monitor(interval=0.05, backend=sim) as mon:
+        time.sleep(1.6)  # past the first slow read: power and utilization come buffered now
         latest = mon.latest()
+    # fresh figures, not the first read's (idle) held on
+    assert latest["gpu/0/power_w"] > 600 and latest["gpu/1/util_pct"] > 90
     for gpu in (0, 1):
         for key in ("util_pct", "power_w", "power_limit_w", "mem_used_gb", "temp_c",
                     "sm_clock_mhz", "sm_active_pct"):

@@ -373,7 +373,7 @@ class Sampler:
                 out[suffix + "_max"] = st.max
         # utilization and power: the driver's buffered samples where they cover the window
         util = gpu.util_buf.stat(t0, t1, stale) if gpu.util_buf.covers(t0, t1, slack) else None
-        if util is None:
+        if util is None and not gpu.util_buf.t:  # no buffered samples on this GPU at all
             util = fast.get("util_fast")
         if util is not None:
             out["util_pct"] = util.mean
