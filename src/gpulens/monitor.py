@@ -148,6 +148,17 @@ class Monitor:
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
+    def with_sinks(self, sinks: Iterable[str | Sink]) -> Monitor:
+        """A new, unstarted monitor with this one's settings and other sinks.
+
+        Integrations check their arguments by making a monitor when they are constructed and
+        make the one they start once they know the run's sinks (rank 0 only, a framework's
+        own W&B or MLflow run, ...).
+        """
+        return Monitor(self.gpus, self.interval, sinks, self._backend_arg,
+                       buffer_rows=self._buffer_rows, distributed=self._distributed_arg,
+                       **self._reads)
+
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
         self.start()

@@ -105,11 +105,10 @@ class GPUMonitorHooks:
     ) -> None:
         super().__init__()
         self.sinks: list[str | Sink] = list(sinks or ())
-        # the core's own argument checks, now rather than at train start (nothing starts here)
-        Monitor(gpus=gpus, interval=interval, sinks=self.sinks, backend=backend)
-        self.interval = float(interval)
-        self.gpus = None if gpus is None else list(gpus)
-        self.backend = backend
+        # the core's own argument checks, now rather than at train start (nothing starts here);
+        # the monitor that runs is made from it with the run's sinks
+        self._settings = Monitor(gpus=gpus, interval=interval, sinks=self.sinks,
+                                 backend=backend)
         self.to_loggers = to_loggers
         self.time_phases = phases
         self.monitor: Monitor | None = None
@@ -129,8 +128,7 @@ class GPUMonitorHooks:
             if self.to_loggers and trainer.loggers:
                 sinks.append(LoggersSink(trainer.loggers))
             sinks.extend(self.sinks)
-        monitor = Monitor(gpus=self.gpus, interval=self.interval, sinks=sinks,
-                          backend=self.backend)
+        monitor = self._settings.with_sinks(sinks)
         self._last_step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
         monitor.start(step=self._last_step)  # a resumed fit starts its windows there
         self.monitor = monitor

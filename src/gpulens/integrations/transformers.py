@@ -116,11 +116,10 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         phases: bool = True,
     ) -> None:
         self.sinks: list[str | Sink] = list(sinks or ())
-        # the core's own argument checks, now rather than at train begin (nothing starts here)
-        Monitor(gpus=gpus, interval=interval, sinks=self.sinks, backend=backend)
-        self.interval = float(interval)
-        self.gpus = None if gpus is None else list(gpus)
-        self.backend = backend
+        # the core's own argument checks, now rather than at train begin (nothing starts here);
+        # the monitor that runs is made from it with the run's sinks
+        self._settings = Monitor(gpus=gpus, interval=interval, sinks=self.sinks,
+                                 backend=backend)
         self.follow_report_to = follow_report_to
         self.time_phases = phases
         self.monitor: Monitor | None = None
@@ -132,8 +131,7 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop()  # a previous train() that raised left it running
         sinks = self._sinks_for(args) if state.is_world_process_zero else []
-        monitor = Monitor(gpus=self.gpus, interval=self.interval, sinks=sinks,
-                          backend=self.backend)
+        monitor = self._settings.with_sinks(sinks)
         self._last_logged_step = int(state.global_step)
         monitor.start(step=self._last_logged_step)  # a resumed run starts its windows there
         self.monitor = monitor
