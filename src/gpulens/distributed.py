@@ -74,7 +74,7 @@ class RankGather:
         with self._lock:
             self._pending.append(row)
 
-    def _pack(self) -> tuple[Any, list[Row]]:
+    def _pack(self) -> Any:
         torch = self._torch
         buf = torch.full((SLOTS + 1, WIDTH), math.nan, dtype=torch.float64)
         buf[0].zero_()
@@ -82,7 +82,6 @@ class RankGather:
             take = [self._pending.popleft() for _ in range(min(SLOTS, len(self._pending)))]
             remaining = len(self._pending)
         buf[0, 0] = float(remaining)
-        rows = []
         for i, row in enumerate(take, start=1):
             seq = self._seq_out
             self._seq_out += 1
@@ -90,15 +89,14 @@ class RankGather:
             values += [row.values.get(f"host/{k}", math.nan) for k in HOST_KEYS]
             values += [row.values.get(gpu_key(self._gpu_key, s), math.nan) for s in GPU_ROW_KEYS]
             buf[i] = torch.tensor(values, dtype=torch.float64)
-            rows.append(row)
             if self.is_writer:
                 self._own[seq] = row
-        return buf, rows
+        return buf
 
-    def exchange(self, sampler: Any) -> int:
+    def exchange(self) -> int:
         """One all-gather; rank 0 writes every row that all ranks have sent.  Returns the
         largest number of rows any rank still holds."""
-        buf, _ = self._pack()
+        buf = self._pack()
         out = [self._torch.empty_like(buf) for _ in range(self.world)]
         self._dist.all_gather(out, buf, group=self._group)
         remaining = 0
@@ -138,10 +136,10 @@ class RankGather:
                 values["perf/energy_per_step_j"] = sum(energies) / steps
             self._submit(Row(step=own.step, time=own.time, values=values))
 
-    def flush(self, sampler: Any) -> None:
+    def flush(self) -> None:
         """At stop (a collective too): exchange until no rank holds a row."""
         for _ in range(100_000):
-            if self.exchange(sampler) == 0:
+            if self.exchange() == 0:
                 with self._lock:
                     if not self._pending:
                         break

@@ -25,7 +25,6 @@ from typing import Any
 from gpulens._warn import logger, warn_once
 from gpulens.errors import NvmlUnavailable
 from gpulens.sampler import GpuState, Mark, Sampler
-from gpulens.schema import train_key
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.base import Row, RunContext, Sink
 from gpulens.sources.host import HostReader
@@ -296,11 +295,10 @@ class Monitor:
             raise RuntimeError("Monitor.log() before start(); use `with Monitor(...)` or start()")
         sampler = self._sampler
         assert sampler is not None
-        mark = Mark(int(step), time.monotonic(), time.time(),
-                    {train_key(k): v for k, v in scalars.items()})
+        mark = Mark(int(step), time.monotonic(), time.time(), scalars)
         sampler.marks.append(mark)
         if self._gather is not None:
-            self._gather.exchange(sampler)
+            self._gather.exchange()
         if self._steplogger is not None:
             self._steplogger.drain_training_thread()
 
@@ -317,7 +315,7 @@ class Monitor:
             self._sampler.stop()
             if self._gather is not None:
                 try:
-                    self._gather.flush(self._sampler)
+                    self._gather.flush()
                 except Exception as exc:
                     logger.warning("gpulens: gathering the last rows failed: %r", exc)
             self.sink_stats = self._steplogger.close(timeout)
@@ -339,16 +337,16 @@ class Monitor:
         sampler = self._sampler
         if sampler is None:
             return out
-        names = {"util_fast": "util_pct", "power_fast": "power_w"}
         for gpu in sampler.gpus:
             for key, column in list(gpu.fast.cols.items()):
                 if column:
-                    out[f"gpu/{gpu.key}/{names.get(key, key)}"] = column[-1]
-            # where the driver's buffered samples stand in for the cheap reads
-            for key, series in (("util_pct", gpu.util_buf), ("power_w", gpu.power_buf)):
-                values = series.v
-                if values:
-                    out[f"gpu/{gpu.key}/{key}"] = values[-1]
+                    out[f"gpu/{gpu.key}/{key}"] = column[-1]
+            # the newer of the cheap read and the driver's buffered samples
+            for key, pair in (("util_pct", (gpu.util_fast, gpu.util_buf)),
+                              ("power_w", (gpu.power_fast, gpu.power_buf))):
+                fresh = max(pair, key=lambda s: s.last_time or -math.inf)
+                if fresh.v:
+                    out[f"gpu/{gpu.key}/{key}"] = fresh.v[-1]
             if gpu.gpm.spans:
                 for key, value in gpu.gpm.spans[-1][2].items():
                     out[f"gpu/{gpu.key}/{key}"] = value

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import threading
 import time
 from collections import deque
@@ -30,7 +29,7 @@ from typing import Any
 
 from gpulens._warn import logger, warn_once
 from gpulens.errors import GpuLost
-from gpulens.schema import GPU_METRICS, Agg, gpu_key
+from gpulens.schema import GPU_METRICS, Agg, gpu_key, train_key
 from gpulens.sinks.base import GpuInfo, Row
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import (
@@ -71,6 +70,7 @@ class Mark:
     wall: float
     """``time.time()`` at the call."""
     scalars: dict[str, Any]
+    """As passed to ``log()``; named (``train/<name>``) and converted in the sampler thread."""
 
 
 @dataclass
@@ -83,9 +83,11 @@ class GpuState:
     info: GpuInfo
     torch_index: int | None
     fast: Table = field(default_factory=Table)
-    """The cheap reads, one row per sample (columns named like schema suffixes, plus
-    ``util_fast``)."""
+    """The cheap reads, one row per sample (columns named like schema suffixes)."""
+    util_fast: Series = field(default_factory=Series)
     power_fast: Series = field(default_factory=Series)
+    """Utilization and power from the cheap reads: appended only while they are read (until the
+    driver's buffered samples come), so they go stale, and drop out, when they stop."""
     util_buf: Series = field(default_factory=Series)
     power_buf: Series = field(default_factory=Series)
     energy_mj: Series = field(default_factory=Series)
@@ -107,6 +109,7 @@ class GpuState:
 
     def trim_before(self, t: float) -> None:
         self.fast.trim_before(t)
+        self.util_fast.trim_before(t)
         self.power_fast.trim_before(t)
         self.util_buf.trim_before(t)
         self.power_buf.trim_before(t)
@@ -154,7 +157,6 @@ class Sampler:
         self._last_slow = -math.inf
         self._unix_offset = time.time() - time.monotonic()
         self.failed: BaseException | None = None
-        self.passes = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, step: int = 0) -> float:
@@ -184,10 +186,6 @@ class Sampler:
                           timeout)
             self._thread = None
 
-    def wake(self) -> None:
-        """Ask the loop to look at the marks now (used at stop and by distributed gathers)."""
-        self._wake.set()
-
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         next_fast = time.monotonic() + self.interval
@@ -210,7 +208,6 @@ class Sampler:
                 next_slow = max(next_slow + self.slow_interval, now + self.slow_interval / 2)
             # Rows go on (host and training figures, a gap for the GPUs) whatever the reads did.
             self._guard(self._close_final if stopping else self._close_ready, now)
-            self.passes += 1
             if stopping:
                 return
 
@@ -253,14 +250,15 @@ class Sampler:
             t = time.monotonic()
             row: dict[str, float] = {}
             for key, value in (
-                ("util_fast", r.util_pct), ("mem_used_gb", r.mem_used_gb), ("mem_pct", r.mem_pct),
+                ("mem_used_gb", r.mem_used_gb), ("mem_pct", r.mem_pct),
                 ("power_limit_w", r.power_limit_w), ("temp_c", r.temp_c),
                 ("sm_clock_mhz", r.sm_clock_mhz),
             ):
                 if value is not None:
                     row[key] = value
+            if r.util_pct is not None:
+                gpu.util_fast.add(t, r.util_pct)
             if r.power_w is not None:
-                row["power_fast"] = r.power_w
                 gpu.power_fast.add(t, r.power_w)
             if r.reasons is not None:
                 row["throttle_pct"] = 100.0 if r.reasons & THROTTLE_REASONS else 0.0
@@ -372,9 +370,8 @@ class Sampler:
             if with_max:
                 out[suffix + "_max"] = st.max
         # utilization and power: the driver's buffered samples where they cover the window
-        util = gpu.util_buf.stat(t0, t1, stale) if gpu.util_buf.covers(t0, t1, slack) else None
-        if util is None and not gpu.util_buf.t:  # no buffered samples on this GPU at all
-            util = fast.get("util_fast")
+        util_series = gpu.util_buf if gpu.util_buf.covers(t0, t1, slack) else gpu.util_fast
+        util = util_series.stat(t0, t1, stale)
         if util is not None:
             out["util_pct"] = util.mean
         power_series = gpu.power_buf if gpu.power_buf.covers(t0, t1, slack) else gpu.power_fast
@@ -426,7 +423,7 @@ class Sampler:
         for name, value in mark.scalars.items():
             number = _to_float(value)
             if number is not None:
-                values[name] = number
+                values[train_key(name)] = number
         values["train/global_step"] = float(mark.step)
         return Row(step=mark.step, time=mark.wall, values=values)
 
@@ -452,8 +449,3 @@ def _to_float(value: Any) -> float | None:
                   type(value).__name__)
         return None
     return number
-
-
-def torch_in_use() -> bool:
-    """Whether this process has imported torch (never imports it)."""
-    return "torch" in sys.modules

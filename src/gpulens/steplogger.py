@@ -76,21 +76,15 @@ class _Delivery:
         failed (rows kept) or rows are left."""
         if time.monotonic() < self._retry_at and not self._closing.is_set():
             return False
-        write_many = getattr(self.sink, "write_many", None)
         written = 0
         while self.buffer:
             if deadline is not None and time.monotonic() > deadline:
                 return False
-            room = 200 if limit is None else limit - written
-            if room <= 0:
+            if limit is not None and written >= limit:
                 return False
-            with self._lock:
-                batch = list(self.buffer)[:room] if write_many else [self.buffer[0]]
+            row = self.buffer[0]
             try:
-                if write_many is not None:
-                    write_many(batch)
-                else:
-                    self.sink.write(batch[0])
+                self.sink.write(row)
             except Exception as exc:
                 self.stats.failures += 1
                 self._backoff = min(10.0, max(0.5, self._backoff * 2))
@@ -100,11 +94,10 @@ class _Delivery:
                           "and retried", self.name, exc, self.capacity)
                 return False
             with self._lock:
-                for _ in batch:
-                    if self.buffer:
-                        self.buffer.popleft()
-            self.stats.written += len(batch)
-            written += len(batch)
+                if self.buffer and self.buffer[0] is row:  # not dropped meanwhile (buffer full)
+                    self.buffer.popleft()
+            self.stats.written += 1
+            written += 1
             self._backoff = 0.0
         return True
 

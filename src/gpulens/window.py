@@ -180,12 +180,6 @@ class Series(Table):
         for t, value in points:
             self.add(t, value)
 
-    def value_at(self, t: float) -> float:
-        """Linear interpolation, flat beyond the ends.  The series must not be empty."""
-        i, f, _ = self._position(t)
-        v = self.v
-        return v[i] + (v[i + 1] - v[i]) * f if f else v[i]
-
     def cumulative(self, t: float) -> float:
         """The integral from the first sample to ``t`` (negative before it)."""
         i, f, d = self._position(t)
