@@ -49,7 +49,7 @@ def torch_distributed_ready() -> bool:
 class RankGather:
     """Collects this rank's rows and exchanges them with the other ranks (see module doc)."""
 
-    def __init__(self, context: RunContext, submit: Callable[[Row], None]) -> None:
+    def __init__(self, context: RunContext | None, submit: Callable[[Row], None]) -> None:
         import torch
         import torch.distributed as dist
 
@@ -60,7 +60,9 @@ class RankGather:
         self.is_writer = self.rank == 0
         # gpulens's own gloo group: CPU tensors, never a CUDA copy or sync.
         self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self._gpu_key = context.gpus[0].index if context.gpus else self.rank
+        self._gpu_key = self.rank
+        if context is not None:
+            self.bind(context)
         self._submit = submit
         self._pending: deque[Row] = deque()
         self._lock = threading.Lock()
@@ -68,6 +70,10 @@ class RankGather:
         self._own: dict[int, Row] = {}
         self._parts: dict[int, dict[int, list[float]]] = {}
         self._next_write = 0
+
+    def bind(self, context: RunContext) -> None:
+        """Learn this rank's GPU key (when the context comes after the gather is made)."""
+        self._gpu_key = context.gpus[0].index if context.gpus else self.rank
 
     def local_row(self, row: Row) -> None:
         """Called by the sampler thread with each finished row of this rank, in order."""

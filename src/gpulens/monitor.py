@@ -25,6 +25,7 @@ from typing import Any
 from gpulens._warn import logger, warn_once
 from gpulens.errors import NvmlUnavailable
 from gpulens.sampler import GpuState, Mark, Sampler
+from gpulens.sampler_process import SamplerProcess, SpawnFailed, remote_spec
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.base import Row, RunContext, Sink
 from gpulens.sources.host import HostReader
@@ -33,6 +34,16 @@ from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.steplogger import SinkStats, StepLogger
 
 BACKENDS = ("auto", "nvml", "simulated")
+ISOLATIONS = ("auto", "process", "thread")
+
+
+def _env_isolation() -> str | None:
+    name = os.environ.get("GPULENS_ISOLATION", "").strip().lower()
+    if not name:
+        return None
+    if name not in ISOLATIONS:
+        raise ValueError(f"GPULENS_ISOLATION={name!r}: expected one of {', '.join(ISOLATIONS)}")
+    return name
 
 
 def _env_backend() -> Any:
@@ -93,6 +104,12 @@ class Monitor:
         distributed: gather the ranks' rows on rank 0 (``None``: when torch.distributed is
             initialised with more than one rank).  Then every rank must call :meth:`log` for
             the same steps: it is a collective.
+        isolation: where the sampler runs.  ``"process"``: a process of its own
+            (:mod:`gpulens.sampler_process`), which also writes the JSONL and MLflow sinks;
+            this process only sends step marks down a pipe.  ``"thread"``: a thread of this
+            process.  ``"auto"`` (default; ``GPULENS_ISOLATION`` overrides it): a process,
+            unless ``backend`` is an object (it cannot cross) or no process can be started
+            (then a thread, with a warning).
 
     Rows are finished by the sampler thread a little after ``log()`` (once the data covering
     the window has been read, at most about ``max(1 s, interval) + 0.2 s``); ``stop()``
@@ -111,6 +128,7 @@ class Monitor:
         gpm: bool = True,
         energy: bool = True,
         driver_samples: bool = True,
+        isolation: str = "auto",
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)):
             raise ValueError(f"interval must be a number of seconds, got {interval!r}")
@@ -137,6 +155,14 @@ class Monitor:
         self._buffer_rows = buffer_rows
         self._distributed_arg = distributed
         self._reads = {"gpm": gpm, "energy": energy, "driver_samples": driver_samples}
+        if not isinstance(isolation, str) or isolation.lower() not in ISOLATIONS:
+            raise ValueError(f"isolation {isolation!r}: expected one of {', '.join(ISOLATIONS)}")
+        self._isolation_arg = isolation.lower()
+        self.isolation: str | None = None
+        """``"process"`` or ``"thread"`` once started."""
+        self._process: SamplerProcess | None = None
+        self._alloc = TorchAllocator()
+        self._alloc_due = -math.inf
         self.context: RunContext | None = None
         self.sink_stats: dict[str, SinkStats] = {}
         self._source: NvmlSource | None = None
@@ -156,7 +182,7 @@ class Monitor:
         """
         return Monitor(self.gpus, self.interval, sinks, self._backend_arg,
                        buffer_rows=self._buffer_rows, distributed=self._distributed_arg,
-                       **self._reads)
+                       isolation=self._isolation_arg, **self._reads)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -215,7 +241,8 @@ class Monitor:
         return out
 
     def start(self, step: int = 0) -> Monitor:
-        """Open NVML, the sinks and the threads; take the first sample.  Idempotent.
+        """Start sampling (a process or a thread, see ``isolation``); open the sinks; take the
+        first sample.  Idempotent.
 
         ``step``: the training step the first window starts after (0 for a fresh run; a
         resumed run passes the step it resumes from), so the first row's per-step figures
@@ -224,49 +251,121 @@ class Monitor:
         with self._lock:
             if self._started:
                 return self
-            source = self._open_source()
-            states: list[GpuState] = []
-            try:
-                if source is not None:
-                    for key, nvml_index, torch_index in self._choose_gpus(source):
-                        device = source.device(nvml_index)
-                        states.append(GpuState(key=key, device=device, info=device.info(key),
-                                               torch_index=torch_index))
-                self.context = RunContext(
-                    gpus=tuple(s.info for s in states),
-                    hostname=socket.gethostname(),
-                    backend=source.name if source is not None else "none",
-                    interval=self.interval,
-                )
-                self._gather = self._make_gather()
-                is_writer = self._gather is None or self._gather.is_writer
-                steplogger = StepLogger(self.sinks if is_writer else [],
-                                        buffer_rows=self._buffer_rows)
-                steplogger.open(self.context)
-            except BaseException:
-                if source is not None:
-                    source.close()
-                raise
-            self._source, self._steplogger = source, steplogger
-            emit = steplogger.submit if self._gather is None else self._gather.local_row
-            self._sampler = Sampler(
-                states,
-                interval=self.interval,
-                slow_interval=max(1.0, self.interval),
-                emit=emit,
-                host=HostReader(),
-                torch_alloc=TorchAllocator(),
-                **self._reads,
-            )
-            self._sampler.start(step)
+            if self._wants_process():
+                try:
+                    self._start_process(step)
+                except SpawnFailed as exc:
+                    warn_once("spawn", "gpulens: %s; sampling in a thread of this process "
+                              "instead", exc)
+                    self._start_thread(step)
+            else:
+                self._start_thread(step)
             self._started = True
-            self._finalizer = weakref.finalize(self, _stop_quietly, self._sampler, steplogger,
-                                               source)
-            logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s",
-                        len(states), self.context.backend, self.interval)
+            assert self.context is not None
+            logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (sampler in a %s)",
+                        len(self.context.gpus), self.context.backend, self.interval,
+                        self.isolation)
             return self
 
-    def _make_gather(self) -> Any:
+    def _wants_process(self) -> bool:
+        choice = self._isolation_arg
+        if choice == "auto":
+            choice = _env_isolation() or "auto"
+        if choice == "thread":
+            return False
+        backend = self._backend_arg
+        if backend is not None and not isinstance(backend, str):
+            if choice == "process":
+                raise ValueError("isolation='process' needs a backend by name ('nvml', "
+                                 "'simulated', 'auto'): an NVML-like object cannot cross to "
+                                 "another process")
+            return False
+        if os.name != "posix":
+            if choice == "process":
+                raise ValueError("isolation='process' is only available on POSIX systems")
+            return False
+        return True
+
+    def _start_process(self, step: int) -> None:
+        self._gather = self._make_gather_early()
+        is_writer = self._gather is None or self._gather.is_writer
+        sinks = self.sinks if is_writer else []
+        # Sinks that can be rebuilt there go to the sampler process, unless rows must meet
+        # the other ranks' here first.
+        remote: list[tuple[str, dict[str, Any]]] = []
+        local: list[Sink] = []
+        for sink in sinks:
+            spec = remote_spec(sink) if self._gather is None else None
+            if spec is None:
+                local.append(sink)
+            else:
+                remote.append(spec)
+        config = {
+            "gpus": self.gpus, "interval": self.interval, "backend": self._backend_arg,
+            "buffer_rows": self._buffer_rows, "reads": self._reads, "step": step,
+            "sinks": remote, "rows_back": bool(local) or self._gather is not None,
+        }
+        steplogger = StepLogger(local, buffer_rows=self._buffer_rows)
+        gather = self._gather
+        emit = steplogger.submit if gather is None else gather.local_row
+        proc = SamplerProcess(config, on_row=emit)
+        self.context = proc.start()
+        try:
+            if gather is not None:
+                gather.bind(self.context)
+            steplogger.open(self.context)
+        except BaseException:
+            proc.stop(2.0)
+            raise
+        self._process, self._steplogger = proc, steplogger
+        self._alloc_due = -math.inf
+        self._slow = max(1.0, self.interval)
+        self.isolation = "process"
+        self._finalizer = weakref.finalize(self, _stop_process_quietly, proc, steplogger)
+
+    def _start_thread(self, step: int) -> None:
+        source = self._open_source()
+        states: list[GpuState] = []
+        try:
+            if source is not None:
+                for key, nvml_index, torch_index in self._choose_gpus(source):
+                    device = source.device(nvml_index)
+                    states.append(GpuState(key=key, device=device, info=device.info(key),
+                                           torch_index=torch_index))
+            self.context = RunContext(
+                gpus=tuple(s.info for s in states),
+                hostname=socket.gethostname(),
+                backend=source.name if source is not None else "none",
+                interval=self.interval,
+            )
+            self._gather = self._make_gather()
+            is_writer = self._gather is None or self._gather.is_writer
+            steplogger = StepLogger(self.sinks if is_writer else [],
+                                    buffer_rows=self._buffer_rows)
+            steplogger.open(self.context)
+        except BaseException:
+            if source is not None:
+                source.close()
+            raise
+        self._source, self._steplogger = source, steplogger
+        emit = steplogger.submit if self._gather is None else self._gather.local_row
+        self._sampler = Sampler(
+            states,
+            interval=self.interval,
+            slow_interval=max(1.0, self.interval),
+            emit=emit,
+            host=HostReader(),
+            torch_alloc=TorchAllocator(),
+            **self._reads,
+        )
+        self._sampler.start(step)
+        self.isolation = "thread"
+        self._finalizer = weakref.finalize(self, _stop_quietly, self._sampler, steplogger,
+                                           source)
+
+    def _make_gather_early(self) -> Any:
+        """The gather, made before the run context is known (it comes from the sampler
+        process); :meth:`RankGather.bind` completes it."""
         if self._distributed_arg is False:
             return None
         from gpulens.distributed import RankGather, torch_distributed_ready
@@ -276,8 +375,14 @@ class Monitor:
                 raise ValueError("distributed=True, but torch.distributed is not initialised "
                                  "with more than one rank")
             return None
-        assert self.context is not None
-        return RankGather(self.context, submit=lambda row: self._submit(row))
+        return RankGather(None, submit=lambda row: self._submit(row))
+
+    def _make_gather(self) -> Any:
+        gather = self._make_gather_early()
+        if gather is not None:
+            assert self.context is not None
+            gather.bind(self.context)
+        return gather
 
     def _submit(self, row: Row) -> None:
         if self._steplogger is not None:
@@ -293,14 +398,32 @@ class Monitor:
         """
         if not self._started:
             raise RuntimeError("Monitor.log() before start(); use `with Monitor(...)` or start()")
-        sampler = self._sampler
-        assert sampler is not None
-        mark = Mark(int(step), time.monotonic(), time.time(), scalars)
-        sampler.marks.append(mark)
+        now = time.monotonic()
+        proc = self._process
+        if proc is not None:
+            alloc = None
+            if now >= self._alloc_due and proc.torch_indices:
+                self._alloc_due = now + self._slow
+                alloc = self._read_alloc(proc.torch_indices)
+            proc.mark(Mark(int(step), now, time.time(), scalars, alloc))
+        else:
+            sampler = self._sampler
+            assert sampler is not None
+            sampler.marks.append(Mark(int(step), now, time.time(), scalars))
         if self._gather is not None:
             self._gather.exchange()
         if self._steplogger is not None:
             self._steplogger.drain_training_thread()
+
+    def _read_alloc(self, indices: list[int]) -> dict[int, tuple[float, float]] | None:
+        """The torch allocator's figures, read here for the sampler process (one host-side
+        call per GPU, once a slow period)."""
+        out: dict[int, tuple[float, float]] = {}
+        for index in indices:
+            mem = self._alloc.read(index)
+            if mem is not None:
+                out[index] = mem
+        return out or None
 
     def stop(self, timeout: float = 10.0) -> dict[str, SinkStats]:
         """Close the last windows, flush every sink (within ``timeout`` s) and stop.  Idempotent.
@@ -311,49 +434,45 @@ class Monitor:
             if not self._started:
                 return self.sink_stats
             self._started = False
-            assert self._sampler is not None and self._steplogger is not None
-            self._sampler.stop()
+            assert self._steplogger is not None
+            child_stats: dict[str, SinkStats] = {}
+            if self._process is not None:
+                child_stats = self._process.stop(timeout)
+            else:
+                assert self._sampler is not None
+                self._sampler.stop()
             if self._gather is not None:
                 try:
                     self._gather.flush()
                 except Exception as exc:
                     logger.warning("gpulens: gathering the last rows failed: %r", exc)
-            self.sink_stats = self._steplogger.close(timeout)
-            for state in self._sampler.gpus:
-                state.device.close()
+            stats = dict(child_stats)
+            for name, st in self._steplogger.close(timeout).items():
+                stats[name if name not in stats else f"{name}#local"] = st
+            self.sink_stats = stats
+            if self._sampler is not None:
+                for state in self._sampler.gpus:
+                    state.device.close()
             if self._source is not None:
                 self._source.close()
             if self._finalizer is not None:
                 self._finalizer.detach()
+            self._process = None
+            self._sampler = None
             return self.sink_stats
 
     # -- live view ---------------------------------------------------------------------------
     def latest(self) -> dict[str, float]:
         """The newest sample of each GPU metric, keyed like rows (for live views).
 
-        GPM and buffered figures come from the last completed read.
+        GPM and buffered figures come from the last completed read.  With the sampler in a
+        process of its own this asks it (a round trip of a few milliseconds; ``{}`` if it
+        does not answer within 2 s).
         """
-        out: dict[str, float] = {}
+        if self._process is not None:
+            return self._process.latest()
         sampler = self._sampler
-        if sampler is None:
-            return out
-        for gpu in sampler.gpus:
-            for key, column in list(gpu.fast.cols.items()):
-                if column:
-                    out[f"gpu/{gpu.key}/{key}"] = column[-1]
-            # the newer of the cheap read and the driver's buffered samples
-            for key, pair in (("util_pct", (gpu.util_fast, gpu.util_buf)),
-                              ("power_w", (gpu.power_fast, gpu.power_buf))):
-                fresh = max(pair, key=lambda s: s.last_time or -math.inf)
-                if fresh.v:
-                    out[f"gpu/{gpu.key}/{key}"] = fresh.v[-1]
-            if gpu.gpm.spans:
-                for key, value in gpu.gpm.spans[-1][2].items():
-                    out[f"gpu/{gpu.key}/{key}"] = value
-        for key, series in sampler.host_series.items():
-            if series.v:
-                out[f"host/{key}"] = series.v[-1]
-        return out
+        return sampler.latest() if sampler is not None else {}
 
 
 def _stop_quietly(sampler: Sampler, steplogger: StepLogger, source: NvmlSource | None) -> None:
@@ -363,5 +482,14 @@ def _stop_quietly(sampler: Sampler, steplogger: StepLogger, source: NvmlSource |
         steplogger.close(timeout=2.0)
         if source is not None:
             source.close()
+    except Exception:
+        pass
+
+
+def _stop_process_quietly(proc: SamplerProcess, steplogger: StepLogger) -> None:
+    """Last-resort cleanup of a process-isolated Monitor (garbage-collected, process exit)."""
+    try:
+        proc.stop(timeout=2.0)
+        steplogger.close(timeout=2.0)
     except Exception:
         pass

@@ -22,6 +22,7 @@ import itertools
 import math
 import threading
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +57,8 @@ updates about every 100 ms)."""
 _FAST_PLAN: tuple[tuple[str, str, bool, bool], ...] = tuple(
     (m.key, m.key, m.agg is Agg.LAST, m.with_max)
     for m in GPU_METRICS
-    if m.key not in ("util_pct", "power_w", "energy_j") and m.key not in GPM_KEYS
+    if m.key not in ("util_pct", "power_w", "energy_j", "torch_allocated_gb", "torch_peak_gb")
+    and m.key not in GPM_KEYS
 )
 
 
@@ -71,6 +73,9 @@ class Mark:
     """``time.time()`` at the call."""
     scalars: dict[str, Any]
     """As passed to ``log()``; named (``train/<name>``) and converted in the sampler thread."""
+    alloc: dict[int, tuple[float, float]] | None = None
+    """Torch allocator (allocated GB, peak GB) per torch device, read by the training process
+    at the call (a sampler in a process of its own cannot read it); ``None`` when not read."""
 
 
 @dataclass
@@ -92,6 +97,9 @@ class GpuState:
     power_buf: Series = field(default_factory=Series)
     energy_mj: Series = field(default_factory=Series)
     gpm: IntervalSeries = field(default_factory=IntervalSeries)
+    torch_alloc: Series = field(default_factory=Series)
+    torch_peak: Series = field(default_factory=Series)
+    """The torch allocator's figures (GB), read every slow period."""
     limit_due: bool = True
     """Read the power limit at the next fast read (set by each slow read)."""
     periods: dict[int, float] = field(default_factory=dict)
@@ -115,6 +123,8 @@ class GpuState:
         self.power_buf.trim_before(t)
         self.energy_mj.trim_before(t)
         self.gpm.trim_before(t)
+        self.torch_alloc.trim_before(t)
+        self.torch_peak.trim_before(t)
 
 
 class Sampler:
@@ -264,10 +274,6 @@ class Sampler:
                 row["throttle_pct"] = 100.0 if r.reasons & THROTTLE_REASONS else 0.0
                 row["throttle_power_pct"] = 100.0 if r.reasons & POWER_REASONS else 0.0
                 row["throttle_thermal_pct"] = 100.0 if r.reasons & THERMAL_REASONS else 0.0
-            if self.torch_alloc is not None and gpu.torch_index is not None:
-                mem = self.torch_alloc.read(gpu.torch_index)
-                if mem is not None:
-                    row["torch_allocated_gb"], row["torch_peak_gb"] = mem
             gpu.fast.add_row(t, row)
         self._last_fast = time.monotonic()
         if self.host is not None:
@@ -278,6 +284,14 @@ class Sampler:
     def _read_slow(self, now: float) -> None:
         offset = self._unix_offset = time.time() - time.monotonic()
         for gpu in self.gpus:
+            # The allocator's statistics cost tens of microseconds of Python-visible work
+            # each: once a slow period, not at every cheap read.
+            if self.torch_alloc is not None and gpu.torch_index is not None:
+                mem = self.torch_alloc.read(gpu.torch_index)
+                if mem is not None:
+                    t = time.monotonic()
+                    gpu.torch_alloc.add(t, mem[0])
+                    gpu.torch_peak.add(t, mem[1])
             if gpu.lost:
                 continue
             try:
@@ -317,6 +331,33 @@ class Sampler:
                 continue
             if got is not None:
                 gpu.gpm.add(*got)
+
+    # -- live view ---------------------------------------------------------------------------
+    def latest(self) -> dict[str, float]:
+        """The newest sample of each metric, keyed like rows (read from the sampler's series;
+        a torn read at worst shows one sample older)."""
+        out: dict[str, float] = {}
+        for gpu in self.gpus:
+            for key, column in list(gpu.fast.cols.items()):
+                if column:
+                    out[f"gpu/{gpu.key}/{key}"] = column[-1]
+            # the newer of the cheap read and the driver's buffered samples
+            for key, pair in (("util_pct", (gpu.util_fast, gpu.util_buf)),
+                              ("power_w", (gpu.power_fast, gpu.power_buf))):
+                fresh = max(pair, key=lambda s: s.last_time or -math.inf)
+                if fresh.v:
+                    out[f"gpu/{gpu.key}/{key}"] = fresh.v[-1]
+            for key, series in (("torch_allocated_gb", gpu.torch_alloc),
+                                ("torch_peak_gb", gpu.torch_peak)):
+                if series.v:
+                    out[f"gpu/{gpu.key}/{key}"] = series.v[-1]
+            if gpu.gpm.spans:
+                for key, value in gpu.gpm.spans[-1][2].items():
+                    out[f"gpu/{gpu.key}/{key}"] = value
+        for key, series in self.host_series.items():
+            if series.v:
+                out[f"host/{key}"] = series.v[-1]
+        return out
 
     # -- windows -----------------------------------------------------------------------------
     def _ready(self, mark: Mark, now: float) -> bool:
@@ -385,11 +426,23 @@ class Sampler:
         if energy is not None:
             out["energy_j"] = energy
         out.update(gpu.gpm.means(t0, t1, stale))
+        alloc_stale = self.slow_interval + stale
+        for suffix, series in (("torch_allocated_gb", gpu.torch_alloc),
+                               ("torch_peak_gb", gpu.torch_peak)):
+            value = _last_at(series, t1, alloc_stale)
+            if value is not None:
+                out[suffix] = value
         out["samples"] = float(count)
         return out
 
     def _row(self, mark: Mark) -> Row:
         t0, t1 = self._window_start, mark.t
+        if mark.alloc:
+            for gpu in self.gpus:
+                mem = mark.alloc.get(gpu.torch_index) if gpu.torch_index is not None else None
+                if mem is not None:
+                    gpu.torch_alloc.add(t1, mem[0])
+                    gpu.torch_peak.add(t1, mem[1])
         self._window_start = t1
         steps = max(1, mark.step - self._prev_step)
         self._prev_step = mark.step
@@ -426,6 +479,14 @@ class Sampler:
                 values[train_key(name)] = number
         values["train/global_step"] = float(mark.step)
         return Row(step=mark.step, time=mark.wall, values=values)
+
+
+def _last_at(series: Series, t: float, stale: float) -> float | None:
+    """The newest sample at or before ``t``, if it is at most ``stale`` seconds old."""
+    i = bisect_right(series.t, t) - 1
+    if i < 0 or t - series.t[i] > stale:
+        return None
+    return series.v[i]
 
 
 def _spacing(points: list[tuple[float, float]]) -> float:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from gpulens.sinks.base import Row, RunContext
 
@@ -29,6 +29,10 @@ class JsonlSink:
         if not arg:
             raise ValueError("the jsonl sink needs a path: 'jsonl:runs/gpu.jsonl'")
         return cls(arg)
+
+    def remote_spec(self) -> tuple[str, dict[str, Any]]:
+        """How the sampler process rebuilds this sink (it then writes the file)."""
+        return "gpulens.sinks.jsonl:JsonlSink", {"path": str(self.path.absolute())}
 
     def open(self, context: RunContext) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -55,6 +56,24 @@ class MlflowSink:
     @classmethod
     def from_spec(cls, arg: str | None) -> MlflowSink:
         return cls(run_id=arg or None)
+
+    def remote_spec(self) -> tuple[str, dict[str, Any]]:
+        """How the sampler process rebuilds this sink, writing to the same run.
+
+        The run active here and the tracking URI set here (``mlflow.set_tracking_uri``) are
+        resolved now, in this process: the other process cannot see them.
+        """
+        run_id, uri = self.run_id, self.tracking_uri
+        mlflow = sys.modules.get("mlflow")
+        if mlflow is not None:
+            if uri is None:
+                uri = mlflow.get_tracking_uri()
+            if run_id is None:
+                active = mlflow.active_run()
+                if active is not None:
+                    run_id = self.run_id = active.info.run_id
+        return "gpulens.sinks.mlflow:MlflowSink", {
+            "run_id": run_id, "tracking_uri": uri, "include_train": self.include_train}
 
     def open(self, context: RunContext) -> None:
         mlflow = import_mlflow()

@@ -1,8 +1,10 @@
 """The torch caching allocator's view of GPU memory, read without synchronizing the device.
 
 Read only when this process has already imported torch *and* initialised CUDA: gpulens never
-imports torch and never creates a CUDA context.  ``torch.cuda.memory_allocated`` and
-``max_memory_allocated`` read the allocator's counters on the host; no kernel, no sync.
+imports torch and never creates a CUDA context.  One call of
+``torch.cuda.memory_stats_as_nested_dict`` reads the allocator's counters on the host (no
+kernel, no sync); ``memory_allocated`` and ``max_memory_allocated`` would each build, flatten
+and sort the whole statistics dictionary in Python.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class TorchAllocator:
         if cuda is None:
             return None
         try:
-            return cuda.memory_allocated(index) / _GB, cuda.max_memory_allocated(index) / _GB
+            stats = cuda.memory_stats_as_nested_dict(index)["allocated_bytes"]["all"]
+            return stats["current"] / _GB, stats["peak"] / _GB
         except Exception:
             return None
