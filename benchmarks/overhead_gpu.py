@@ -9,7 +9,10 @@ round) it runs the same loop under:
 ``none``           no monitoring (the baseline of the plain-loop variants);
 ``gpulens``        ``gpulens.Monitor(interval=0.1)``: 10 Hz cheap reads, GPM, energy counter,
                    the driver's buffered samples; ``mon.log(step, loss=...)`` every step, rows
-                   to a JSONL file;
+                   to a JSONL file; sampler and JSONL writer in gpulens's own process (the
+                   default ``isolation``);
+``gpulens_thread`` the same with ``isolation="thread"``: sampler and writer in threads of the
+                   training process;
 ``wandb``          an offline W&B run with its system monitor at ``x_stats_sampling_interval=0.1``
                    (the lowest its settings accept);
 ``mlflow``         an MLflow run (local file store) with system metrics every 0.1 s
@@ -25,8 +28,14 @@ The peers run only their system monitoring; the loss is not sent to them (gpulen
 holds the loss beside the GPU window, is the only per-step write, so gpulens does more work here).
 
 Per variant it reports the median step time (over all timed steps of all repetitions), its ratio
-to the baseline, and the spread of per-repetition ratios; the CPU time of monitoring threads and
-processes; the training thread's CPU time per step; host memory.
+to the baseline; the per-round ratio (the variant's median step over the same round's baseline
+median: pairing within a round takes out the drift of GPU clocks and temperature between rounds),
+its median over the rounds with a 95 % bootstrap interval, and its range; the CPU time of
+monitoring threads and processes; the training thread's CPU time per step; host memory.  A second
+table sets gpulens against each other monitor round by round: the median difference of the
+per-round ratios in percentage points, its 95 % bootstrap interval, and the rounds in which
+gpulens cost less.  Many short rounds (40 by default, as many as the time budget allows, of 40
+timed steps) give tighter intervals than a few long ones.
 
 How monitoring CPU time is measured: ``psutil`` reads the CPU time of every OS thread of this
 process (``/proc/self/task``) and of every child process, right after the warm-up steps of a
@@ -42,7 +51,7 @@ training thread's CPU time, not in this figure.
 Host memory: RSS of this process plus its children at the end of each repetition's timed steps,
 the largest over the repetitions (a per-variant figure, unlike ``ru_maxrss``).
 
-    python benchmarks/overhead_gpu.py                 # on a GPU; ~5 minutes on an H100
+    python benchmarks/overhead_gpu.py --budget-s 470  # on a GPU; as many rounds as fit
     python benchmarks/overhead_gpu.py --quick         # CPU, tiny model, simulated gpulens GPU
 
 Prints a Markdown table; writes ``$OUT/overhead.json`` (or ``--json PATH``) with every figure.
@@ -57,8 +66,10 @@ import importlib.metadata as md
 import io
 import json
 import logging
+import math
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -73,7 +84,7 @@ from typing import Any
 import psutil
 
 INTERVAL_S = 0.1
-PLAIN = ("none", "gpulens", "wandb", "mlflow", "nvitop")
+PLAIN = ("none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop")
 LIGHTNING = ("lightning", "lightning_dsm")
 DIAGNOSIS = ("gpulens_nogpm", "gpulens_cheap")  # only when asked for with --variants
 ALL_VARIANTS = PLAIN + LIGHTNING
@@ -301,7 +312,7 @@ class Variant:
 
 class GpulensVariant(Variant):
     name = "gpulens"
-    reads: dict[str, bool] = {}  # noqa: RUF012 - read-only per class
+    reads: dict[str, Any] = {}  # noqa: RUF012 - read-only per class
 
     def start(self, rep: int) -> None:
         import gpulens
@@ -326,18 +337,27 @@ class GpulensVariant(Variant):
                 + (f", {dropped} dropped" if dropped else ""))
 
 
+class GpulensThreadVariant(GpulensVariant):
+    """gpulens with its sampler (and JSONL writer) in a thread of the training process, as
+    before ``isolation="process"`` became the default."""
+
+    name = "gpulens_thread"
+    reads = {"isolation": "thread"}  # noqa: RUF012
+
+
 class GpulensNoGpmVariant(GpulensVariant):
     """Diagnosis: gpulens without GPM polling."""
 
     name = "gpulens_nogpm"
-    reads = {"gpm": False}  # noqa: RUF012
+    reads = {"gpm": False, "isolation": "thread"}  # noqa: RUF012
 
 
 class GpulensCheapVariant(GpulensVariant):
     """Diagnosis: gpulens with the cheap reads only (no GPM, energy counter, driver samples)."""
 
     name = "gpulens_cheap"
-    reads = {"gpm": False, "energy": False, "driver_samples": False}  # noqa: RUF012
+    reads = {"gpm": False, "energy": False, "driver_samples": False,  # noqa: RUF012
+             "isolation": "thread"}
 
 
 class WandbVariant(Variant):
@@ -585,24 +605,63 @@ def summarize(results: dict[str, Result]) -> dict[str, dict[str, Any]]:
                       for a, b in zip(r.reps, results[base].reps, strict=False)]
             fig["rep_ratios"] = paired
             fig["overhead_pct"] = 100 * (fig["ratio"] - 1)
+            fig["paired_median"] = statistics.median(paired)
+            fig["paired_ci95"] = bootstrap_ci(paired)
         out[name] = fig
     return out
+
+
+def bootstrap_ci(values: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile-bootstrap interval of the median of ``values`` (seeded: repeatable)."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (math.nan, math.nan)
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return meds[int(0.025 * (n - 1))], meds[int(0.975 * (n - 1))]
+
+
+def comparison(summary: dict[str, dict[str, Any]], ours: str = "gpulens") -> str:
+    """gpulens against each other monitor of the same loop, round by round.
+
+    Per round: gpulens's step-time ratio to the baseline minus the other monitor's (both
+    paired with the same round's baseline).  Negative: gpulens cost less.  Shown: the median
+    difference in percentage points, its 95 % bootstrap interval, and in how many rounds
+    gpulens cost less.
+    """
+    f = summary.get(ours) or {}
+    mine = f.get("rep_ratios")
+    if not mine:
+        return ""
+    lines = ["| gpulens vs | median difference (pp) | 95 % CI (pp) | rounds gpulens cost less |",
+             "|---|---|---|---|"]
+    for name in ALL_VARIANTS + DIAGNOSIS:
+        other = summary.get(name) or {}
+        theirs = other.get("rep_ratios")
+        if name in (ours, "none", "lightning") or not theirs:
+            continue
+        diffs = [100 * (a - b) for a, b in zip(mine, theirs, strict=False)]
+        lo, hi = bootstrap_ci(diffs)
+        less = sum(d < 0 for d in diffs)
+        lines.append(f"| {name} | {statistics.median(diffs):+.3f} | [{lo:+.3f}, {hi:+.3f}] "
+                     f"| {less} of {len(diffs)} |")
+    return "\n".join(lines)
 
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
     """The Markdown table printed to stdout."""
     lines = [
-        "| variant | median step (ms) | vs baseline | overhead | per-rep ratios [min, max] "
+        "| variant | median step (ms) | vs baseline | overhead | per-round ratio: median "
+        "[95 % CI] | per-round ratios [min, max] "
         "| monitor CPU (% of a core) | monitor CPU (ms/step) | training-thread CPU (ms/step) "
         "| host RSS (MiB) | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ALL_VARIANTS + DIAGNOSIS:
         f = summary.get(name)
         if f is None:
             continue
         if "skipped" in f:
-            lines.append(f"| {name} | skipped | | | | | | | | {f['skipped']} |")
+            lines.append(f"| {name} | skipped | | | | | | | | | {f['skipped']} |")
             continue
         ratio = f.get("ratio")
         rr = f.get("rep_ratios") or []
@@ -611,6 +670,9 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             + (f"{ratio:.4f} ({f['baseline']})" if ratio is not None else "-")
             + " | "
             + (f"{f['overhead_pct']:+.2f} %" if ratio is not None else "-")
+            + " | "
+            + (f"{f['paired_median']:.4f} [{f['paired_ci95'][0]:.4f}, "
+               f"{f['paired_ci95'][1]:.4f}]" if ratio is not None else "-")
             + " | "
             + (f"[{min(rr):.4f}, {max(rr):.4f}]" if rr else "-")
             + f" | {f['monitor_cpu_pct_core']:.2f} | {f['monitor_cpu_ms_per_step']:.3f}"
@@ -686,6 +748,10 @@ def report(results: dict[str, Result], s: Setup, args: argparse.Namespace, reps:
           f"versions {json.dumps(meta['versions'])}")
     print()
     print(table(summary))
+    cmp = comparison(summary)
+    if cmp:
+        print()
+        print(cmp)
     if out is not None:
         log(f"wrote {out}")
 
@@ -729,8 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         os.environ["GPULENS_BACKEND"] = "simulated"
         os.environ.setdefault("GPULENS_SIMULATED_GPUS", "1")
-    reps = args.reps or (2 if args.quick else 4)
-    steps = args.steps or (6 if args.quick else 60)
+    reps = args.reps or (2 if args.quick else 40)
+    steps = args.steps or (6 if args.quick else 40)
     warmup = max(1, args.warmup or (2 if args.quick else 5))
     wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(wanted) - set(ALL_VARIANTS) - set(DIAGNOSIS)
@@ -748,7 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     tmpdir = tempfile.TemporaryDirectory(prefix="gpulens-overhead-")
     tmp = Path(tmpdir.name)
     classes: dict[str, Callable[[Path, Setup], Variant]] = {
-        "none": Variant, "gpulens": GpulensVariant, "wandb": WandbVariant,
+        "none": Variant, "gpulens": GpulensVariant, "gpulens_thread": GpulensThreadVariant,
+        "wandb": WandbVariant,
         "gpulens_nogpm": GpulensNoGpmVariant, "gpulens_cheap": GpulensCheapVariant,
         "mlflow": MlflowVariant, "nvitop": NvitopVariant,
     }
