@@ -82,12 +82,21 @@ def test_overhead_quick_runs_every_variant_or_says_why(tmp_path: Path) -> None:
     out = run_script("overhead_gpu.py", tmp_path, "--json", str(tmp_path / "overhead.json"),
                      timeout=240)
     rows = table_rows(out, "variant")
-    assert set(rows) == {"none", "gpulens", "wandb", "mlflow", "nvitop", "lightning",
-                         "lightning_dsm"}
-    for name in ("none", "gpulens", "lightning", "lightning_dsm"):
+    assert set(rows) == {"none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop",
+                         "lightning", "lightning_dsm"}
+    for name in ("none", "gpulens", "gpulens_thread", "lightning", "lightning_dsm"):
         assert re.fullmatch(NUMBER, rows[name][0]), (name, rows[name])
-    # gpulens wrote rows with GPU figures from the simulated backend
-    assert re.search(r"\d+ rows, backend simulated, [1-9]\d* gpu/0 keys", rows["gpulens"][-1])
+        # per-round ratio: median [95 % interval]
+        assert re.fullmatch(rf"{NUMBER} \[{NUMBER}, {NUMBER}\]", rows[name][3]), rows[name]
+    # gpulens wrote rows with GPU figures from the simulated backend, in both isolations
+    for name in ("gpulens", "gpulens_thread"):
+        assert re.search(r"\d+ rows, backend simulated, [1-9]\d* gpu/0 keys", rows[name][-1])
+    # gpulens against every other monitor that ran, round by round
+    versus = table_rows(out, "gpulens vs")
+    ran = {n for n, cells in rows.items() if cells[0] != "skipped"}
+    assert set(versus) == ran - {"none", "gpulens", "lightning"}
+    for cells in versus.values():
+        assert re.fullmatch(rf"[+-]{NUMBER}", cells[0]) and re.fullmatch(r"\d+ of 2", cells[2])
     for name, cells in rows.items():  # a peer either ran (a number) or says why not
         assert re.fullmatch(NUMBER, cells[0]) or (cells[0] == "skipped" and cells[-1]), name
     data = json.loads((tmp_path / "overhead.json").read_text())
