@@ -1,0 +1,294 @@
+"""The sampler in a process of its own (``Monitor(isolation="process")``, the default).
+
+What must hold: the training process runs no sampler or writer thread; rows reach sinks on
+both sides of the pipe, in order; user errors found there are ``ValueError`` here; the sampler
+process dying, or failing to start, never stops training; a training process that dies without
+``stop()`` still leaves its JSONL rows written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import gpulens
+from gpulens.testing import MemorySink, SimulatedNVML
+from tests.support.mlflow_server import MlflowTracking
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _train(mon: gpulens.Monitor, steps: int, dt: float = 0.03, **scalars: Any) -> None:
+    for step in range(1, steps + 1):
+        time.sleep(dt)
+        mon.log(step, loss=1.0 / step, **scalars)
+
+
+def _children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def _sampler_children() -> list[psutil.Process]:
+    out = []
+    for child in _children():
+        try:
+            if "gpulens.sampler_process" in " ".join(child.cmdline()):
+                out.append(child)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    assert not alive, alive
+
+
+def test_rows_written_by_the_sampler_process(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.jsonl"
+    mon = gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{path}"], backend="simulated")
+    with mon:
+        assert mon.isolation == "process"
+        _train(mon, 8, learning_rate=1e-3)
+        children = _sampler_children()
+        assert len(children) == 1
+        # nothing samples or writes in this process: no sampler, no sink thread, and the
+        # link thread is asleep in os.read (no rows come back: the only sink is remote)
+        names = {t.name for t in threading.enumerate()}
+        assert not any(n.startswith(("gpulens-sampler", "gpulens-sink")) for n in names)
+    _wait_gone(children)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["train/loss"] == pytest.approx(1 / 8)
+    assert rows[-1]["train/learning_rate"] == 1e-3
+    for gpu in (0, 1):  # GPULENS_SIMULATED_GPUS defaults to 2
+        assert rows[-1][f"gpu/{gpu}/power_w"] > 0 and f"gpu/{gpu}/sm_active_pct" in rows[-1]
+    assert mon.sink_stats["JsonlSink"].written == 8
+    assert mon.context is not None and mon.context.backend == "simulated"
+
+
+def test_local_sinks_get_the_rows_back_in_order(tmp_path: Path) -> None:
+    background, training = MemorySink(), MemorySink(on_training_thread=True)
+    path = tmp_path / "gpu.jsonl"
+    with gpulens.Monitor(interval=0.05, sinks=[background, training, f"jsonl:{path}"],
+                         backend="simulated") as mon:
+        _train(mon, 10)
+    assert [r.step for r in background.rows] == list(range(1, 11))
+    assert [r.step for r in training.rows] == list(range(1, 11))
+    assert training.write_threads == {threading.current_thread().name}
+    assert background.context is not None and len(background.context.gpus) == 2
+    assert background.closed and training.closed
+    jsonl = [json.loads(line) for line in path.read_text().splitlines()]
+    # the same figures on both sides of the pipe
+    assert jsonl[4]["gpu/1/power_w"] == pytest.approx(background.rows[4].values["gpu/1/power_w"])
+    assert {k: (v.written, v.dropped) for k, v in mon.sink_stats.items()} == {
+        "JsonlSink": (10, 0), "MemorySink": (10, 0), "MemorySink#2": (10, 0)}
+
+
+class _LazyScalar:
+    """Stands for a CUDA tensor: ``item()`` must not run on the training thread."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.threads: list[str] = []
+
+    def item(self) -> float:
+        self.threads.append(threading.current_thread().name)
+        return self.value
+
+
+def test_tensor_scalars_are_converted_off_the_training_thread() -> None:
+    sink = MemorySink()
+    scalars = [_LazyScalar(0.5 * i) for i in range(1, 7)]
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated") as mon:
+        for step in range(1, 7):
+            time.sleep(0.02)
+            # a plain row first, then tensors: later plain rows must not overtake them
+            mon.log(step, loss=scalars[step - 1] if step > 1 else 1.0)
+    assert [r.step for r in sink.rows] == [1, 2, 3, 4, 5, 6]
+    assert [r.values["train/loss"] for r in sink.rows] == [1.0, 1.0, 1.5, 2.0, 2.5, 3.0]
+    me = threading.current_thread().name
+    assert all(s.threads and me not in s.threads for s in scalars[1:])
+
+
+def test_user_error_in_the_sampler_process_is_a_value_error_here() -> None:
+    mon = gpulens.Monitor(gpus=[7], sinks=[MemorySink()], backend="simulated")
+    with pytest.raises(ValueError, match="GPU 7 does not exist: this process sees 2 GPU"):
+        mon.start()
+    assert not mon.running
+    assert not _sampler_children()
+
+
+def test_bad_isolation_is_refused() -> None:
+    with pytest.raises(ValueError, match="isolation 'fork'"):
+        gpulens.Monitor(isolation="fork")
+    mon = gpulens.Monitor(isolation="process", backend=SimulatedNVML(gpus=1))
+    with pytest.raises(ValueError, match="cannot cross to another process"):
+        mon.start()
+
+
+def test_object_backend_and_env_choose_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    with gpulens.Monitor(backend=SimulatedNVML(gpus=1)) as mon:
+        assert mon.isolation == "thread"
+    monkeypatch.setenv("GPULENS_ISOLATION", "thread")
+    with gpulens.Monitor(backend="simulated") as mon:
+        assert mon.isolation == "thread"
+    monkeypatch.setenv("GPULENS_ISOLATION", "sideways")
+    with pytest.raises(ValueError, match="GPULENS_ISOLATION='sideways'"):
+        gpulens.Monitor(backend="simulated").start()
+    # integrations copy a monitor's settings: isolation goes with them
+    assert gpulens.Monitor(isolation="thread").with_sinks([])._isolation_arg == "thread"
+
+
+def test_spawn_failure_falls_back_to_a_thread(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sys, "executable", "")
+    sink = MemorySink()
+    with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
+            interval=0.05, sinks=[sink], backend="simulated") as mon:
+        _train(mon, 3)
+        assert mon.isolation == "thread"
+    assert [r.step for r in sink.rows] == [1, 2, 3]
+    assert "sampling in a thread of this process instead" in caplog.text
+
+
+def test_sampler_process_killed_mid_run_training_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sink = MemorySink()
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated").start()
+        _train(mon, 3)
+        time.sleep(1.5)  # rows 1-3 come back
+        (child,) = _sampler_children()
+        child.kill()
+        child.wait(5)
+        worst = 0.0
+        for step in range(4, 30):
+            t = time.perf_counter()
+            mon.log(step, loss=1.0)
+            worst = max(worst, time.perf_counter() - t)
+        t = time.perf_counter()
+        mon.stop()
+        stop_s = time.perf_counter() - t
+    assert [r.step for r in sink.rows] == [1, 2, 3]
+    assert worst < 0.05, worst
+    assert stop_s < 5.0, stop_s
+    assert "the sampler process ended" in caplog.text
+
+
+def test_latest_asks_the_sampler_process() -> None:
+    with gpulens.Monitor(interval=0.05, backend="simulated") as mon:
+        time.sleep(0.3)
+        latest = mon.latest()
+    assert latest["gpu/0/power_w"] > 0 and latest["gpu/1/temp_c"] > 0
+    assert "host/ram_used_gb" in latest
+
+
+class _FakeAllocator:
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def read(self, index: int) -> tuple[float, float]:
+        self.reads += 1
+        return 1.5 + index, 2.5 + index
+
+
+def test_torch_allocator_read_here_once_a_slow_period() -> None:
+    """The sampler process cannot see this process's allocator: ``log()`` reads it, once a
+    slow period (1 s), and the rows carry the newest reading."""
+    sink = MemorySink()
+    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated")
+    fake = _FakeAllocator()
+    mon._alloc = fake  # type: ignore[assignment]
+    with mon:
+        _train(mon, 60, dt=0.025)  # ~1.6 s
+    assert fake.reads <= 2 * 2  # two GPUs, at most two slow periods
+    values = [r.values for r in sink.rows]
+    assert all(v["gpu/0/torch_allocated_gb"] == 1.5 for v in values)
+    assert all(v["gpu/1/torch_peak_gb"] == 3.5 for v in values)
+
+
+class _FakeCuda:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def memory_stats_as_nested_dict(self, index: int) -> dict[str, Any]:
+        self.calls += 1
+        return {"allocated_bytes": {"all": {"current": 2e9 * (index + 1), "peak": 3e9}}}
+
+
+def test_thread_sampler_reads_the_allocator_once_a_slow_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class FakeTorch:
+        cuda = _FakeCuda()
+
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    sink = MemorySink()
+    with gpulens.Monitor(interval=0.02, sinks=[sink], backend=SimulatedNVML(gpus=2)) as mon:
+        _train(mon, 12, dt=0.1)  # 1.2 s: ~60 cheap reads, 2-3 slow ones
+    assert FakeTorch.cuda.calls <= 2 * 4
+    last = sink.rows[-1].values
+    assert last["gpu/0/torch_allocated_gb"] == 2.0 and last["gpu/1/torch_allocated_gb"] == 4.0
+    assert last["gpu/1/torch_peak_gb"] == 3.0
+
+
+def test_mlflow_written_by_the_sampler_process_into_the_active_run(
+    mlflow_tracking: MlflowTracking,
+) -> None:
+    import mlflow
+
+    with mlflow.start_run() as run, gpulens.Monitor(
+            interval=0.05, sinks=["mlflow"], backend="simulated") as mon:
+        assert mon.isolation == "process"
+        _train(mon, 4)
+    client = mlflow_tracking.client()
+    power = client.get_metric_history(run.info.run_id, "gpu/1/power_w")
+    assert sorted(m.step for m in power) == [1, 2, 3, 4]
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in loss) == [1, 2, 3, 4]
+    assert len(mlflow_tracking.runs()) == 1  # no run of the sampler process's own
+
+
+def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None:
+    """A training process that ends without ``stop()`` (``os._exit``: no finalizers): the
+    sampler process sees the pipe close, finishes the windows it holds and writes them."""
+    path = tmp_path / "gpu.jsonl"
+    script = textwrap.dedent(f"""
+        import os, time, gpulens
+        mon = gpulens.Monitor(interval=0.05, sinks=["jsonl:{path}"], backend="simulated")
+        mon.start()
+        for step in range(1, 6):
+            time.sleep(0.03)
+            mon.log(step)
+        print(mon._process._proc.pid, flush=True)
+        os._exit(3)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    child = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while psutil.pid_exists(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all("gpu/0/power_w" in r for r in rows)
