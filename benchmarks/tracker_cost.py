@@ -4,7 +4,9 @@
    rows of 100 metrics (is batching cheaper?).
 2. Step-time stalls: a small transformer trained on the CPU for 120 steps, every step logged
    through ``gpulens.Monitor`` with 2 simulated GPUs and one sink at a time (none, jsonl,
-   mlflow into SQLite, wandb offline): median, p95 and worst step, and the worst ``log()``.
+   mlflow into SQLite, wandb offline), with the sampler in a thread of the training process
+   and in a process of its own (``isolation``; JSONL and MLflow are then written there, W&B
+   still here): median, p95 and worst step, and the worst ``log()``.
 
     .venv/bin/python benchmarks/tracker_cost.py [--steps 120]
 """
@@ -35,7 +37,7 @@ def mlflow_row_cost(tmp: Path) -> None:
               f"{(time.thread_time() - cpu) * 1e3:6.0f} ms CPU")
 
 
-def stalls(tmp: Path, sink: str, steps: int) -> None:
+def stalls(tmp: Path, sink: str, steps: int, isolation: str) -> None:
     import mlflow
     import torch
     import wandb
@@ -61,7 +63,7 @@ def stalls(tmp: Path, sink: str, steps: int) -> None:
     perm = torch.randperm(vocab)
     step_s: list[float] = []
     log_s: list[float] = []
-    with gpulens.Monitor(interval=0.1, sinks=sinks) as mon:
+    with gpulens.Monitor(interval=0.1, sinks=sinks, isolation=isolation) as mon:
         for step in range(1, steps + 1):
             t = time.perf_counter()
             x = torch.randint(0, vocab, (batch, seq))
@@ -78,7 +80,8 @@ def stalls(tmp: Path, sink: str, steps: int) -> None:
     if sink == "wandb":
         wandb.finish()
     s = sorted(step_s)
-    print(f"sink {sink:6s}: step median {s[len(s) // 2] * 1e3:6.1f} ms, "
+    print(f"sink {sink:6s}, sampler in a {isolation:7s}: "
+          f"step median {s[len(s) // 2] * 1e3:6.1f} ms, "
           f"p95 {s[int(len(s) * 0.95)] * 1e3:6.1f} ms, worst {s[-1] * 1e3:6.1f} ms; "
           f"worst log() {max(log_s) * 1e3:5.1f} ms")
 
@@ -99,7 +102,8 @@ def main() -> int:
             logging.getLogger(name).setLevel(logging.WARNING)
         mlflow_row_cost(tmp)
         for sink in ("none", "jsonl", "mlflow", "wandb"):
-            stalls(tmp, sink, args.steps)
+            for isolation in ("thread", "process"):
+                stalls(tmp, sink, args.steps, isolation)
     return 0
 
 

@@ -405,7 +405,7 @@ class Monitor:
             if now >= self._alloc_due and proc.torch_indices:
                 self._alloc_due = now + self._slow
                 alloc = self._read_alloc(proc.torch_indices)
-            proc.mark(Mark(int(step), now, time.time(), scalars, alloc))
+            proc.mark(int(step), now, time.time(), scalars, alloc)
         else:
             sampler = self._sampler
             assert sampler is not None

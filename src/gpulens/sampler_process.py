@@ -52,6 +52,9 @@ READY_TIMEOUT_S = 120.0
 """How long ``start()`` waits for the sampler process to open NVML and its sinks (importing
 MLflow can take seconds on a loaded machine)."""
 _CHILD = "import sys; from gpulens.sampler_process import main; sys.exit(main(sys.argv[1:]))"
+POLL_S = 0.02
+"""How often the sampler process looks for step marks (they wait at least 0.2 s for the data
+that closes their window anyway)."""
 _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20
 
@@ -203,13 +206,17 @@ class SamplerProcess:
             self._stopped.set()
 
     # -- training thread ---------------------------------------------------------------------
-    def mark(self, mark: Mark) -> None:
+    def mark(self, step: int, t: float, wall: float, scalars: dict[str, Any],
+             alloc: dict[int, tuple[float, float]] | None) -> None:
         """Send a step mark (training thread; never blocks).  Scalars that are not plain
         numbers (tensors) are converted in a relay thread, which then sends every later mark
         too, in order."""
-        if self._relay is None and _plain(mark.scalars):
-            self._send_mark(mark)
+        if self._relay is None and _plain(scalars):
+            tx = self._tx
+            if tx is not None and not tx.send(("m", step, t, wall, scalars, alloc)):
+                self._warn_unsent(tx)
             return
+        mark = Mark(step, t, wall, scalars, alloc)
         if self._relay is None:
             self._relay = queue.SimpleQueue()
             self._relay_thread = threading.Thread(target=self._relay_loop,
@@ -222,12 +229,16 @@ class SamplerProcess:
         if tx is None:
             return
         if not tx.send(("m", mark.step, mark.t, mark.wall, mark.scalars, mark.alloc)):
-            if tx.closed:
-                warn_once("link-closed", "gpulens: the sampler process is gone; GPU rows stop, "
-                          "training goes on")
-            else:
-                warn_once("link-full", "gpulens: the sampler process is not keeping up; step "
-                          "marks are dropped (counted)")
+            self._warn_unsent(tx)
+
+    @staticmethod
+    def _warn_unsent(tx: Sender) -> None:
+        if tx.closed:
+            warn_once("link-closed", "gpulens: the sampler process is gone; GPU rows stop, "
+                      "training goes on")
+        else:
+            warn_once("link-full", "gpulens: the sampler process is not keeping up; step "
+                      "marks are dropped (counted)")
 
     def _relay_loop(self) -> None:
         relay = self._relay
@@ -354,20 +365,24 @@ def main(argv: list[str]) -> int:
     tx.send(("ready", monitor.context,
              [g.torch_index for g in sampler.gpus if g.torch_index is not None]))
     timeout = 10.0
-    while True:
-        try:
-            msg = rx.recv()
-        except LinkClosed:
+    stopping = False
+    while not stopping:
+        # Poll, never block: a reader asleep on the pipe would make each of the training
+        # thread's writes pay for waking it (see gpulens.link).
+        time.sleep(POLL_S)
+        for msg in rx.poll():
+            kind = msg[0]
+            if kind == "m":
+                _, step, t, wall, scalars, alloc = msg
+                sampler.marks.append(Mark(step, t, wall, scalars, alloc))
+            elif kind == "latest":
+                tx.send(("latest", msg[1], monitor.latest()))
+            elif kind == "stop":
+                timeout = float(msg[1]) if math.isfinite(msg[1]) else 10.0
+                stopping = True
+                break
+        if rx.eof:
             break  # the training process is gone: write what we hold and end
-        kind = msg[0]
-        if kind == "m":
-            _, step, t, wall, scalars, alloc = msg
-            sampler.marks.append(Mark(step, t, wall, scalars, alloc))
-        elif kind == "latest":
-            tx.send(("latest", msg[1], monitor.latest()))
-        elif kind == "stop":
-            timeout = float(msg[1]) if math.isfinite(msg[1]) else 10.0
-            break
     stats = monitor.stop(timeout)
     tx.send(("stopped", {k: v for k, v in stats.items() if not k.startswith("LinkSink")}))
     return 0
