@@ -24,6 +24,10 @@ round) it runs the same loop under:
                    baseline of the Lightning variant);
 ``lightning_dsm``  the same plus Lightning's ``DeviceStatsMonitor``.
 
+On request (``--variants``): ``gpulens_mlflow`` / ``gpulens_mlflow_thread``: gpulens's rows
+written to an MLflow run (local file store) instead of JSONL, sampler process / thread;
+``gpulens_nogpm`` / ``gpulens_cheap`` (thread): without GPM, or with the cheap reads only.
+
 The peers run only their system monitoring; the loss is not sent to them (gpulens's row, which
 holds the loss beside the GPU window, is the only per-step write, so gpulens does more work here).
 
@@ -86,7 +90,8 @@ import psutil
 INTERVAL_S = 0.1
 PLAIN = ("none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop")
 LIGHTNING = ("lightning", "lightning_dsm")
-DIAGNOSIS = ("gpulens_nogpm", "gpulens_cheap")  # only when asked for with --variants
+# gpulens's own variants beyond the default: with --variants (or GPULENS_BENCH_ARGS)
+DIAGNOSIS = ("gpulens_mlflow", "gpulens_mlflow_thread", "gpulens_nogpm", "gpulens_cheap")
 ALL_VARIANTS = PLAIN + LIGHTNING
 BASELINE = {v: "none" for v in PLAIN + DIAGNOSIS} | {v: "lightning" for v in LIGHTNING}
 
@@ -343,6 +348,55 @@ class GpulensThreadVariant(GpulensVariant):
 
     name = "gpulens_thread"
     reads = {"isolation": "thread"}  # noqa: RUF012
+
+
+class GpulensMlflowVariant(Variant):
+    """gpulens writing every row (~100 metrics) into an MLflow run (local file store) instead
+    of JSONL: MLflow's client is pure Python, so where it runs matters."""
+
+    name = "gpulens_mlflow"
+    isolation = "process"
+
+    def skip_reason(self) -> str | None:
+        try:
+            import mlflow  # noqa: F401
+        except ImportError as exc:
+            return f"mlflow not importable ({exc})"
+        return None
+
+    def start(self, rep: int) -> None:
+        import mlflow
+
+        import gpulens
+
+        mlflow.set_tracking_uri((self.tmp / "mlruns-gpulens").as_uri())
+        mlflow.set_experiment("gpulens-bench-rows")
+        self.run = mlflow.start_run(run_name=f"{self.name}-{rep}")
+        backend = "simulated" if self.s.quick else None
+        self.mon = gpulens.Monitor(interval=INTERVAL_S, sinks=["mlflow"], backend=backend,
+                                   isolation=self.isolation)
+        self.mon.start()
+
+    def on_step(self, step: int, loss: float) -> None:
+        self.mon.log(step, loss=loss)
+
+    def stop(self) -> str:
+        import mlflow
+
+        stats = self.mon.stop()
+        run_id = self.run.info.run_id
+        mlflow.end_run()
+        client = mlflow.MlflowClient()
+        keys = list(client.get_run(run_id).data.metrics)
+        rows = len(client.get_metric_history(run_id, "train/global_step"))
+        dropped = sum(getattr(v, "dropped", 0) for v in stats.values())
+        return (f"{rows} rows of {len(keys)} metrics in MLflow"
+                + (f", {dropped} dropped" if dropped else ""))
+
+
+class GpulensMlflowThreadVariant(GpulensMlflowVariant):
+    name = "gpulens_mlflow_thread"
+    isolation = "thread"
 
 
 class GpulensNoGpmVariant(GpulensVariant):
@@ -817,6 +871,8 @@ def main(argv: list[str] | None = None) -> int:
         "none": Variant, "gpulens": GpulensVariant, "gpulens_thread": GpulensThreadVariant,
         "wandb": WandbVariant,
         "gpulens_nogpm": GpulensNoGpmVariant, "gpulens_cheap": GpulensCheapVariant,
+        "gpulens_mlflow": GpulensMlflowVariant,
+        "gpulens_mlflow_thread": GpulensMlflowThreadVariant,
         "mlflow": MlflowVariant, "nvitop": NvitopVariant,
     }
     plain = {n: classes[n](tmp, s) for n in PLAIN + DIAGNOSIS if n in wanted}
