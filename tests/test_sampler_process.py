@@ -8,6 +8,7 @@ process dying, or failing to start, never stops training; a training process tha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -292,3 +293,285 @@ def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all("gpu/0/power_w" in r for r in rows)
+
+
+# -- faults: pipes, fork, interrupts, relay, stop -------------------------------------------------
+def _nfd() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _config(**over: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "gpus": None, "interval": 0.05, "backend": "simulated", "buffer_rows": 100,
+        "reads": {"gpm": True, "energy": True, "driver_samples": True}, "step": 0,
+        "sinks": [], "rows_back": False}
+    config.update(over)
+    return config
+
+
+def test_killed_sampler_process_closes_both_pipes_and_says_figures_are_missing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    base = _nfd()
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        for _ in range(2):
+            mon = gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{tmp_path / 'g.jsonl'}",
+                                                        MemorySink()],
+                                  backend="simulated").start()
+            _train(mon, 2)
+            (child,) = _sampler_children()
+            child.kill()
+            child.wait(5)
+            _train(mon, 3, dt=0.05)  # a write meets the closed pipe (EPIPE)
+            mon.stop()
+    assert _nfd() == base
+    assert "ended without reporting its sinks' figures; sink_stats lacks JsonlSink" in caplog.text
+
+
+def test_child_failing_before_ready_leaks_no_fd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The process started fails before "ready", but a process it left behind holds the
+    pipe's write end a moment longer: the link thread is still reading when start() gives
+    up, and closes the read end itself when the end of file comes."""
+    from gpulens.sampler_process import SamplerProcess, SpawnFailed
+
+    fake = tmp_path / "python"
+    fake.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import os, pickle, struct, subprocess, sys
+        payload = pickle.dumps(("error", "RuntimeError", "no luck"))
+        os.write(int(sys.argv[4]), struct.pack("<I", len(payload)) + payload)
+        subprocess.Popen(["sleep", "0.5"], close_fds=False)  # inherits the write end
+        sys.exit(1)
+    """))
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    base = _nfd()
+    for _ in range(2):
+        with pytest.raises(SpawnFailed, match="RuntimeError: no luck"):
+            SamplerProcess(_config(), on_row=lambda row: None).start()
+    deadline = time.monotonic() + 5
+    while _nfd() != base and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _nfd() == base
+
+
+def test_keyboard_interrupt_while_starting_ends_the_sampler_process() -> None:
+    import queue
+
+    from gpulens.sampler_process import SamplerProcess
+
+    class Interrupted(queue.Queue):  # type: ignore[type-arg]
+        def get(self, block: bool = True, timeout: float | None = None) -> Any:
+            raise KeyboardInterrupt  # Ctrl-C while start() waits for "ready"
+
+    base = _nfd()
+    proc = SamplerProcess(_config(), on_row=lambda row: None)
+    proc._startup = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        proc.start()
+    assert proc._proc is not None and proc._proc.poll() is not None
+    assert not _sampler_children()
+    assert _nfd() == base
+
+
+def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None:
+    """A child forked from the training process (its atexit finalizer runs) sends nothing to
+    the parent's sampler process, closes its copies of the pipe ends and exits at once."""
+    path = tmp_path / "gpu.jsonl"
+    script = textwrap.dedent(f"""
+        import json, os, sys, time, gpulens
+        mon = gpulens.Monitor(interval=0.05, sinks=["jsonl:{path}"], backend="simulated")
+        mon.start()
+        for step in range(1, 4):
+            time.sleep(0.03)
+            mon.log(step, loss=1.0)
+        fds = (mon._process._tx.fd, mon._process._rx.fd)
+        t = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            closed = []
+            for fd in fds:
+                try:
+                    os.fstat(fd)
+                    closed.append(False)
+                except OSError:
+                    closed.append(True)
+            mon.log(99, loss=1.0)  # does nothing here
+            print("child", json.dumps(closed), flush=True)
+            sys.exit(0)  # atexit: the monitor's finalizer
+        os.waitpid(pid, 0)
+        print("fork_exit_s", time.monotonic() - t, flush=True)
+        print("alive", mon._process._proc.poll() is None, flush=True)
+        for step in range(4, 8):
+            time.sleep(0.03)
+            mon.log(step, loss=1.0)
+        mon.stop()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    out = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert json.loads(out["child"]) == [True, True]
+    assert float(out["fork_exit_s"]) < 1.5
+    assert out["alive"] == "True"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
+
+
+class _TwoElements:
+    def item(self) -> float:
+        raise RuntimeError("a Tensor with 2 elements cannot be converted to Scalar")
+
+
+def test_a_value_that_cannot_be_read_is_left_out_and_the_relay_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gpulens._warn import reset_warnings
+
+    reset_warnings()
+    sink = MemorySink()
+    with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
+            interval=0.05, sinks=[sink], backend="simulated") as mon:
+        mon.log(1, loss=_LazyScalar(1.0))
+        time.sleep(0.03)
+        mon.log(2, loss=_TwoElements(), lr=_LazyScalar(0.1))
+        for step in range(3, 6):
+            time.sleep(0.03)
+            mon.log(step, loss=2.0)
+    assert [r.step for r in sink.rows] == [1, 2, 3, 4, 5]
+    assert "train/loss" not in sink.rows[1].values
+    assert sink.rows[1].values["train/lr"] == 0.1
+    assert sink.rows[4].values["train/loss"] == 2.0
+    assert "could not read the logged value 'loss'" in caplog.text
+
+
+def test_relay_queue_is_bounded_and_its_drops_are_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpulens import sampler_process
+
+    monkeypatch.setattr(sampler_process, "RELAY_MAX", 5)
+    gate = threading.Event()
+
+    class Slow:
+        def item(self) -> float:
+            gate.wait(10)
+            return 1.0
+
+    sink = MemorySink()
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated") as mon:
+        assert mon.dropped_marks == 0
+        mon.log(1, loss=Slow())
+        proc = mon._process
+        assert proc is not None and proc._relay is not None
+        deadline = time.monotonic() + 5
+        while proc._relay.qsize() and time.monotonic() < deadline:
+            time.sleep(0.005)  # the relay thread holds mark 1
+        for step in range(2, 12):
+            mon.log(step, loss=1.0)
+        assert mon.dropped_marks == 5
+        gate.set()
+    assert [r.step for r in sink.rows] == [1, 2, 3, 4, 5, 6]
+    assert mon.dropped_marks == 5
+
+
+def test_dropped_marks_are_counted_and_stop_still_gets_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stalled sampler process: marks beyond the queue's bound are dropped and counted;
+    stop()'s own frame is never dropped, so the sampler process still stops cleanly."""
+    from gpulens import link, sampler_process
+
+    monkeypatch.setattr(link, "MAX_PENDING_BYTES", 64 * 1024)
+    monkeypatch.setattr(sampler_process, "_PIPE_BYTES", 64 * 1024)
+    path = tmp_path / "gpu.jsonl"
+    wide = {f"s{i:03d}": float(i) for i in range(60)}
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        mon = gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{path}"],
+                              backend="simulated").start()
+        proc = mon._process
+        assert proc is not None and proc._proc is not None
+        child = psutil.Process(proc._proc.pid)
+        child.suspend()
+        try:
+            step = 0
+            while mon.dropped_marks < 3 and step < 10_000:
+                step += 1
+                mon.log(step, **wide)
+        finally:
+            child.resume()
+        t = time.perf_counter()
+        stats = mon.stop(timeout=2.0)
+        stop_s = time.perf_counter() - t
+    assert mon.dropped_marks == 3
+    assert "3 step mark(s) were dropped" in caplog.text
+    assert stats["JsonlSink"].written == step - 3
+    assert stop_s < 6.0, stop_s
+    with gpulens.Monitor(backend=SimulatedNVML(gpus=1)) as thread_mon:
+        assert thread_mon.dropped_marks == 0
+
+
+def test_latest_gives_up_at_once_when_the_sampler_process_dies_and_drops_late_replies(
+) -> None:
+    mon = gpulens.Monitor(interval=0.05, backend="simulated").start()
+    proc = mon._process
+    assert proc is not None and proc._proc is not None
+    child = psutil.Process(proc._proc.pid)
+    time.sleep(0.2)
+    child.suspend()
+    try:
+        assert proc.latest(timeout=0.1) == {}  # no answer in time
+        child.resume()
+        time.sleep(0.3)  # the late answer arrives: nobody waits for it
+        assert proc._replies == {}
+        assert mon.latest()["gpu/0/power_w"] > 0
+        child.suspend()
+        killer = threading.Timer(0.3, child.kill)
+        killer.start()
+        t = time.perf_counter()
+        assert mon.latest() == {}
+        waited = time.perf_counter() - t
+        killer.join()
+    finally:
+        with contextlib.suppress(psutil.Error):
+            child.resume()
+    assert waited < 1.5, waited
+    mon.stop()
+
+
+def test_an_installed_gpulens_is_not_put_ahead_of_the_standard_library(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import site
+
+    from gpulens import sampler_process
+
+    root = str(Path(sampler_process.__file__).resolve().parent.parent)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    # a source checkout: the child must import this very gpulens
+    assert sampler_process._child_env()["PYTHONPATH"] == f"{root}{os.pathsep}/elsewhere"
+    monkeypatch.setattr(site, "getsitepackages", lambda: [root])
+    assert sampler_process._child_env()["PYTHONPATH"] == "/elsewhere"
+
+
+def test_the_sampler_process_ignores_sigint_before_it_imports_gpulens(tmp_path: Path) -> None:
+    from gpulens.sampler_process import _CHILD
+
+    fake = tmp_path / "gpulens"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "sampler_process.py").write_text(textwrap.dedent("""
+        import signal
+        IGNORED = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        def main(argv):
+            print("ignored", IGNORED)
+            return 0
+    """))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ignored True"

@@ -114,6 +114,10 @@ class Monitor:
     Rows are finished by the sampler thread a little after ``log()`` (once the data covering
     the window has been read, at most about ``max(1 s, interval) + 0.2 s``); ``stop()``
     writes all of them.
+
+    :attr:`dropped_marks` counts the ``log()`` calls whose step mark never reached a sampler
+    process that could not keep up (their steps fold into the next row's window; ``stop()``
+    warns if any); always 0 with the sampler in a thread.
     """
 
     def __init__(
@@ -436,8 +440,17 @@ class Monitor:
             self._started = False
             assert self._steplogger is not None
             child_stats: dict[str, SinkStats] = {}
-            if self._process is not None:
-                child_stats = self._process.stop(timeout)
+            proc = self._process
+            if proc is not None and proc.forked:
+                # a forked child: the sampler process and the sinks are the parent's
+                proc.forget()
+                if self._finalizer is not None:
+                    self._finalizer.detach()
+                self._process = None
+                return self.sink_stats
+            if proc is not None:
+                child_stats = proc.stop(timeout)
+                self._dropped_marks = proc.dropped_marks
             else:
                 assert self._sampler is not None
                 self._sampler.stop()
@@ -469,10 +482,19 @@ class Monitor:
         process of its own this asks it (a round trip of a few milliseconds; ``{}`` if it
         does not answer within 2 s).
         """
-        if self._process is not None:
-            return self._process.latest()
+        proc = self._process
+        if proc is not None:
+            return proc.latest()
         sampler = self._sampler
         return sampler.latest() if sampler is not None else {}
+
+    _dropped_marks = 0
+
+    @property
+    def dropped_marks(self) -> int:
+        """Step marks dropped on their way to the sampler process (see the class doc)."""
+        proc = self._process
+        return proc.dropped_marks if proc is not None else self._dropped_marks
 
 
 def _stop_quietly(sampler: Sampler, steplogger: StepLogger, source: NvmlSource | None) -> None:
@@ -487,8 +509,13 @@ def _stop_quietly(sampler: Sampler, steplogger: StepLogger, source: NvmlSource |
 
 
 def _stop_process_quietly(proc: SamplerProcess, steplogger: StepLogger) -> None:
-    """Last-resort cleanup of a process-isolated Monitor (garbage-collected, process exit)."""
+    """Last-resort cleanup of a process-isolated Monitor (garbage-collected, process exit).
+    In a forked child it only closes that child's copies of the pipe ends: the sampler
+    process and the sinks are the parent's."""
     try:
+        if proc.forked:
+            proc.forget()
+            return
         proc.stop(timeout=2.0)
         steplogger.close(timeout=2.0)
     except Exception:

@@ -34,10 +34,12 @@ import math
 import os
 import queue
 import signal
+import site
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,12 +53,17 @@ from gpulens.steplogger import SinkStats
 READY_TIMEOUT_S = 120.0
 """How long ``start()`` waits for the sampler process to open NVML and its sinks (importing
 MLflow can take seconds on a loaded machine)."""
-_CHILD = "import sys; from gpulens.sampler_process import main; sys.exit(main(sys.argv[1:]))"
+_CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+          "from gpulens.sampler_process import main; sys.exit(main(sys.argv[1:]))")
+"""The sampler process's bootstrap: it ignores SIGINT before anything else (a Ctrl-C at the
+terminal reaches the whole process group; the training process decides when to stop)."""
 POLL_S = 0.02
 """How often the sampler process looks for step marks (they wait at least 0.2 s for the data
 that closes their window anyway)."""
 _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20
+RELAY_MAX = 10_000
+"""Marks with tensors that may wait for conversion before new ones are dropped (counted)."""
 
 
 class SpawnFailed(Exception):
@@ -88,24 +95,34 @@ def _plain(scalars: dict[str, Any]) -> bool:
 
 
 class SamplerProcess:
-    """The training process's end: spawns the sampler process and talks to it."""
+    """The training process's end: spawns the sampler process and talks to it.
+
+    Only the process that started it talks to it: in a child forked from that process
+    (``os.fork``, a fork-started DataLoader worker), the copies of the pipe ends are closed
+    and every call does nothing.
+    """
 
     def __init__(self, config: dict[str, Any], on_row: Callable[[Row], None]) -> None:
         self._config = config
         self._on_row = on_row
+        self._pid = os.getpid()
         self._proc: subprocess.Popen[bytes] | None = None
         self._tx: Sender | None = None
         self._rx: Receiver | None = None
         self._reader: threading.Thread | None = None
         self._startup: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._replies: dict[int, dict[str, float]] = {}
+        self._awaited: set[int] = set()
         self._reply_ready = threading.Condition()
         self._latest_seq = 0
         self._stopped = threading.Event()
+        self._got_stopped = False
         self._child_stats: dict[str, SinkStats] = {}
         self._stopping = False
+        self._killing = False
         self._relay: queue.SimpleQueue[Mark | None] | None = None
         self._relay_thread: threading.Thread | None = None
+        self._relay_dropped = 0
         self.context: RunContext | None = None
         self.torch_indices: list[int] = []
 
@@ -114,59 +131,66 @@ class SamplerProcess:
         """Spawn, send the config, wait until the process is sampling.
 
         ``ValueError`` for a user error found there (no such GPU, a sink that cannot open);
-        :class:`SpawnFailed` when the process could not be started at all.
+        :class:`SpawnFailed` when the process could not be started at all.  Whatever ends the
+        wait (KeyboardInterrupt too), the process is ended and the pipes closed before it
+        propagates.
         """
         if not sys.executable:
             raise SpawnFailed("no Python executable to start (sys.executable is empty)")
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        for fd in (to_child_w, from_child_w):
-            with contextlib.suppress(OSError):
-                import fcntl
+        self._pid = os.getpid()
+        child_ends: list[int] = []
+        try:
+            to_child_r, to_child_w = os.pipe()
+            child_ends.append(to_child_r)
+            self._tx = Sender(to_child_w, blocking=False)
+            from_child_r, from_child_w = os.pipe()
+            child_ends.append(from_child_w)
+            self._rx = Receiver(from_child_r)
+            for fd in (to_child_w, from_child_w):
+                with contextlib.suppress(OSError):
+                    import fcntl
 
-                fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
-        env = dict(os.environ)
-        # The child imports this very gpulens, wherever the parent found it.
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (root, env.get("PYTHONPATH", "")) if p)
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w)],
-                pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env,
-                close_fds=True,
-            )
-        except OSError as exc:
-            for fd in (to_child_r, to_child_w, from_child_r, from_child_w):
-                os.close(fd)
-            raise SpawnFailed(f"could not start the sampler process: {exc}") from exc
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(to_child_r)
-            with contextlib.suppress(OSError):
-                os.close(from_child_w)
-        self._tx = Sender(to_child_w, blocking=False)
-        self._rx = Receiver(from_child_r)
-        self._reader = threading.Thread(target=self._read_loop, name="gpulens-link",
-                                        daemon=True)
-        self._reader.start()
-        self._tx.send(self._config)
-        try:
-            got = self._startup.get(timeout=READY_TIMEOUT_S)
-        except queue.Empty:
+                    fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w)],
+                    pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
+                    env=_child_env(), close_fds=True,
+                )
+            except OSError as exc:
+                raise SpawnFailed(f"could not start the sampler process: {exc}") from exc
+            finally:
+                for fd in child_ends:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                child_ends.clear()
+            _LIVE.add(self)
+            self._reader = threading.Thread(target=self._read_loop, name="gpulens-link",
+                                            daemon=True)
+            self._reader.start()
+            self._tx.send(self._config, force=True)
+            try:
+                got = self._startup.get(timeout=READY_TIMEOUT_S)
+            except queue.Empty:
+                raise SpawnFailed(f"the sampler process did not start within "
+                                  f"{READY_TIMEOUT_S:.0f} s") from None
+            if got[0] == "ready":
+                self.context, self.torch_indices = got[1], list(got[2])
+                return self.context
+            if got[0] == "error" and got[1] == "ValueError":
+                raise ValueError(got[2])
+            if got[0] == "error":
+                raise SpawnFailed(f"the sampler process failed: {got[1]}: {got[2]}")
+            code = self._proc.poll()
+            raise SpawnFailed(f"the sampler process ended before it started (exit code "
+                              f"{code})")
+        except BaseException:
+            for fd in child_ends:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             self._kill()
-            raise SpawnFailed(f"the sampler process did not start within "
-                              f"{READY_TIMEOUT_S:.0f} s") from None
-        if got[0] == "ready":
-            self.context, self.torch_indices = got[1], list(got[2])
-            return self.context
-        self._kill()
-        if got[0] == "error" and got[1] == "ValueError":
-            raise ValueError(got[2])
-        if got[0] == "error":
-            raise SpawnFailed(f"the sampler process failed: {got[1]}: {got[2]}")
-        code = self._proc.poll() if self._proc is not None else None
-        raise SpawnFailed(f"the sampler process ended before it started (exit code {code})")
+            _LIVE.discard(self)
+            raise
 
     # -- the link thread -----------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -184,11 +208,13 @@ class SamplerProcess:
                         warn_once("link-row", "gpulens: could not hand a row on: %r", exc)
                 elif kind == "latest":
                     with self._reply_ready:
-                        self._replies[msg[1]] = msg[2]
-                        self._reply_ready.notify_all()
+                        if msg[1] in self._awaited:  # else its asker gave up: drop it
+                            self._replies[msg[1]] = msg[2]
+                            self._reply_ready.notify_all()
                 elif kind == "stopped":
                     self._child_stats = msg[1]
-                    self._stopped.set()
+                    self._got_stopped = True
+                    self._set_stopped()
                 elif kind in ("ready", "error") and not started:
                     started = kind == "ready"
                     self._startup.put(msg)
@@ -197,13 +223,40 @@ class SamplerProcess:
         except Exception as exc:
             warn_once("link-read", "gpulens: reading from the sampler process failed: %r", exc)
         finally:
+            rx.close()  # this thread's to close: nothing reads it any more
             if not started:
                 self._startup.put(("dead",))
-            elif not self._stopping:
+            elif not self._got_stopped and not self._killing:
+                # it ended by itself (stop() or not): say so
                 code = self._proc.poll() if self._proc is not None else None
                 logger.warning("gpulens: the sampler process ended (exit code %s); GPU rows "
                                "stop, training goes on", code)
+            self._set_stopped()
+
+    def _set_stopped(self) -> None:
+        with self._reply_ready:
             self._stopped.set()
+            self._reply_ready.notify_all()  # latest() need not wait out its timeout
+
+    # -- fork ----------------------------------------------------------------------------------
+    @property
+    def forked(self) -> bool:
+        """True in a process forked from the one that started this (which alone talks to
+        the sampler process)."""
+        return os.getpid() != self._pid
+
+    def forget(self) -> None:
+        """In a forked child: close this process's copies of the pipe ends and do nothing
+        more (never send: the sampler process is the parent's)."""
+        tx, rx = self._tx, self._rx
+        self._tx = self._rx = None
+        self._proc = None
+        self._relay = None
+        self.torch_indices = []  # log() reads no allocator for a sampler it does not feed
+        if tx is not None:
+            tx.abandon()
+        if rx is not None:
+            rx.abandon()
 
     # -- training thread ---------------------------------------------------------------------
     def mark(self, step: int, t: float, wall: float, scalars: dict[str, Any],
@@ -211,18 +264,37 @@ class SamplerProcess:
         """Send a step mark (training thread; never blocks).  Scalars that are not plain
         numbers (tensors) are converted in a relay thread, which then sends every later mark
         too, in order."""
-        if self._relay is None and _plain(scalars):
-            tx = self._tx
-            if tx is not None and not tx.send(("m", step, t, wall, scalars, alloc)):
+        tx = self._tx
+        if tx is None:  # not started, stopped, or a forked child (see forget)
+            return
+        relay = self._relay
+        if relay is None and _plain(scalars):
+            if not tx.send(("m", step, t, wall, scalars, alloc)):
                 self._warn_unsent(tx)
             return
-        mark = Mark(step, t, wall, scalars, alloc)
-        if self._relay is None:
-            self._relay = queue.SimpleQueue()
-            self._relay_thread = threading.Thread(target=self._relay_loop,
-                                                  name="gpulens-relay", daemon=True)
-            self._relay_thread.start()
-        self._relay.put(mark)
+        if relay is None:
+            relay = self._start_relay()
+            if relay is None:
+                return
+        if relay.qsize() >= RELAY_MAX:
+            self._relay_dropped += 1
+            warn_once("relay-full", "gpulens: logged tensors are not converted fast enough; "
+                      "step marks are dropped (counted)")
+            return
+        relay.put(Mark(step, t, wall, scalars, alloc))
+
+    def _start_relay(self) -> queue.SimpleQueue[Mark | None] | None:
+        relay: queue.SimpleQueue[Mark | None] = queue.SimpleQueue()
+        thread = threading.Thread(target=self._relay_loop, args=(relay,),
+                                  name="gpulens-relay", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            warn_once("relay-start", "gpulens: could not start the relay thread (%s); marks "
+                      "with tensors are left out", exc)
+            return None
+        self._relay, self._relay_thread = relay, thread
+        return relay
 
     def _send_mark(self, mark: Mark) -> None:
         tx = self._tx
@@ -240,55 +312,81 @@ class SamplerProcess:
             warn_once("link-full", "gpulens: the sampler process is not keeping up; step "
                       "marks are dropped (counted)")
 
-    def _relay_loop(self) -> None:
-        relay = self._relay
-        assert relay is not None
+    def _relay_loop(self, relay: queue.SimpleQueue[Mark | None]) -> None:
         while True:
             mark = relay.get()
             if mark is None:
                 return
-            scalars: dict[str, float] = {}
-            for name, value in mark.scalars.items():
-                number = _to_float(value)
-                if number is not None:
-                    scalars[name] = number
-            mark.scalars = scalars
-            self._send_mark(mark)
+            try:
+                scalars: dict[str, float] = {}
+                for name, value in mark.scalars.items():
+                    try:
+                        number = _to_float(value)
+                    except Exception as exc:  # e.g. a tensor of two elements
+                        warn_once(f"relay-value:{name}", "gpulens: could not read the logged "
+                                  "value %r (%r); left out", name, exc)
+                        continue
+                    if number is not None:
+                        scalars[name] = number
+                mark.scalars = scalars
+                self._send_mark(mark)
+            except Exception as exc:  # this thread must outlive any one mark
+                warn_once("relay-mark", "gpulens: could not send a step mark: %r", exc)
 
     @property
     def dropped_marks(self) -> int:
-        return self._tx.dropped if self._tx is not None else 0
+        """Step marks dropped (the pipe's queue or the relay's full), counted."""
+        tx = self._tx
+        return self._relay_dropped + (tx.dropped if tx is not None else 0)
 
     # -- live view -----------------------------------------------------------------------------
     def latest(self, timeout: float = 2.0) -> dict[str, float]:
-        """The sampler process's newest sample of each metric (``{}`` if it does not answer)."""
+        """The sampler process's newest sample of each metric (``{}`` if it does not answer,
+        at once if it is gone or stopping)."""
+        if self.forked:
+            self.forget()
+            return {}
         tx = self._tx
-        if tx is None:
+        if tx is None or tx.closed or self._stopped.is_set() or self._stopping:
             return {}
         with self._reply_ready:
             self._latest_seq += 1
             seq = self._latest_seq
-        tx.send(("latest", seq))
-        deadline = time.monotonic() + timeout
-        with self._reply_ready:
-            while seq not in self._replies:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stopped.is_set():
-                    return {}
-                self._reply_ready.wait(left)
-            return self._replies.pop(seq)
+            self._awaited.add(seq)
+        try:
+            if not tx.send(("latest", seq), force=True):
+                return {}
+            deadline = time.monotonic() + timeout
+            with self._reply_ready:
+                while seq not in self._replies:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stopped.is_set() or self._stopping:
+                        return {}
+                    self._reply_ready.wait(left)
+                return self._replies.pop(seq)
+        finally:
+            with self._reply_ready:
+                self._awaited.discard(seq)
+                self._replies.pop(seq, None)
 
     # -- stop ----------------------------------------------------------------------------------
     def stop(self, timeout: float) -> dict[str, SinkStats]:
         """Send what is queued and ``stop``; wait for the last rows and the sinks' figures."""
+        if self.forked:
+            self.forget()
+            return {}
+        if self._stopping:
+            return self._child_stats
         self._stopping = True
+        with self._reply_ready:
+            self._reply_ready.notify_all()  # a latest() waiting gives up now
         deadline = time.monotonic() + timeout + 5.0
         if self._relay is not None and self._relay_thread is not None:
             self._relay.put(None)
             self._relay_thread.join(max(0.0, deadline - time.monotonic()))
         tx = self._tx
         if tx is not None and not tx.closed:
-            tx.send(("stop", timeout))
+            tx.send(("stop", timeout), force=True)
             while tx.pending_bytes and not tx.closed and time.monotonic() < deadline:
                 time.sleep(0.002)
                 tx.flush()
@@ -298,21 +396,81 @@ class SamplerProcess:
         if self._reader is not None:
             self._reader.join(max(0.0, deadline - time.monotonic()) + 1.0)
         self._kill(grace=max(0.5, deadline - time.monotonic()))
+        _LIVE.discard(self)
+        if not self._got_stopped and self._config.get("sinks"):
+            logger.warning("gpulens: the sampler process ended without reporting its sinks' "
+                           "figures; sink_stats lacks %s (rows it held may be unwritten)",
+                           ", ".join(_sink_name(spec) for spec in self._config["sinks"]))
+        dropped = self.dropped_marks
+        if dropped:
+            logger.warning("gpulens: %d step mark(s) were dropped (the sampler process did "
+                           "not keep up); their steps have no rows of their own", dropped)
         return self._child_stats
 
     def _kill(self, grace: float = 0.0) -> None:
-        if self._tx is not None:
-            self._tx.close()
+        self._killing = True
+        tx = self._tx
+        if tx is not None:
+            tx.close()
         proc = self._proc
         if proc is not None:
             try:
                 proc.wait(grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(5.0)
-        if self._rx is not None and (self._reader is None
-                                     or not self._reader.is_alive()):
-            self._rx.close()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5.0)
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            # the child is gone: end of file is on its way to the reader, which closes rx
+            reader.join(1.0)
+        if self._rx is not None and (reader is None or not reader.is_alive()):
+            self._rx.close()  # once: the reader may have closed it already
+
+
+def _sink_name(spec: tuple[str, dict[str, Any]]) -> str:
+    return spec[0].rpartition(":")[2] or spec[0]
+
+
+_LIVE: weakref.WeakSet[SamplerProcess] = weakref.WeakSet()
+"""Sampler processes this process talks to: a forked child forgets them (see forget)."""
+
+
+def _forget_all_after_fork() -> None:
+    for proc in list(_LIVE):
+        with contextlib.suppress(Exception):
+            proc.forget()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all_after_fork)
+
+
+def _is_site_dir(path: str) -> bool:
+    """Whether ``path`` is a site-packages directory (an installed gpulens lives there)."""
+    dirs: list[str] = []
+    with contextlib.suppress(Exception):
+        dirs.extend(site.getsitepackages())
+    with contextlib.suppress(Exception):
+        dirs.append(site.getusersitepackages())
+    real = os.path.realpath(path)
+    if any(os.path.realpath(d) == real for d in dirs if d):
+        return True
+    return Path(path).name in ("site-packages", "dist-packages")
+
+
+def _child_env() -> dict[str, str]:
+    """The sampler process's environment: this one's, and for a gpulens that is not installed
+    (a source checkout, a ``sys.path`` entry) the folder it was imported from first on
+    ``PYTHONPATH``.  An installed gpulens is found as the parent found it; its site-packages
+    is never put ahead of the standard library."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    if not _is_site_dir(root):
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 # -- the sampler process's side ----------------------------------------------------------------
