@@ -80,6 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train()
     if training_args.process_index == 0:
         print(f"gpulens: rows written for {output_dir} (report_to={report_to})")
+    # Under torchrun the Trainer set up torch.distributed; take it down before exit (a gloo
+    # group left to interpreter teardown can abort: "terminate called without an active
+    # exception").
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
