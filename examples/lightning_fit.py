@@ -101,6 +101,13 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(make_module(pl), make_data())
     if trainer.is_global_zero and args.logger == "csv":
         print(f"gpulens: metrics in {logger.log_dir}/metrics.csv")
+    # Under torchrun Lightning set up torch.distributed and leaves it up; take it down before
+    # exit (a gloo group left to interpreter teardown can abort: "terminate called without an
+    # active exception").
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
