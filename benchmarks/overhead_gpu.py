@@ -294,6 +294,15 @@ class Result:
 # --- the variants ------------------------------------------------------------------------------
 
 
+def mlflow_missing() -> str | None:
+    """Why the MLflow variants cannot run here, or None."""
+    try:
+        import mlflow  # noqa: F401
+    except ImportError as exc:
+        return f"mlflow not importable ({exc})"
+    return None
+
+
 class Variant:
     """Start/stop a monitor around the timed steps; ``on_step`` runs after each step."""
 
@@ -358,11 +367,7 @@ class GpulensMlflowVariant(Variant):
     isolation = "process"
 
     def skip_reason(self) -> str | None:
-        try:
-            import mlflow  # noqa: F401
-        except ImportError as exc:
-            return f"mlflow not importable ({exc})"
-        return None
+        return mlflow_missing()
 
     def start(self, rep: int) -> None:
         import mlflow
@@ -445,11 +450,7 @@ class MlflowVariant(Variant):
     name = "mlflow"
 
     def skip_reason(self) -> str | None:
-        try:
-            import mlflow  # noqa: F401
-        except ImportError as exc:
-            return f"mlflow not importable ({exc})"
-        return None
+        return mlflow_missing()
 
     def start(self, rep: int) -> None:
         import mlflow
