@@ -115,3 +115,11 @@ def test_fidelity_quick_prints_steps_and_checks(tmp_path: Path) -> None:
     assert "busy steps: gpulens sm_active_pct >= 80" in checks
     data = json.loads((tmp_path / "fidelity.json").read_text())
     assert data["backend"] == "simulated" and len(data["steps"]) == 6
+
+
+def test_pipe_wake_prints_both_readers(tmp_path: Path) -> None:
+    out = run_script("pipe_wake.py", tmp_path)
+    rows = table_rows(out, "reader")
+    assert set(rows) == {"sleeps in read", "polls"}
+    for cells in rows.values():
+        assert re.fullmatch(NUMBER, cells[0]) and re.fullmatch(NUMBER, cells[1])

@@ -8,9 +8,10 @@ way, so a sampler process that stalls or dies costs training nothing).  Control 
 of its own, blocking in ``os.read`` with the GIL released, or polls (:meth:`Receiver.poll`).
 
 Why the sampler process polls its end rather than blocking on it: a write to a pipe that a
-reader sleeps on wakes that reader, and the waking is paid by the writer.  Measured on a 2-core
-VM, ``pickle`` + ``os.write`` of a mark took 25 us (median) with a reader blocked in ``read``
-and 5 us with a reader that polls every 20 ms.  The training thread is the writer.
+reader sleeps on wakes that reader, and the waking is paid by the writer.  On the 2-core
+development VM, ``pickle`` + ``os.write`` of a mark took 21 us (median) with a reader asleep in
+``read`` and 4.7 us with a reader that polls every 20 ms (``benchmarks/pipe_wake.py``).  The
+training thread is the writer.
 """
 
 from __future__ import annotations
