@@ -426,15 +426,18 @@ class _TwoElements:
         raise RuntimeError("a Tensor with 2 elements cannot be converted to Scalar")
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_a_value_that_cannot_be_read_is_left_out_and_the_relay_goes_on(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, isolation: str,
 ) -> None:
+    """Only the value is lost, never the row, whichever thread converts it (the relay, or
+    the sampler thread)."""
     from gpulens._warn import reset_warnings
 
     reset_warnings()
     sink = MemorySink()
     with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
-            interval=0.05, sinks=[sink], backend="simulated") as mon:
+            interval=0.05, sinks=[sink], backend="simulated", isolation=isolation) as mon:
         mon.log(1, loss=_LazyScalar(1.0))
         time.sleep(0.03)
         mon.log(2, loss=_TwoElements(), lr=_LazyScalar(0.1))
@@ -445,7 +448,8 @@ def test_a_value_that_cannot_be_read_is_left_out_and_the_relay_goes_on(
     assert "train/loss" not in sink.rows[1].values
     assert sink.rows[1].values["train/lr"] == 0.1
     assert sink.rows[4].values["train/loss"] == 2.0
-    assert "could not read the logged value 'loss'" in caplog.text
+    assert ("a logged value of type _TwoElements could not be read as a number "
+            "(RuntimeError('a Tensor with 2 elements") in caplog.text
 
 
 def test_relay_queue_is_bounded_and_its_drops_are_counted(

@@ -499,14 +499,18 @@ def _spacing(points: list[tuple[float, float]]) -> float:
 
 
 def _to_float(value: Any) -> float | None:
-    """A scalar as a float (tensors via ``.item()``, here in the sampler thread); else None."""
+    """A scalar as a float (tensors via ``.item()``, off the training thread); else None.
+
+    Anything that fails (not a number, a tensor of several elements, a CUDA error) leaves out
+    this one value, with one warning, never the row.
+    """
     try:
         if hasattr(value, "item"):
             value = value.item()
         number = float(value)
-    except (TypeError, ValueError):
+    except Exception as exc:
         warn_once(f"scalar:{type(value).__name__}",
-                  "gpulens: a logged value of type %s is not a number; left out",
-                  type(value).__name__)
+                  "gpulens: a logged value of type %s could not be read as a number (%r); "
+                  "left out", type(value).__name__, exc)
         return None
     return number

@@ -320,12 +320,7 @@ class SamplerProcess:
             try:
                 scalars: dict[str, float] = {}
                 for name, value in mark.scalars.items():
-                    try:
-                        number = _to_float(value)
-                    except Exception as exc:  # e.g. a tensor of two elements
-                        warn_once(f"relay-value:{name}", "gpulens: could not read the logged "
-                                  "value %r (%r); left out", name, exc)
-                        continue
+                    number = _to_float(value)  # a value it cannot read is left out
                     if number is not None:
                         scalars[name] = number
                 mark.scalars = scalars

@@ -4,6 +4,11 @@ A sink receives :class:`Row` objects, one per :meth:`gpulens.Monitor.log` call, 
 Sinks run in the monitor's writer thread, except those whose ``on_training_thread`` attribute is
 true (W&B, whose ``wandb.log`` is not thread-safe): those are fed from the training thread the
 next time it calls ``log()`` or ``stop()``.
+
+A sink may also have ``remote_spec() -> ("module:Class", kwargs)``: how to rebuild it in
+gpulens's sampler process (``Monitor(isolation="process")``), which then writes it there and
+keeps its work off the training process (JSONL, MLflow).  Sinks without it are written in the
+training process, from rows the sampler process sends back.
 """
 
 from __future__ import annotations
