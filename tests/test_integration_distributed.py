@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +22,29 @@ RANK_KEYS = ("gpu/0/util_pct", "gpu/1/util_pct", "gpu/all/util_pct_mean",
              "gpu/all/util_pct_min", "gpu/all/util_pct_max", "gpu/0/power_w", "gpu/1/power_w")
 
 
+# torch's gloo teardown at interpreter exit sometimes aborts a rank after the script has
+# finished ("terminate called without an active exception", SIGABRT): seen about 1 run in 10
+# on this project's 2-core machine, with gpulens's sampler in a thread (commit 41b28a7) as with
+# it in a process.  Such a run is tried once more; any other failure fails the test at once.
+EXIT_ABORT = "terminate called without an active exception"
+
+
 def torchrun(args: list[str], cwd: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
     env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
-    )
+    for attempt in (1, 2):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             "2", *args],
+            cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
+        )
+        if done.returncode == 0 or EXIT_ABORT not in done.stderr or attempt == 2:
+            break
+        for leftover in cwd.iterdir():  # the retry starts from nothing (no version_1 logs)
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink()
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-6000:])
 
 
