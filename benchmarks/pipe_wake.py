@@ -1,8 +1,9 @@
 """What a pipe write costs the writer when the reader sleeps on the pipe, and when it polls.
 
-The training thread writes each step mark to the sampler process's pipe (``gpulens.link``).
+The training thread writes each step mark to the sampler process's pipe
+(``gpulens.transport.pipe``).
 If the reader sleeps in ``read``, every write must wake it and the writer pays for that; a
-reader that polls (``gpulens.sampler_process`` looks every 20 ms) costs the writer only the
+reader that polls (``gpulens.transport.process`` looks every 20 ms) costs the writer only the
 system call.  Prints the median and p99 of ``pickle.dumps`` + ``os.write`` of a mark, 3000
 writes 1 ms apart, for each kind of reader.
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from gpulens import link
-from gpulens.link import LinkClosed, Receiver, Sender
+from gpulens.transport import pipe as link
+from gpulens.transport.pipe import LinkClosed, Receiver, Sender
 
 
 def test_a_full_pipe_queues_whole_frames_and_order_holds() -> None:

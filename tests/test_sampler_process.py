@@ -44,7 +44,7 @@ def _sampler_children() -> list[psutil.Process]:
     out = []
     for child in _children():
         try:
-            if "gpulens.sampler_process" in " ".join(child.cmdline()):
+            if "gpulens.transport.process" in " ".join(child.cmdline()):
                 out.append(child)
         except psutil.Error:
             pass
@@ -334,7 +334,7 @@ def test_child_failing_before_ready_leaks_no_fd(
     """The process started fails before "ready", but a process it left behind holds the
     pipe's write end a moment longer: the link thread is still reading when start() gives
     up, and closes the read end itself when the end of file comes."""
-    from gpulens.sampler_process import SamplerProcess, SpawnFailed
+    from gpulens.transport.process import SamplerProcess, SpawnFailed
 
     fake = tmp_path / "python"
     fake.write_text(textwrap.dedent(f"""\
@@ -360,7 +360,7 @@ def test_child_failing_before_ready_leaks_no_fd(
 def test_keyboard_interrupt_while_starting_ends_the_sampler_process() -> None:
     import queue
 
-    from gpulens.sampler_process import SamplerProcess
+    from gpulens.transport.process import SamplerProcess
 
     class Interrupted(queue.Queue):  # type: ignore[type-arg]
         def get(self, block: bool = True, timeout: float | None = None) -> Any:
@@ -455,7 +455,7 @@ def test_a_value_that_cannot_be_read_is_left_out_and_the_relay_goes_on(
 def test_relay_queue_is_bounded_and_its_drops_are_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpulens import sampler_process
+    from gpulens.transport import process as sampler_process
 
     monkeypatch.setattr(sampler_process, "RELAY_MAX", 5)
     gate = threading.Event()
@@ -487,7 +487,8 @@ def test_dropped_marks_are_counted_and_stop_still_gets_through(
 ) -> None:
     """A stalled sampler process: marks beyond the queue's bound are dropped and counted;
     stop()'s own frame is never dropped, so the sampler process still stops cleanly."""
-    from gpulens import link, sampler_process
+    from gpulens.transport import pipe as link
+    from gpulens.transport import process as sampler_process
 
     monkeypatch.setattr(link, "MAX_PENDING_BYTES", 64 * 1024)
     monkeypatch.setattr(sampler_process, "_PIPE_BYTES", 64 * 1024)
@@ -551,7 +552,7 @@ def test_an_installed_gpulens_is_not_put_ahead_of_the_standard_library(
 ) -> None:
     import site
 
-    from gpulens import sampler_process
+    from gpulens.transport import process as sampler_process
 
     root = str(Path(sampler_process.__file__).resolve().parent.parent)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
@@ -562,12 +563,14 @@ def test_an_installed_gpulens_is_not_put_ahead_of_the_standard_library(
 
 
 def test_the_sampler_process_ignores_sigint_before_it_imports_gpulens(tmp_path: Path) -> None:
-    from gpulens.sampler_process import _CHILD
+    from gpulens.transport.process import _CHILD
 
     fake = tmp_path / "gpulens"
     fake.mkdir()
     (fake / "__init__.py").write_text("")
-    (fake / "sampler_process.py").write_text(textwrap.dedent("""
+    (fake / "transport").mkdir()
+    (fake / "transport" / "__init__.py").write_text("")
+    (fake / "transport" / "process.py").write_text(textwrap.dedent("""
         import signal
         IGNORED = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         def main(argv):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from gpulens.window import IntervalSeries, Series, job_aggregates, window_energy_j
+from gpulens.engine.window import IntervalSeries, Series, job_aggregates, window_energy_j
 
 
 def _series(points: list[tuple[float, float]]) -> Series:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpulens.errors import GpulensError, GpuLost, NvmlUnavailable
 from gpulens.monitor import Monitor
-from gpulens.sinks.base import GpuInfo, Row, RunContext, Sink
+from gpulens.sinks.base import Event, GpuInfo, Row, RunContext, Sink
 
 if TYPE_CHECKING:
     from gpulens.integrations.hydra import from_config
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Event",
     "GpuInfo",
     "GpuLost",
     "GpulensError",

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from gpulens.engine.window import job_aggregates
 from gpulens.schema import GPU_ROW_KEYS, HOST_KEYS, gpu_key
 from gpulens.sinks.base import Row, RunContext
-from gpulens.window import job_aggregates
 
 SLOTS = 4
 _HEAD = 5  # valid, seq, gpu key, host cpu, host ram

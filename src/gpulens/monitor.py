@@ -23,15 +23,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpulens._warn import logger, warn_once
+from gpulens.engine.sampler import GpuState, Mark, Sampler
+from gpulens.engine.steplogger import SinkStats, StepLogger
 from gpulens.errors import NvmlUnavailable
-from gpulens.sampler import GpuState, Mark, Sampler
-from gpulens.sampler_process import SamplerProcess, SpawnFailed, remote_spec
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.base import Row, RunContext, Sink
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlSource
 from gpulens.sources.torch_alloc import TorchAllocator
-from gpulens.steplogger import SinkStats, StepLogger
+from gpulens.transport.process import SamplerProcess, SpawnFailed, remote_spec
 
 BACKENDS = ("auto", "nvml", "simulated")
 ISOLATIONS = ("auto", "process", "thread")
@@ -105,7 +105,7 @@ class Monitor:
             initialised with more than one rank).  Then every rank must call :meth:`log` for
             the same steps: it is a collective.
         isolation: where the sampler runs.  ``"process"``: a process of its own
-            (:mod:`gpulens.sampler_process`), which also writes the JSONL and MLflow sinks;
+            (:mod:`gpulens.transport.process`), which also writes the JSONL and MLflow sinks;
             this process only sends step marks down a pipe.  ``"thread"``: a thread of this
             process.  ``"auto"`` (default; ``GPULENS_ISOLATION`` overrides it): a process,
             unless ``backend`` is an object (it cannot cross) or no process can be started

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from gpulens.sinks.base import GpuInfo, Row, RunContext, Sink
+from gpulens.sinks.base import Event, GpuInfo, Row, RunContext, Sink
 
 SINKS: dict[str, str] = {
     "jsonl": "gpulens.sinks.jsonl:JsonlSink",
@@ -19,7 +19,7 @@ SINKS: dict[str, str] = {
     "prometheus": "gpulens.sinks.prometheus:PrometheusSink",
 }
 
-__all__ = ["SINKS", "GpuInfo", "Row", "RunContext", "Sink", "resolve_sink"]
+__all__ = ["SINKS", "Event", "GpuInfo", "Row", "RunContext", "Sink", "resolve_sink"]
 
 
 def resolve_sink(spec: str | Sink) -> Sink:

@@ -43,16 +43,47 @@ class RunContext:
 
 
 @dataclass(frozen=True)
+class Event:
+    """Something the engine tells about a step, beside its figures: an alert of an advice rule
+    firing or clearing, or a notice (a GPU lost, a gap).
+
+    Sinks that can show events do (JSONL ``event`` lines, W&B alerts, MLflow tags, the report,
+    the dashboard); the others ignore them.
+    """
+
+    kind: str
+    """``"alert"`` (a rule's state changed) or ``"notice"``."""
+    name: str
+    """The rule or cause, e.g. ``"input_bound"``; alerts also set ``alerts/<name>`` in the row."""
+    state: str
+    """``"firing"`` or ``"resolved"`` for alerts; ``"info"`` for notices."""
+    step: int
+    """The training step at which it happened."""
+    time: float
+    """Unix time in seconds."""
+    severity: str = "warning"
+    """``"info"``, ``"warning"`` or ``"critical"``."""
+    message: str = ""
+    """What was seen, with numbers."""
+    advice: str = ""
+    """What to try."""
+    data: dict[str, float] = field(default_factory=dict)
+    """The figures behind the message (e.g. ``{"perf/data_wait_pct": 41.0}``)."""
+
+
+@dataclass(frozen=True)
 class Row:
     """One step-aligned record.
 
     ``values`` uses the keys of :mod:`gpulens.schema`; ``train/global_step`` is always present.
+    ``events`` holds what the engine tells about this step (alerts, notices), usually nothing.
     """
 
     step: int
     time: float
     """Unix time in seconds at the end of the window (when ``log()`` was called)."""
     values: dict[str, float] = field(default_factory=dict)
+    events: tuple[Event, ...] = ()
 
 
 @runtime_checkable

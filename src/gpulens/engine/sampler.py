@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpulens._warn import logger, warn_once
+from gpulens.engine.window import IntervalSeries, Series, Table, job_aggregates, window_energy_j
 from gpulens.errors import GpuLost
 from gpulens.schema import GPU_METRICS, Agg, gpu_key, train_key
 from gpulens.sinks.base import GpuInfo, Row
@@ -45,7 +46,6 @@ from gpulens.sources.nvml import (
     NvmlDevice,
 )
 from gpulens.sources.torch_alloc import TorchAllocator
-from gpulens.window import IntervalSeries, Series, Table, job_aggregates, window_energy_j
 
 GPM_KEYS = frozenset(GPM_IDS.values())
 COUNTER_MIN_SPAN_S = 0.3

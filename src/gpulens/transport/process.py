@@ -45,16 +45,16 @@ from pathlib import Path
 from typing import Any
 
 from gpulens._warn import logger, warn_once
-from gpulens.link import LinkClosed, Receiver, Sender
-from gpulens.sampler import Mark, _to_float
+from gpulens.engine.sampler import Mark, _to_float
+from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext, Sink
-from gpulens.steplogger import SinkStats
+from gpulens.transport.pipe import LinkClosed, Receiver, Sender
 
 READY_TIMEOUT_S = 120.0
 """How long ``start()`` waits for the sampler process to open NVML and its sinks (importing
 MLflow can take seconds on a loaded machine)."""
 _CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
-          "from gpulens.sampler_process import main; sys.exit(main(sys.argv[1:]))")
+          "from gpulens.transport.process import main; sys.exit(main(sys.argv[1:]))")
 """The sampler process's bootstrap: it ignores SIGINT before anything else (a Ctrl-C at the
 terminal reaches the whole process group; the training process decides when to stop)."""
 POLL_S = 0.02
@@ -521,7 +521,7 @@ def main(argv: list[str]) -> int:
     stopping = False
     while not stopping:
         # Poll, never block: a reader asleep on the pipe would make each of the training
-        # thread's writes pay for waking it (see gpulens.link).
+        # thread's writes pay for waking it (see gpulens.transport.pipe).
         time.sleep(POLL_S)
         for msg in rx.poll():
             kind = msg[0]
