@@ -28,6 +28,12 @@ class GpuInfo:
     pci_bus_id: str
     mem_total_gb: float | None = None
     power_limit_w: float | None = None
+    mig: str | None = None
+    """The MIG instance this process uses on this GPU (``"MIG 3g.40gb (MIG-...)"``), if any:
+    the metrics are the whole GPU's, which NVML alone gives."""
+    energy_update_s: float | None = None
+    """How often the GPU's energy counter changes (seconds, measured at start; ~0.1 on an
+    H200), ``None`` without a counter."""
 
 
 @dataclass(frozen=True)
