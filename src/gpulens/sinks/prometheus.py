@@ -93,6 +93,8 @@ def scalar_series_name(key: str) -> tuple[str, float]:
         return "gpulens_train_energy_per_step_joules", 1.0
     if key == "host/ram_used_gb":
         return "gpulens_host_memory_used_bytes", 1e9
+    if key == "perf/partial_gpus":  # a count of GPUs: the unit is the GPU
+        return "gpulens_partial_window_gpus", 1.0
     name = re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
     scale = 1.0
     for suffix, unit, factor in _UNITS:
