@@ -30,7 +30,7 @@ RULES = ROOT / "integrations" / "prometheus" / "gpulens-rules.yml"
 DASHBOARD = ROOT / "integrations" / "grafana" / "gpulens-dashboard.json"
 NAME_RULE = re.compile(r"^gpulens_[a-z0-9_]+$")
 UNIT_SUFFIXES = ("_percent", "_bytes", "_watts", "_celsius", "_hertz", "_seconds", "_joules",
-                 "_total", "_info", "_step", "_loss", "_rate", "_norm")
+                 "_total", "_info", "_step", "_loss", "_rate", "_norm", "_gpus")
 
 
 def binary(name: str) -> str:
