@@ -19,8 +19,11 @@ How a rule decides (the same machinery for every rule)
 Each row gives each subject of a rule an *observation*: at fire level (every condition of the
 rule is past its fire threshold), at clear level (some condition is past its clear threshold),
 in between, or none (the inputs are absent).  The *evidence* of a subject is its latest
-observations, at least :attr:`RulesConfig.min_rows` (10) of them covering at least
-:attr:`RulesConfig.min_span_s` (2 s) of wall-clock time.  A rule
+observations, at least :attr:`RulesConfig.min_rows` (10) of them; where the figures are ones the
+sampler averages over the window (GPU activity, power, clocks, memory used), they must also
+cover at least :attr:`RulesConfig.min_span_s` (2 s) of wall-clock time, since a window of a few
+milliseconds holds few samples.  Figures exact per step (step anatomy, CPU time per rank, the
+allocator's counters and readings) need no span.  A rule
 
 * **fires** for a subject when at least ``fire_share`` of its evidence is at fire level (80 %:
   8 of 10 windows) and the run has made at least :attr:`RulesConfig.min_steps` (20) steps;
@@ -28,8 +31,9 @@ observations, at least :attr:`RulesConfig.min_rows` (10) of them covering at lea
 
 Separate fire and clear thresholds plus the shares are the hysteresis: values hovering at a
 threshold neither fire and clear in turn, nor fire on a noisy but healthy run.  A condition that
-starts mid-run fires after 8 windows (at least 1.6 s of them); a subject whose inputs stop being
-reported for 20 rows and 30 s is resolved as "no longer measured" (never carried forward).
+starts mid-run fires after 8 windows (for sampled figures: and about 1.6 s); a subject whose
+inputs stop being reported for 20 rows and 30 s is resolved as "no longer measured" (never
+carried forward).
 
 Each rule's state is per subject; the rule's events are per rule: ``"firing"`` when a subject
 starts firing (the message names every subject that fires, with its figures and what to try),
@@ -99,8 +103,8 @@ been seen in use (SM activity or NVML utilization >= 5 % in some window, or a
 
 from __future__ import annotations
 
+import bisect
 import math
-import re
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -285,7 +289,8 @@ class RulesConfig:
             too.
         min_steps: training steps before any rule may fire.
         min_rows: the least number of windows a rule's evidence holds.
-        min_span_s: the least wall-clock time (s) a rule's evidence covers.
+        min_span_s: the least wall-clock time (s) the evidence of a rule on sampled GPU
+            figures covers.
         disabled: names of rules to leave out.
     """
 
@@ -320,6 +325,10 @@ class _Obs:
     figures: dict[str, float]
     force: bool = False
     """Fire at once (past the warm-up), whatever the share: a new OOM."""
+    sampled: bool = True
+    """From figures the sampler averages over the window (GPU activity, power, clocks): the
+    evidence must also cover :attr:`RulesConfig.min_span_s`.  Figures measured exactly per
+    step (step anatomy, CPU time, allocator counters and readings) need no span."""
 
 
 @dataclass
@@ -383,7 +392,15 @@ class _RowView:
     """Levels already observed in this row, by rule and subject (for suppression)."""
 
 
-_KEY = re.compile(r"^(gpu|rank)/(\d+)/(.+)$")
+GPU_KEYS = frozenset({
+    "util_pct", "sm_active_pct", "tensor_active_pct", "throttle_power_pct",
+    "throttle_thermal_pct", "power_w", "power_limit_w", "mem_used_gb", "mem_used_gb_max",
+    "mem_pct", "temp_c", "temp_c_max", "sm_clock_mhz", "torch_allocated_gb",
+    "torch_alloc_retries", "torch_ooms",
+})
+"""The ``gpu/{i}/<suffix>`` keys the rules read (the others are not even parsed)."""
+RANK_KEYS = frozenset({"cpu_busy_s"})
+"""The ``rank/{r}/<suffix>`` keys the rules read."""
 
 Observe = Callable[[_RowView], dict[str, _Obs]]
 
@@ -476,7 +493,7 @@ class _InputBound(_Rule):
                 if k in view.scalars:
                     fig[k] = view.scalars[k]
             lvl = self.level([(s.threshold("data_wait"), wait)])
-            return {"job": _Obs(view.time, view.step, lvl, fig)}
+            return {"job": _Obs(view.time, view.step, lvl, fig, sampled=False)}
         step_time = view.scalars.get("perf/step_time_s")
         utils = [g["util_pct"] for i, g in view.gpus.items()
                  if i in view.active and "util_pct" in g]
@@ -713,7 +730,7 @@ class _Retries(_Rule):
                 if k in g:
                     fig[k] = g[k]
             out[str(i)] = _Obs(view.time, view.step, FIRE if t.at_fire(new) else CLEAR, fig,
-                               force=bool(ooms))
+                               force=bool(ooms), sampled=False)
         return out
 
     summarised = "counts are totals"
@@ -743,20 +760,16 @@ class _Retries(_Rule):
 
 def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Robust slope (median of pairwise slopes) and the share of pairs (with distinct x) whose
-    y rises (ties count half)."""
-    slopes: list[float] = []
-    rising = 0.0
-    for a in range(len(xs)):
-        for b in range(a + 1, len(xs)):
-            dx = xs[b] - xs[a]
-            if dx == 0:
-                continue
-            dy = ys[b] - ys[a]
-            slopes.append(dy / dx)
-            rising += 1.0 if dy * dx > 0 else (0.5 if dy == 0 else 0.0)
+    y rises along x (ties count half)."""
+    n = len(xs)
+    slopes = sorted([(ys[b] - ys[a]) / (xs[b] - xs[a])
+                     for a in range(n) for b in range(a + 1, n) if xs[b] != xs[a]])
     if not slopes:
         return 0.0, 0.5
-    return statistics.median(slopes), rising / len(slopes)
+    m = len(slopes)
+    median = slopes[m // 2] if m % 2 else (slopes[m // 2 - 1] + slopes[m // 2]) / 2
+    below, above = bisect.bisect_left(slopes, 0.0), bisect.bisect_right(slopes, 0.0)
+    return median, ((m - above) + 0.5 * (above - below)) / m
 
 
 class _Creep(_Rule):
@@ -794,7 +807,7 @@ class _Creep(_Rule):
                               (s.threshold("rising"), 100 * rising)])
             used = max(max(ys), g.get("mem_used_gb_max", g.get("mem_used_gb", 0.0)))
             free = total - used  # what the device has left (NVML), not only the allocator
-            out[str(i)] = _Obs(view.time, view.step, lvl, {
+            out[str(i)] = _Obs(view.time, view.step, lvl, sampled=False, figures={
                 "torch_allocated_gb": alloc, "first_gb": ys[0], "first_step": xs[0],
                 "slope_gb_per_step": slope, "growth_gb": growth_gb, "growth_pct": growth,
                 "rising_pct": 100 * rising, "free_gb": free})
@@ -832,6 +845,7 @@ class _SlowRank(_Rule):
     def __init__(self, spec: RuleSpec, config: RulesConfig) -> None:
         super().__init__(spec, config)
         self.basis = ""
+        self.sampled = True
         self._spikes: dict[int, tuple[int, float, dict[str, float], int]] = {}
         """rank -> (step, time, figures, windows seen since) of a spike awaiting confirmation"""
         self._last_notice: dict[int, int] = {}
@@ -840,10 +854,12 @@ class _SlowRank(_Rule):
         step_time = view.scalars.get("perf/step_time_s")
         if (self.config.distributed and step_time is not None and len(view.gpus) >= 2
                 and all("sm_active_pct" in g for g in view.gpus.values())):
+            self.sampled = True
             return ({i: g["sm_active_pct"] / 100 * step_time for i, g in view.gpus.items()},
                     "GPU busy time per step (GPM sm_active_pct x perf/step_time_s)")
         cpu = {r: v["cpu_busy_s"] for r, v in view.ranks.items() if "cpu_busy_s" in v}
         if len(cpu) >= 2:
+            self.sampled = False
             return cpu, "CPU time of the training thread per step (rank/{r}/cpu_busy_s)"
         return None
 
@@ -861,7 +877,8 @@ class _SlowRank(_Rule):
                 continue
             lag = 100 * (b / ref - 1)
             out[str(r)] = _Obs(view.time, view.step, self.level([(lag_t, lag)]),
-                               {"busy_s": b, "others_busy_s": ref, "lag_pct": lag})
+                               {"busy_s": b, "others_busy_s": ref, "lag_pct": lag},
+                               sampled=self.sampled)
         return out
 
     def saw(self, subject: str, med: Mapping[str, float]) -> str:
@@ -999,15 +1016,19 @@ class RuleEngine:
         ranks: dict[int, dict[str, float]] = {}
         scalars: dict[str, float] = {}
         for key, raw in values.items():
-            v = _finite(raw)
-            if v is None or key.startswith("alerts/"):
-                continue
-            m = _KEY.match(key)
-            if m is None:
-                scalars[key] = v
-            else:
-                (gpus if m.group(1) == "gpu" else ranks).setdefault(
-                    int(m.group(2)), {})[m.group(3)] = v
+            head, _, rest = key.partition("/")
+            if head == "gpu" or head == "rank":
+                index, _, suffix = rest.partition("/")
+                wanted = GPU_KEYS if head == "gpu" else RANK_KEYS
+                if suffix not in wanted or not index.isdigit():
+                    continue  # gpu/all/..., and what no rule reads
+                v = raw if type(raw) is float and math.isfinite(raw) else _finite(raw)
+                if v is not None:
+                    (gpus if head == "gpu" else ranks).setdefault(int(index), {})[suffix] = v
+            elif head == "perf":
+                v = _finite(raw)
+                if v is not None:
+                    scalars[key] = v
         mem_total = dict(self._mem_total)
         for i, g in gpus.items():
             if (i not in mem_total and g.get("mem_pct", 0) > 0 and "mem_used_gb" in g):
@@ -1030,8 +1051,9 @@ class RuleEngine:
         cleared: dict[str, str] = {}
         for subject, o in observed.items():
             track = tracks.setdefault(subject, _Track())
-            track.add(o, cfg.min_rows, cfg.min_span_s)
-            full = track.full(cfg.min_rows, cfg.min_span_s)
+            span = cfg.min_span_s if o.sampled else 0.0
+            track.add(o, cfg.min_rows, span)
+            full = track.full(cfg.min_rows, span)
             if not track.firing:
                 if warm and ((o.force and o.level == FIRE) or (
                         full and track.fire_n >= spec.fire_share * len(track.obs))):
