@@ -970,6 +970,7 @@ class RuleEngine:
         self._mem_total = {g.index: g.mem_total_gb for g in self.config.gpus if g.mem_total_gb}
         self._power_limit = {g.index: g.power_limit_w for g in self.config.gpus
                              if g.power_limit_w}
+        self._keys: dict[str, tuple[str, int, str] | None] = {}
 
     @property
     def rules(self) -> tuple[str, ...]:
@@ -1015,20 +1016,25 @@ class RuleEngine:
         gpus: dict[int, dict[str, float]] = {}
         ranks: dict[int, dict[str, float]] = {}
         scalars: dict[str, float] = {}
+        cache = self._keys
         for key, raw in values.items():
-            head, _, rest = key.partition("/")
-            if head == "gpu" or head == "rank":
-                index, _, suffix = rest.partition("/")
-                wanted = GPU_KEYS if head == "gpu" else RANK_KEYS
-                if suffix not in wanted or not index.isdigit():
-                    continue  # gpu/all/..., and what no rule reads
-                v = raw if type(raw) is float and math.isfinite(raw) else _finite(raw)
-                if v is not None:
-                    (gpus if head == "gpu" else ranks).setdefault(int(index), {})[suffix] = v
-            elif head == "perf":
-                v = _finite(raw)
-                if v is not None:
-                    scalars[key] = v
+            parsed = cache.get(key, _UNSEEN)
+            if parsed is _UNSEEN:
+                parsed = _parse_key(key)
+                if len(cache) < 65536:  # keys repeat row after row; bounded all the same
+                    cache[key] = parsed
+            if parsed is None:
+                continue
+            v = raw if type(raw) is float and math.isfinite(raw) else _finite(raw)
+            if v is None:
+                continue
+            kind, index, suffix = parsed
+            if kind == "gpu":
+                gpus.setdefault(index, {})[suffix] = v
+            elif kind == "rank":
+                ranks.setdefault(index, {})[suffix] = v
+            else:
+                scalars[key] = v
         mem_total = dict(self._mem_total)
         for i, g in gpus.items():
             if (i not in mem_total and g.get("mem_pct", 0) > 0 and "mem_used_gb" in g):
@@ -1117,6 +1123,23 @@ class RuleEngine:
         return Event(kind="alert", name=spec.name, state="firing", step=view.step,
                      time=view.time, severity=spec.severity, message=message,
                      advice=rule.advice, data=data)
+
+
+_UNSEEN: tuple[str, int, str] = ("", -1, "")
+
+
+def _parse_key(key: str) -> tuple[str, int, str] | None:
+    """``("gpu", i, suffix)``, ``("rank", r, suffix)``, ``("perf", 0, key)`` for a key some
+    rule reads; ``None`` for the others (``gpu/all/...``, ``train/...``, ...)."""
+    head, _, rest = key.partition("/")
+    if head == "perf":
+        return ("perf", 0, key)
+    if head not in ("gpu", "rank"):
+        return None
+    index, _, suffix = rest.partition("/")
+    if suffix not in (GPU_KEYS if head == "gpu" else RANK_KEYS) or not index.isdigit():
+        return None
+    return (head, int(index), suffix)
 
 
 def newly_span(tracks: Mapping[str, _Track], subjects: Sequence[str]) -> tuple[int, int]:
