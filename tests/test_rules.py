@@ -10,12 +10,17 @@ feeds the engine the rows of a real ``Monitor`` run on simulated GPUs.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -685,3 +690,19 @@ def test_a_real_monitor_run_on_simulated_gpus_fires_nothing_and_gets_every_key()
     assert engine.alert_keys() == {f"alerts/{n}": 0.0 for n in (
         "input_bound", "power_capped", "thermal", "low_tensor_use", "under_used",
         "memory_headroom")}
+
+
+def test_the_cost_benchmark_runs_and_prints_its_figures(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "rules_cost.py"), "--quick", "--json",
+         str(tmp_path / "cost.json")],
+        env={**os.environ, "PYTHONPATH": str(root / "src")}, capture_output=True, text=True,
+        timeout=120, check=True).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+    assert [r[0].strip() for r in rows[1:]] == ["1 healthy", "1 faulty", "8 healthy",
+                                                 "8 faulty"]
+    events = {r[0].strip(): int(r[-1]) for r in rows[1:]}
+    assert events["1 healthy"] == events["8 healthy"] == 0 and events["8 faulty"] > 0
+    results = json.loads((tmp_path / "cost.json").read_text())["results"]
+    assert all(r["cpu_median_us"] > 0 for r in results)
