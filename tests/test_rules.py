@@ -706,3 +706,18 @@ def test_the_cost_benchmark_runs_and_prints_its_figures(tmp_path: Path) -> None:
     assert events["1 healthy"] == events["8 healthy"] == 0 and events["8 faulty"] > 0
     results = json.loads((tmp_path / "cost.json").read_text())["results"]
     assert all(r["cpu_median_us"] > 0 for r in results)
+
+
+def test_the_gpu_check_script_runs_on_a_cpu_with_a_simulated_gpu(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "rules_gpu.py"), "--quick", "--steps", "22",
+         "--runs", "bf16,fp32_mm", "--out", str(tmp_path)],
+        env={**env, "PYTHONPATH": str(root / "src")}, capture_output=True, text=True,
+        timeout=180, check=True).stdout
+    table = [line for line in out.splitlines() if line.startswith(("| bf16 |", "| fp32_mm |"))]
+    assert len(table) == 2 and all(" | 22 | " in line for line in table), out
+    assert (tmp_path / "bf16.rows.jsonl").exists() and (tmp_path / "fp32_mm.events.jsonl").exists()
+    assert len(json.loads((tmp_path / "rules_gpu.json").read_text())) == 2
