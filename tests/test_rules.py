@@ -604,6 +604,23 @@ def test_a_failing_rule_is_switched_off_with_one_warning(monkeypatch: pytest.Mon
     reset_warnings()
 
 
+def test_a_row_the_rules_cannot_read_is_skipped_with_one_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from gpulens._warn import reset_warnings
+
+    reset_warnings()
+    caplog.set_level(logging.WARNING, logger="gpulens")
+    engine = RuleEngine(RulesConfig(gpus=GPUS[:2]))
+    for step, t, v in Stream(faults=[(ONSET, hot_gpu1)]).rows(80):
+        if step in (10, 11):
+            v[7] = 1.0  # type: ignore[index]  # not a key any row can have
+        engine.feed(v, step, t)
+    warnings = [r.getMessage() for r in caplog.records if "could not read" in r.getMessage()]
+    assert len(warnings) == 1 and "AttributeError" in warnings[0]
+    assert engine.firing() == {"thermal": ("1",)}
+    reset_warnings()
+
+
 def test_non_finite_and_non_numeric_values_are_absent_not_zero() -> None:
     engine = RuleEngine(RulesConfig(gpus=GPUS[:1]))
     for step, t, v in Stream(gpus=1).rows(60):

@@ -107,7 +107,7 @@ import bisect
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -401,8 +401,6 @@ GPU_KEYS = frozenset({
 """The ``gpu/{i}/<suffix>`` keys the rules read (the others are not even parsed)."""
 RANK_KEYS = frozenset({"cpu_busy_s"})
 """The ``rank/{r}/<suffix>`` keys the rules read."""
-
-Observe = Callable[[_RowView], dict[str, _Obs]]
 
 
 def _fmt(v: float, unit: str = "") -> str:
@@ -991,7 +989,12 @@ class RuleEngine:
     def feed(self, row_values: Mapping[str, float], step: int, time: float) -> list[Event]:
         """Judge one finished row (``step``: its training step; ``time``: Unix time at the end
         of its window) and return the events it causes, in rule order."""
-        view = self._view(row_values, step, time)
+        try:
+            view = self._view(row_values, step, time)
+        except Exception as e:  # a row the rules cannot read must not stop the engine
+            warn_once("rules:row", "gpulens: advice rules skipped a row they could not read "
+                      "(%s: %s); said once", type(e).__name__, e)
+            return []
         if self._start_step is None:
             steps = int(view.steps) if view.steps >= 1 else 1
             self._start_step = step - steps
