@@ -268,9 +268,10 @@ def test_ddp_rank_slow_in_backward_is_named_chronic(tmp_path: Path) -> None:
     # rank/{r}/cpu_busy_s is the basis: the simulated GPUs' GPM figures follow the simulator's
     # load wave, not the training, so distributed=False keeps them out of the comparison
     events = judge(rows, RulesConfig())
-    slow = [e for e in events if e.name == "slow_rank"]
-    assert [(e.kind, e.state) for e in slow] == [("alert", "firing")], (
-        slow, [(r["rank/0/cpu_busy_s"], r["rank/1/cpu_busy_s"]) for r in rows])
+    # one-off notices may come on a busy machine (a 1-2 ms step jitters): only alerts count
+    slow = [e for e in events if e.name == "slow_rank" and e.kind == "alert"]
+    assert [e.state for e in slow] == ["firing"], (
+        events, [(r["rank/0/cpu_busy_s"], r["rank/1/cpu_busy_s"]) for r in rows])
     assert SLOW_RANK_AFTER < slow[0].step <= SLOW_RANK_AFTER + 20
     assert "rank 1 is chronically slow" in slow[0].message and slow[0].data["rank"] == 1.0
 
