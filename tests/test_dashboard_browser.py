@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -134,6 +135,14 @@ def test_charts_have_data_and_a_new_row_is_on_the_page_within_1s(
     assert state(page)["charts"]["mfu"]["section"] == "overview"
     page.wait_for("document.querySelector('[data-chart=mfu] .now').textContent === '38.50'")
 
+    # hovering a chart tells the values at the step under the pointer
+    box = page.evaluate("(() => { const r = document.querySelector('[data-chart=sm] canvas')"
+                        ".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2];"
+                        " })()")
+    page.call("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": box[0], "y": box[1]})
+    page.wait_for("!document.querySelector('[data-chart=sm] .tip').hidden")
+    tip = page.evaluate("document.querySelector('[data-chart=sm] .tip').innerText")
+    assert re.search(r"^step \d+ · ", tip) and "GPU 0: " in tip and "GPU 1: " in tip, tip
     wide = page.screenshot(tmp_path / "dashboard-1400.png")
     keep(wide)
     page.resize(700, 900)

@@ -22,10 +22,11 @@ The history (what a page that opens late gets first) is bounded: at most ``histo
 rows (8192 by default).  When it is full, its older half is thinned (every second row
 dropped), so the newest half is always complete, the first row is always kept, and older
 stretches get coarser each time: a run of any length is shown from its first step, in at most
-``history_rows`` rows.  A row is kept as its encoded text: about 9 bytes per value, so about
-1.6 KB for a row with 8 GPUs and 0.4 KB with one (at most ~13 MB and ~3.5 MB for a full
-history; ``benchmarks/dashboard_clients.py`` prints the figure).  At most ``MAX_EVENTS``
-events (alerts, notices) are kept, the oldest dropped first.
+``history_rows`` rows.  A row is kept as its encoded text, about 7.5 bytes a value: measured
+1.43 KB for a row of 8 simulated GPUs (191 keys) and 0.27 KB for one GPU (28 keys), so 11.7 MB
+and 2.2 MB for a full history (``benchmarks/dashboard_clients.py``,
+``benchmarks/results/2026-11-26-cpu-dashboard/``).  At most ``MAX_EVENTS`` events (alerts,
+notices) are kept, the oldest dropped first.
 
 The stream (``/events``), one ``event:`` type per message, data in JSON:
 
@@ -50,6 +51,7 @@ import math
 import secrets
 import socket
 import socketserver
+import sys
 import threading
 import time
 from collections import deque
@@ -398,9 +400,9 @@ class DashboardServer:
             return s
 
     def history_bytes(self) -> int:
-        """Characters held by the encoded history rows (about its memory in bytes)."""
+        """Bytes held by the history's row texts (``sys.getsizeof`` of each)."""
         with self._cond:
-            return sum(len(r) for r in self._history.rows)
+            return sum(sys.getsizeof(r) for r in self._history.rows)
 
     # -- rows ------------------------------------------------------------------------------
     def publish(self, row: Row) -> None:
