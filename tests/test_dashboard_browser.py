@@ -126,6 +126,7 @@ def test_charts_have_data_and_a_new_row_is_on_the_page_within_1s(
     run.sink.write(new)
     assert page.evaluated(waiting, timeout=10) is True
     took = time.monotonic() - t0
+    print(f"row to page: {took * 1e3:.0f} ms")
     assert took < 1.0, f"the row took {took:.3f} s to reach the page"
 
     # MFU and throughput come with their keys

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 import gpulens
+from gpulens._warn import reset_warnings
 from gpulens.dashboard import DashboardServer, PortInUse
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
@@ -222,6 +223,32 @@ def test_the_page_is_self_contained_and_other_routes(server: DashboardServer) ->
     assert status == 404 and "gpulens serve" in text
     status, _, _ = get(server.url + "nothing-here")
     assert status == 404
+
+
+def test_metrics_are_served_and_a_failing_provider_is_told(
+        caplog: pytest.LogCaptureFixture) -> None:
+    reset_warnings()
+    calls: list[int] = []
+
+    def metrics() -> tuple[bytes, str]:
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("registry broken")
+        return b"gpulens_up 1\n", "text/plain; version=0.0.4"
+
+    server = DashboardServer(port=0, metrics=metrics)
+    server.start(CONTEXT)
+    try:
+        assert get(server.url + "metrics") == (200, "text/plain; version=0.0.4",
+                                               "gpulens_up 1\n")
+        with caplog.at_level("WARNING", logger="gpulens"):
+            status, _, text = get(server.url + "metrics")
+            get(server.url + "metrics")
+        assert status == 500 and "registry broken" in text
+        told = [r.getMessage() for r in caplog.records if "/metrics failed" in r.getMessage()]
+        assert len(told) == 1 and "registry broken" in told[0]  # once per cause
+    finally:
+        server.close()
 
 
 def test_too_many_pages_are_refused_with_503() -> None:

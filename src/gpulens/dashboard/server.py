@@ -231,6 +231,11 @@ class _HTTPServer(ThreadingHTTPServer):
         self.server_port = int(port)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
+        """A request failed beyond a page going away (those end quietly in the handler):
+        one WARNING per process, the traceback at DEBUG; the server goes on."""
+        exc = sys.exc_info()[1]
+        warn_once("dashboard-request", "gpulens: a dashboard request failed: %r (the "
+                  "dashboard goes on)", exc)
         logger.debug("gpulens: dashboard request from %s failed", client_address,
                      exc_info=True)
 
