@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.jsonl import read_rows
+
 GPULENS = [sys.executable, "-m", "gpulens.cli"]
 
 
@@ -50,7 +52,7 @@ def test_rows_summary_json_and_markdown(tmp_path: Path) -> None:
                   sys.executable, "-c", "import time; time.sleep(1.6); print('child says hi')")
     assert proc.returncode == 0, proc.stderr
     assert "child says hi" in proc.stdout  # the child's output is untouched
-    lines = [json.loads(x) for x in rows.read_text().splitlines()]
+    lines = read_rows(rows)
     steps = [r["step"] for r in lines]
     assert steps == list(range(1, len(steps) + 1))
     assert 6 <= len(steps) <= 9  # 1.6 s / 0.25 s, plus the tail
