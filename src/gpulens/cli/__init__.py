@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="work the run did in total (tokens, samples, ...), for efficiency")
     p.add_argument("--unit", default="tokens", choices=("tokens", "samples", "requests"),
                    help="unit of --work (tokens)")
+    p.add_argument("--run", default=None, metavar="last|N|ID|all",
+                   help="which run of the file: the last (default), the N-th (1-based; -1 is "
+                        "the last), the run with id ID (or a unique prefix), or all")
 
     p = sub.add_parser("serve", help="Prometheus exporter of live GPU metrics")
     p.add_argument("--port", type=_port, default=9400, help="TCP port (9400; 0 = any free)")
