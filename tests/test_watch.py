@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ def tmux() -> Iterator[list[str]]:
         if os.environ.get("CI") == "true":
             pytest.fail("tmux is missing in CI (apt-get install -y tmux)")
         pytest.skip("tmux is not installed (apt-get install -y tmux)")
-    base = [exe, "-L", f"gpulens-test-{os.getpid()}", "-f", "/dev/null"]
+    base = [exe, "-L", f"gpulens-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", "-f", "/dev/null"]
     try:
         yield base
     finally:
@@ -125,6 +126,21 @@ def gpu_lines(screen: str) -> list[re.Match[str]]:
     return found
 
 
+def settled(tmux: list[str], check: Callable[[str], None], timeout: float = 10) -> str:
+    """The first screen that passes ``check`` (a capture can catch a frame half drawn, or a
+    GPU before its first GPM read); the last failure if none does within ``timeout``."""
+    deadline = time.time() + timeout
+    while True:
+        screen = capture(tmux)
+        try:
+            check(screen)
+            return screen
+        except AssertionError as e:
+            if time.time() > deadline:
+                raise AssertionError(f"{e}\n{screen}") from None
+            time.sleep(0.2)
+
+
 def start_watch(tmux: list[str], name: str, cols: int, rows: int, gpus: int, exit_file: Path,
                 history: int = 30) -> None:
     cmd = (f"cd {ROOT} && GPULENS_BACKEND=simulated GPULENS_SIMULATED_GPUS={gpus} "
@@ -138,25 +154,30 @@ def test_live_view_at_80x24_then_wider_then_q(tmux: list[str], tmp_path: Path) -
     exit_file = tmp_path / "exit-code"
     start_watch(tmux, "watch", 80, 24, 2, exit_file)
     wait_for(tmux, r"gpulens watch · SIMULATED GPUs · ")
-    screen = wait_for(tmux, r"q quits")
-    lines = screen.splitlines()
-    assert all(len(line) <= 80 for line in lines)
-    assert "…" not in screen  # no figure is cut
-    assert re.search(r"GPU +Activity +Tensor +Memory +Power +Temp +SM clock +Held by", screen)
-    found = gpu_lines(screen)
-    assert [m["gpu"] for m in found] == ["0", "1"], screen
-    assert all(m["label"] == "SM" for m in found)
-    assert "GB = 10⁹ bytes: 85.9 GB = 80.0 GiB" in screen
+
+    def narrow(screen: str) -> None:
+        assert all(len(line) <= 80 for line in screen.splitlines())
+        assert "…" not in screen  # no figure is cut
+        assert re.search(r"GPU +Activity +Tensor +Memory +Power +Temp +SM clock +Held by", screen)
+        found = gpu_lines(screen)
+        assert [m["gpu"] for m in found] == ["0", "1"]
+        assert all(m["label"] == "SM" for m in found)
+        assert "GB = 10⁹ bytes: 85.9 GB = 80.0 GiB" in screen and "q quits" in screen
+
+    settled(tmux, narrow)
     # the terminal grows to 200 columns: the view follows, history and bars join
     subprocess.run([*tmux, "resize-window", "-t", "watch", "-x", "200", "-y", "30"], check=True,
                    timeout=30)
     time.sleep(2.0)
-    wide = wait_for(tmux, r"History")
-    found = gpu_lines(wide)
-    assert [m["gpu"] for m in found] == ["0", "1"], wide
-    for m in found:
-        assert m["history"] and len(m["history"]) >= 4, m.group(0)  # several intervals drawn
-        assert m["membar"] and m["powerbar"] and m["dram"] is not None, m.group(0)
+
+    def wide_view(screen: str) -> None:
+        found = gpu_lines(screen)
+        assert [m["gpu"] for m in found] == ["0", "1"]
+        for m in found:
+            assert m["history"] and len(m["history"]) >= 4, m.group(0)  # several intervals
+            assert m["membar"] and m["powerbar"] and m["dram"] is not None, m.group(0)
+
+    wide = settled(tmux, wide_view)
     deadline = time.time() + 5  # it keeps refreshing
     while capture(tmux) == wide:
         assert time.time() < deadline, "the view stopped refreshing"
@@ -173,22 +194,25 @@ def test_every_gpu_on_a_line_at_each_width(tmux: list[str], tmp_path: Path, cols
     start_watch(tmux, "watch", cols, rows, gpus, tmp_path / "exit-code", history=40)
     wait_for(tmux, r"q quits")
     time.sleep(2.5)  # ten intervals: the history has something to draw
-    screen = capture(tmux)
-    assert all(len(line) <= cols for line in screen.splitlines())
-    assert "…" not in screen
-    found = gpu_lines(screen)
-    assert [m["gpu"] for m in found] == [str(g) for g in range(gpus)], screen
-    assert "SIMULATED GPUs" in screen.splitlines()[0]
-    assert f"{gpus} x Simulated H100 80GB HBM3" in screen.splitlines()[0]
-    if cols == 80:
-        assert not any(m["history"] or m["name"] or m["membar"] for m in found)
-    if cols >= 120:  # wider: the history sparkline, then memory and power bars
-        for m in found:
-            assert m["history"] and len(m["history"]) >= 6, m.group(0)
-            assert m["membar"] and m["powerbar"], m.group(0)
-    if cols == 200:  # wider still: DRAM bandwidth and the model name; history up to --history
-        for m in found:
-            assert m["dram"] is not None and m["name"], m.group(0)
-        assert re.search(r"History {25,}", screen)
+
+    def check(screen: str) -> None:
+        assert all(len(line) <= cols for line in screen.splitlines())
+        assert "…" not in screen
+        found = gpu_lines(screen)
+        assert [m["gpu"] for m in found] == [str(g) for g in range(gpus)]
+        assert "SIMULATED GPUs" in screen.splitlines()[0]
+        assert f"{gpus} x Simulated H100 80GB HBM3" in screen.splitlines()[0]
+        if cols == 80:
+            assert not any(m["history"] or m["name"] or m["membar"] for m in found)
+        if cols >= 120:  # wider: the history sparkline, then memory and power bars
+            for m in found:
+                assert m["history"] and len(m["history"]) >= 6, m.group(0)
+                assert m["membar"] and m["powerbar"], m.group(0)
+        if cols == 200:  # wider still: DRAM bandwidth and the model; history to --history
+            for m in found:
+                assert m["dram"] is not None and m["name"], m.group(0)
+            assert re.search(r"History {25,}", screen)
+
+    settled(tmux, check)
     subprocess.run([*tmux, "send-keys", "-t", "watch", "q"], check=True, timeout=30)
     wait_for(tmux, "WATCH-EXITED", timeout=20)
