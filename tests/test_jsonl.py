@@ -112,3 +112,4 @@ def test_the_sampler_process_writes_the_given_run_id(tmp_path: Path) -> None:
         time.sleep(0.05)
         mon.log(1, loss=1.0)
     assert {x["run_id"] for x in read_lines(path)} == {"sweep-3"}
+

@@ -280,3 +280,17 @@ def test_events_on_the_report(tmp_path: Path) -> None:
     assert "more loader workers" in page and "not this run" not in page
     assert "| 1 | alert · warning | input_bound (firing) | data wait 41 % of the step |" in (
         render_markdown(record, summarize(record)))
+
+
+def test_the_summary_sink_says_simulated() -> None:
+    from gpulens.report.text import render_markdown_summary, render_text
+    from gpulens.sinks.summary import SummarySink
+
+    summary = SummarySink()
+    with gpulens.Monitor(backend="simulated", interval=0.02, sinks=[summary]) as mon:
+        time.sleep(0.05)
+        mon.log(1, loss=1.0)
+    result = summary.result()
+    assert result.backend == "simulated"
+    assert "GPUs: 2 SIMULATED" in render_text(result)
+    assert "GPUs: 2 SIMULATED" in render_markdown_summary(result)

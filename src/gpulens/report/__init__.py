@@ -37,7 +37,8 @@ __all__ = [
 def summarize(record: Record, work: float | None = None, unit: str = "units") -> RunSummary:
     """Fold all rows of ``record`` into a :class:`RunSummary`, run by run (each run's first
     window starts at its header's time where the file has one)."""
-    builder = SummaryBuilder(gpu_names=record.gpu_names, mem_total_gb=record.mem_total_gb)
+    builder = SummaryBuilder(gpu_names=record.gpu_names, mem_total_gb=record.mem_total_gb,
+                             backend=record.backend)
     starts = {r.number: r.start_time for r in record.selected}
     by_run: dict[int, list[Row]] = {}
     for number, row in zip(record.run_of_row or [0] * len(record.rows), record.rows,

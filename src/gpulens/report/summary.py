@@ -158,6 +158,8 @@ class RunSummary:
     efficiency: Efficiency | None = None
     runs: int = 0
     """Runs folded in (each with its own chain of windows)."""
+    backend: str | None = None
+    """What sampled the GPUs: ``"nvml"``, ``"simulated"``, ``"none"``; ``None`` if unknown."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``None`` stays ``null``)."""
@@ -171,6 +173,7 @@ class SummaryBuilder:
         gpu_names: GPU key -> model name, for the table.
         mem_total_gb: GPU key -> total memory in GB, where known.
         start_time: Unix time the first window started (the monitor's start), if known.
+        backend: what sampled the GPUs (``"nvml"``, ``"simulated"``, ``"none"``), if known.
     """
 
     def __init__(
@@ -178,7 +181,9 @@ class SummaryBuilder:
         gpu_names: Mapping[str, str] | None = None,
         mem_total_gb: Mapping[str, float] | None = None,
         start_time: float | None = None,
+        backend: str | None = None,
     ) -> None:
+        self._backend = backend
         self._names = dict(gpu_names or {})
         self._mem_total = dict(mem_total_gb or {})
         self._start = start_time
@@ -286,7 +291,7 @@ class SummaryBuilder:
                 self._fold(step, values, window)
             self._pending_first = []
         out = RunSummary(rows=self._rows, first_step=self._first_step, last_step=self._last_step,
-                         runs=len(self._spans))
+                         runs=len(self._spans), backend=self._backend)
         if self._spans:
             starts = [(first or 0.0) - (window or 0.0) for first, window, _ in self._spans]
             out.start_time = min(starts)

@@ -130,7 +130,7 @@ def headline(s: RunSummary) -> list[str]:
     if s.steps is not None and s.first_step is not None:
         out.append(f"steps: {s.steps} ({s.first_step} to {s.last_step})")
     out.append(f"duration: {duration(s.duration_s)}")
-    out.append(f"GPUs: {len(s.gpus)}")
+    out.append(f"GPUs: {len(s.gpus)}" + (" SIMULATED" if s.backend == "simulated" else ""))
     if s.energy_wh is not None:
         out.append(f"energy: {energy_text(s.energy_wh)}")
     if s.power_mean_w is not None:
