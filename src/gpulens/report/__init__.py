@@ -4,7 +4,9 @@
 >>> record = load_jsonl("runs/gpu.jsonl")          # doctest: +SKIP
 >>> html = render_html(record, summarize(record))  # doctest: +SKIP
 
-The command line front is ``gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]]``.
+The command line front is ``gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]]
+[--run last|N|ID|all]``: a JSONL file may hold several runs (the jsonl sink appends), and the
+report shows the last one unless ``--run`` (``load_jsonl(path, run=...)``) chooses.
 """
 
 from __future__ import annotations

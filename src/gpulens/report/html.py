@@ -1,10 +1,14 @@
 """One self-contained HTML page: inline CSS, inline SVG charts, a few lines of inline script
 for hover read-outs.  Nothing is fetched at view time.
 
-Layout: training charts (loss, learning rate, gradient norm, step time) in the left column,
-beside the GPU charts (activity, memory, power, temperature, clocks held down) in the right, all
-on the same step axis with one line per GPU; then the per-GPU summary table, energy and
-efficiency.
+Layout: the GPU models and the backend under the title (a SIMULATED GPUs banner when a
+simulator made the figures); training charts (loss, learning rate, gradient norm, step time) in
+the left column, beside the GPU charts (activity, memory, power, temperature, clocks held down)
+in the right, all on the same x-axis with one line per GPU: the step, or elapsed seconds for a
+wall-clock record (``gpulens record``: ``record/elapsed_s``, else time since the run's start).
+Every axis is labelled and its tick labels are exact.  Then the per-GPU table, energy and the
+one efficiency figure (work per joule), alerts and notices, and the runs of the file when it
+holds several.  One column below 900 px; no sideways scroll at 700 px.
 """
 
 from __future__ import annotations
