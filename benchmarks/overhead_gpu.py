@@ -342,7 +342,7 @@ class GpulensVariant(Variant):
 
     def stop(self) -> str:
         stats = self.mon.stop()
-        rows = [json.loads(line) for line in self.path.open()]
+        rows = [r for r in map(json.loads, self.path.open()) if "event" not in r]
         keys = {k for r in rows for k in r}
         gpu_keys = sorted(k for k in keys if k.startswith("gpu/0/"))
         backend = self.mon.context.backend if self.mon.context else "?"

@@ -6,7 +6,6 @@ exactly the framework's logging steps."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import shutil
 import subprocess
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.jsonl import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -49,7 +50,7 @@ def torchrun(args: list[str], cwd: Path) -> None:
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_rows(path)
 
 
 def check_rows(rows: list[dict[str, Any]], steps: list[int]) -> None:
