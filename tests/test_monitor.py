@@ -8,7 +8,6 @@ NVML would be opened there.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -22,6 +21,7 @@ import gpulens
 from gpulens._warn import reset_warnings
 from gpulens.schema import GPU_ROW_KEYS
 from gpulens.testing import Constant, MemorySink, SimulatedNVML, Square, Steps
+from tests.support.jsonl import read_rows
 
 
 @pytest.fixture(params=["process", "thread"])
@@ -190,29 +190,17 @@ def test_jsonl_lines_are_flushed_as_they_are_written(tmp_path: Path, isolation: 
             time.sleep(0.05)
             mon.log(step, loss=float("nan") if step == 3 else 0.5)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and len(_rows(path)) < 2:
+        while time.monotonic() < deadline and len(read_rows(path)) < 2:
             time.sleep(0.05)
         # readable while the job still runs (a killed job leaves these lines)
-        lines = _rows(path)
+        lines = read_rows(path)
         assert lines and lines[0]["step"] == 1 and "gpu/0/power_w" in lines[0]
         assert abs(lines[0]["time"] - time.time()) < 10
     finally:
         mon.stop()
-    rows = _rows(path)
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["train/loss"] is None
-
-
-def _rows(path: Path) -> list[dict[str, object]]:
-    """The row lines of a JSONL record (header and event lines left out)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if "step" in record and "event" not in record:
-            out.append(record)
-    return out
 
 
 def test_stop_is_idempotent_and_start_again_works(isolation: str) -> None:

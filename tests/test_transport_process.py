@@ -28,6 +28,7 @@ import gpulens
 from gpulens.engine.spec import EngineSpec
 from gpulens.testing import MemorySink, SimulatedNVML
 from gpulens.transport.process import ProcessTransport
+from tests.support.jsonl import read_rows
 from tests.support.mlflow_server import MlflowTracking
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,7 +73,7 @@ def test_rows_written_by_the_sampler_process(tmp_path: Path) -> None:
         names = {t.name for t in threading.enumerate()}
         assert not any(n.startswith(("gpulens-sampler", "gpulens-sink")) for n in names)
     _wait_gone(children)
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["train/loss"] == pytest.approx(1 / 8)
     assert rows[-1]["train/learning_rate"] == 1e-3
@@ -93,7 +94,7 @@ def test_local_sinks_get_the_rows_back_in_order(tmp_path: Path) -> None:
     assert training.write_threads == {threading.current_thread().name}
     assert background.context is not None and len(background.context.gpus) == 2
     assert background.closed and training.closed
-    jsonl = [json.loads(line) for line in path.read_text().splitlines()]
+    jsonl = read_rows(path)
     # the same figures on both sides of the pipe
     assert jsonl[4]["gpu/1/power_w"] == pytest.approx(background.rows[4].values["gpu/1/power_w"])
     assert {k: (v.written, v.dropped) for k, v in mon.sink_stats.items()} == {
@@ -306,7 +307,7 @@ def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None
     while psutil.pid_exists(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all("gpu/0/power_w" in r for r in rows)
 
@@ -435,7 +436,7 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
     assert json.loads(out["child"]) == [True, True]
     assert float(out["fork_exit_s"]) < 1.5
     assert out["alive"] == "True"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
 
 

@@ -202,11 +202,19 @@ class StepLogger:
         return [d.name for d in self._deliveries]
 
     def open(self, context: RunContext) -> None:
-        """Open every sink; a sink's error propagates (a user error) after cleanup."""
+        """Open every sink.  A sink that cannot open is a user error: ``ValueError`` naming
+        the sink (its own message when it raised one), after the others are closed again."""
         opened: list[_Delivery] = []
         try:
             for d in self._deliveries:
-                d.sink.open(context)
+                try:
+                    d.sink.open(context)
+                except ValueError:
+                    raise
+                except ImportError as exc:
+                    raise ValueError(str(exc)) from exc
+                except Exception as exc:
+                    raise ValueError(f"sink {d.name} could not open: {exc}") from exc
                 opened.append(d)
         except Exception:
             for d in opened:

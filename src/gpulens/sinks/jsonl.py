@@ -54,7 +54,9 @@ class JsonlSink:
     def __init__(self, path: str | os.PathLike[str], run_id: str | None = None) -> None:
         self.path = Path(path)
         self.run_id = run_id
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
+        self._pending = ""
+        """The header line, until it is written (a full disk at open puts it off)."""
         self._rows = 0
         _check_writable(self.path)
 
@@ -79,13 +81,18 @@ class JsonlSink:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             torn = _ends_without_newline(self.path)
-            self._file = self.path.open("a", encoding="utf-8")
+            # unbuffered: a line is written whole or not at all, so a retried write (after a
+            # full disk, say) never leaves a line twice
+            self._file = self.path.open("ab", buffering=0)
         except OSError as exc:
             raise ValueError(f"cannot write the JSONL record {str(self.path)!r}: {exc}") from exc
         self._rows = 0
-        if torn:  # a killed job's half line: the header must start a line of its own
-            self._file.write("\n")
-        self._line(header(context, self.run_id))
+        # a killed job's half line: the header must start a line of its own
+        self._pending = ("\n" if torn else "") + _dumps(header(context, self.run_id)) + "\n"
+        try:
+            self._flush_pending()
+        except OSError:  # a full disk: the header goes with the first row the sink retries
+            pass
 
     def write(self, row: Row) -> None:
         assert self._file is not None, "JsonlSink.write before open"
@@ -95,8 +102,8 @@ class JsonlSink:
             record[key] = value if math.isfinite(value) else None
         lines = [_dumps(record)]
         lines.extend(_dumps(event_line(e, self.run_id)) for e in row.events)
-        self._file.write("".join(line + "\n" for line in lines))
-        self._file.flush()
+        self._flush_pending()
+        self._file.write("".join(line + "\n" for line in lines).encode())
         self._rows += 1
 
     def close(self) -> None:
@@ -110,8 +117,14 @@ class JsonlSink:
 
     def _line(self, obj: dict[str, object]) -> None:
         assert self._file is not None
-        self._file.write(_dumps(obj) + "\n")
-        self._file.flush()
+        self._flush_pending()
+        self._file.write((_dumps(obj) + "\n").encode())
+
+    def _flush_pending(self) -> None:
+        """Write the header line if it is still to be written (raises ``OSError``)."""
+        if self._pending and self._file is not None:
+            self._file.write(self._pending.encode())
+            self._pending = ""
 
 
 def header(context: RunContext, run_id: str | None) -> dict[str, object]:
