@@ -58,9 +58,12 @@ class Run:
 
 @pytest.fixture(scope="module")
 def run() -> Iterator[Run]:
-    """A monitor on 2 simulated GPUs that logged STEPS steps into a dashboard sink."""
+    """A monitor on 2 simulated GPUs that logged STEPS steps into a dashboard sink.  The engine
+    runs in a thread here so that the test can hand the server rows of its own (the page in
+    the sampler process is tested in test_dashboard_server.py)."""
     sink, rows = DashboardSink(port=0), MemorySink()
-    monitor = gpulens.Monitor(backend=SimulatedNVML(gpus=2), interval=0.05, sinks=[sink, rows])
+    monitor = gpulens.Monitor(backend=SimulatedNVML(gpus=2), interval=0.05, sinks=[sink, rows],
+                              isolation="thread")
     monitor.start()
     try:
         for step in range(1, STEPS + 1):

@@ -94,7 +94,8 @@ def test_rows_come_soon_after_log(isolation: str) -> None:
 def test_energy_follows_the_load_and_adds_up(isolation: str) -> None:
     """Per-step energy against the simulator's exact integral (power samples are 20 ms
     averages there, the counter updates every 100 ms at its own phase and each read takes
-    3-15 ms): close per step, inside its stated bound, and the run's sum within 1 %."""
+    3-15 ms): close per step, inside its stated bound, and the run's sum within 2.5 % (the
+    counter's span is only 4 s here: each read's staleness is still a few percent of it)."""
     sink = MemorySink()
     sim = SimulatedNVML(gpus=1, load=Square(period=0.6), seed=3)
     marks: list[float] = []
@@ -113,7 +114,7 @@ def test_energy_follows_the_load_and_adds_up(isolation: str) -> None:
         exact_total += exact
     assert statistics.median(errors) < 0.03, errors
     assert inside >= 0.95 * len(errors)
-    assert total == pytest.approx(exact_total, rel=0.01)
+    assert total == pytest.approx(exact_total, rel=0.025)
 
 
 def test_busy_and_idle_steps_show_as_such(isolation: str) -> None:

@@ -89,20 +89,33 @@ def _calibrated(power: Series, reads: list[tuple[float, float]], update_s: float
 
 
 def test_energy_scale_comes_from_the_counter_and_shape_from_power() -> None:
-    """The power samples read 10 % low; the counter says so; each window keeps the power
-    curve's shape and the windows add up to the counter."""
-    power = _series([(0.0, 90.0), (0.5, 90.0), (0.5000001, 450.0), (3.0, 450.0)])
-    true = [(0.0, 0.0), (1.0, 300_000.0), (2.0, 800_000.0), (3.0, 1_300_000.0)]  # mJ
+    """The power samples read 10 % low; a minute of counter reads says so; each window keeps
+    the power curve's shape and the windows add up to the counter."""
+    power = _series([(0.0, 90.0), (0.5, 90.0), (0.5000001, 450.0), (61.0, 450.0)])
+    true = [(float(t), 1000 * power.integral(0.0, float(t)) / 0.9) for t in range(61)]
     energy = _calibrated(power, true)
     k, rel = energy.scale()
-    assert k == pytest.approx(1 / 0.9, rel=1e-6)
-    edges = [i / 20 for i in range(61)]  # 50 ms windows, shorter than a counter update
+    assert k == pytest.approx(1 / 0.9, rel=0.002)
+    assert rel < 0.002  # a minute's span: 0.1 s of staleness at 450 W over ~27 kJ
+    edges = [i / 20 for i in range(1201)]  # 50 ms windows, shorter than a counter update
     parts = [energy.window(a, b) for a, b in itertools.pairwise(edges)]
     assert all(p is not None and p[0] > 0 and p[1] >= 0 for p in parts)
-    assert sum(p[0] for p in parts if p is not None) == pytest.approx(1300.0, rel=1e-6)
-    first_half = sum(p[0] for p in parts[:10] if p is not None)
-    assert first_half == pytest.approx(50.0, rel=1e-3)  # 100 W for 0.5 s
-    assert rel == pytest.approx(0.1 * 450 / (2.5 * 450 + 0.5 * 90))  # peak x update / span
+    assert sum(p[0] for p in parts if p is not None) == pytest.approx(true[-1][1] / 1000,
+                                                                      rel=0.002)
+    first_half_s = sum(p[0] for p in parts[:10] if p is not None)
+    assert first_half_s == pytest.approx(45.0 * k, rel=1e-3)  # 90 W for 0.5 s, scaled
+
+
+def test_a_short_calibration_span_moves_the_scale_little() -> None:
+    """Two reads 3 s apart, each maybe 100 ms stale: the span's k is weighed against the
+    power samples' own scale by their uncertainties."""
+    power = _series([(0.0, 450.0), (3.0, 450.0)])
+    energy = _calibrated(power, [(0.0, 0.0), (3.0, 3 * 450 / 0.9 * 1000)])
+    k, rel = energy.scale()
+    u_span = 0.1 * 450 / (3 * 450)
+    w_prior, w_span = 1 / NO_COUNTER_REL_ERR**2, 1 / u_span**2
+    assert k == pytest.approx((w_prior + w_span / 0.9) / (w_prior + w_span))
+    assert 1.0 < k < 1 / 0.9 and rel == pytest.approx((w_prior + w_span) ** -0.5)
 
 
 def test_energy_before_a_calibration_span_is_the_power_integral_with_a_stated_bound() -> None:

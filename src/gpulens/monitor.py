@@ -27,7 +27,14 @@ from typing import Any
 
 from gpulens._warn import effective_level, logger, warn_once
 from gpulens.engine.sampler import Mark
-from gpulens.engine.spec import EngineSpec, SinkSpec
+from gpulens.engine.spec import (
+    WORK_CPU,
+    WORK_FLOPS,
+    WORK_SAMPLES,
+    WORK_TOKENS,
+    EngineSpec,
+    SinkSpec,
+)
 from gpulens.engine.steplogger import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.base import Row, RunContext, Sink
@@ -61,6 +68,15 @@ def _simulated_from_env() -> Any:
     if count < 1:
         raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be at least 1")
     return SimulatedNVML(gpus=count)
+
+
+def _lightning_or_plain_dtype(dtype: Any) -> str | None:
+    """A dtype given in any of the usual spellings, as gpulens names it (``None``: unknown)."""
+    if dtype is None:
+        return None
+    from gpulens.work.precision import dtype_from_lightning_precision, normalize_dtype
+
+    return normalize_dtype(dtype) or dtype_from_lightning_precision(dtype)
 
 
 def distributed_env() -> tuple[int, int, int] | None:
@@ -115,6 +131,13 @@ class Monitor:
             ``GPULENS_ISOLATION`` overrides it): a process, unless ``backend`` is an object
             that does not pickle, or no process can be started (then a thread, with a
             warning).
+        dtype: the run's compute dtype (``"bf16"``, ``torch.bfloat16``, a Lightning precision
+            such as ``"bf16-mixed"``): picks the column of the GPU's peak for MFU, and lets the
+            low-tensor-core rule judge.  Unknown: no MFU (said once), never a borrowed peak.
+        flops_per_token, flops_per_sample: model FLOPs (forward + backward) per token or per
+            sample (:func:`gpulens.work.hf.model_flops` computes them for a Hugging Face
+            model).  With the work of each step (``log(step, tokens=...)``) they give
+            ``perf/tflops`` and ``perf/mfu_pct``.
 
     Rows are finished by the engine a little after ``log()`` (once the data covering the
     window has been read: usually a quarter of a second, at most about 10 s on a starved
@@ -135,6 +158,9 @@ class Monitor:
         energy: bool = True,
         driver_samples: bool = True,
         isolation: str = "auto",
+        dtype: Any = None,
+        flops_per_token: float | None = None,
+        flops_per_sample: float | None = None,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)):
             raise ValueError(f"interval must be a number of seconds, got {interval!r}")
@@ -164,6 +190,18 @@ class Monitor:
         if not isinstance(isolation, str) or isolation.lower() not in ISOLATIONS:
             raise ValueError(f"isolation {isolation!r}: expected one of {', '.join(ISOLATIONS)}")
         self._isolation_arg = isolation.lower()
+        self._dtype_arg = dtype
+        self._dtype = _lightning_or_plain_dtype(dtype)
+        if dtype is not None and self._dtype is None:
+            warn_once(f"dtype:{dtype!r}", "gpulens: dtype %r is not one gpulens knows (bf16, "
+                      "fp16, fp32, tf32, fp8, int8, fp64); no MFU", dtype)
+        for name, value in (("flops_per_token", flops_per_token),
+                            ("flops_per_sample", flops_per_sample)):
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        self._flops_per_token = float(flops_per_token) if flops_per_token else None
+        self._flops_per_sample = float(flops_per_sample) if flops_per_sample else None
         self.isolation: str | None = None
         """``"process"`` or ``"thread"`` once started."""
         self.context: RunContext | None = None
@@ -178,6 +216,7 @@ class Monitor:
         self._torch_indices: list[int] = []
         self._slow = max(1.0, self.interval)
         self._last_step: int | None = None
+        self._cpu_at = 0.0
         self._started = False
         self._stopped = False
         self._dropped_marks = 0
@@ -193,7 +232,9 @@ class Monitor:
         """
         return Monitor(self.gpus, self.interval, sinks, self._backend_arg,
                        buffer_rows=self._buffer_rows, distributed=self._distributed_arg,
-                       isolation=self._isolation_arg, **self._reads)
+                       isolation=self._isolation_arg, dtype=self._dtype_arg,
+                       flops_per_token=self._flops_per_token,
+                       flops_per_sample=self._flops_per_sample, **self._reads)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -252,50 +293,40 @@ class Monitor:
             if self._started:
                 return self
             backend = self._backend()
-            gather = self._make_gather()
+            gather = self._gather = self._make_gather()  # rank rows may come once started
             sinks = self.sinks if gather is None or gather.is_writer else []
             names = unique_names(sinks)
-            engine_sinks: list[SinkSpec] = []
-            local: list[Sink] = []
-            local_names: list[str] = []
-            for sink, name in zip(sinks, names, strict=True):
-                # Sinks that can be rebuilt in the engine live there, unless rows must meet
-                # the other ranks' here first.
-                found = remote_spec(sink) if gather is None else None
-                if found is None:
-                    local.append(sink)
-                    local_names.append(name)
-                else:
-                    engine_sinks.append(SinkSpec(name, found[0], found[1]))
-            spec = EngineSpec(
-                interval=self.interval,
-                gpus=tuple(self.gpus) if self.gpus is not None else None,
-                backend=backend, buffer_rows=self._buffer_rows, step=int(step),
-                sinks=tuple(engine_sinks), rows_back=bool(local) or gather is not None,
-                rank=distributed_env(), log_level=effective_level(), **self._reads,
-            )
-            steplogger = StepLogger(local, names=local_names, buffer_rows=self._buffer_rows)
-            emit = steplogger.submit if gather is None else gather.local_row
             transport = self._choose_transport(backend)
             try:
-                context, torch_indices = transport.start(spec, emit)
+                steplogger, spec = self._plan(transport, sinks, names, backend, gather, step)
+                context, torch_indices = transport.start(spec, self._on_row)
             except SpawnFailed as exc:
                 warn_once("spawn", "gpulens: %s; sampling in a thread of this process instead",
                           exc)
                 transport = InprocTransport()
-                context, torch_indices = transport.start(spec, emit)
+                try:
+                    steplogger, spec = self._plan(transport, sinks, names, backend, gather, step)
+                    context, torch_indices = transport.start(spec, self._on_row)
+                except BaseException:
+                    self._gather = self._steplogger = None
+                    raise
+            except BaseException:
+                self._gather = self._steplogger = None
+                raise
             try:
                 if gather is not None:
                     gather.bind(context)
                 steplogger.open(context)
             except BaseException:
                 transport.stop(2.0, 2.0)
+                self._gather = self._steplogger = None
                 raise
             relay = MarkRelay(transport.send_mark)
-            self._transport, self._relay, self._steplogger = transport, relay, steplogger
-            self._gather, self.context, self._torch_indices = gather, context, torch_indices
+            self._transport, self._relay = transport, relay
+            self.context, self._torch_indices = context, torch_indices
             self.isolation = transport.isolation
             self._alloc_due = -math.inf
+            self._cpu_at = time.process_time()
             self._last_step = None
             self._dropped_marks = 0
             self._started, self._stopped = True, False
@@ -304,6 +335,48 @@ class Monitor:
             logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (engine in a %s)",
                         len(context.gpus), context.backend, self.interval, self.isolation)
             return self
+
+    def _plan(self, transport: Transport, sinks: list[Sink], names: list[str], backend: Any,
+              gather: Any, step: int) -> tuple[StepLogger, EngineSpec]:
+        """Which sinks the engine writes, which this process does; the engine's spec.
+
+        With the engine in a process of its own, sinks that can be rebuilt there
+        (``remote_spec``: JSONL, MLflow, the dashboard) live there; the others (W&B, a
+        framework's loggers, objects) here, fed with the rows the engine hands back.  With the
+        engine in a thread, every sink is the object given, written here.
+        """
+        engine_sinks: list[SinkSpec] = []
+        local: list[Sink] = []
+        local_names: list[str] = []
+        for sink, name in zip(sinks, names, strict=True):
+            found = remote_spec(sink) if transport.isolation == "process" else None
+            if found is None:
+                local.append(sink)
+                local_names.append(name)
+            else:
+                engine_sinks.append(SinkSpec(name, found[0], found[1]))
+        spec = EngineSpec(
+            interval=self.interval,
+            gpus=tuple(self.gpus) if self.gpus is not None else None,
+            backend=backend, buffer_rows=self._buffer_rows, step=int(step),
+            sinks=tuple(engine_sinks), rows_back=bool(local), gather=gather is not None,
+            rank=distributed_env(), log_level=effective_level(), dtype=self._dtype,
+            flops_per_token=self._flops_per_token, flops_per_sample=self._flops_per_sample,
+            **self._reads,
+        )
+        self._steplogger = StepLogger(local, names=local_names, buffer_rows=self._buffer_rows)
+        return self._steplogger, spec
+
+    def _on_row(self, row: Row, final: bool) -> None:
+        """A row from the engine (its thread, or the link thread): a rank's own row for the
+        gather, or a finished row for this process's sinks."""
+        if not final:
+            if self._gather is not None:
+                self._gather.local_row(row)
+            return
+        steplogger = self._steplogger
+        if steplogger is not None:
+            steplogger.submit(row)
 
     def _make_gather(self) -> Any:
         """The rank gather of a distributed job, or ``None``."""
@@ -316,14 +389,18 @@ class Monitor:
                 raise ValueError("distributed=True, but torch.distributed is not initialised "
                                  "with more than one rank")
             return None
-        return RankGather(None, submit=self._submit)
+        return RankGather(None, submit=self._finish_merged)
 
-    def _submit(self, row: Row) -> None:
-        if self._steplogger is not None:
-            self._steplogger.submit(row)
+    def _finish_merged(self, row: Row) -> None:
+        """Rank 0: a row that met every rank's goes to the engine to be finished (work,
+        rules) and written."""
+        transport = self._transport
+        if transport is not None:
+            transport.finish(row)
 
     # -- the training thread -------------------------------------------------------------------
-    def log(self, step: int, **scalars: Any) -> None:
+    def log(self, step: int, *, tokens: Any = None, samples: Any = None, flops: Any = None,
+            **scalars: Any) -> None:
         """End the current window at training step ``step`` and write one row.
 
         ``scalars`` (loss, learning_rate, grad_norm, ...) go into the same row; a name without
@@ -331,6 +408,12 @@ class Monitor:
         the background (never synchronised on this thread); a value that is not a number is
         left out with a warning.  Never blocks on a network.  In a distributed job this is a
         collective: every rank must call it for the same steps.
+
+        ``tokens``, ``samples``, ``flops``: the work this process did since its previous
+        ``log`` (real tokens, padding left out; model FLOPs, forward and backward).  They give
+        ``perf/tokens_per_s`` / ``perf/samples_per_s``, ``perf/tokens_per_j``, and with the
+        model's FLOPs (``flops``, or ``flops_per_token`` given to the monitor)
+        ``perf/tflops`` and ``perf/mfu_pct``; in a distributed job the ranks' work is summed.
         """
         if not self._started:
             if self._stopped:
@@ -348,6 +431,15 @@ class Monitor:
         if now >= self._alloc_due and self._torch_indices:
             self._alloc_due = now + self._slow
             alloc = self._read_alloc()
+        cpu = time.process_time()
+        scalars[WORK_CPU] = cpu - self._cpu_at
+        self._cpu_at = cpu
+        if tokens is not None:
+            scalars[WORK_TOKENS] = tokens
+        if samples is not None:
+            scalars[WORK_SAMPLES] = samples
+        if flops is not None:
+            scalars[WORK_FLOPS] = flops
         relay = self._relay
         assert relay is not None
         relay.put(Mark(step, now, time.time(), scalars, alloc))
@@ -395,17 +487,21 @@ class Monitor:
                 relay.forget()
                 return self.sink_stats
             relay.close(min(total, 10.0))
+            gather = self._gather
+            if gather is not None:
+                # the last windows of every rank meet before the engine stops: they come
+                # back raw, the gather merges them, the engine finishes them
+                transport.drain(total)
+                try:
+                    gather.flush()
+                except Exception as exc:
+                    logger.warning("gpulens: gathering the last rows failed: %r", exc)
+                close = getattr(gather, "close", None)
+                if close is not None:
+                    close()
             engine_stats = transport.stop(total, stall)
             client_dropped = relay.dropped + transport.dropped_marks
             self._dropped_marks = client_dropped + transport.engine_dropped_marks
-            if self._gather is not None:
-                try:
-                    self._gather.flush()
-                except Exception as exc:
-                    logger.warning("gpulens: gathering the last rows failed: %r", exc)
-                close = getattr(self._gather, "close", None)
-                if close is not None:
-                    close()
             local_stats = steplogger.close(total, stall)
             stats = {**engine_stats, **local_stats}
             names = unique_names(self.sinks)

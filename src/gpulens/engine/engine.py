@@ -9,6 +9,15 @@ samples them, turns the client's step marks into rows, and writes the sinks it o
     engine.latest()                       # newest sample of each metric
     engine.stop(timeout)                  # last rows, sinks flushed: {sink name: SinkStats}
 
+Each window becomes a row in the sampler thread; the engine *finishes* it there: the work the
+client reported (tokens, FLOPs, CPU time) becomes throughput, TFLOP/s and MFU
+(:mod:`gpulens.work.mfu`, against the GPU's peak in the run's dtype), the advice rules read it
+(:mod:`gpulens.engine.rules`: ``alerts/<rule>`` keys, alert events, a WARNING when one fires),
+and the finished row goes to the engine's sinks and, for the client's sinks, back
+(``on_row(row, final=True)``).  In a distributed job the raw row of each window goes back
+instead (``final=False``) to meet the other ranks' in the client; rank 0's client hands the
+merged row to :meth:`Engine.finish`, which finishes it in a thread of the engine's own.
+
 The same engine runs in a process of gpulens's own (:mod:`gpulens.transport.process`) or in a
 thread of the training process (:mod:`gpulens.transport.inproc`).  It never imports the
 client; it tells what happens through the ``gpulens`` logger (forwarded to the training
@@ -18,12 +27,14 @@ process when it runs apart).
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 from collections.abc import Callable
 from dataclasses import replace
 
 from gpulens._warn import logger, warn_once
+from gpulens.engine.finish import Finisher
 from gpulens.engine.sampler import MAX_MARKS, GpuState, Mark, Sampler
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import STALL_S, SinkStats, StepLogger
@@ -37,15 +48,24 @@ ENERGY_PROBE_S = 0.35
 changes (all GPUs at once, in threads)."""
 
 
-class Engine:
-    """Sources -> sampler -> windows -> step logger -> sinks (see the module doc)."""
+RowBack = Callable[[Row, bool], None]
+"""Where rows go back to the client: ``(row, final)``; ``final`` False for a distributed
+job's raw rows (for the rank gather), True for finished rows (for the client's sinks)."""
 
-    def __init__(self, spec: EngineSpec, on_row: Callable[[Row], None] | None = None) -> None:
+
+class Engine:
+    """Sources -> sampler -> windows -> finishing (work, rules) -> step logger -> sinks (see
+    the module doc)."""
+
+    def __init__(self, spec: EngineSpec, on_row: RowBack | None = None) -> None:
         self.spec = spec
         self._on_row = on_row
         self._source: NvmlSource | None = None
         self._sampler: Sampler | None = None
         self._steplogger: StepLogger | None = None
+        self._finisher: Finisher | None = None
+        self._merged: queue.SimpleQueue[Row | None] = queue.SimpleQueue()
+        self._merged_thread: threading.Thread | None = None
         self.context: RunContext | None = None
         self.torch_indices: list[int] = []
 
@@ -74,11 +94,14 @@ class Engine:
                 if update is not None:
                     state.energy_update_s = update
                     state.info = _with_update(state.info, update)
+            infos = tuple(s.info for s in states)
+            finisher = Finisher(spec, infos)
             context = RunContext(
-                gpus=tuple(s.info for s in states),
+                gpus=infos,
                 hostname=socket.gethostname(),
                 backend=source.name if source is not None else "none",
                 interval=spec.interval,
+                meta=finisher.meta,
             )
             sinks: list[Sink] = [s.build() for s in spec.sinks]
             steplogger = StepLogger(sinks, names=[s.name for s in spec.sinks],
@@ -91,6 +114,11 @@ class Engine:
                 source.close()
             raise
         self._source, self._steplogger, self.context = source, steplogger, context
+        self._finisher = finisher
+        if spec.gather:
+            self._merged_thread = threading.Thread(target=self._finish_merged,
+                                                   name="gpulens-finish", daemon=True)
+            self._merged_thread.start()
         self._sampler = Sampler(
             states,
             interval=spec.interval,
@@ -155,12 +183,54 @@ class Engine:
 
     # -- running -----------------------------------------------------------------------------
     def _emit(self, row: Row) -> None:
-        """A finished row (sampler thread): to the engine's sinks, and back to the client."""
-        steplogger = self._steplogger
+        """A window's row (sampler thread): finished and written, or, in a distributed job,
+        back to the client raw, to meet the other ranks'."""
+        if self.spec.gather:
+            if self._on_row is not None:
+                self._on_row(row, False)
+            return
+        self._write(row)
+
+    def _write(self, row: Row) -> None:
+        finisher, steplogger = self._finisher, self._steplogger
+        if finisher is not None:
+            row = finisher.finish(row)
         if steplogger is not None:
             steplogger.submit(row)
-        if self._on_row is not None:
-            self._on_row(row)
+        if self.spec.rows_back and self._on_row is not None:
+            self._on_row(row, True)
+
+    def finish(self, row: Row) -> None:
+        """A merged row of a distributed job (rank 0): finished and written in the engine's
+        finishing thread, in order."""
+        self._merged.put(row)
+
+    def _finish_merged(self) -> None:
+        while True:
+            row = self._merged.get()
+            if row is None:
+                return
+            try:
+                self._write(row)
+            except Exception as exc:  # this thread must outlive any one row
+                warn_once("finish", "gpulens: could not finish a merged row: %r", exc)
+
+    def drain(self) -> None:
+        """Close the last windows (their rows go out as usual) and stop sampling; the sinks
+        stay open for merged rows still to come (:meth:`finish`)."""
+        sampler, self._sampler = self._sampler, None
+        if sampler is None:
+            return
+        sampler.stop(timeout=11.0)
+        for state in sampler.gpus:
+            state.device.close()
+        self._drained_marks = sampler.dropped_marks
+        if sampler.dropped_marks:
+            logger.warning("gpulens: %d step mark(s) were dropped (more than %d waited for "
+                           "their rows); their steps have no rows of their own",
+                           sampler.dropped_marks, MAX_MARKS)
+
+    _drained_marks = 0
 
     def mark(self, mark: Mark) -> None:
         """A step mark from the client: the window up to it becomes a row."""
@@ -181,20 +251,16 @@ class Engine:
     @property
     def dropped_marks(self) -> int:
         sampler = self._sampler
-        return sampler.dropped_marks if sampler is not None else 0
+        return sampler.dropped_marks if sampler is not None else self._drained_marks
 
     def stop(self, timeout: float, stall: float = STALL_S) -> dict[str, SinkStats]:
-        """Close the last windows, write what the sinks hold (see
+        """Close the last windows, finish what is merged, write what the sinks hold (see
         :meth:`StepLogger.close`), release NVML.  Idempotent."""
-        sampler, self._sampler = self._sampler, None
-        if sampler is not None:
-            sampler.stop(timeout=min(timeout, 10.0) + 1.0)
-            for state in sampler.gpus:
-                state.device.close()
-            if sampler.dropped_marks:
-                logger.warning("gpulens: %d step mark(s) were dropped (more than %d waited for "
-                               "their rows); their steps have no rows of their own",
-                               sampler.dropped_marks, MAX_MARKS)
+        self.drain()
+        thread, self._merged_thread = self._merged_thread, None
+        if thread is not None:
+            self._merged.put(None)
+            thread.join(timeout)
         stats: dict[str, SinkStats] = {}
         steplogger, self._steplogger = self._steplogger, None
         if steplogger is not None:

@@ -9,6 +9,15 @@ from typing import Any
 
 from gpulens.sinks.base import Sink
 
+WORK_TOKENS = "work/tokens"
+WORK_SAMPLES = "work/samples"
+WORK_FLOPS = "work/flops"
+WORK_CPU = "work/cpu_s"
+"""A step mark's work figures ride among its scalars under these names (so a tensor among them
+is converted off the training thread like any scalar); the engine turns them into ``perf/*``
+keys and leaves them out of the rows it finishes."""
+WORK_KEYS = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU)
+
 
 @dataclass(frozen=True)
 class SinkSpec:
@@ -48,8 +57,16 @@ class EngineSpec:
     sinks: tuple[SinkSpec, ...] = ()
     """Sinks the engine writes itself."""
     rows_back: bool = False
-    """Also hand every row back to the client (for its own sinks, or the rank gather)."""
+    """Hand every finished row back to the client, for its own sinks."""
+    gather: bool = False
+    """A distributed job: each window's raw row goes back to the client for the rank gather;
+    rank 0's client sends the merged row back to be finished (:meth:`Engine.finish`)."""
     rank: tuple[int, int, int] | None = None
     """(global rank, local rank, world size) in a distributed job."""
     log_level: int = 30
     """The client's ``gpulens`` logger level: the engine says nothing below it."""
+    dtype: str | None = None
+    """The run's compute dtype (``"bf16"``, ...): the peak's column, the tensor-core rule."""
+    flops_per_token: float | None = None
+    flops_per_sample: float | None = None
+    """Model FLOPs (forward + backward) per token / per sample, for ``perf/tflops``."""

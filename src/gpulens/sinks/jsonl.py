@@ -24,6 +24,7 @@ written before the header existed as one run).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -89,10 +90,9 @@ class JsonlSink:
         self._rows = 0
         # a killed job's half line: the header must start a line of its own
         self._pending = ("\n" if torn else "") + _dumps(header(context, self.run_id)) + "\n"
-        try:
+        # a full disk: the header goes with the first row the step logger retries
+        with contextlib.suppress(OSError):
             self._flush_pending()
-        except OSError:  # a full disk: the header goes with the first row the sink retries
-            pass
 
     def write(self, row: Row) -> None:
         assert self._file is not None, "JsonlSink.write before open"

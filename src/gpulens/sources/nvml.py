@@ -153,6 +153,9 @@ class NvmlDevice:
         pci = self._call("pci", lib.nvmlDeviceGetPciInfo, h)
         mem = self._call("memory", lib.nvmlDeviceGetMemoryInfo, h)
         limit = self._call("power_limit", lib.nvmlDeviceGetEnforcedPowerLimit, h)
+        default_limit = self._call("default_power_limit",
+                                   lib.nvmlDeviceGetPowerManagementDefaultLimit, h)
+        max_clock = self._call("max_sm_clock", lib.nvmlDeviceGetMaxClockInfo, h, 1)  # SM
         if mem is not None:
             self._mem_total_gb = mem.total / _GB
         return GpuInfo(
@@ -163,6 +166,8 @@ class NvmlDevice:
             mem_total_gb=self._mem_total_gb,
             power_limit_w=limit / 1000.0 if limit is not None else None,
             mig=mig,
+            max_sm_clock_mhz=float(max_clock) if max_clock else None,
+            default_power_limit_w=default_limit / 1000.0 if default_limit else None,
         )
 
     # -- cheap reads, every sample --------------------------------------------------------

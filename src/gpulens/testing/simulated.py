@@ -363,6 +363,14 @@ class SimulatedNVML:
         self._check("nvmlDeviceGetEnforcedPowerLimit", h)
         return round(1000 * self.MAX_W)
 
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, h: _Handle) -> int:
+        self._check("nvmlDeviceGetPowerManagementDefaultLimit", h)
+        return round(1000 * self.MAX_W)
+
+    def nvmlDeviceGetMaxClockInfo(self, h: _Handle, clock_type: int) -> int:
+        self._check("nvmlDeviceGetMaxClockInfo", h)
+        return 1980
+
     def nvmlDeviceGetTemperature(self, h: _Handle, sensor: int) -> int:
         self._check("nvmlDeviceGetTemperature", h)
         return round(32 + 45 * self.activity(h.index, self._now()))

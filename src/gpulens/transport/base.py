@@ -21,10 +21,18 @@ class Transport(Protocol):
     isolation: str
     """``"process"`` or ``"thread"``."""
 
-    def start(self, spec: EngineSpec, on_row: Callable[[Row], None]
+    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None]
               ) -> tuple[RunContext, list[int]]:
         """Start the engine; ``ValueError`` for a user error, :class:`SpawnFailed` for a
-        fault.  ``on_row`` gets each row the engine hands back (``spec.rows_back``)."""
+        fault.  ``on_row(row, final)`` gets each row the engine hands back: finished rows
+        (``spec.rows_back``), or a distributed job's raw rows (``spec.gather``)."""
+
+    def finish(self, row: Row) -> None:
+        """A distributed job's merged row (rank 0), for the engine to finish and write."""
+
+    def drain(self, timeout: float) -> None:
+        """A distributed job's stop, first half: the engine closes its last windows (their raw
+        rows come back) and keeps its sinks open for the merged rows still to come."""
 
     def send_mark(self, mark: Mark) -> bool:
         """Hand a step mark on without blocking; False if it was dropped (counted)."""

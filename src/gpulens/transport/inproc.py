@@ -27,10 +27,10 @@ class InprocTransport:
         self._engine: Engine | None = None
         self._pid = os.getpid()
 
-    def start(self, spec: EngineSpec, on_row: Callable[[Row], None]
+    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None]
               ) -> tuple[RunContext, list[int]]:
         self._pid = os.getpid()
-        engine = Engine(spec, on_row=on_row if spec.rows_back else None)
+        engine = Engine(spec, on_row=on_row)
         started = engine.start()
         self._engine = engine
         return started
@@ -41,6 +41,16 @@ class InprocTransport:
             return False
         engine.mark(mark)
         return True
+
+    def finish(self, row: Row) -> None:
+        engine = self._engine
+        if engine is not None:
+            engine.finish(row)
+
+    def drain(self, timeout: float) -> None:
+        engine = self._engine
+        if engine is not None:
+            engine.drain()
 
     def latest(self, timeout: float) -> dict[str, float]:
         engine = self._engine

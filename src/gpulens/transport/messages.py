@@ -1,12 +1,14 @@
 """The one message protocol between the client (training process) and the engine.
 
 Client -> engine: :class:`Start` (first, once), :class:`~gpulens.engine.sampler.Mark` (each
-``log()``), :class:`LatestAsk`, :class:`Stop`.
+``log()``), :class:`LatestAsk`, :class:`Finish` (a distributed job's merged row, rank 0),
+:class:`Drain` (a distributed job's stop: last windows first), :class:`Stop`.
 
 Engine -> client: :class:`Ready` or :class:`Failed` (answer to ``Start``), :class:`RowOut`
-(rows for the client's own sinks or the rank gather), :class:`LogOut` (every record of the
-engine's ``gpulens`` loggers, re-emitted in the client at its level), :class:`LatestReply`,
-:class:`StatsOut` (the engine's sink figures, every second), :class:`Stopped` (last).
+(finished rows for the client's own sinks, or raw rows for the rank gather), :class:`LogOut`
+(every record of the engine's ``gpulens`` loggers, re-emitted in the client at its level),
+:class:`LatestReply`, :class:`StatsOut` (the engine's sink figures, every second),
+:class:`Drained`, :class:`Stopped` (last).
 
 Messages are named tuples.  A mark, which crosses at every ``log()``, goes down the pipe as the
 plain tuple of its fields and is made a :class:`~gpulens.engine.sampler.Mark` again on arrival:
@@ -24,8 +26,8 @@ from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
 
-__all__ = ["Failed", "LatestAsk", "LatestReply", "LogOut", "Mark", "Ready", "RowOut", "Start",
-           "Stats", "StatsOut", "Stop", "Stopped"]
+__all__ = ["Drain", "Drained", "Failed", "Finish", "LatestAsk", "LatestReply", "LogOut", "Mark",
+           "Ready", "RowOut", "Start", "Stats", "StatsOut", "Stop", "Stopped"]
 
 Stats = dict[str, SinkStats]
 
@@ -36,6 +38,18 @@ class Start(NamedTuple):
 
 class LatestAsk(NamedTuple):
     seq: int
+
+
+class Finish(NamedTuple):
+    row: Row
+
+
+class Drain(NamedTuple):
+    pass
+
+
+class Drained(NamedTuple):
+    pass
 
 
 class Stop(NamedTuple):
@@ -59,6 +73,8 @@ class Failed(NamedTuple):
 
 class RowOut(NamedTuple):
     row: Row
+    final: bool
+    """Finished (for the client's sinks), or a raw window of a distributed job."""
 
 
 class LogOut(NamedTuple):

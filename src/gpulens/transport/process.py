@@ -49,7 +49,10 @@ from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
 from gpulens.transport.base import SpawnFailed
 from gpulens.transport.messages import (
+    Drain,
+    Drained,
     Failed,
+    Finish,
     LatestAsk,
     LatestReply,
     LogOut,
@@ -92,7 +95,8 @@ class ProcessTransport:
     isolation = "process"
 
     def __init__(self) -> None:
-        self._on_row: Callable[[Row], None] | None = None
+        self._on_row: Callable[[Row, bool], None] | None = None
+        self._drained = threading.Event()
         self._pid = os.getpid()
         self._proc: subprocess.Popen[bytes] | None = None
         self._tx: Sender | None = None
@@ -114,7 +118,7 @@ class ProcessTransport:
         """The engine process ended without being asked to."""
 
     # -- start -------------------------------------------------------------------------------
-    def start(self, spec: EngineSpec, on_row: Callable[[Row], None]
+    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None]
               ) -> tuple[RunContext, list[int]]:
         """Spawn, send the spec, wait until the engine is sampling.
 
@@ -193,9 +197,11 @@ class ProcessTransport:
                     on_row = self._on_row
                     if on_row is not None:
                         try:
-                            on_row(msg.row)
+                            on_row(msg.row, msg.final)
                         except Exception as exc:
                             warn_once("link-row", "gpulens: could not hand a row on: %r", exc)
+                elif isinstance(msg, Drained):
+                    self._drained.set()
                 elif isinstance(msg, LogOut):
                     reemit(msg.record)
                 elif isinstance(msg, StatsOut):
@@ -284,6 +290,25 @@ class ProcessTransport:
         """Step marks the engine dropped (it warned), as it last said."""
         engine = self._final or self._last_stats
         return engine.dropped_marks if engine is not None else 0
+
+    def finish(self, row: Row) -> None:
+        """A merged row to finish (rank 0's training thread, inside ``log()``): never blocks,
+        never dropped for the pipe's bound (it is not a mark: each is a row of the job)."""
+        tx = self._tx
+        if tx is not None:
+            tx.send(Finish(row), force=True)
+
+    def drain(self, timeout: float) -> None:
+        """Ask the engine to close its last windows; wait until their rows are here."""
+        tx = self._tx
+        if tx is None or tx.closed or self._stopped.is_set():
+            return
+        tx.send(Drain(), force=True)
+        deadline = time.monotonic() + timeout
+        while not self._drained.wait(0.05):
+            if self._stopped.is_set() or time.monotonic() > deadline:
+                return
+            tx.flush()
 
     # -- live view -----------------------------------------------------------------------------
     def latest(self, timeout: float) -> dict[str, float]:
@@ -440,10 +465,10 @@ def main(argv: list[str]) -> int:
     spec = start.spec
     forward_records(lambda record: tx.send(LogOut(record)), spec.log_level)
 
-    def row_back(row: Row) -> None:
-        tx.send(RowOut(row))
+    def row_back(row: Row, final: bool) -> None:
+        tx.send(RowOut(row, final))
 
-    engine = Engine(spec, on_row=row_back if spec.rows_back else None)
+    engine = Engine(spec, on_row=row_back)
     try:
         context, torch_indices = engine.start()
     except ValueError as exc:
@@ -465,6 +490,11 @@ def main(argv: list[str]) -> int:
                 engine.mark(Mark(*msg))
             elif isinstance(msg, LatestAsk):
                 tx.send(LatestReply(msg.seq, engine.latest()))
+            elif isinstance(msg, Finish):
+                engine.finish(msg.row)
+            elif isinstance(msg, Drain):
+                engine.drain()  # the last raw rows are sent before the answer
+                tx.send(Drained())
             elif isinstance(msg, Stop):
                 timeout, stall = msg.timeout, msg.stall
                 stopping = True
