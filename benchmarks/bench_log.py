@@ -366,6 +366,7 @@ def rss_child(config: str, seconds: float, tmp: Path) -> dict[str, Any]:
     return {
         "config": config, "isolation": isolation, "rows_logged": rows,
         "rows_written": {k: getattr(v, "written", None) for k, v in stats.items()},
+        "rows_dropped": {k: getattr(v, "dropped", None) for k, v in stats.items()},
         "train_rss_before_mib": before / 2**20, "train_rss_running_mib": running / 2**20,
         "sampler_rss_mib": mem[0] / 2**20 if mem else None,
         "sampler_uss_mib": mem[1] / 2**20 if mem else None,
@@ -411,7 +412,9 @@ def bench_sampler_rss(tmp: Path, configs: list[str], seconds: float) -> list[dic
                 out.append({"config": config,
                             "skipped": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"})
                 continue
-            out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            fig = json.loads(proc.stdout.strip().splitlines()[-1])
+            fig["stderr_tail"] = proc.stderr.strip()[-600:]  # the monitor's warnings, if any
+            out.append(fig)
     finally:
         if server is not None:
             server.stop()
@@ -421,7 +424,8 @@ def bench_sampler_rss(tmp: Path, configs: list[str], seconds: float) -> list[dic
 def rss_table(results: list[dict[str, Any]]) -> str:
     """(d) as a Markdown table."""
     lines = ["| sink | sampler process RSS (MiB) | sampler process USS (MiB) "
-             "| training process RSS before start / running (MiB) | rows logged / written |",
+             "| training process RSS before start / running (MiB) "
+             "| rows logged / written, dropped |",
              "|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
@@ -429,7 +433,9 @@ def rss_table(results: list[dict[str, Any]]) -> str:
             continue
         rss = "-" if r["sampler_rss_mib"] is None else f"{r['sampler_rss_mib']:.1f}"
         uss = "-" if r["sampler_uss_mib"] is None else f"{r['sampler_uss_mib']:.1f}"
-        written = ", ".join(f"{k} {v}" for k, v in r["rows_written"].items()) or "no sink"
+        dropped = r.get("rows_dropped", {})
+        written = ", ".join(f"{k} {v}, {dropped.get(k)} dropped"
+                            for k, v in r["rows_written"].items()) or "no sink"
         lines.append(f"| {r['config']} (sampler in a {r['isolation']}) | {rss} | {uss} "
                      f"| {r['train_rss_before_mib']:.1f} / {r['train_rss_running_mib']:.1f} "
                      f"| {r['rows_logged']} / {written} |")
