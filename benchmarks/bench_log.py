@@ -153,13 +153,14 @@ def _rss_bytes() -> int:
 
 
 def sampler_processes() -> list[Any]:
-    """This process's children that run gpulens (the sampler process), as ``psutil`` objects."""
+    """This process's Python children whose command line names gpulens (the sampler process),
+    as ``psutil`` objects."""
     import psutil
 
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "gpulens" in " ".join(child.cmdline()):
+            if child.name().startswith("python") and "gpulens" in " ".join(child.cmdline()):
                 out.append(child)
         except psutil.Error:
             pass

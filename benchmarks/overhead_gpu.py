@@ -292,13 +292,13 @@ class Probe:
 
 
 def _child_name(proc: psutil.Process) -> str:
-    """A short name for a child process: ``gpulens-sampler`` for gpulens's sampler process
-    (``python -c "... gpulens.transport.process ..."``), else its executable's name."""
+    """A short name for a child process: ``gpulens-sampler`` for a Python process whose command
+    line names gpulens (the sampler process), else its executable's name (``wandb-core``...)."""
     with contextlib.suppress(psutil.Error):
-        cmd = " ".join(proc.cmdline())
-        if "gpulens" in cmd and "main(" in cmd:
+        name = proc.name()
+        if name.startswith("python") and "gpulens" in " ".join(proc.cmdline()):
             return "gpulens-sampler"
-        return proc.name()
+        return name
     return "?"
 
 
@@ -507,7 +507,8 @@ class GpulensMlflowVariant(Variant):
 
         mlflow.set_tracking_uri((self.tmp / "mlruns-gpulens").as_uri())
         mlflow.set_experiment("gpulens-bench-rows")
-        self.run_ = mlflow.start_run(run_name=f"{type(self).__name__}-{rnd}")
+        self.run_ = mlflow.start_run(run_name=f"{type(self).__name__}-{rnd}",
+                                     log_system_metrics=False)
         self.mon = gpulens.Monitor(interval=self.args.interval, sinks=["mlflow"],
                                    isolation=self.isolation)
         self.mon.start()
@@ -643,6 +644,7 @@ class MlflowVariant(Variant):
 
         run_id = self.run_.info.run_id
         mlflow.end_run()
+        mlflow.disable_system_metrics_logging()  # a process-wide switch: off for later arms
         client = mlflow.MlflowClient()
         keys = list(client.get_run(run_id).data.metrics)
         gpu = [k for k in keys if k.startswith("system/gpu_0")]
