@@ -3,7 +3,8 @@
 Subcommands::
 
     gpulens watch  [--gpus 0,1] [--interval S]          live terminal view
-    gpulens record [--sink SPEC]... -- COMMAND [ARGS]   record GPU windows while a command runs
+    gpulens record [--sink SPEC]... [-- COMMAND [ARGS]] record GPU rows around a command, or
+                                                    beside a training until Ctrl-C
     gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]]
     gpulens serve  [--port 9400] [--host 127.0.0.1]     Prometheus exporter of live GPU metrics
 
@@ -27,6 +28,19 @@ class _Parser(argparse.ArgumentParser):
         """One line on stderr, exit code 2 (argparse prints the whole usage otherwise)."""
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """As argparse's, but an unknown argument after a subcommand is that subcommand's
+        error (pointing to ``gpulens <subcommand> --help``)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner: argparse.ArgumentParser = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    owner = action.choices.get(getattr(ns, "command", None) or "", self)
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``gpulens`` and its subcommands."""
@@ -43,14 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "record",
-        help="run a command and record GPU telemetry for its whole life",
-        usage="gpulens record [options] -- COMMAND [ARGS...]",
+        help="record GPU telemetry around a command, or beside a training until Ctrl-C",
+        usage="gpulens record [options] [-- COMMAND [ARGS...]]",
+        description="Write a row every --interval seconds to every --sink: for the whole life "
+                    "of COMMAND, or, without a command, beside a training until Ctrl-C or "
+                    "SIGTERM (exit code 0). Rows sit on a wall-clock axis (record/elapsed_s).",
     )
     p.add_argument("--sink", action="append", default=[], metavar="SPEC",
                    help="where rows go, repeatable: jsonl:PATH, prometheus:PORT, mlflow, wandb")
     p.add_argument("--interval", type=positive_float, default=1.0,
                    help="seconds per row (1.0); GPUs are sampled more often")
     p.add_argument("--gpus", type=gpu_list, default=None, help="GPU indices (all)")
+    p.add_argument("--no-console", action="store_true",
+                   help="no live line on stderr (without a command)")
+    p.add_argument("--summary-interval", type=positive_float, default=None, metavar="S",
+                   help="also print a summary of the last S seconds every S seconds")
     p.add_argument("--work", type=positive_float, default=None,
                    help="work the command does in total, for efficiency figures")
     p.add_argument("--unit", default="tokens", choices=("tokens", "samples", "requests"),
