@@ -237,7 +237,7 @@ def test_beside_training_records_until_a_signal_and_exits_0(tmp_path: Path,
                         "--summary-json", str(sj))
     wait_for_rows(rows, 4)
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     lines = [json.loads(x) for x in rows.read_text().splitlines()]
