@@ -226,3 +226,88 @@ def test_mlflow_server_gone_mid_run(
     st = stats["MlflowSink"]
     assert st.written == 2 and st.dropped == 20
     assert any("20 dropped" in r.message for r in caplog.records)
+
+
+# -- set-up errors: one line, before anything is created -------------------------------------
+
+NO_LOGIN_SCRIPT = """
+import sys
+import gpulens
+from gpulens.sinks.wandb import WandbSink
+try:
+    WandbSink().check()
+except ValueError as e:
+    print("check:", e)
+else:
+    print("check: ok")
+if sys.argv[1:] == ["monitor"]:
+    import os
+    try:
+        gpulens.Monitor(interval=0.05, sinks=["mlflow", "jsonl:" + os.environ["ROWS"],
+                                               "wandb"]).start()
+    except ValueError as e:
+        print("start:", e)
+"""
+
+
+def _no_login_env(tmp_path: Path, mode: str) -> dict[str, str]:
+    import os
+
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(home), WANDB_MODE=mode, WANDB_DIR=str(tmp_path),
+               WANDB_CONFIG_DIR=str(home / "cfg"), WANDB_SILENT="true",
+               GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1",
+               ROWS=str(tmp_path / "rows.jsonl"))
+    return env
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_wandb_check_says_how_to_log_in(tmp_path: Path, mode: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", NO_LOGIN_SCRIPT], capture_output=True,
+                          text=True, env=_no_login_env(tmp_path, mode), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    if mode == "offline":
+        assert proc.stdout.strip() == "check: ok"
+    else:
+        (line,) = proc.stdout.strip().splitlines()
+        assert "wandb login" in line and "WANDB_MODE=offline" in line
+    assert not (tmp_path / "wandb").exists()  # nothing made
+
+
+@pytest.mark.xfail(strict=True, reason="nothing half-made needs Monitor.start() to call every "
+                   "sink's check() before opening any (the engine's part, not wired yet)")
+def test_monitor_with_wandb_without_login_leaves_nothing_half_made(
+        tmp_path: Path, mlflow_tracking: MlflowTracking) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", NO_LOGIN_SCRIPT, "monitor"],
+                          capture_output=True, text=True,
+                          env=_no_login_env(tmp_path, "online"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    start = [x for x in proc.stdout.splitlines() if x.startswith("start:")]
+    assert len(start) == 1 and "wandb login" in start[0], proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "rows.jsonl").exists()
+    assert mlflow_tracking.runs() == []
+
+
+def test_mlflow_check_unreachable_server_is_one_line(mlflow_tracking: MlflowTracking) -> None:
+    import socket
+
+    MlflowSink().check()  # the session's server answers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"cannot reach the MLflow tracking server at "
+                       f"http://127.0.0.1:{port}") as err:
+        MlflowSink(tracking_uri=f"http://127.0.0.1:{port}").check()
+    assert time.monotonic() - t0 < 10
+    assert "\n" not in str(err.value)
+    assert mlflow_tracking.runs() == []
