@@ -331,3 +331,22 @@ def test_logging_options_one_at_a_time(tmp_path: Path, mlflow_tracking: MlflowTr
     history = read_history(find_run_file(wandb_offline))
     assert [h["gpulens/step"] for h in history if GPU_KEY in h] == expected
     assert [h["train/global_step"] for h in history if "train/loss" in h] == loss_steps(trainer)
+
+
+def test_unreachable_tracker_is_one_line_before_training(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=["mlflow", f"jsonl:{sink}"],
+                                                        interval=0.05), max_steps=4)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="cannot reach the MLflow tracking server") as err:
+        trainer.train()
+    assert time.monotonic() - t0 < 15
+    assert "\n" not in str(err.value)
+    assert not sink.exists()  # nothing half-made

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpulens._warn import logger as _log
+from gpulens.integrations._checks import check_sinks
 from gpulens.monitor import Monitor
 from gpulens.sinks.base import Row, RunContext, Sink
 from gpulens.sinks.mlflow import MlflowSink
@@ -176,10 +177,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
         gpus = _local_gpus()
     monitor = Monitor(gpus=gpus, interval=interval, sinks=[*own, *sinks], backend=backend,
                       distributed=False)
-    for sink in monitor.sinks:
-        check = getattr(sink, "check", None)
-        if check is not None:
-            check()
+    check_sinks(monitor.sinks)
     gpu_tracker = GPUTracker(monitor, start_step=start_step)
     accelerator.trackers.insert(0, gpu_tracker)
     return gpu_tracker

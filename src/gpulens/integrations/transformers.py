@@ -80,6 +80,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpulens.integrations._checks import check_sinks
 from gpulens.integrations.phases import StepPhases
 from gpulens.monitor import Monitor
 from gpulens.sinks.base import Sink
@@ -144,10 +145,10 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop()  # a previous train() that raised left it running
         sinks = self._sinks_for(args) if state.is_world_process_zero else []
-        _check_sinks(sinks)
+        monitor = self._settings.with_sinks(sinks)
+        check_sinks(monitor.sinks)  # a one-line error before any run or file is made
         if state.is_world_process_zero and self._follows(args, "mlflow"):
             self._mlflow_run = _ensure_mlflow_run(args)
-        monitor = self._settings.with_sinks(sinks)
         self._last_logged_step = int(state.global_step)
         self._tail = None
         monitor.start(step=self._last_logged_step)  # a resumed run starts its windows there
@@ -252,16 +253,6 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             log.info("gpulens: no W&B/MLflow in report_to and no sinks given; rows go to %s", path)
             sinks.append(f"jsonl:{path}")
         return sinks
-
-
-def _check_sinks(sinks: Sequence[str | Sink]) -> None:
-    """Each sink's ``check()`` (a one-line ``ValueError``), before any sink opens."""
-    from gpulens.sinks import resolve_sink
-
-    for spec in sinks:
-        check = getattr(resolve_sink(spec), "check", None)
-        if check is not None:
-            check()
 
 
 def _ensure_mlflow_run(args: Any) -> Any:

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpulens._warn import logger as _log
+from gpulens.integrations._checks import check_sinks
 from gpulens.schema import STEP_KEY
 from gpulens.sinks.base import Row, RunContext, Sink
 
@@ -122,6 +123,8 @@ class _State:
     def __init__(self, logger: Any, monitor: Any, handoff: RowHandoff | None,
                  gpu_backends: list[str] | None, rest_backends: list[str] | None,
                  max_delay_s: float) -> None:
+        if monitor is not None and not monitor.running:
+            check_sinks(monitor.sinks)  # a one-line error before any sink opens
         self.logger = logger
         self.monitor = monitor
         self.handoff = handoff
@@ -214,6 +217,8 @@ class MergingLogger:
         if start_step is not None and (isinstance(start_step, bool)
                                        or not isinstance(start_step, int)):
             raise ValueError(f"start_step must be a whole number, got {start_step!r}")
+        if monitor is not None and not monitor.running:
+            check_sinks(monitor.sinks)  # a one-line error before any sink opens
         self.logger = logger
         self.monitor = monitor
         self.handoff = handoff
