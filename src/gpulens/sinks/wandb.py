@@ -51,7 +51,10 @@ can be a few steps past the last training step (the rows still queued: the last 
 fast loop): a later ``wandb.log(..., step=s)`` lands if ``s`` is above it, or if it passes no
 ``step=`` (the step it reached is logged at INFO).  A user who passes ``step=`` in a unit
 other than the steps given to ``Monitor.log`` (epochs) should keep GPU rows out of W&B or log
-them the same way.  In W&B's "shared" mode (several processes write one run, and W&B numbers
+them the same way.  Rows share records with the user's values, so a key both write (say
+``train/loss`` passed to ``Monitor.log`` and logged by hand) keeps only one of them in that
+record: give such a scalar to one of the two, or use ``include_train=False``.  In W&B's
+"shared" mode (several processes write one run, and W&B numbers
 the steps) rows are simply logged.
 
 ``wandb.log`` is not thread-safe: this sink is written from the training thread
