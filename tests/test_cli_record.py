@@ -225,7 +225,7 @@ def start_beside(*args: str, extra_env: dict[str, str] | None = None,
 def wait_for_rows(path: Path, n: int, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and len(path.read_text().splitlines()) >= n:
+        if path.exists() and len(read_rows(path)) >= n:
             return
         time.sleep(0.05)
     raise AssertionError(f"fewer than {n} rows in {path} after {timeout} s")
@@ -242,7 +242,7 @@ def test_beside_training_records_until_a_signal_and_exits_0(tmp_path: Path,
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
-    lines = [json.loads(x) for x in rows.read_text().splitlines()]
+    lines = read_rows(rows)
     assert [r["step"] for r in lines] == list(range(1, len(lines) + 1))
     elapsed = [r["record/elapsed_s"] for r in lines]
     # the first interval is one interval long, and so are the others (the last: the tail)
@@ -268,7 +268,7 @@ def test_beside_training_no_console_gpus_and_summary_interval(tmp_path: Path) ->
     assert proc.returncode == 0, err
     assert not [x for x in err.splitlines() if x.startswith("[")], err  # no live line
     assert err.count("gpulens record: the last 0.5 s") >= 2, err
-    lines = [json.loads(x) for x in rows.read_text().splitlines()]
+    lines = read_rows(rows)
     gpus = {k.split("/")[1] for r in lines for k in r if k.startswith("gpu/")}
     assert gpus == {"1"}
 
@@ -293,7 +293,7 @@ def test_beside_training_wandb_rows_on_elapsed_seconds(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
     path = wait_for_finished_run(wandb_dir)
     history = [h for h in read_history(path) if "gpu/0/power_w" in h]
-    jsonl = [json.loads(x) for x in rows.read_text().splitlines()]
+    jsonl = read_rows(rows)
     assert [h["record/elapsed_s"] for h in history] == [r["record/elapsed_s"] for r in jsonl]
     assert not any(k in h for h in history for k in ("train/global_step", "gpulens/step",
                                                       "perf/steps", "perf/step_time_s"))

@@ -4,7 +4,6 @@ own ``accelerator.log(..., step=)`` steps; ``MergingLogger`` wraps an ``Accelera
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ accelerate = pytest.importorskip("accelerate")
 
 from gpulens.integrations.accelerate import GPUTracker, attach  # noqa: E402
 from gpulens.integrations.verl import MergingLogger  # noqa: E402
+from tests.support.jsonl import read_rows  # noqa: E402
 
 GPU_KEY = "gpu/0/power_w"
 
@@ -77,7 +77,7 @@ def test_rows_go_into_the_wandb_and_mlflow_runs_accelerate_started(
     perf = mlflow_tracking.client().get_metric_history(run.info.run_id, "perf/steps")
     assert {m.value for m in perf} == {1.0}
 
-    rows = [json.loads(line) for line in sink.read_text().splitlines()]
+    rows = read_rows(sink)
     assert [r["step"] for r in rows] == list(range(2, steps + 1))
     assert all(r["train/loss"] == pytest.approx(1 / r["step"]) for r in rows)
     assert all(r["train/val/acc"] == r["step"] for r in rows)

@@ -219,7 +219,7 @@ def test_resumed_fit_counts_only_its_own_steps(tmp_path: Path) -> None:
                          callbacks=[GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)],
                          **common)
     resumed.fit(module_cls(), datamodule=data_cls(n=48), ckpt_path=str(ckpt))
-    lines = [json.loads(line) for line in sink.read_text().splitlines()]
+    lines = read_rows(sink)
     # steps 7-8 (Lightning's 6-7), then 9-12 and 13-16
     assert [(r["step"], r["perf/steps"]) for r in lines] == [(7, 2), (11, 4), (15, 4)]
 

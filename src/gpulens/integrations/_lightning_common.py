@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpulens._warn import warn_once
-from gpulens.integrations._checks import check_sinks
 from gpulens.integrations.phases import StepPhases
 from gpulens.monitor import Monitor
 from gpulens.sinks.base import Row, RunContext, Sink
@@ -139,7 +138,6 @@ class GPUMonitorHooks:
                 sinks.append(LoggersSink(trainer.loggers))
             sinks.extend(self.sinks)
         monitor = self._settings.with_sinks(sinks)
-        check_sinks(monitor.sinks)  # a one-line error before any sink opens
         self._last_step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
         # Rows are stamped with Lightning's logging step, which counts the optimizer steps
         # *before* the batch (4 after the fifth): a window that starts with training (or at a

@@ -80,9 +80,9 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpulens.integrations._checks import check_sinks
 from gpulens.integrations.phases import StepPhases
 from gpulens.monitor import Monitor
+from gpulens.sinks import check_sinks
 from gpulens.sinks.base import Sink
 from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink

@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpulens._warn import logger as _log
-from gpulens.integrations._checks import check_sinks
 from gpulens.schema import STEP_KEY
+from gpulens.sinks import check_sinks
 from gpulens.sinks.base import Row, RunContext, Sink
 
 __all__ = ["MergingLogger", "RowHandoff", "TrackingLogger"]

@@ -21,12 +21,11 @@ current step 12").  This sink never does that while training runs:
   gives it a record of its own, unless a record of its own is known to be safe: then the
   pending record is committed and the row waits in the next one (``run.log(row,
   step=S + 1)``).  Safe means ``S + 1`` is at most one past the newest step of the rows
-  written (the user has passed that step: rows are finished a little after their step), or,
-  where the engine calls :meth:`WandbSink.tick` at every ``Monitor.log()``, one such commit
-  per ``log()`` (the user logs at most once in between, so ``S`` stays at or below their next
-  step).  When the user does not log to W&B, or logs less often than rows come, every row
-  gets its record at once (the rows vouch for their steps); when the user logs every step,
-  each user record carries one row.
+  written (the user has passed that step: rows are finished a little after their step).
+  When the user does not log to W&B, or logs less often than rows come, every row gets its
+  record at once (the rows vouch for their steps); when the user logs every step, each user
+  record carries one row (the engine finishes a row about a quarter of a second after its
+  ``log()``, so rows come one per step, not in bursts).
 * **Its own x-axis.** A row lands in whichever record is free, usually one or more user logs
   after its training step, so ``_step`` says nothing about it.  Each row carries its training
   step as ``gpulens/step`` (hidden) and every key it writes is declared with
@@ -44,11 +43,10 @@ current step 12").  This sink never does that while training runs:
 Limits.  Rows that wait in the queue reach W&B later (not on a wrong step: ``gpulens/step``
 says where they belong); the queue holds at most ``MAX_QUEUE`` rows, beyond which the oldest
 waiting row is overwritten by the next one in the same record (counted in
-:attr:`WandbSink.rows_overwritten`, with a warning).  That takes rows coming in bursts (a
-fast loop: rows are finished about once a second) faster than the user logs, for a long
-time, with an engine that does not call :meth:`WandbSink.tick`.  After ``stop()`` W&B's step
-can be a few steps past the last training step (the rows still queued: the last second of a
-fast loop): a later ``wandb.log(..., step=s)`` lands if ``s`` is above it, or if it passes no
+:attr:`WandbSink.rows_overwritten`, with a warning).  That takes rows coming faster than
+the user logs for a long time (an engine starved of CPU that finishes rows in bursts).  After
+``stop()`` W&B's step can be a few steps past the last training step (the rows still
+queued): a later ``wandb.log(..., step=s)`` lands if ``s`` is above it, or if it passes no
 ``step=`` (the step it reached is logged at INFO).  A user who passes ``step=`` in a unit
 other than the steps given to ``Monitor.log`` (epochs) should keep GPU rows out of W&B or log
 them the same way.  Rows share records with the user's values, so a key both write (say
@@ -157,8 +155,6 @@ class WandbSink:
         self._attached_at: int | None = None
         """W&B step of the pending record that holds a row of ours, if any."""
         self._newest_step: int | None = None
-        self._ticks = 0
-        self._committed_tick = -1
         self._shared = False
 
     @classmethod
@@ -243,7 +239,6 @@ class WandbSink:
             elif final or self._may_commit(step):
                 run.log(queue.popleft(), step=step + 1)
                 self._attached_at = step + 1
-                self._committed_tick = self._ticks
             else:
                 break
         while len(queue) > MAX_QUEUE:
@@ -255,16 +250,7 @@ class WandbSink:
 
     def _may_commit(self, step: int) -> bool:
         """Whether a record of our own at ``step + 1`` stays at or below the user's next step."""
-        if self._newest_step is not None and step + 1 <= self._newest_step + 1:
-            return True
-        return self._ticks > 0 and self._committed_tick < self._ticks
-
-    def tick(self) -> None:
-        """Called by the engine at every ``Monitor.log()`` (training thread), before rows are
-        written: a training step has passed, so one record of our own is safe again."""
-        self._ticks += 1
-        if self._queue and self._run is not None:
-            self._place()
+        return self._newest_step is not None and step + 1 <= self._newest_step + 1
 
     def write(self, row: Row) -> None:
         assert self._run is not None, "WandbSink.write before open"
