@@ -36,9 +36,6 @@ class GpuInfo:
     mig: str | None = None
     """The MIG instance this process uses on this GPU (``"MIG 3g.40gb (MIG-...)"``), if any:
     the metrics are the whole GPU's, which NVML alone gives."""
-    energy_update_s: float | None = None
-    """How often the GPU's energy counter changes (seconds, measured at start; ~0.1 on an
-    H200), ``None`` without a counter."""
     max_sm_clock_mhz: float | None = None
     """The SM clock's maximum (boost), MHz: the clock the datasheet peak assumes."""
     default_power_limit_w: float | None = None
