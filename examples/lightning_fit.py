@@ -3,11 +3,14 @@
     python examples/lightning_fit.py                             # CSV logger in a temp folder
     python examples/lightning_fit.py --package pytorch_lightning # the standalone package
     python examples/lightning_fit.py --logger wandb              # W&B (set WANDB_MODE=offline)
+    python examples/lightning_fit.py --model gpt2 --precision bf16-mixed   # tokens, MFU
     torchrun --nproc_per_node 2 examples/lightning_fit.py        # DDP on CPU (gloo)
 
 The GPU keys (``gpu/0/util_pct``, ``perf/data_wait_pct``, ...) reach every logger of the trainer
 at the steps where Lightning writes ``train_loss`` (every ``--log-every`` optimizer steps).
-A small MLP is built in code; without a GPU the monitor samples simulated GPUs.
+A small MLP is built in code (``--model gpt2``: a small GPT-2 built from a config, trained on
+random tokens in Hugging Face style batches, so rows also carry ``perf/tokens_per_s``,
+``perf/tflops`` and ``perf/mfu_pct``); without a GPU the monitor samples simulated GPUs.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ def build(package: str) -> tuple[Any, type[Any]]:
     return pl, GPUMonitorCallback
 
 
-def make_module(pl: Any) -> Any:
+def make_module(pl: Any, model: str = "mlp") -> Any:
+    if model == "gpt2":
+        return make_gpt2(pl)
+
     class Regressor(pl.LightningModule):  # type: ignore[misc, name-defined]
         def __init__(self, width: int = 64) -> None:
             super().__init__()
@@ -52,7 +58,50 @@ def make_module(pl: Any) -> Any:
     return Regressor()
 
 
-def make_data(n: int = 2048, batch: int = 32) -> torch.utils.data.DataLoader[Any]:
+def make_gpt2(pl: Any) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class Gpt2(pl.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            # gpulens finds the FLOPs formula through self.model.config
+            self.model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4,
+                                                    n_positions=128, vocab_size=1024))
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = self.model(**batch).loss
+            self.log("train_loss", loss, on_step=True)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=3e-4)
+
+    return Gpt2()
+
+
+class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Random token ids, the labels the inputs; every sequence a little shorter than the last
+    few so that the attention mask has padding (which is not work)."""
+
+    def __init__(self, n: int = 512, length: int = 128, vocab: int = 1024) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, length), generator=gen)
+        self.mask = torch.ones(n, length, dtype=torch.long)
+        for i in range(n):
+            self.mask[i, length - (i % 16):] = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.ids[i].masked_fill(self.mask[i] == 0, -100)
+        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": labels}
+
+
+def make_data(n: int = 2048, batch: int = 32, model: str = "mlp"
+              ) -> torch.utils.data.DataLoader[Any]:
+    if model == "gpt2":
+        return torch.utils.data.DataLoader(RandomTokens(), batch_size=16)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, 16, generator=gen)
     y = x[:, :4].sum(-1)
@@ -67,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--sink", action="append", default=[], help="extra gpulens sink (repeatable)")
+    p.add_argument("--model", choices=("mlp", "gpt2"), default="mlp")
+    p.add_argument("--precision", default=None,
+                   help="Lightning's precision (e.g. bf16-mixed); default: Lightning's")
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -97,8 +149,9 @@ def main(argv: list[str] | None = None) -> None:
         num_nodes=int(os.environ.get("WORLD_SIZE", "1")) // int(
             os.environ.get("LOCAL_WORLD_SIZE", "1")),
         default_root_dir=save_dir,
+        **({"precision": args.precision} if args.precision else {}),
     )
-    trainer.fit(make_module(pl), make_data())
+    trainer.fit(make_module(pl, args.model), make_data(model=args.model))
     if trainer.is_global_zero and args.logger == "csv":
         print(f"gpulens: metrics in {logger.log_dir}/metrics.csv")
     # Under torchrun Lightning set up torch.distributed and leaves it up; take it down before

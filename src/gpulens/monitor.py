@@ -223,16 +223,18 @@ class Monitor:
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
-    def with_sinks(self, sinks: Iterable[str | Sink]) -> Monitor:
-        """A new, unstarted monitor with this one's settings and other sinks.
+    def with_sinks(self, sinks: Iterable[str | Sink], *, dtype: Any = None) -> Monitor:
+        """A new, unstarted monitor with this one's settings and other sinks (and the run's
+        dtype, where this one has none).
 
         Integrations check their arguments by making a monitor when they are constructed and
         make the one they start once they know the run's sinks (rank 0 only, a framework's
-        own W&B or MLflow run, ...).
+        own W&B or MLflow run, ...) and its dtype.
         """
         return Monitor(self.gpus, self.interval, sinks, self._backend_arg,
                        buffer_rows=self._buffer_rows, distributed=self._distributed_arg,
-                       isolation=self._isolation_arg, dtype=self._dtype_arg,
+                       isolation=self._isolation_arg,
+                       dtype=self._dtype_arg if self._dtype_arg is not None else dtype,
                        flops_per_token=self._flops_per_token,
                        flops_per_sample=self._flops_per_sample, **self._reads)
 

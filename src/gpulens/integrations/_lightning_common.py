@@ -9,7 +9,7 @@ logger connector) are read in one place, :func:`_lightning_log_step`, and checke
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpulens._warn import warn_once
@@ -72,6 +72,13 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
             ``GPULENS_BACKEND``).
         to_loggers: write rows to ``trainer.loggers``.
         phases: time the phases of each step.
+        work: count each window's work for ``perf/tokens_per_s``, ``perf/tflops``,
+            ``perf/mfu_pct`` and ``perf/tokens_per_j``: from the module's
+            ``tokens_per_batch(batch)`` / ``flops_per_batch(batch)`` /
+            ``samples_per_batch(batch)`` where it defines them, else from a Hugging Face style
+            batch (``input_ids``, ``attention_mask``: padding is not work) with the FLOPs of
+            the module's (or its ``model``'s) Hugging Face config; the dtype from the
+            Trainer's ``precision``.
 """
 
 
@@ -111,6 +118,7 @@ class GPUMonitorHooks:
         backend: str | None = None,
         to_loggers: bool = True,
         phases: bool = True,
+        work: bool = True,
     ) -> None:
         super().__init__()
         self.sinks: list[str | Sink] = list(sinks or ())
@@ -120,6 +128,8 @@ class GPUMonitorHooks:
                                  backend=backend)
         self.to_loggers = to_loggers
         self.time_phases = phases
+        self.count_work = work
+        self._work: _BatchWork | None = None
         self.monitor: Monitor | None = None
         self._phases: StepPhases | None = None
         self._last_step = 0
@@ -137,7 +147,13 @@ class GPUMonitorHooks:
             if self.to_loggers and trainer.loggers:
                 sinks.append(LoggersSink(trainer.loggers))
             sinks.extend(self.sinks)
-        monitor = self._settings.with_sinks(sinks)
+        dtype = None
+        if self.count_work:
+            from gpulens.work.precision import dtype_from_lightning_precision
+
+            dtype = dtype_from_lightning_precision(getattr(trainer, "precision", None))
+            self._work = _BatchWork(pl_module)
+        monitor = self._settings.with_sinks(sinks, dtype=dtype)
         self._last_step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
         # Rows are stamped with Lightning's logging step, which counts the optimizer steps
         # *before* the batch (4 after the fifth): a window that starts with training (or at a
@@ -164,12 +180,15 @@ class GPUMonitorHooks:
             self._finalizer = None
         self.monitor = None
         self._phases = None
+        self._work = None
 
     # -- step anatomy ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
         if self._phases is not None:
             self._phases.step_begin()
+        if self._work is not None:
+            self._work.observe(pl_module, batch)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._phases is not None:
@@ -198,8 +217,53 @@ class GPUMonitorHooks:
         if self._phases is not None:
             # steps in the window: optimizer steps since the previous row, this one included
             scalars.update(self._phases.collect(step + 1 - self._last_step))
-        monitor.log(step, **scalars)
+        work = self._work.take() if self._work is not None else {}
+        monitor.log(step, **work, **scalars)
         self._last_step = step + 1
+
+
+class _BatchWork:
+    """The work of the batches of a window: the module's own ``tokens_per_batch(batch)`` /
+    ``flops_per_batch(batch)`` / ``samples_per_batch(batch)`` where it defines them (numbers or
+    tensors; never synchronised here), else, for a Hugging Face style batch (a mapping with
+    ``input_ids`` and maybe ``attention_mask``), the real tokens and model FLOPs that
+    :class:`gpulens.work.hf.TokenCounter` counts (the formula from the module's or its
+    ``model``'s Hugging Face config)."""
+
+    def __init__(self, pl_module: Any) -> None:
+        self._hooks = {name: getattr(pl_module, f"{name}_per_batch", None)
+                       for name in ("tokens", "flops", "samples")}
+        self._sums: dict[str, Any] = {}
+        self._counter: Any = None
+        if not any(callable(h) for h in self._hooks.values()):
+            from gpulens.work.hf import TokenCounter, model_flops
+
+            model = getattr(pl_module, "model", pl_module)
+            has_config = getattr(model, "config", None) is not None
+            self._counter = TokenCounter(model_flops(model) if has_config else None)
+
+    def observe(self, pl_module: Any, batch: Any) -> None:
+        try:
+            for name, hook in self._hooks.items():
+                if callable(hook):
+                    value = hook(batch)
+                    if value is not None:
+                        self._sums[name] = self._sums.get(name, 0) + value
+            if self._counter is not None and isinstance(batch, Mapping):
+                self._counter.observe(batch)
+        except Exception as exc:  # work figures are extras: training goes on
+            warn_once("lightning-work", "gpulens: cannot count the work of a batch (%r); no "
+                      "throughput or MFU for it", exc)
+
+    def take(self) -> dict[str, Any]:
+        out, self._sums = self._sums, {}
+        if self._counter is not None:
+            work = self._counter.take()
+            if work.micro_batches:
+                out["tokens"] = work.tokens
+                if work.flops is not None:
+                    out["flops"] = work.flops
+        return out
 
 
 def _logged_metrics(trainer: Any) -> dict[str, Any]:

@@ -115,6 +115,12 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             ``GPULENS_BACKEND``).
         follow_report_to: send rows to the W&B / MLflow runs of ``args.report_to``.
         phases: time the phases of each step (``perf/data_wait_pct`` ...).
+        work: count the tokens of every training forward (the attention mask says which are
+            padding) and the model's FLOPs (analytic formula from the model's config, else
+            measured once with ``FlopCounterMode`` on the meta device), so that rows carry
+            ``perf/tokens_per_s``, ``perf/tflops``, ``perf/mfu_pct`` and
+            ``perf/tokens_per_j``; the dtype comes from ``TrainingArguments`` (``bf16``,
+            ``fp16``, ``tf32``) and the model.  See :mod:`gpulens.work`.
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         backend: str | None = None,
         follow_report_to: bool = True,
         phases: bool = True,
+        work: bool = True,
     ) -> None:
         self.sinks: list[str | Sink] = list(sinks or ())
         # the core's own argument checks, now rather than at train begin (nothing starts here);
@@ -134,6 +141,8 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
                                  backend=backend)
         self.follow_report_to = follow_report_to
         self.time_phases = phases
+        self.count_work = work
+        self._tokens: Any = None
         self.monitor: Monitor | None = None
         self._phases: StepPhases | None = None
         self._last_logged_step = 0
@@ -145,7 +154,8 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop()  # a previous train() that raised left it running
         sinks = self._sinks_for(args) if state.is_world_process_zero else []
-        monitor = self._settings.with_sinks(sinks)
+        dtype = self._start_counting(args, kwargs.get("model"))
+        monitor = self._settings.with_sinks(sinks, dtype=dtype)
         check_sinks(monitor.sinks)  # a one-line error before any run or file is made
         if state.is_world_process_zero and self._follows(args, "mlflow"):
             self._mlflow_run = _ensure_mlflow_run(args)
@@ -168,17 +178,49 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             tail = self._tail[1] if self._tail is not None and self._tail[0] == step else {}
             if self._phases is not None:
                 tail = {**tail, **self._phases.collect(step - self._last_logged_step)}
-            monitor.log(step, **tail)
+            monitor.log(step, **self._take_work(), **tail)
             self._last_logged_step = step
         self._stop()
         run, self._mlflow_run = self._mlflow_run, None
         if run is not None:
             _end_mlflow_run(run)
 
+    def _start_counting(self, args: Any, model: Any) -> str | None:
+        """Count the work of every training forward of ``model``; the run's dtype."""
+        if not self.count_work or model is None:
+            return None
+        try:
+            from gpulens.work.hf import TokenCounter, dtype_from_training_args, model_flops
+
+            dtype = dtype_from_training_args(args, model)
+            self._tokens = TokenCounter(model_flops(model)).attach(model)
+        except Exception as exc:  # work figures are extras: never a reason to stop training
+            log.warning("gpulens: cannot count this model's tokens and FLOPs (%r); no "
+                        "throughput or MFU", exc)
+            return None
+        return dtype
+
+    def _take_work(self) -> dict[str, Any]:
+        """Tokens and FLOPs since the previous row (device tensors: converted off the training
+        thread by the monitor)."""
+        counter = self._tokens
+        if counter is None:
+            return {}
+        work = counter.take()
+        if not work.micro_batches:
+            return {}
+        out: dict[str, Any] = {"tokens": work.tokens}
+        if work.flops is not None:
+            out["flops"] = work.flops
+        return out
+
     def _stop(self) -> None:
         if self._finalizer is not None:
             self._finalizer()  # calls monitor.stop() once; later calls do nothing
             self._finalizer = None
+        if self._tokens is not None:
+            self._tokens.detach()
+            self._tokens = None
         self.monitor = None
         self._phases = None
         self._tail = None
@@ -226,7 +268,7 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         if "loss" in logs:
             if self._phases is not None:
                 scalars.update(self._phases.collect(step - self._last_logged_step))
-            monitor.log(step, **scalars)
+            monitor.log(step, **self._take_work(), **scalars)
             self._last_logged_step = step
             self._tail = None
         elif not any(k.startswith("eval_") for k in logs) and step > self._last_logged_step:
