@@ -11,7 +11,7 @@ echo "== plain loop (process isolation, real NVML)"
 python3 examples/plain_loop.py --steps 60 --log-every 10 --out $OUT/plain.jsonl 2>&1 | tail -3
 python3 - <<'PY'
 import json, os
-rows=[json.loads(l) for l in open(os.environ["OUT"]+"/plain.jsonl")]
+rows=[r for r in map(json.loads, open(os.environ["OUT"]+"/plain.jsonl")) if "event" not in r]
 r=rows[-1]
 print(len(rows), "rows; last:", {k: round(v,3) for k,v in r.items() if k.startswith("gpu/0/") and any(s in k for s in ("torch_","sm_active","power_w","energy_j","util_pct"))})
 PY

@@ -6,12 +6,12 @@
 # already has (torch, numpy, protobuf, ...) are kept unless their version fails a requirement;
 # benchmarks/wheel_plan.py decides and says which ones it shadows. Returns non-zero on failure.
 #
-# Wheels were fetched on the development machine with
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux_2_28_x86_64 ... -d .whl NAME==VERSION
-# (see docs/benchmarks.md for the list).
+# The wheels are fetched on a machine that reaches PyPI with  bash benchmarks/fetch_wheels.sh
 
 gpulens_device_setup() {
+    if [ -n "${GPULENS_DEVICE_SETUP_DONE:-}" ]; then  # sourced again by a script of a part
+        return 0
+    fi
     local site="${GPULENS_BENCH_SITE:-/tmp/site}"
     local py="${PYTHON:-python3}"
     local plan
@@ -26,6 +26,7 @@ gpulens_device_setup() {
     export PYTHONPATH="$site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     "$py" benchmarks/wheel_plan.py check --wheels .whl || return 1
     "$py" -c "import wandb, mlflow, nvitop, gpulens; print('device_setup: wandb', wandb.__version__, '| mlflow', mlflow.__version__, '| nvitop', nvitop.__version__, '| gpulens from', gpulens.__file__)" || return 1
+    export GPULENS_DEVICE_SETUP_DONE=1
 }
 
 gpulens_device_setup

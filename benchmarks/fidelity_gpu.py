@@ -18,7 +18,10 @@ fall inside it and the mean of their utilization figure. MLflow stamps a sample 
 it, about one interval after it read it.
 
 Checks printed at the end (not asserted): busy steps' SM activity near full (>= 80 %), idle
-steps' near zero (<= 10 %), per-step ``energy_j`` within 10 % of NVML's counter difference.
+steps' near zero (<= 10 %); per-step ``energy_j`` against NVML's counter difference at the step
+edges (a poor per-step reference: the counter ticks every ~100 ms), and issue 11's targets
+against the integral of the driver's 20 ms power samples (median error <= 2 %, worst step
+<= 10 %) and for the run's total against the counter (<= 0.5 %).
 
     python benchmarks/fidelity_gpu.py                # on a GPU; ~30 s
     python benchmarks/fidelity_gpu.py --quick        # CPU: small products, simulated GPU
@@ -449,11 +452,18 @@ def main(argv: list[str] | None = None) -> int:
                    f"{100 * statistics.median(errs):.1f} %" if errs else energy_note or "-"))
     perrs = [abs(r["energy_j"] - r["power_int_j"]) / r["power_int_j"] for r in table_rows
              if r["energy_j"] is not None and r["power_int_j"] not in (None, 0)]
-    checks.append(("per-step energy_j within 10 % of the 20 ms power samples' integral "
-                   "(median error)", None if not perrs else statistics.median(perrs) <= 0.10,
+    # issue 11's targets: median per-step error against the power samples' integral <= 2 %,
+    # the worst <= 10 %; the run's total against the counter <= 0.5 %
+    checks.append(("per-step energy_j within 2 % of the 20 ms power samples' integral "
+                   "(median error)", None if not perrs else statistics.median(perrs) <= 0.02,
                    f"{100 * statistics.median(perrs):.1f} %" if perrs else energy_note or "-"))
-    checks.append(("total energy gpulens / NVML", None if not tot_n else abs(tot_g / tot_n - 1)
-                   <= 0.05, f"{tot_g:.1f} J / {tot_n:.1f} J" if tot_n else "-"))
+    checks.append(("per-step energy_j within 10 % of the 20 ms power samples' integral "
+                   "(worst step)", None if not perrs else max(perrs) <= 0.10,
+                   f"{100 * max(perrs):.1f} %" if perrs else energy_note or "-"))
+    checks.append(("total energy gpulens / NVML counter within 0.5 %", None if not tot_n
+                   else abs(tot_g / tot_n - 1) <= 0.005,
+                   f"{tot_g:.1f} J / {tot_n:.1f} J ({100 * (tot_g / tot_n - 1):+.2f} %)"
+                   if tot_n else "-"))
     for peer in peers:
         b = mean_of("busy", f"{peer.name}_util")
         i = mean_of("idle", f"{peer.name}_util")

@@ -1,70 +1,69 @@
-"""Training-step overhead of gpulens and of the monitors people use today, side by side (issue 5).
+"""Training-step overhead of gpulens and of the monitors people use, with an A/A arm (issue 11).
 
 One process trains a GPT-2-small-sized transformer (12 layers, 768 wide, 12 heads, 1024 tokens,
-built in code from ``GPT2Config``; bf16 weights, fused AdamW), batch chosen so that a step takes
-about ``--target-ms`` (100 ms by default) on the GPU. Each step ends with ``loss.item()``, as a
-loop that logs its loss every step does. In interleaved repetitions (the order rotates each
-round) it runs the same loop under:
+built in code from ``GPT2Config``: no download; bf16 weights, fused AdamW), the batch chosen so
+that a step takes about ``--target-ms`` (100 ms by default) on the GPU. It runs **rounds**; each
+round runs every **arm** once, in an order shuffled anew each round (seeded, recorded). An arm is
+a baseline loop, the same baseline a second time (its **A/A arm**, ``<baseline>_b``), or the
+baseline with one monitor. ``benchmarks/paired.py`` holds the statistics: per-round paired
+differences in percentage points (pp) of the baseline's step, their mean with a 95 % bootstrap
+interval, the A/A envelope, the verdict rule and how many rounds the A/A noise asks for.
 
-``none``           no monitoring (the baseline of the plain-loop variants);
-``gpulens``        ``gpulens.Monitor(interval=0.1)``: 10 Hz cheap reads, GPM, energy counter,
-                   the driver's buffered samples; ``mon.log(step, loss=...)`` every step, rows
-                   to a JSONL file; sampler and JSONL writer in gpulens's own process (the
-                   default ``isolation``);
-``gpulens_thread`` the same with ``isolation="thread"``: sampler and writer in threads of the
-                   training process;
-``wandb``          an offline W&B run with its system monitor at ``x_stats_sampling_interval=0.1``
-                   (the lowest its settings accept);
-``mlflow``         an MLflow run (local file store) with system metrics every 0.1 s
-                   (``set_system_metrics_sampling_interval``; it accepts any positive float, we
-                   match gpulens's 10 Hz);
-``nvitop``         nvitop's ``ResourceMetricCollector(interval=0.1)`` activated, its daemon
-                   thread taking snapshots in the background;
-``lightning``      the same model and batches in a Lightning ``Trainer`` with a CSV logger (the
-                   baseline of the Lightning variant);
-``lightning_dsm``  the same plus Lightning's ``DeviceStatsMonitor``.
+Suites (``--suite``, several with commas; each brings its baseline and A/A arm):
 
-On request (``--variants``): ``gpulens_mlflow`` / ``gpulens_mlflow_thread``: gpulens's rows
-written to an MLflow run (local file store) instead of JSONL, sampler process / thread;
-``gpulens_nogpm`` / ``gpulens_cheap`` (thread): without GPM, or with the cheap reads only.
+``peers``      the plain loop (``loss.item()`` every step): ``none`` / ``none_b``;
+               ``gpulens`` (``Monitor(interval)``, rows to JSONL, the sampler process),
+               ``gpulens_thread`` (the same, ``isolation="thread"``), ``wandb`` (an offline run
+               with its system monitor at ``interval``, W&B's own processes), ``mlflow`` (a run
+               on a local file store with system metrics every ``interval``), ``nvitop``
+               (``ResourceMetricCollector(interval)``, its daemon thread). The peers get no
+               loss; gpulens's row (loss beside the GPU window) is the only per-step write.
+``wandb``      a W&B user's plain loop: ``wandb_log`` / ``wandb_log_b`` (an offline run, system
+               metrics off, ``run.log({"train/loss", "train/global_step"})`` every step);
+               ``wandb_stats`` (the same with W&B's system metrics every ``interval``);
+               ``gpulens_wandb`` (system metrics off; ``Monitor(sinks=["wandb"])`` logs the
+               loss and the GPU row: rows come back from the sampler process into this
+               process, ``wandb.log`` on the training thread).
+``hf``         Hugging Face ``Trainer`` with ``report_to=["wandb"]`` (offline; W&B's default
+               system monitor), logging every ``--log-every`` steps: ``hf`` / ``hf_b``;
+               ``hf_gpulens`` (plus ``GPUMonitorCallback(interval)``: rows into the same run).
+               Timed as a block (a device sync at the block's two ends only, so that
+               ``logging_steps`` > 1 keeps its asynchrony): the arm's value is the block's mean.
+``lightning``  the same model in a ``lightning.pytorch.Trainer`` with a CSV logger, logging every
+               ``--log-every`` steps, a callback that syncs and stamps each batch end:
+               ``lightning`` / ``lightning_b``; ``lightning_gpulens`` (gpulens's
+               ``GPUMonitorCallback(interval)``: rows to the trainer's loggers);
+               ``lightning_dsm`` (Lightning's ``DeviceStatsMonitor``).
 
-The peers run only their system monitoring; the loss is not sent to them (gpulens's row, which
-holds the loss beside the GPU window, is the only per-step write, so gpulens does more work here).
+More arms with ``--arms`` (a baseline and its A/A arm come along): ``gpulens_mlflow`` /
+``gpulens_mlflow_thread`` (rows into an MLflow file store from the sampler process / a thread),
+``gpulens_nogpm``, ``gpulens_cheap`` (thread; no GPM / cheap reads only),
+``gpulens_wandb_thread``, ``hf_gpulens_thread``, ``lightning_gpulens_thread``
+(``GPULENS_ISOLATION=thread``): the process-vs-thread question on each user path.
 
-Per variant it reports the median step time (over all timed steps of all repetitions), its ratio
-to the baseline; the per-round ratio (the variant's median step over the same round's baseline
-median: pairing within a round takes out the drift of GPU clocks and temperature between rounds),
-its median over the rounds with a 95 % bootstrap interval, and its range; the CPU time of
-monitoring threads and processes; the training thread's CPU time per step; host memory.  A second
-table sets gpulens against each other monitor round by round: the median difference of the
-per-round ratios in percentage points, its 95 % bootstrap interval, and the rounds in which
-gpulens cost less.  Many short rounds (40 by default, as many as the time budget allows, of 40
-timed steps) give tighter intervals than a few long ones.
+Rounds: ``--pilot`` rounds first (4); the largest per-round SD of the A/A arms sets the rounds
+needed to resolve 0.2 pp (``paired.rounds_needed``), capped by ``--max-rounds`` and by the time
+budget (``--budget-s``: no round starts that would end past it). ``--rounds N`` fixes the number
+instead. The JSON (``$OUT/overhead.json`` or ``--json``) is rewritten after every round, so a
+time limit still leaves figures.
 
-How monitoring CPU time is measured: ``psutil`` reads the CPU time of every OS thread of this
-process (``/proc/self/task``) and of every child process, right after the warm-up steps of a
-repetition and at the end of its timed steps. Threads that already existed after the model's
-warm-up, before any monitor ran (the training thread, PyTorch's autograd and CUDA threads), are
-the training's own and are left out; every other thread of the process (the monitor's sampler and
-writer threads, W&B's asyncio thread, MLflow's and nvitop's daemon threads) and every child
-process (W&B's ``wandb-core`` and ``wandb-symon``) counts. The difference over the timed steps,
-divided by their wall time, is the monitor's share of one CPU core. Work a monitor does on the
-training thread (``gpulens`` ``log()``, Lightning callbacks) is in the step time and in the
-training thread's CPU time, not in this figure.
+Per arm, also: the median step; the CPU time of monitoring threads and processes (threads that
+did not exist after the model's warm-up, and child processes, as a share of one core); the
+training thread's CPU time per step; the RSS of this process and of its child processes (a
+gpulens sampler process, ``wandb-core``) at the end of the arm's timed steps, the largest over the
+rounds, with the children's names.
 
-Host memory: RSS of this process plus its children at the end of each repetition's timed steps,
-the largest over the repetitions (a per-variant figure, unlike ``ru_maxrss``).
+    python benchmarks/overhead_gpu.py --suite peers --budget-s 480   # on a GPU
+    python benchmarks/overhead_gpu.py --quick --suite peers          # CPU smoke run
 
-    python benchmarks/overhead_gpu.py --budget-s 470  # on a GPU; as many rounds as fit
-    python benchmarks/overhead_gpu.py --quick         # CPU, tiny model, simulated gpulens GPU
-
-Prints a Markdown table; writes ``$OUT/overhead.json`` (or ``--json PATH``) with every figure.
+Prints Markdown; writes JSON with every round's value per arm and the order of every round.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import importlib.metadata as md
 import io
@@ -73,40 +72,85 @@ import logging
 import math
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-INTERVAL_S = 0.1
-PLAIN = ("none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop")
-LIGHTNING = ("lightning", "lightning_dsm")
-# gpulens's own variants beyond the default: with --variants (or GPULENS_BENCH_ARGS)
-DIAGNOSIS = ("gpulens_mlflow", "gpulens_mlflow_thread", "gpulens_nogpm", "gpulens_cheap")
-ALL_VARIANTS = PLAIN + LIGHTNING
-BASELINE = {v: "none" for v in PLAIN + DIAGNOSIS} | {v: "lightning" for v in LIGHTNING}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import paired  # benchmarks/paired.py, beside this script
+
+SUITES: dict[str, tuple[str, ...]] = {
+    "peers": ("none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop"),
+    "wandb": ("wandb_log", "wandb_stats", "gpulens_wandb"),
+    "hf": ("hf", "hf_gpulens"),
+    "lightning": ("lightning", "lightning_gpulens", "lightning_dsm"),
+}
+EXTRA_ARMS = ("gpulens_mlflow", "gpulens_mlflow_thread", "gpulens_nogpm", "gpulens_cheap",
+              "gpulens_wandb_thread", "hf_gpulens_thread", "lightning_gpulens_thread")
+BASELINE_OF: dict[str, str] = {
+    **{a: "none" for a in ("none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop",
+                           "gpulens_mlflow", "gpulens_mlflow_thread", "gpulens_nogpm",
+                           "gpulens_cheap")},
+    **{a: "wandb_log" for a in ("wandb_log", "wandb_stats", "gpulens_wandb",
+                                "gpulens_wandb_thread")},
+    **{a: "hf" for a in ("hf", "hf_gpulens", "hf_gpulens_thread")},
+    **{a: "lightning" for a in ("lightning", "lightning_gpulens", "lightning_dsm",
+                                "lightning_gpulens_thread")},
+}
+BASELINES = ("none", "wandb_log", "hf", "lightning")
+for _b in BASELINES:
+    BASELINE_OF[paired.aa_name(_b)] = _b
+RIVALS = (
+    ("gpulens", "gpulens_thread"), ("gpulens", "wandb"), ("gpulens", "mlflow"),
+    ("gpulens", "nvitop"), ("gpulens", "gpulens_mlflow"), ("gpulens_mlflow",
+                                                           "gpulens_mlflow_thread"),
+    ("gpulens_wandb", "wandb_stats"), ("gpulens_wandb", "gpulens_wandb_thread"),
+    ("hf_gpulens", "hf_gpulens_thread"),
+    ("lightning_gpulens", "lightning_dsm"), ("lightning_gpulens", "lightning_gpulens_thread"),
+)
 
 
 def log(msg: str) -> None:
-    """Progress to stderr (the table goes to stdout)."""
+    """Progress to stderr (the tables go to stdout)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# --- the training loop -------------------------------------------------------------------------
+def expand_arms(suites: list[str], arms: list[str]) -> list[str]:
+    """The arms to run: those of the suites and the named ones, each with its baseline and the
+    baseline's A/A arm, in a stable order. ``ValueError`` names an unknown suite or arm."""
+    wanted: list[str] = []
+    for s in suites:
+        if s not in SUITES:
+            raise ValueError(f"unknown suite {s!r}; known: {', '.join(SUITES)}")
+        wanted += SUITES[s]
+    for a in arms:
+        if a not in BASELINE_OF:
+            raise ValueError(f"unknown arm {a!r}; known: {', '.join(BASELINE_OF)}")
+        wanted.append(a)
+    out: list[str] = []
+    for a in wanted:
+        base = BASELINE_OF[a]
+        for x in (base, paired.aa_name(base), a):
+            if x not in out:
+                out.append(x)
+    return out
+
+
+# --- the training loop ---------------------------------------------------------------------------
 
 
 @dataclass
 class Setup:
-    """The model, its optimizer, the batches and the device, shared by the plain-loop variants."""
+    """The model, its optimizer, the batches and the device, shared by the plain-loop arms."""
 
     torch: Any
     device: Any
@@ -144,8 +188,7 @@ def build_model(quick: bool, device: Any) -> tuple[Any, Any, int]:
 
 def make_optimizer(torch: Any, model: Any, device: Any) -> Any:
     """AdamW, fused on CUDA."""
-    fused = device.type == "cuda"
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
 
 def make_batches(torch: Any, cfg: Any, batch: int, seq: int, device: Any, n: int = 4) -> list[Any]:
@@ -175,11 +218,14 @@ def time_steps(s: Setup, n: int) -> float:
     return statistics.median(out)
 
 
-def setup(quick: bool, target_ms: float, batch: int | None, seq: int | None) -> Setup:
+def setup(quick: bool, target_ms: float, batch: int | None, seq: int | None,
+          device_name: str | None = None) -> Setup:
     """Build everything and choose the batch so that a step takes about ``target_ms``."""
     import torch
 
-    device = torch.device("cuda" if (torch.cuda.is_available() and not quick) else "cpu")
+    if device_name is None:
+        device_name = "cuda" if (torch.cuda.is_available() and not quick) else "cpu"
+    device = torch.device(device_name)
     if quick:
         torch.set_num_threads(1)  # a tiny model: more threads only contend on a small machine
     model, cfg, n_params = build_model(quick, device)
@@ -218,7 +264,7 @@ def setup(quick: bool, target_ms: float, batch: int | None, seq: int | None) -> 
     return s
 
 
-# --- what is measured around each repetition ------------------------------------------------------
+# --- what is measured around each arm ------------------------------------------------------------
 
 
 @dataclass
@@ -227,20 +273,33 @@ class Probe:
 
     threads: dict[int, float]
     children: dict[int, float]
-    rss: int
+    rss_self: int
+    rss_children: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
     def take() -> Probe:
         me = psutil.Process()
         threads = thread_cpu_s()
         children: dict[int, float] = {}
-        rss = int(me.memory_info().rss)
+        rss: dict[str, int] = {}
         for c in me.children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 ct = c.cpu_times()
                 children[c.pid] = ct.user + ct.system
-                rss += int(c.memory_info().rss)
-        return Probe(threads, children, rss)
+                name = _child_name(c)
+                rss[name] = rss.get(name, 0) + int(c.memory_info().rss)
+        return Probe(threads, children, int(me.memory_info().rss), rss)
+
+
+def _child_name(proc: psutil.Process) -> str:
+    """A short name for a child process: ``gpulens-sampler`` for a Python process whose command
+    line names gpulens (the sampler process), else its executable's name (``wandb-core``...)."""
+    with contextlib.suppress(psutil.Error):
+        name = proc.name()
+        if name.startswith("python") and "gpulens" in " ".join(proc.cmdline()):
+            return "gpulens-sampler"
+        return name
+    return "?"
 
 
 def thread_cpu_s() -> dict[int, float]:
@@ -259,6 +318,12 @@ def thread_cpu_s() -> dict[int, float]:
         return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
 
 
+def main_thread_cpu_s() -> float:
+    """CPU seconds of the training (main) thread."""
+    tid = threading.main_thread().native_id
+    return thread_cpu_s().get(tid or -1, 0.0)
+
+
 def monitor_cpu_s(before: Probe, after: Probe, training_threads: set[int]) -> float:
     """CPU seconds of non-training threads and of child processes between two probes."""
     total = 0.0
@@ -272,49 +337,71 @@ def monitor_cpu_s(before: Probe, after: Probe, training_threads: set[int]) -> fl
 
 @dataclass
 class Rep:
-    """One repetition of one variant."""
+    """One arm in one round."""
 
+    round: int
+    value_s: float
+    """The arm's seconds per step in this round (median of ``step_s``, or a block's mean)."""
+    timing: str
     step_s: list[float]
     wall_s: float
     monitor_cpu_s: float
     train_cpu_s: float
-    rss_bytes: int
+    rss_self: int
+    rss_children: dict[str, int]
     note: str = ""
 
 
-@dataclass
-class Result:
-    """All repetitions of one variant."""
+class Window:
+    """Probes at the start and end of an arm's timed steps; makes the arm's :class:`Rep`."""
 
-    name: str
-    reps: list[Rep] = field(default_factory=list)
-    skipped: str | None = None
+    def __init__(self, training_threads: set[int]) -> None:
+        self.training_threads = training_threads
+        self.before: Probe | None = None
+        self.after: Probe | None = None
+        self.cpu0 = self.cpu1 = 0.0
+        self.t0 = self.t1 = 0.0
+
+    def open(self) -> None:
+        self.before, self.cpu0 = Probe.take(), main_thread_cpu_s()
+        self.t0 = time.perf_counter()
+
+    def close(self) -> None:
+        self.t1 = time.perf_counter()
+        self.after, self.cpu1 = Probe.take(), main_thread_cpu_s()
+
+    def rep(self, rnd: int, step_s: list[float], steps: int, timing: str, note: str) -> Rep:
+        if self.before is None or self.after is None:
+            raise RuntimeError("the arm ended before its timed steps did")
+        wall = self.t1 - self.t0
+        value = statistics.median(step_s) if timing == "median" else wall / steps
+        return Rep(rnd, value, timing, step_s, wall,
+                   monitor_cpu_s(self.before, self.after, self.training_threads),
+                   self.cpu1 - self.cpu0, self.after.rss_self, self.after.rss_children, note)
 
 
-# --- the variants ------------------------------------------------------------------------------
+# --- plain-loop arms -----------------------------------------------------------------------------
 
 
-def mlflow_missing() -> str | None:
-    """Why the MLflow variants cannot run here, or None."""
+def missing(module: str, extra: str = "") -> str | None:
+    """Why ``module`` cannot be imported here, or None."""
     try:
-        import mlflow  # noqa: F401
+        __import__(module)
     except ImportError as exc:
-        return f"mlflow not importable ({exc})"
+        return f"{module} not importable ({exc}){extra}"
     return None
 
 
 class Variant:
-    """Start/stop a monitor around the timed steps; ``on_step`` runs after each step."""
+    """A plain-loop arm: start/stop a monitor around the timed steps; ``on_step`` after each."""
 
-    name = "none"
-
-    def __init__(self, tmp: Path, s: Setup) -> None:
-        self.tmp, self.s = tmp, s
+    def __init__(self, tmp: Path, s: Setup, args: argparse.Namespace) -> None:
+        self.tmp, self.s, self.args = tmp, s, args
 
     def skip_reason(self) -> str | None:
         return None
 
-    def start(self, rep: int) -> None:
+    def start(self, rnd: int) -> None:
         pass
 
     def on_step(self, step: int, loss: float) -> None:
@@ -323,18 +410,60 @@ class Variant:
     def stop(self) -> str:
         return ""
 
+    def run(self, rnd: int, warmup: int, steps: int, training_threads: set[int]) -> Rep:
+        """Start, warm up, time ``steps`` steps, stop (start and stop are not timed)."""
+        s = self.s
+        self.start(rnd)
+        step = 0
+        for _ in range(warmup):
+            step += 1
+            self.on_step(step, train_step(s, step))
+        win = Window(training_threads)
+        win.open()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step += 1
+            loss = train_step(s, step)
+            self.on_step(step, loss)
+            times.append(time.perf_counter() - t0)
+        win.close()
+        return win.rep(rnd, times, steps, "median", self.stop())
+
+
+@contextlib.contextmanager
+def isolation_env(isolation: str | None) -> Iterator[None]:
+    """``GPULENS_ISOLATION`` set for the duration (integrations read it at start)."""
+    if isolation is None:
+        yield
+        return
+    old = os.environ.get("GPULENS_ISOLATION")
+    os.environ["GPULENS_ISOLATION"] = isolation
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GPULENS_ISOLATION", None)
+        else:
+            os.environ["GPULENS_ISOLATION"] = old
+
+
+def rows_note(stats: dict[str, Any]) -> str:
+    dropped = sum(getattr(v, "dropped", 0) for v in stats.values())
+    return f", {dropped} dropped" if dropped else ""
+
 
 class GpulensVariant(Variant):
-    name = "gpulens"
+    """``gpulens.Monitor(interval, sinks=["jsonl:..."])``; ``log(step, loss=...)`` every step."""
+
     reads: dict[str, Any] = {}  # noqa: RUF012 - read-only per class
 
-    def start(self, rep: int) -> None:
+    def start(self, rnd: int) -> None:
         import gpulens
 
-        self.path = self.tmp / f"gpulens-{rep}.jsonl"
-        backend = "simulated" if self.s.quick else None
-        self.mon = gpulens.Monitor(interval=INTERVAL_S, sinks=[f"jsonl:{self.path}"],
-                                   backend=backend, **self.reads)
+        self.path = self.tmp / f"{type(self).__name__}-{rnd}.jsonl"
+        self.mon = gpulens.Monitor(interval=self.args.interval, sinks=[f"jsonl:{self.path}"],
+                                   **self.reads)
         self.mon.start()
 
     def on_step(self, step: int, loss: float) -> None:
@@ -342,43 +471,45 @@ class GpulensVariant(Variant):
 
     def stop(self) -> str:
         stats = self.mon.stop()
-        rows = [json.loads(line) for line in self.path.open()]
+        rows = [r for r in map(json.loads, self.path.open()) if "event" not in r]
         keys = {k for r in rows for k in r}
         gpu_keys = sorted(k for k in keys if k.startswith("gpu/0/"))
         backend = self.mon.context.backend if self.mon.context else "?"
-        dropped = sum(getattr(v, "dropped", 0) for v in stats.values())
-        return (f"{len(rows)} rows, backend {backend}, {len(gpu_keys)} gpu/0 keys"
-                + (f", {dropped} dropped" if dropped else ""))
+        return (f"{len(rows)} rows, backend {backend}, {len(gpu_keys)} gpu/0 keys, "
+                f"sampler in a {self.mon.isolation}" + rows_note(stats))
 
 
 class GpulensThreadVariant(GpulensVariant):
-    """gpulens with its sampler (and JSONL writer) in a thread of the training process, as
-    before ``isolation="process"`` became the default."""
-
-    name = "gpulens_thread"
     reads = {"isolation": "thread"}  # noqa: RUF012
 
 
-class GpulensMlflowVariant(Variant):
-    """gpulens writing every row (~100 metrics) into an MLflow run (local file store) instead
-    of JSONL: MLflow's client is pure Python, so where it runs matters."""
+class GpulensNoGpmVariant(GpulensVariant):
+    reads = {"gpm": False, "isolation": "thread"}  # noqa: RUF012
 
-    name = "gpulens_mlflow"
+
+class GpulensCheapVariant(GpulensVariant):
+    reads = {"gpm": False, "energy": False, "driver_samples": False,  # noqa: RUF012
+             "isolation": "thread"}
+
+
+class GpulensMlflowVariant(Variant):
+    """gpulens's rows (~100 metrics each) into an MLflow run on a local file store."""
+
     isolation = "process"
 
     def skip_reason(self) -> str | None:
-        return mlflow_missing()
+        return missing("mlflow")
 
-    def start(self, rep: int) -> None:
+    def start(self, rnd: int) -> None:
         import mlflow
 
         import gpulens
 
         mlflow.set_tracking_uri((self.tmp / "mlruns-gpulens").as_uri())
         mlflow.set_experiment("gpulens-bench-rows")
-        self.run = mlflow.start_run(run_name=f"{self.name}-{rep}")
-        backend = "simulated" if self.s.quick else None
-        self.mon = gpulens.Monitor(interval=INTERVAL_S, sinks=["mlflow"], backend=backend,
+        self.run_ = mlflow.start_run(run_name=f"{type(self).__name__}-{rnd}",
+                                     log_system_metrics=False)
+        self.mon = gpulens.Monitor(interval=self.args.interval, sinks=["mlflow"],
                                    isolation=self.isolation)
         self.mon.start()
 
@@ -389,84 +520,131 @@ class GpulensMlflowVariant(Variant):
         import mlflow
 
         stats = self.mon.stop()
-        run_id = self.run.info.run_id
+        run_id = self.run_.info.run_id
         mlflow.end_run()
         client = mlflow.MlflowClient()
         keys = list(client.get_run(run_id).data.metrics)
         rows = len(client.get_metric_history(run_id, "train/global_step"))
-        dropped = sum(getattr(v, "dropped", 0) for v in stats.values())
-        return (f"{rows} rows of {len(keys)} metrics in MLflow"
-                + (f", {dropped} dropped" if dropped else ""))
+        return f"{rows} rows of {len(keys)} metrics in MLflow" + rows_note(stats)
 
 
 class GpulensMlflowThreadVariant(GpulensMlflowVariant):
-    name = "gpulens_mlflow_thread"
     isolation = "thread"
 
 
-class GpulensNoGpmVariant(GpulensVariant):
-    """Diagnosis: gpulens without GPM polling."""
+def wandb_init(tmp: Path, name: str, stats_interval: float | None) -> Any:
+    """An offline W&B run; system metrics every ``stats_interval`` s, or off (None)."""
+    import wandb
 
-    name = "gpulens_nogpm"
-    reads = {"gpm": False, "isolation": "thread"}  # noqa: RUF012
+    settings: dict[str, Any] = {"console": "off", "silent": True, "disable_git": True,
+                                "save_code": False}
+    if stats_interval is None:
+        settings["x_disable_stats"] = True
+    else:
+        settings["x_stats_sampling_interval"] = stats_interval
+    return wandb.init(project="gpulens-bench", name=name, mode="offline", dir=str(tmp),
+                      settings=wandb.Settings(**settings))
 
 
-class GpulensCheapVariant(GpulensVariant):
-    """Diagnosis: gpulens with the cheap reads only (no GPM, energy counter, driver samples)."""
+def wandb_finish(run: Any) -> str:
+    """Finish the run and end W&B's service process (``wandb-core`` would otherwise outlive
+    the arm and show in the next arms' child processes); its run file's size."""
+    import wandb
 
-    name = "gpulens_cheap"
-    reads = {"gpm": False, "energy": False, "driver_samples": False,  # noqa: RUF012
-             "isolation": "thread"}
+    run_dir = Path(run.dir).parent
+    run.finish()
+    wandb.teardown()
+    size = sum(f.stat().st_size for f in run_dir.glob("*.wandb"))
+    return f"offline run file {size / 1024:.0f} KiB"
 
 
 class WandbVariant(Variant):
-    name = "wandb"
+    """W&B's system monitor alone (no loss logged): the peers suite."""
 
     def skip_reason(self) -> str | None:
-        try:
-            import wandb  # noqa: F401
-        except ImportError as exc:
-            return f"wandb not importable ({exc})"
-        return None
+        return missing("wandb")
 
-    def start(self, rep: int) -> None:
-        import wandb
-
-        self.run = wandb.init(
-            project="gpulens-bench", name=f"wandb-{rep}", mode="offline",
-            dir=str(self.tmp),
-            settings=wandb.Settings(x_stats_sampling_interval=INTERVAL_S, console="off",
-                                    silent=True, disable_git=True, save_code=False),
-        )
+    def start(self, rnd: int) -> None:
+        self.run_ = wandb_init(self.tmp, f"wandb-{rnd}", self.args.interval)
 
     def stop(self) -> str:
-        run_dir = Path(self.run.dir).parent
-        self.run.finish()
-        size = sum(f.stat().st_size for f in run_dir.glob("*.wandb"))
-        return f"offline run file {size / 1024:.0f} KiB"
+        return wandb_finish(self.run_)
+
+
+class WandbLogVariant(Variant):
+    """A W&B user's loop: the loss logged every step; system metrics off (or on: ``stats``)."""
+
+    stats = False
+
+    def skip_reason(self) -> str | None:
+        return missing("wandb")
+
+    def start(self, rnd: int) -> None:
+        self.run_ = wandb_init(self.tmp, f"{type(self).__name__}-{rnd}",
+                               self.args.interval if self.stats else None)
+
+    def on_step(self, step: int, loss: float) -> None:
+        self.run_.log({"train/loss": loss, "train/global_step": step})
+
+    def stop(self) -> str:
+        return wandb_finish(self.run_)
+
+
+class WandbStatsVariant(WandbLogVariant):
+    stats = True
+
+
+class GpulensWandbVariant(Variant):
+    """W&B run with its system metrics off; gpulens writes loss and GPU row through its
+    ``"wandb"`` sink (rows come back from the sampler process; ``wandb.log`` on this thread)."""
+
+    isolation: str | None = None
+
+    def skip_reason(self) -> str | None:
+        return missing("wandb")
+
+    def start(self, rnd: int) -> None:
+        import gpulens
+
+        self.run_ = wandb_init(self.tmp, f"{type(self).__name__}-{rnd}", None)
+        kw = {"isolation": self.isolation} if self.isolation else {}
+        self.mon = gpulens.Monitor(interval=self.args.interval, sinks=["wandb"], **kw)
+        self.mon.start()
+
+    def on_step(self, step: int, loss: float) -> None:
+        self.mon.log(step, loss=loss)
+
+    def stop(self) -> str:
+        stats = self.mon.stop()
+        written = sum(getattr(v, "written", 0) for v in stats.values())
+        return (f"{written} rows to W&B, sampler in a {self.mon.isolation}, "
+                + wandb_finish(self.run_) + rows_note(stats))
+
+
+class GpulensWandbThreadVariant(GpulensWandbVariant):
+    isolation = "thread"
 
 
 class MlflowVariant(Variant):
-    name = "mlflow"
-
     def skip_reason(self) -> str | None:
-        return mlflow_missing()
+        return missing("mlflow")
 
-    def start(self, rep: int) -> None:
+    def start(self, rnd: int) -> None:
         import mlflow
 
         mlflow.set_tracking_uri((self.tmp / "mlruns").as_uri())
         mlflow.enable_system_metrics_logging()
-        mlflow.set_system_metrics_sampling_interval(INTERVAL_S)
+        mlflow.set_system_metrics_sampling_interval(self.args.interval)
         mlflow.set_system_metrics_samples_before_logging(1)
         mlflow.set_experiment("gpulens-bench")
-        self.run = mlflow.start_run(run_name=f"mlflow-{rep}", log_system_metrics=True)
+        self.run_ = mlflow.start_run(run_name=f"mlflow-{rnd}", log_system_metrics=True)
 
     def stop(self) -> str:
         import mlflow
 
-        run_id = self.run.info.run_id
+        run_id = self.run_.info.run_id
         mlflow.end_run()
+        mlflow.disable_system_metrics_logging()  # a process-wide switch: off for later arms
         client = mlflow.MlflowClient()
         keys = list(client.get_run(run_id).data.metrics)
         gpu = [k for k in keys if k.startswith("system/gpu_0")]
@@ -475,8 +653,6 @@ class MlflowVariant(Variant):
 
 
 class NvitopVariant(Variant):
-    name = "nvitop"
-
     def skip_reason(self) -> str | None:
         try:
             from nvitop import Device
@@ -489,11 +665,11 @@ class NvitopVariant(Variant):
             return f"nvitop cannot reach NVML ({exc})"
         return None
 
-    def start(self, rep: int) -> None:
+    def start(self, rnd: int) -> None:
         from nvitop import Device, ResourceMetricCollector
 
-        # its daemon thread cannot be restarted after stop(): a new collector per repetition
-        self.collector = ResourceMetricCollector(Device.cuda.all(), interval=INTERVAL_S)
+        # its daemon thread cannot be restarted after stop(): a new collector per round
+        self.collector = ResourceMetricCollector(Device.cuda.all(), interval=self.args.interval)
         self.collector.start(tag="bench")
 
     def stop(self) -> str:
@@ -503,23 +679,127 @@ class NvitopVariant(Variant):
         return f"{len(metrics)} keys, {len(util)} gpu_utilization"
 
 
-# --- Lightning -----------------------------------------------------------------------------------
+# --- Hugging Face Trainer arms -------------------------------------------------------------------
+
+
+class HfRunner:
+    """The same model (a copy) in a Hugging Face ``Trainer`` with ``report_to=["wandb"]``.
+
+    Each arm makes a new ``Trainer`` over a fresh copy of the same model (every arm starts from
+    the same weights; under DDP no wrapper of an earlier arm keeps hooks on its parameters) and
+    a dataset of random token rows (collated and copied to the device by the Trainer, as a
+    user's data is). W&B's run is opened
+    before ``train()`` (so HF's ``WandbCallback`` uses it) and finished after. The timed block is
+    delimited by a callback that syncs the device at ``on_step_end`` of steps ``warmup`` and
+    ``warmup + steps``: between them HF's own syncs are the only ones (the loss's ``.item()`` at
+    each log).
+    """
+
+    def __init__(self, tmp: Path, s: Setup, args: argparse.Namespace) -> None:
+        import torch
+
+        self.tmp, self.s, self.args = tmp, s, args
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank0 = int(os.environ.get("RANK", "0")) == 0
+        """Only rank 0 opens the W&B run (HF's WandbCallback logs from rank 0 only)."""
+        self.template, _, _ = build_model(s.quick, s.device)
+        g = torch.Generator().manual_seed(2)
+        self.rows = torch.randint(0, s.config.vocab_size, (max(64, 4 * s.batch_size), s.seq_len),
+                                  generator=g)
+
+    def skip_reason(self) -> str | None:
+        return missing("wandb") or missing("transformers")
+
+    def dataset(self, steps: int) -> Any:
+        """Random token rows, enough for ``steps`` optimizer steps in one epoch (the Trainer's
+        sampler holds a permutation of the whole length: keep it small)."""
+        import torch
+
+        rows = self.rows
+        length = (steps + 1) * self.s.batch_size * self.world  # each rank gets its share
+
+        class Rows(torch.utils.data.Dataset):  # type: ignore[misc]
+            def __len__(self) -> int:
+                return length
+
+            def __getitem__(self, i: int) -> dict[str, Any]:
+                x = rows[i % len(rows)]
+                return {"input_ids": x, "labels": x}
+
+        return Rows()
+
+    def run(self, name: str, rnd: int, warmup: int, steps: int, training_threads: set[int],
+            gpulens_cb: bool, isolation: str | None = None, log_every: int | None = None) -> Rep:
+        from transformers import Trainer, TrainerCallback, TrainingArguments
+
+        s = self.s
+        win = Window(training_threads)
+        marks: list[float] = []
+
+        class Stamp(TrainerCallback):  # type: ignore[misc]
+            def on_step_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
+                marks.append(time.perf_counter())
+                if state.global_step == warmup:
+                    s.sync()
+                    win.open()
+                elif state.global_step == warmup + steps:
+                    s.sync()
+                    win.close()
+
+        cuda = s.device.type == "cuda"
+        targs = TrainingArguments(
+            output_dir=str(self.tmp / "hf" / f"{name}-{rnd}"), max_steps=warmup + steps,
+            per_device_train_batch_size=s.batch_size,
+            logging_steps=log_every or self.args.log_every,
+            report_to=["wandb"], save_strategy="no", eval_strategy="no",
+            optim="adamw_torch_fused" if cuda else "adamw_torch", learning_rate=1e-4,
+            lr_scheduler_type="constant", warmup_steps=0, dataloader_num_workers=0,
+            dataloader_pin_memory=cuda, disable_tqdm=True, use_cpu=not cuda, seed=0,
+            ddp_find_unused_parameters=False,  # GPT-2 uses every parameter (no extra traversal)
+        )
+        callbacks: list[Any] = []
+        if gpulens_cb:
+            from gpulens.integrations.transformers import GPUMonitorCallback
+
+            callbacks.append(GPUMonitorCallback(interval=self.args.interval))
+        callbacks.append(Stamp())
+        # W&B's default system monitor (every 15 s), as a user's run has it
+        run = wandb_init(self.tmp, f"{name}-{rnd}", stats_interval=15.0) if self.rank0 else None
+        note = "rank > 0: no W&B run"
+        try:
+            with isolation_env(isolation):
+                model = copy.deepcopy(self.template)
+                trainer = Trainer(model=model, args=targs,
+                                  train_dataset=self.dataset(warmup + steps), callbacks=callbacks)
+                trainer.train()
+            if run is not None:
+                gpu_keys = [k for k in run.summary.keys() if k.startswith("gpu/")]  # noqa: SIM118
+                note = f"{len(gpu_keys)} gpu/* keys in the W&B run"
+        finally:
+            if run is not None:
+                note += ", " + wandb_finish(run)
+        del trainer, model
+        step_s = [b - a for a, b in zip(marks[warmup - 1:], marks[warmup:], strict=False)]
+        return win.rep(rnd, step_s, steps, "block", note)
+
+
+# --- Lightning arms ------------------------------------------------------------------------------
 
 
 class LightningRunner:
     """The same model and batches in a Lightning Trainer (its own copy of the model: Lightning
     moves the module to the CPU at teardown)."""
 
-    def __init__(self, tmp: Path, s: Setup) -> None:
+    def __init__(self, tmp: Path, s: Setup, args: argparse.Namespace) -> None:
         import lightning.pytorch as pl
         import torch
 
-        self.tmp, self.s, self.pl, self.torch = tmp, s, pl, torch
+        self.tmp, self.s, self.args, self.pl = tmp, s, args, pl
         model, _, _ = build_model(s.quick, s.device)
         batches = s.batches
         device = s.device
 
-        class Module(pl.LightningModule):
+        class Module(pl.LightningModule):  # type: ignore[misc]
             def __init__(self) -> None:
                 super().__init__()
                 self.net = model
@@ -536,7 +816,7 @@ class LightningRunner:
                 return torch.utils.data.DataLoader(Cycle(), batch_size=None)
 
         class Cycle(torch.utils.data.IterableDataset):  # type: ignore[misc]
-            """The plain loop's batches, over and over: no epoch ends inside a repetition."""
+            """The plain loop's batches, over and over: no epoch ends inside an arm."""
 
             def __iter__(self) -> Any:
                 i = 0
@@ -546,202 +826,213 @@ class LightningRunner:
 
         self.module = Module()
 
-    def run(self, rep: int, dsm: bool, warmup: int, steps: int,
-            training_threads: set[int]) -> Rep:
+    @staticmethod
+    def skip_reason() -> str | None:
+        return missing("lightning")
+
+    def run(self, name: str, rnd: int, warmup: int, steps: int, training_threads: set[int],
+            extra: str | None, isolation: str | None = None) -> Rep:
         pl, s = self.pl, self.s
         marks: list[float] = []
-        probes: dict[str, Probe] = {}
+        win = Window(training_threads)
 
-        class Timer(pl.Callback):
-            def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        class Timer(pl.Callback):  # type: ignore[misc]
+            def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
                 s.sync()
                 marks.append(time.perf_counter())
                 if len(marks) == warmup:
-                    probes["before"] = Probe.take()
-                    probes["cpu_before"] = _main_thread_probe()
+                    win.open()
                 elif len(marks) == warmup + steps:
-                    probes["after"] = Probe.take()
-                    probes["cpu_after"] = _main_thread_probe()
+                    win.close()
 
-        from lightning.pytorch.callbacks import DeviceStatsMonitor
         from lightning.pytorch.loggers import CSVLogger
 
         callbacks: list[Any] = [Timer()]
-        if dsm:  # on the CPU (--quick) it has only CPU figures to log
+        if extra == "dsm":
+            from lightning.pytorch.callbacks import DeviceStatsMonitor
+
+            # on the CPU (--quick) it has only CPU figures to log
             callbacks.append(DeviceStatsMonitor(cpu_stats=True if s.device.type == "cpu" else None))
+        elif extra == "gpulens":
+            from gpulens.integrations.lightning import GPUMonitorCallback
+
+            callbacks.append(GPUMonitorCallback(interval=self.args.interval))
         trainer = pl.Trainer(
             accelerator="gpu" if s.device.type == "cuda" else "cpu", devices=1,
             max_steps=warmup + steps, max_epochs=-1,
             limit_val_batches=0, num_sanity_val_steps=0,
-            logger=CSVLogger(str(self.tmp / "lightning"), name=f"{'dsm' if dsm else 'none'}-{rep}"),
-            log_every_n_steps=1, callbacks=callbacks, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            logger=CSVLogger(str(self.tmp / "lightning"), name=f"{name}-{rnd}"),
+            log_every_n_steps=self.args.log_every, callbacks=callbacks,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
-        trainer.fit(self.module)
+        with isolation_env(isolation):
+            trainer.fit(self.module)
         step_s = [b - a for a, b in zip(marks[warmup - 1:], marks[warmup:], strict=False)]
-        before, after = probes["before"], probes["after"]
         csv = Path(trainer.logger.log_dir) / "metrics.csv" if trainer.logger else None
-        cols = len(csv.open().readline().split(",")) if csv and csv.exists() else 0
+        header = csv.open().readline().strip().split(",") if csv and csv.exists() else []
         del trainer
-        return Rep(step_s=step_s, wall_s=marks[-1] - marks[warmup - 1],
-                   monitor_cpu_s=monitor_cpu_s(before, after, training_threads),
-                   train_cpu_s=probes["cpu_after"].threads[0] - probes["cpu_before"].threads[0],
-                   rss_bytes=after.rss, note=f"{cols} columns in the CSV log")
+        gpu = sum(1 for c in header if c.startswith("gpu/"))
+        return win.rep(rnd, step_s, steps, "median",
+                       f"{len(header)} columns in the CSV log, {gpu} gpu/*")
 
 
-def _main_thread_probe() -> Probe:
-    """CPU time of the training (main) thread, stored under key 0."""
-    tid = threading.main_thread().native_id
-    return Probe({0: thread_cpu_s().get(tid or -1, 0.0)}, {}, 0)
+# --- the arms, by name ---------------------------------------------------------------------------
 
 
-# --- one repetition ------------------------------------------------------------------------------
+class Arm:
+    """A runnable arm: ``run(round, ...)`` gives its :class:`Rep`."""
+
+    def __init__(self, name: str, why: str | None) -> None:
+        self.name, self.why = name, why
+
+    def skip_reason(self) -> str | None:
+        return self.why
+
+    def run(self, rnd: int, warmup: int, steps: int, training_threads: set[int]) -> Rep:
+        raise NotImplementedError
 
 
-def run_plain(v: Variant, s: Setup, rep: int, warmup: int, steps: int,
-              training_threads: set[int]) -> Rep:
-    """Start the variant, warm up, time ``steps`` steps, stop it (start/stop not timed)."""
-    v.start(rep)
-    step = 0
-    for _ in range(warmup):
-        step += 1
-        v.on_step(step, train_step(s, step))
-    before, cpu_before = Probe.take(), _main_thread_probe()
-    times = []
-    t_start = time.perf_counter()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step += 1
-        loss = train_step(s, step)
-        v.on_step(step, loss)
-        times.append(time.perf_counter() - t0)
-    wall = time.perf_counter() - t_start
-    after, cpu_after = Probe.take(), _main_thread_probe()
-    note = v.stop()
-    return Rep(step_s=times, wall_s=wall, monitor_cpu_s=monitor_cpu_s(before, after,
-                                                                       training_threads),
-               train_cpu_s=cpu_after.threads[0] - cpu_before.threads[0], rss_bytes=after.rss,
-               note=note)
+class PlainArm(Arm):
+    def __init__(self, name: str, variant: Variant) -> None:
+        super().__init__(name, variant.skip_reason())
+        self.variant = variant
+
+    def run(self, rnd: int, warmup: int, steps: int, training_threads: set[int]) -> Rep:
+        return self.variant.run(rnd, warmup, steps, training_threads)
 
 
-# --- report ------------------------------------------------------------------------------------
+class HfArm(Arm):
+    def __init__(self, name: str, runner: HfRunner | None, why: str | None, gpulens_cb: bool,
+                 isolation: str | None, log_every: int | None = None) -> None:
+        super().__init__(name, why)
+        self.runner, self.cb, self.iso, self.log_every = runner, gpulens_cb, isolation, log_every
+
+    def run(self, rnd: int, warmup: int, steps: int, training_threads: set[int]) -> Rep:
+        assert self.runner is not None
+        return self.runner.run(self.name, rnd, warmup, steps, training_threads, self.cb,
+                               self.iso, self.log_every)
 
 
-def summarize(results: dict[str, Result]) -> dict[str, dict[str, Any]]:
-    """Per-variant figures (see the module docstring)."""
-    out: dict[str, dict[str, Any]] = {}
-    medians = {n: statistics.median([t for rep in r.reps for t in rep.step_s])
-               for n, r in results.items() if r.reps}
-    for name, r in results.items():
-        if not r.reps:
-            out[name] = {"skipped": r.skipped or "no repetition ran"}
-            continue
-        base = BASELINE[name]
-        all_steps = [t for rep in r.reps for t in rep.step_s]
-        fig: dict[str, Any] = {
-            "baseline": base,
-            "reps": len(r.reps),
-            "steps": len(all_steps),
-            "median_step_ms": medians[name] * 1e3,
-            "p90_step_ms": sorted(all_steps)[int(0.9 * (len(all_steps) - 1))] * 1e3,
-            "monitor_cpu_pct_core": 100 * sum(x.monitor_cpu_s for x in r.reps)
-            / sum(x.wall_s for x in r.reps),
-            "monitor_cpu_ms_per_step": 1e3 * sum(x.monitor_cpu_s for x in r.reps)
-            / len(all_steps),
-            "train_thread_cpu_ms_per_step": 1e3 * sum(x.train_cpu_s for x in r.reps)
-            / len(all_steps),
-            "host_rss_mib_max": max(x.rss_bytes for x in r.reps) / 2**20,
-            "rep_median_step_ms": [statistics.median(x.step_s) * 1e3 for x in r.reps],
-            "notes": [x.note for x in r.reps],
-        }
-        if base in medians and results[base].reps:
-            fig["ratio"] = medians[name] / medians[base]
-            paired = [statistics.median(a.step_s) / statistics.median(b.step_s)
-                      for a, b in zip(r.reps, results[base].reps, strict=False)]
-            fig["rep_ratios"] = paired
-            fig["overhead_pct"] = 100 * (fig["ratio"] - 1)
-            fig["paired_median"] = statistics.median(paired)
-            fig["paired_ci95"] = bootstrap_ci(paired)
-        out[name] = fig
-    return out
+class LightningArm(Arm):
+    def __init__(self, name: str, runner: LightningRunner | None, why: str | None,
+                 extra: str | None, isolation: str | None) -> None:
+        super().__init__(name, why)
+        self.runner, self.extra, self.iso = runner, extra, isolation
+
+    def run(self, rnd: int, warmup: int, steps: int, training_threads: set[int]) -> Rep:
+        assert self.runner is not None
+        return self.runner.run(self.name, rnd, warmup, steps, training_threads, self.extra,
+                               self.iso)
 
 
-def bootstrap_ci(values: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile-bootstrap interval of the median of ``values`` (seeded: repeatable)."""
-    if len(values) < 2:
-        return (values[0], values[0]) if values else (math.nan, math.nan)
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
-    return meds[int(0.025 * (n - 1))], meds[int(0.975 * (n - 1))]
+PLAIN: dict[str, type[Variant]] = {
+    "none": Variant, "gpulens": GpulensVariant, "gpulens_thread": GpulensThreadVariant,
+    "gpulens_nogpm": GpulensNoGpmVariant, "gpulens_cheap": GpulensCheapVariant,
+    "gpulens_mlflow": GpulensMlflowVariant, "gpulens_mlflow_thread": GpulensMlflowThreadVariant,
+    "wandb": WandbVariant, "mlflow": MlflowVariant, "nvitop": NvitopVariant,
+    "wandb_log": WandbLogVariant, "wandb_stats": WandbStatsVariant,
+    "gpulens_wandb": GpulensWandbVariant, "gpulens_wandb_thread": GpulensWandbThreadVariant,
+}
+PLAIN |= {paired.aa_name(b): PLAIN[b] for b in ("none", "wandb_log")}
+HF_ARMS = {"hf": (False, None), "hf_b": (False, None), "hf_gpulens": (True, None),
+           "hf_gpulens_thread": (True, "thread")}
+LIGHTNING_ARMS = {"lightning": (None, None), "lightning_b": (None, None),
+                  "lightning_gpulens": ("gpulens", None), "lightning_dsm": ("dsm", None),
+                  "lightning_gpulens_thread": ("gpulens", "thread")}
 
 
-def comparison(summary: dict[str, dict[str, Any]], ours: str = "gpulens") -> str:
-    """gpulens against each other monitor of the same loop, round by round.
-
-    Per round: gpulens's step-time ratio to the baseline minus the other monitor's (both
-    paired with the same round's baseline).  Negative: gpulens cost less.  Shown: the median
-    difference in percentage points, its 95 % bootstrap interval, and in how many rounds
-    gpulens cost less.
-    """
-    f = summary.get(ours) or {}
-    mine = f.get("rep_ratios")
-    if not mine:
-        return ""
-    lines = ["| gpulens vs | median difference (pp) | 95 % CI (pp) | rounds gpulens cost less |",
-             "|---|---|---|---|"]
-    for name in ALL_VARIANTS + DIAGNOSIS:
-        other = summary.get(name) or {}
-        theirs = other.get("rep_ratios")
-        if name in (ours, "none", "lightning") or not theirs:
-            continue
-        diffs = [100 * (a - b) for a, b in zip(mine, theirs, strict=False)]
-        lo, hi = bootstrap_ci(diffs)
-        less = sum(d < 0 for d in diffs)
-        lines.append(f"| {name} | {statistics.median(diffs):+.3f} | [{lo:+.3f}, {hi:+.3f}] "
-                     f"| {less} of {len(diffs)} |")
-    return "\n".join(lines)
+def make_arms(names: list[str], tmp: Path, s: Setup, args: argparse.Namespace) -> dict[str, Arm]:
+    """The runnable arms (a runner that cannot be built makes its arms skip, saying why)."""
+    arms: dict[str, Arm] = {}
+    hf: HfRunner | None = None
+    light: LightningRunner | None = None
+    hf_why = light_why = None
+    if any(n in HF_ARMS for n in names):
+        hf_why = missing("wandb") or missing("transformers")
+        hf = HfRunner(tmp, s, args) if hf_why is None else None
+    if any(n in LIGHTNING_ARMS for n in names):
+        light_why = LightningRunner.skip_reason()
+        light = LightningRunner(tmp, s, args) if light_why is None else None
+    for name in names:
+        if name in PLAIN:
+            arms[name] = PlainArm(name, PLAIN[name](tmp, s, args))
+        elif name in HF_ARMS:
+            arms[name] = HfArm(name, hf, hf_why, *HF_ARMS[name])
+        elif name in LIGHTNING_ARMS:
+            arms[name] = LightningArm(name, light, light_why, *LIGHTNING_ARMS[name])
+        else:
+            raise ValueError(f"no runner for arm {name!r}")
+    return arms
 
 
-def table(summary: dict[str, dict[str, Any]]) -> str:
-    """The Markdown table printed to stdout."""
-    lines = [
-        "| variant | median step (ms) | vs baseline | overhead | per-round ratio: median "
-        "[95 % CI] | per-round ratios [min, max] "
-        "| monitor CPU (% of a core) | monitor CPU (ms/step) | training-thread CPU (ms/step) "
-        "| host RSS (MiB) | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name in ALL_VARIANTS + DIAGNOSIS:
-        f = summary.get(name)
-        if f is None:
-            continue
+# --- report --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """Every round of one arm."""
+
+    name: str
+    reps: list[Rep] = field(default_factory=list)
+    skipped: str | None = None
+
+    def values(self) -> dict[int, float]:
+        return {r.round: r.value_s for r in self.reps}
+
+
+def arm_figures(r: Result, baseline: str) -> dict[str, Any]:
+    """Per-arm figures (besides the paired comparisons)."""
+    if not r.reps:
+        return {"skipped": r.skipped or "no round ran"}
+    steps = [t for rep in r.reps for t in rep.step_s]
+    wall = sum(x.wall_s for x in r.reps)
+    children: dict[str, int] = {}
+    for x in r.reps:
+        for k, v in x.rss_children.items():
+            children[k] = max(children.get(k, 0), v)
+    return {
+        "baseline": baseline,
+        "timing": r.reps[0].timing,
+        "rounds": len(r.reps),
+        "median_of_round_values_ms": statistics.median(x.value_s for x in r.reps) * 1e3,
+        "median_step_ms": statistics.median(steps) * 1e3 if steps else math.nan,
+        "monitor_cpu_pct_core": 100 * sum(x.monitor_cpu_s for x in r.reps) / wall if wall else 0,
+        "train_thread_cpu_ms_per_step": 1e3 * sum(x.train_cpu_s for x in r.reps)
+        / max(1, sum(len(x.step_s) for x in r.reps)),
+        "rss_self_mib_max": max(x.rss_self for x in r.reps) / 2**20,
+        "rss_children_mib_max": {k: v / 2**20 for k, v in sorted(children.items())},
+        "per_round": [{"round": x.round, "value_ms": x.value_s * 1e3, "wall_s": x.wall_s,
+                       "monitor_cpu_s": x.monitor_cpu_s, "train_cpu_s": x.train_cpu_s,
+                       "rss_self_mib": x.rss_self / 2**20,
+                       "rss_children_mib": {k: v / 2**20 for k, v in x.rss_children.items()},
+                       "note": x.note} for x in r.reps],
+        "note": r.reps[-1].note,
+    }
+
+
+def arm_table(figs: dict[str, dict[str, Any]]) -> str:
+    lines = ["| arm | baseline | timing | rounds | step (ms), median of rounds "
+             "| monitor CPU (% of a core) | training-thread CPU (ms/step) | this process RSS (MiB) "
+             "| child processes RSS (MiB) | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, f in figs.items():
         if "skipped" in f:
-            lines.append(f"| {name} | skipped | | | | | | | | | {f['skipped']} |")
+            lines.append(f"| {name} | skipped | | | | | | | | {f['skipped']} |")
             continue
-        ratio = f.get("ratio")
-        rr = f.get("rep_ratios") or []
+        kids = ", ".join(f"{k} {v:.0f}" for k, v in f["rss_children_mib_max"].items()) or "-"
         lines.append(
-            f"| {name} | {f['median_step_ms']:.2f} | "
-            + (f"{ratio:.4f} ({f['baseline']})" if ratio is not None else "-")
-            + " | "
-            + (f"{f['overhead_pct']:+.2f} %" if ratio is not None else "-")
-            + " | "
-            + (f"{f['paired_median']:.4f} [{f['paired_ci95'][0]:.4f}, "
-               f"{f['paired_ci95'][1]:.4f}]" if ratio is not None else "-")
-            + " | "
-            + (f"[{min(rr):.4f}, {max(rr):.4f}]" if rr else "-")
-            + f" | {f['monitor_cpu_pct_core']:.2f} | {f['monitor_cpu_ms_per_step']:.3f}"
-            f" | {f['train_thread_cpu_ms_per_step']:.2f} | {f['host_rss_mib_max']:.0f}"
-            f" | {f['notes'][-1] if f['notes'] else ''} |"
-        )
+            f"| {name} | {f['baseline']} | {f['timing']} | {f['rounds']} "
+            f"| {f['median_of_round_values_ms']:.2f} | {f['monitor_cpu_pct_core']:.2f} "
+            f"| {f['train_thread_cpu_ms_per_step']:.2f} | {f['rss_self_mib_max']:.0f} | {kids} "
+            f"| {f['note']} |")
     return "\n".join(lines)
 
 
 def versions() -> dict[str, str]:
     """Versions of the packages that matter here."""
     out = {"python": platform.python_version()}
-    for name in ("gpulens", "torch", "transformers", "lightning", "wandb", "mlflow-skinny",
-                 "mlflow", "nvitop", "nvidia-ml-py", "psutil"):
+    for name in ("gpulens", "torch", "transformers", "accelerate", "lightning", "wandb",
+                 "mlflow-skinny", "mlflow", "nvitop", "nvidia-ml-py", "psutil"):
         with contextlib.suppress(md.PackageNotFoundError):
             out[name] = md.version(name)
     return out
@@ -752,7 +1043,7 @@ def hardware(s: Setup) -> dict[str, Any]:
     hw: dict[str, Any] = {"device": str(s.device), "cpus": os.cpu_count(),
                           "cpu": platform.processor() or platform.machine()}
     if s.device.type == "cuda":
-        hw["gpu"] = s.torch.cuda.get_device_name(0)
+        hw["gpu"] = s.torch.cuda.get_device_name(s.device)
         hw["cuda"] = s.torch.version.cuda
         try:
             import pynvml
@@ -765,48 +1056,84 @@ def hardware(s: Setup) -> dict[str, Any]:
     return hw
 
 
-_HARDWARE: dict[str, dict[str, Any]] = {}
+def git_commit() -> str:
+    """The commit of the checkout the script runs from, if git can tell."""
+    import subprocess
+
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=5)
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return "?"
 
 
-def report(results: dict[str, Result], s: Setup, args: argparse.Namespace, reps: int,
-           steps: int, warmup: int, rounds: int, t_begin: float, final: bool) -> None:
-    """Write the JSON (after every round); with ``final`` also print the table."""
-    summary = summarize(results)
-    if "hw" not in _HARDWARE:  # read once (NVML init/shutdown)
-        _HARDWARE["hw"] = hardware(s)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "complete": final,
-        "quick": args.quick,
-        "hardware": _HARDWARE["hw"],
-        "versions": versions(),
-        "model": {"n_params": s.n_params, "n_layer": s.config.n_layer,
-                  "n_embd": s.config.n_embd, "seq_len": s.seq_len, "batch": s.batch_size,
-                  "dtype": "bfloat16",
-                  "attn": getattr(s.config, "_attn_implementation", None)},
-        "interval_s": INTERVAL_S, "reps": reps, "rounds_done": rounds, "steps": steps,
-        "warmup": warmup,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "wall_s": time.perf_counter() - t_begin,
-    }
-    out = args.json or (Path(os.environ["OUT"]) / "overhead.json" if os.environ.get("OUT")
-                        else None)
+@dataclass
+class Run:
+    """Everything one invocation measured, and how it was run."""
+
+    args: argparse.Namespace
+    arms: list[str]
+    results: dict[str, Result]
+    baseline_of: dict[str, str]
+    rivals: tuple[tuple[str, str], ...] = RIVALS
+    orders: list[list[str]] = field(default_factory=list)
+    round_s: list[float] = field(default_factory=list)
+    plan: paired.Plan | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def values(self) -> dict[str, dict[int, float]]:
+        return {n: r.values() for n, r in self.results.items() if r.reps}
+
+    def comparisons(self) -> list[paired.Comparison]:
+        base_of = {a: self.baseline_of[a] for a in self.arms}
+        return paired.compare(self.values(), base_of, self.rivals, seed=self.args.seed)
+
+    def aa_sd(self) -> float:
+        """The noisiest group's A/A per-round SD (pp) so far."""
+        return paired.worst_aa_sd(self.values(), set(self.baseline_of.values()))
+
+    def current_plan(self, pilot: int, needed: int | None, cap: int | None,
+                     pilot_sd: float, cap_by: str) -> paired.Plan:
+        final = self.aa_sd()
+        return paired.Plan(pilot, pilot_sd, needed, cap, len(self.round_s), final,
+                           self.args.resolve_pp, cap_by)
+
+
+def write_report(run: Run, out: Path | None, final: bool) -> None:
+    """The JSON (after every round); with ``final`` also the Markdown on stdout."""
+    figs = {n: arm_figures(r, run.baseline_of[n]) for n, r in run.results.items()}
+    comps = run.comparisons()
+    doc = {"meta": {**run.meta, "complete": final, "rounds_done": len(run.round_s),
+                    "round_s": run.round_s, "orders": run.orders,
+                    "plan": run.plan.as_dict() if run.plan else None},
+           "arms": figs, "comparisons": [c.as_dict() for c in comps]}
     if out is not None:
-        out.write_text(json.dumps({"meta": meta, "variants": summary}, indent=2))
+        out.write_text(json.dumps(doc, indent=2, default=str))
     if not final:
         return
-    hw = meta["hardware"]
-    print(f"## overhead: {hw.get('gpu', hw['device'])}, driver {hw.get('driver', '-')}, "
-          f"CUDA {hw.get('cuda', '-')}, {hw['cpus']} CPUs; {meta['date']}")
-    print(f"model {s.n_params / 1e6:.1f}M params bf16, batch {s.batch_size} x {s.seq_len} tokens; "
-          f"{rounds} rounds x {steps} timed steps; monitors at {INTERVAL_S} s; "
-          f"versions {json.dumps(meta['versions'])}")
+    m = run.meta
+    hw = m["hardware"]
+    print(f"## overhead ({', '.join(m['suites']) or 'arms'}): {hw.get('gpu', hw['device'])}, "
+          f"driver {hw.get('driver', '-')}, CUDA {hw.get('cuda', '-')}, {hw['cpus']} CPUs; "
+          f"{m['date']}; commit {m['commit']}")
+    print(f"model {m['model']['n_params'] / 1e6:.1f}M params bf16, batch {m['model']['batch']} x "
+          f"{m['model']['seq_len']} tokens; {len(run.round_s)} rounds x {m['steps']} timed steps "
+          f"(+{m['warmup']} warm-up) per arm; monitors at {m['interval_s']} s; trainers log every "
+          f"{m['log_every']} step(s); arm order shuffled each round (seed {m['seed']})")
+    print(f"versions {json.dumps(m['versions'])}")
     print()
-    print(table(summary))
-    cmp = comparison(summary)
-    if cmp:
+    if run.plan is not None:
+        print(run.plan.line())
         print()
-        print(cmp)
+    print("orders: " + "; ".join(f"{i}: {' '.join(o)}" for i, o in enumerate(run.orders)))
+    print()
+    print(paired.table(comps))
+    for note in paired.bias_notes(comps):
+        print()
+        print(note)
+    print()
+    print(arm_table(figs))
     if out is not None:
         log(f"wrote {out}")
 
@@ -815,116 +1142,166 @@ def report(results: dict[str, Result], s: Setup, args: argparse.Namespace, reps:
 
 
 def quiet_libraries() -> None:
-    """Keep the peers' log chatter off the table (warnings and info to stderr at most once)."""
+    """Keep the peers' log chatter off the tables (warnings and info to stderr at most once)."""
     warnings.filterwarnings("ignore")
     for name in ("lightning", "lightning.pytorch", "pytorch_lightning", "mlflow", "wandb",
-                 "urllib3", "git"):
+                 "urllib3", "git", "transformers", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_CONSOLE", "off")
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # mlflow-skinny has no SQL store; MLflow 3 asks for this to keep the file store
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every variant in interleaved repetitions and report."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="CPU, tiny model, simulated GPU for gpulens: a smoke test")
-    p.add_argument("--reps", type=int, default=None, help="rounds over all variants")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per repetition")
+                   help="CPU, tiny model, simulated GPUs for gpulens: a smoke test")
+    p.add_argument("--suite", default="peers",
+                   help=f"comma-separated suites: {', '.join(SUITES)} (default peers)")
+    p.add_argument("--arms", default="", help="more arms by name (see the module doc)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="run exactly this many rounds (no pilot rule)")
+    p.add_argument("--pilot", type=int, default=4, help="rounds before the A/A noise is read")
+    p.add_argument("--max-rounds", type=int, default=60)
+    p.add_argument("--resolve-pp", type=float, default=paired.RESOLVE_PP,
+                   help="the difference the rounds are chosen to resolve (pp)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per arm")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after each start")
+    p.add_argument("--interval", type=float, default=0.1, help="every monitor's sampling period")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="HF logging_steps / Lightning log_every_n_steps")
     p.add_argument("--target-ms", type=float, default=100.0, help="wanted step time (GPU)")
     p.add_argument("--batch", type=int, default=None, help="fix the batch instead")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence")
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS))
-    p.add_argument("--budget-s", type=float, default=330.0,
-                   help="start no new round once this many seconds have passed")
+    p.add_argument("--seed", type=int, default=0, help="seeds the order of the arms")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="start no round that would end after this many seconds")
     p.add_argument("--json", type=Path, default=None,
                    help="where to write the figures (default $OUT/overhead.json if OUT is set)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def run_rounds(run: Run, arms: dict[str, Arm], warmup: int, steps: int,
+               training_threads: set[int], t_begin: float, out: Path | None,
+               agree: Callable[[Any], Any] = lambda x: x,
+               combine: Callable[[Rep], Rep] = lambda r: r, writer: bool = True,
+               raise_on_failure: bool = False) -> None:
+    """Run shuffled rounds until the pilot's rule, ``--rounds``, ``--max-rounds`` or the time
+    budget says stop; report after every round (``writer`` only).
+
+    ``agree(x)`` returns the value every process must act on (in a distributed run: rank 0's,
+    broadcast); ``combine(rep)`` merges a rep with the other ranks' (a collective: every rank
+    calls it after every arm). ``raise_on_failure``: an arm that fails ends the run (in a
+    distributed run the other ranks cannot go on alone).
+    """
+    args = run.args
+    runnable = [n for n in run.arms if run.results[n].skipped is None]
+    log(f"arms {runnable}; {steps} timed steps (+{warmup} warm-up) per arm")
+    fixed = args.rounds
+    target = fixed if fixed is not None else max(2, args.pilot)
+    needed: int | None = None
+    cap: int | None = None
+    cap_by = "the time budget"
+    pilot_sd = math.nan
+    rnd = 0
+    while rnd < target and runnable:
+        elapsed = time.perf_counter() - t_begin
+        stop = bool(run.round_s) and elapsed + max(run.round_s) > args.budget_s
+        if agree(stop):
+            log(f"stopping after {rnd} rounds: {elapsed:.0f} s used of a {args.budget_s} s budget")
+            break
+        t_round = time.perf_counter()
+        order = paired.round_order(runnable, args.seed, rnd)
+        run.orders.append(order)
+        for name in order:
+            gc.collect()
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    r = combine(arms[name].run(rnd, warmup, steps, training_threads))
+            except Exception as exc:  # one arm failing must not take the other figures down
+                run.results[name].skipped = f"failed: {type(exc).__name__}: {exc}"
+                log(f"{name} failed: {exc!r}")
+                runnable = [n for n in runnable if n != name]
+                if raise_on_failure:
+                    if writer:
+                        write_report(run, out, final=False)
+                    raise
+                continue
+            run.results[name].reps.append(r)
+            log(f"round {rnd} {name}: {r.value_s * 1e3:.2f} ms/step ({r.timing}), "
+                f"monitor CPU {r.monitor_cpu_s:.3f} s; {r.note}")
+        run.round_s.append(time.perf_counter() - t_round)
+        rnd += 1
+        if fixed is None and rnd == target:  # the pilot is over: how many rounds are needed?
+            pilot_sd = run.aa_sd()
+            needed = paired.rounds_needed(pilot_sd, args.resolve_pp)
+            left = args.budget_s - (time.perf_counter() - t_begin)
+            cap = rnd + max(0, int(left // max(run.round_s)))
+            if args.max_rounds < cap:
+                cap, cap_by = args.max_rounds, "--max-rounds"
+            target = agree(max(rnd, min(needed if needed is not None else rnd, cap)))
+            log(f"pilot: A/A SD {pilot_sd:.3f} pp -> {needed} rounds needed; {cap_by} allows "
+                f"{cap}; running {target}")
+        if fixed is None and rnd >= args.pilot:
+            run.plan = run.current_plan(args.pilot, needed, cap, pilot_sd, cap_by)
+        if writer:  # figures so far, in case a time limit cuts the run off
+            write_report(run, out, final=False)
+    if fixed is not None:
+        sd_now = run.aa_sd()
+        run.plan = paired.Plan(0, sd_now, paired.rounds_needed(sd_now, args.resolve_pp), None,
+                               len(run.round_s), sd_now, args.resolve_pp)
+    for res in run.results.values():
+        if not res.reps and res.skipped is None:
+            res.skipped = "no round ran"
+    if writer:
+        write_report(run, out, final=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the arms in shuffled rounds and report."""
+    args = parse_args(argv)
     quiet_libraries()
     t_begin = time.perf_counter()
     if args.quick:
         os.environ["GPULENS_BACKEND"] = "simulated"
         os.environ.setdefault("GPULENS_SIMULATED_GPUS", "1")
-    reps = args.reps or (2 if args.quick else 40)
     steps = args.steps or (6 if args.quick else 40)
     warmup = max(1, args.warmup or (2 if args.quick else 5))
-    wanted = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(wanted) - set(ALL_VARIANTS) - set(DIAGNOSIS)
-    if unknown:
-        p.error(f"unknown variants {sorted(unknown)}; known: {', '.join(ALL_VARIANTS)}")
-    for v in wanted:  # every variant needs its baseline
-        if BASELINE[v] not in wanted:
-            wanted.append(BASELINE[v])
+    suites = [x.strip() for x in args.suite.split(",") if x.strip()]
+    extra = [x.strip() for x in args.arms.split(",") if x.strip()]
+    try:
+        names = expand_arms(suites, extra)
+    except ValueError as exc:
+        print(f"overhead_gpu.py: {exc}", file=sys.stderr)
+        return 2
+    out = args.json or (Path(os.environ["OUT"]) / "overhead.json" if os.environ.get("OUT")
+                        else None)
 
     s = setup(args.quick, args.target_ms, args.batch, args.seq)
     gc.collect()
-    # Threads that exist now belong to training (main, autograd, CUDA, OpenMP pools)
-    training_threads = set(Probe.take().threads)
-
+    training_threads = set(Probe.take().threads)  # training's own: main, autograd, CUDA, OpenMP
     tmpdir = tempfile.TemporaryDirectory(prefix="gpulens-overhead-")
     tmp = Path(tmpdir.name)
-    classes: dict[str, Callable[[Path, Setup], Variant]] = {
-        "none": Variant, "gpulens": GpulensVariant, "gpulens_thread": GpulensThreadVariant,
-        "wandb": WandbVariant,
-        "gpulens_nogpm": GpulensNoGpmVariant, "gpulens_cheap": GpulensCheapVariant,
-        "gpulens_mlflow": GpulensMlflowVariant,
-        "gpulens_mlflow_thread": GpulensMlflowThreadVariant,
-        "mlflow": MlflowVariant, "nvitop": NvitopVariant,
+    arms = make_arms(names, tmp, s, args)
+    run = Run(args, names, {n: Result(n) for n in names}, {n: BASELINE_OF[n] for n in names})
+    for n, a in arms.items():
+        run.results[n].skipped = a.skip_reason()
+    run.meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(),
+        "quick": args.quick, "suites": suites, "arms": names, "hardware": hardware(s),
+        "versions": versions(),
+        "model": {"n_params": s.n_params, "n_layer": s.config.n_layer, "n_embd": s.config.n_embd,
+                  "seq_len": s.seq_len, "batch": s.batch_size, "dtype": "bfloat16"},
+        "interval_s": args.interval, "log_every": args.log_every, "steps": steps,
+        "warmup": warmup, "seed": args.seed, "budget_s": args.budget_s,
+        "command": " ".join([sys.executable, *sys.argv]),
     }
-    plain = {n: classes[n](tmp, s) for n in PLAIN + DIAGNOSIS if n in wanted}
-    results = {n: Result(n) for n in ALL_VARIANTS + DIAGNOSIS if n in wanted}
-    for n, v in plain.items():
-        results[n].skipped = v.skip_reason()
-    lightning: LightningRunner | None = None
-    if any(n in wanted for n in LIGHTNING):
-        try:
-            lightning = LightningRunner(tmp, s)
-        except ImportError as exc:
-            for n in LIGHTNING:
-                if n in results:
-                    results[n].skipped = f"lightning not importable ({exc})"
-    runnable = [n for n in results if results[n].skipped is None]
-    log(f"variants {runnable}; {reps} rounds x {steps} timed steps (+{warmup} warm-up)")
-    round_s: list[float] = []
-    for rep in range(reps):
-        elapsed = time.perf_counter() - t_begin
-        if rep >= 2 and round_s and elapsed + max(round_s) > args.budget_s:
-            log(f"stopping after {rep} rounds: {elapsed:.0f} s used of a {args.budget_s} s budget")
-            break
-        t_round = time.perf_counter()
-        order = runnable[rep % len(runnable):] + runnable[:rep % len(runnable)]
-        for name in order:
-            gc.collect()
-            sink = io.StringIO()
-            try:
-                with contextlib.redirect_stdout(sink):
-                    if name in LIGHTNING:
-                        assert lightning is not None
-                        r = lightning.run(rep, name == "lightning_dsm", warmup, steps,
-                                          training_threads)
-                    else:
-                        r = run_plain(plain[name], s, rep, warmup, steps, training_threads)
-            except Exception as exc:  # a peer failing must not take the other figures down
-                results[name].skipped = f"failed: {type(exc).__name__}: {exc}"
-                log(f"{name} failed: {exc!r}")
-                runnable = [n for n in runnable if n != name]
-                continue
-            results[name].reps.append(r)
-            log(f"round {rep} {name}: {statistics.median(r.step_s) * 1e3:.2f} ms/step, "
-                f"monitor CPU {r.monitor_cpu_s:.3f} s; {r.note}")
-        round_s.append(time.perf_counter() - t_round)
-        # figures so far, in case a later round is cut off by a time limit
-        report(results, s, args, reps, steps, warmup, len(round_s), t_begin, final=False)
-    for res in results.values():
-        if not res.reps and res.skipped is None:
-            res.skipped = "no repetition ran"
-
-    report(results, s, args, reps, steps, warmup, len(round_s), t_begin, final=True)
+    run_rounds(run, arms, warmup, steps, training_threads, t_begin, out)
     tmpdir.cleanup()
     return 0
 

@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
-# The GPU benchmarks of issue 5 in one device call (about 9.5 minutes on an H100/H200):
-#   carry: [".whl"]    command: bash benchmarks/run_on_device.sh
-# Installs the carried wheels (benchmarks/device_setup.sh), prints the hardware, runs
-# overhead_gpu.py and fidelity_gpu.py, and leaves under $OUT:
-#   run.log  overhead.md  overhead.json  fidelity.md  fidelity.json
-# (GPULENS_BENCH_WITH_LOG=1 adds bench_log.py, ~70 s more: bench_log.md)
-# Each script has its own time limit so that one hang cannot take the other's figures.
+# One part of benchmarks/DEVICE_PLAN.md per device call (carry: [".whl"]):
+#   bash benchmarks/run_on_device.sh checks      # ~5 min: examples end to end (device_check.sh),
+#                                                #   NVML costs and buffers, GPM refresh, fidelity
+#   bash benchmarks/run_on_device.sh peers       # ~9 min: overhead, the peers suite with A/A arm
+#   bash benchmarks/run_on_device.sh paths       # ~9 min: overhead, W&B and HF suites
+#   bash benchmarks/run_on_device.sh lightning   # ~6 min: overhead, the Lightning suite
+#   bash benchmarks/run_on_device.sh ddp         # ~6 min, 2 GPUs: the HF callback under DDP
+# Each part installs the carried wheels (benchmarks/device_setup.sh, ~20 s), prints the hardware,
+# runs its scripts each under a time limit of its own (one hang cannot take the other figures),
+# and leaves at most 8 files under $OUT (the device tool brings back no more): run.log and the
+# scripts' Markdown and JSON. The overhead scripts rewrite their JSON after every round, so a
+# time limit still leaves figures.
+# Environment: GPULENS_BENCH_BUDGET_S (seconds for an overhead script's rounds; defaults per
+# part below), GPULENS_BENCH_ARGS (extra arguments for the overhead scripts, e.g. --quick to try
+# a part on a CPU).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export OUT="${OUT:-/tmp/gpulens-bench-out}"
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.." || exit 1
-# extra arguments for both scripts (e.g. GPULENS_BENCH_ARGS=--quick to try this on a CPU)
 read -r -a EXTRA <<< "${GPULENS_BENCH_ARGS:-}"
+PART="${1:-}"
+# NVLink multicast stays off (the device notes: it can take the host's GPUs out of service)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-main() {
-    echo "== $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname), $(nproc) CPUs"
-    nvidia-smi || echo "nvidia-smi failed"
-    nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm,memory.total \
-        --format=csv || true
+header() {
+    echo "== $(date -u '+%Y-%m-%d %H:%M:%S UTC') on $(hostname), $(nproc) CPUs; part $PART;" \
+         "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    nvidia-smi --query-gpu=index,name,driver_version,power.limit,clocks.max.sm,memory.total \
+        --format=csv || echo "nvidia-smi failed"
     echo "== install the carried wheels"
     local t0=$SECONDS
     # shellcheck source=benchmarks/device_setup.sh
@@ -28,28 +38,66 @@ main() {
         export PYTHONPATH="${GPULENS_BENCH_SITE:-/tmp/site}:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
     fi
     echo "   ($((SECONDS - t0)) s)"
-    python3 -c "import sys, torch, transformers, lightning; print('python', sys.version.split()[0], '| torch', torch.__version__, 'CUDA', torch.version.cuda, '| transformers', transformers.__version__, '| lightning', lightning.__version__, '| GPU', torch.cuda.get_device_name(0))"
+    python3 -c "import sys, torch, transformers, lightning; print('python', sys.version.split()[0], '| torch', torch.__version__, 'CUDA', torch.version.cuda, '| transformers', transformers.__version__, '| lightning', lightning.__version__, '| GPUs', [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
+}
 
-    echo "== overhead_gpu.py"
-    timeout -k 10 520 python3 benchmarks/overhead_gpu.py --budget-s "${GPULENS_BENCH_BUDGET_S:-450}" "${EXTRA[@]}" \
-        > "$OUT/overhead.md"
-    echo "   overhead_gpu.py exit $? after $((SECONDS - t0)) s"
+# step NAME LIMIT_S OUTFILE COMMAND...: run under a time limit, stdout to $OUT/OUTFILE
+step() {
+    local name=$1 limit=$2 outfile=$3
+    shift 3
+    echo "== $name (limit ${limit} s)"
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "$@" > "$OUT/$outfile"
+    echo "   $name exit $? after $((SECONDS - t0)) s"
+}
 
-    echo "== fidelity_gpu.py"
-    timeout -k 10 80 python3 benchmarks/fidelity_gpu.py "${EXTRA[@]}" > "$OUT/fidelity.md"
-    echo "   fidelity_gpu.py exit $? after $((SECONDS - t0)) s"
+overhead() {  # overhead LIMIT_S BUDGET_S ARGS...
+    local limit=$1 budget=$2
+    shift 2
+    step "overhead_gpu.py $*" "$limit" overhead.md \
+        python3 benchmarks/overhead_gpu.py --budget-s "${GPULENS_BENCH_BUDGET_S:-$budget}" \
+        --json "$OUT/overhead.json" "$@" "${EXTRA[@]}"
+}
 
-    if [ "${GPULENS_BENCH_WITH_LOG:-0}" = 1 ]; then  # opt-in: issue 2's CPU figures on this host
-        echo "== bench_log.py (20k memory rows)"
-        timeout -k 5 100 python3 benchmarks/bench_log.py --mem-rows 20000 > "$OUT/bench_log.md"
-        echo "   bench_log.py exit $? after $((SECONDS - t0)) s"
-    fi
-
+main() {
+    header
+    case "$PART" in
+    checks)
+        # its scratch files (JSONL, an MLflow store) stay out of $OUT: only its printout comes back
+        step "device_check.sh" 240 device_check.md env OUT=/tmp/gpulens-check \
+            bash benchmarks/device_check.sh
+        step "nvml_validate.py" 120 nvml_validate.md \
+            python3 benchmarks/nvml_validate.py --gpm-lag --json "$OUT/nvml_validate.json"
+        step "gpm_probe.py" 60 gpm_probe.md python3 benchmarks/gpm_probe.py
+        step "fidelity_gpu.py" 120 fidelity.md \
+            python3 benchmarks/fidelity_gpu.py --json "$OUT/fidelity.json"
+        ;;
+    peers)
+        overhead 545 470 --suite peers --steps 30 --warmup 4
+        ;;
+    paths)
+        overhead 545 470 --suite wandb,hf --steps 30 --warmup 4
+        ;;
+    lightning)
+        overhead 380 300 --suite lightning --steps 30 --warmup 4
+        ;;
+    ddp)
+        local n
+        n=$(python3 -c "import torch; print(torch.cuda.device_count() or 2)")  # CPU try: 2
+        step "overhead_ddp.py on $n GPUs" 400 overhead_ddp.md \
+            python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+            benchmarks/overhead_ddp.py --budget-s "${GPULENS_BENCH_BUDGET_S:-300}" \
+            --steps 30 --warmup 3 --json "$OUT/overhead_ddp.json" "${EXTRA[@]}"
+        ;;
+    *)
+        echo "usage: bash benchmarks/run_on_device.sh checks|peers|paths|lightning|ddp" >&2
+        return 2
+        ;;
+    esac
     echo
-    [ -f "$OUT/bench_log.md" ] && cat "$OUT/bench_log.md" && echo
-    cat "$OUT/overhead.md"
-    echo
-    cat "$OUT/fidelity.md"
+    for f in "$OUT"/*.md; do
+        [ -f "$f" ] && { echo "==> $(basename "$f")"; cat "$f"; echo; }
+    done
 }
 
 main 2>&1 | tee "$OUT/run.log"

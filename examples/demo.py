@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import math
 import os
 import time
@@ -121,7 +120,11 @@ def main() -> int:
     wandb.finish()
     took = time.time() - started
 
-    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    # gpu.jsonl keeps every demo run (the jsonl sink appends); this one is the last run
+    from gpulens.report import load_jsonl
+
+    record = load_jsonl(jsonl)
+    rows = [{"step": r.step, **r.values} for r in record.rows]
     report = out / "report.html"
     from gpulens.cli import main as cli_main
 
@@ -132,7 +135,8 @@ def main() -> int:
                       k.split("/")[1].isdigit()})
     print(f"\nTrained {args.steps} steps in {took:.1f} s; {len(rows)} rows written "
           f"({', '.join(f'{n}: {s.written} rows' for n, s in stats.items())}).")
-    print(f"Last row (step {last['step']}), window of {last['perf/step_time_s'] * 1e3:.0f} ms:")
+    print(f"Last row (step {last['step']}), window of {last['perf/step_time_s'] * 1e3:.0f} ms "
+          f"(memory in GB of 10^9 bytes; {record.backend} GPUs):")
     print(f"  train/loss {last['train/loss']:.3f}  train/learning_rate "
           f"{last['train/learning_rate']:.2e}  train/grad_norm {last['train/grad_norm']:.3f}")
     for gid in gpu_ids:
@@ -146,7 +150,8 @@ def main() -> int:
     print(f"  energy for the whole run: {total_j:.0f} J ({total_j / 3600:.3f} Wh)")
     offline = sorted(glob.glob(str(wandb_run_dir)))
     print("\nWhere the results are:")
-    print(f"  JSONL record : {jsonl}")
+    print(f"  JSONL record : {jsonl}   (run {record.selected[0].run_id}; "
+          f"{len(record.runs)} run(s) in the file)")
     print(f"  HTML report  : {report}   (open it in a browser)")
     print(f"  MLflow       : run {mlrun.info.run_id} in {out / 'mlflow.db'}")
     print(f"                 open: .venv/bin/mlflow ui --backend-store-uri {mlflow_uri}")

@@ -1,22 +1,42 @@
 """Smoke tests of the benchmark scripts: they run on the CPU with simulated GPUs and print their
-figures. No timing is asserted (the figures depend on the machine); the structure is."""
+figures. No timing is asserted (the figures depend on the machine); the structure is. The
+statistics of the A/A method (``benchmarks/paired.py``) are unit-tested here too."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 NUMBER = r"-?\d+(?:\.\d+)?"
+SIGNED = r"[+-]\d+\.\d+"
+EST = rf"{SIGNED} \[{SIGNED}, {SIGNED}\]"
+VERDICT = r"(not separable|higher than \S+|lower than \S+)"
 
 
-def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 120) -> str:
-    """Run ``benchmarks/<name> --quick ...`` in a subprocess; return its stdout."""
+def _load_paired() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_paired", BENCH / "paired.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+paired = _load_paired()
+
+
+def bench_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("OUT", None)
     env.update(
@@ -30,9 +50,14 @@ def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 120) -> s
         MLFLOW_TRACKING_URI=(tmp_path / "mlruns").as_uri(),
         PYTHONPATH=os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]),
     )
+    return env
+
+
+def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 120) -> str:
+    """Run ``benchmarks/<name> --quick ...`` in a subprocess; return its stdout."""
     proc = subprocess.run(
         [sys.executable, str(BENCH / name), "--quick", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     return proc.stdout
@@ -56,9 +81,26 @@ def table_rows(out: str, first_col: str) -> dict[str, list[str]]:
     return rows
 
 
+def table_lines(out: str, header_start: str) -> list[list[str]]:
+    """The rows of the Markdown table whose header starts with ``| header_start``."""
+    rows: list[list[str]] = []
+    in_table = False
+    for line in out.splitlines():
+        if line.startswith(f"| {header_start}"):
+            in_table = True
+            continue
+        if in_table and line.startswith("|---"):
+            continue
+        if in_table and line.startswith("|"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif in_table:
+            break
+    return rows
+
+
 def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
     out = run_script("bench_log.py", tmp_path, "--json", str(tmp_path / "log.json"),
-                     "--tracemalloc")
+                     "--tracemalloc", "--rss-sinks", "none,object", "--rss-seconds", "1")
     rows = table_rows(out, "figure")
     assert re.fullmatch(rf"{NUMBER} us", rows["log() median, 8 simulated GPUs, 10 Hz"][0])
     assert re.fullmatch(rf"{NUMBER} ms/step", rows["5 ms step loop, without gpulens"][0])
@@ -66,8 +108,14 @@ def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
         rf"{NUMBER} ms/step", rows["5 ms step loop, with gpulens (log every step)"][0]
     )
     assert re.fullmatch(NUMBER, rows["loop time ratio with / without (medians)"][0])
-    growth = [k for k in rows if k.startswith("RSS growth")]
+    growth = [k for k in rows if k.startswith("training process RSS growth")]
     assert growth and re.fullmatch(rf"{NUMBER} MiB", rows[growth[0]][0])
+    # the sampler process's memory, beside the training process's (issue 11)
+    sampler = [k for k in rows if k.startswith("sampler process RSS growth")]
+    assert sampler and re.fullmatch(rf"{NUMBER} MiB", rows[sampler[0]][0])
+    both = [k for k in rows if k.startswith("sampler process RSS at row")]
+    assert both and re.fullmatch(rf"{NUMBER} / {NUMBER} MiB \(USS {NUMBER} MiB\)",
+                                 rows[both[0]][0])
     assert re.match(r"[+-]\d+ \(of \d+\)",
                     rows["objects tracked by the GC: growth over the same rows"][0])
     fig = json.loads((tmp_path / "log.json").read_text())
@@ -76,34 +124,222 @@ def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
     assert fig["mem_rows_written"] == fig["mem_rows"] and fig["mem_drained"]
     assert "mem_traced_growth_kib" in fig
     assert 0.5 < fig["loop_ratio"] < 2.0
+    # the default sampler is a process of its own: its RSS is a real reading
+    assert fig["mem_isolation"] == "process" and fig["mem_sampler_rss_end_mib"] > 1
+    # (d): the sampler process's memory per sink, each in a fresh process
+    by_sink = {r["config"]: r for r in fig["sampler_rss"]}
+    assert set(by_sink) == {"none", "object"}
+    for r in by_sink.values():
+        assert r["isolation"] == "process" and r["sampler_rss_mib"] > 1
+        assert 0 < r["sampler_uss_mib"] <= r["sampler_rss_mib"]
+    assert by_sink["object"]["rows_written"] == {"CountingSink": by_sink["object"]["rows_logged"]}
+    rss = table_rows(out, "sink")
+    assert set(rss) == {"none (sampler in a process)", "object (sampler in a process)"}
+    for cells in rss.values():
+        assert re.fullmatch(NUMBER, cells[0]) and re.fullmatch(NUMBER, cells[1])
 
 
-def test_overhead_quick_runs_every_variant_or_says_why(tmp_path: Path) -> None:
+SUITE_ARMS = {
+    "none", "none_b", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop",
+    "wandb_log", "wandb_log_b", "wandb_stats", "gpulens_wandb",
+    "hf", "hf_b", "hf_gpulens",
+    "lightning", "lightning_b", "lightning_gpulens", "lightning_dsm",
+}
+
+
+def test_overhead_quick_runs_every_suite_with_an_aa_arm(tmp_path: Path) -> None:
+    """Every suite (the peers and the paths users run) in shuffled rounds, each arm beside its
+    baseline's A/A envelope with a verdict; the pilot's A/A noise sets the rounds."""
     out = run_script("overhead_gpu.py", tmp_path, "--json", str(tmp_path / "overhead.json"),
-                     timeout=240)
-    rows = table_rows(out, "variant")
-    assert set(rows) == {"none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop",
-                         "lightning", "lightning_dsm"}
-    for name in ("none", "gpulens", "gpulens_thread", "lightning", "lightning_dsm"):
-        assert re.fullmatch(NUMBER, rows[name][0]), (name, rows[name])
-        # per-round ratio: median [95 % interval]
-        assert re.fullmatch(rf"{NUMBER} \[{NUMBER}, {NUMBER}\]", rows[name][3]), rows[name]
-    # gpulens wrote rows with GPU figures from the simulated backend, in both isolations
-    for name in ("gpulens", "gpulens_thread"):
-        assert re.search(r"\d+ rows, backend simulated, [1-9]\d* gpu/0 keys", rows[name][-1])
-    # gpulens against every other monitor that ran, round by round
-    versus = table_rows(out, "gpulens vs")
-    ran = {n for n, cells in rows.items() if cells[0] != "skipped"}
-    assert set(versus) == ran - {"none", "gpulens", "lightning"}
-    for cells in versus.values():
-        assert re.fullmatch(rf"[+-]{NUMBER}", cells[0]) and re.fullmatch(r"\d+ of 2", cells[2])
-    for name, cells in rows.items():  # a peer either ran (a number) or says why not
-        assert re.fullmatch(NUMBER, cells[0]) or (cells[0] == "skipped" and cells[-1]), name
+                     "--suite", "peers,wandb,hf,lightning", "--pilot", "2", "--max-rounds", "2",
+                     "--steps", "3", "--warmup", "1", timeout=300)
     data = json.loads((tmp_path / "overhead.json").read_text())
-    g = data["variants"]["gpulens"]
-    assert g["baseline"] == "none" and g["steps"] == 2 * 6 and g["ratio"] > 0
-    assert data["variants"]["lightning_dsm"]["baseline"] == "lightning"
-    assert data["meta"]["quick"] is True
+    arms = data["arms"]
+    assert set(arms) == SUITE_ARMS
+    ran = {n for n, f in arms.items() if "skipped" not in f}
+    # nvitop needs a GPU (it says why it skipped); every other arm runs on a CPU
+    assert ran == SUITE_ARMS - {"nvitop"}, {n: arms[n].get("skipped") for n in SUITE_ARMS - ran}
+    assert arms["nvitop"]["skipped"]
+    for name in ran:
+        assert arms[name]["rounds"] == 2, name
+
+    # the order is shuffled each round (seeded, recorded); each round runs every arm once
+    orders = data["meta"]["orders"]
+    assert len(orders) == 2 and all(sorted(o) == sorted(ran) for o in orders)
+    assert orders[0] != orders[1]
+    runnable = [a for a in data["meta"]["arms"] if a in ran]
+    assert orders == [paired.round_order(runnable, 0, r) for r in range(2)]
+    assert "orders: 0: " + " ".join(orders[0]) in out
+
+    # the pilot rule: A/A SD -> rounds needed; here --max-rounds caps it and says so
+    plan = data["meta"]["plan"]
+    assert plan["pilot_rounds"] == 2 and plan["rounds_done"] == 2
+    assert plan["rounds_needed"] >= 2 and plan["cap_by"] == "--max-rounds"
+    assert re.search(r"A/A noise: per-round SD \d+\.\d+ pp after a 2-round pilot -> \d+ "
+                     r"rounds to resolve 0\.2 pp", out)
+    if plan["rounds_needed"] > 2:
+        assert "UNRESOLVED by --max-rounds" in out
+
+    # each arm against its baseline (A/A arms too), beside that group's A/A envelope
+    comps = {(c["arm"], c["than"]): c for c in data["comparisons"]}
+    groups = {"none": "none_b", "wandb_log": "wandb_log_b", "hf": "hf_b",
+              "lightning": "lightning_b"}
+    for arm in ran:
+        base = arms[arm]["baseline"]
+        if arm == base:
+            continue
+        c = comps[(arm, base)]
+        aa = comps.get((groups[base], base))
+        assert c["rounds"] == 2 and c["aa_envelope"] == (aa and {
+            k: v for k, v in aa.items() if k not in ("arm", "than", "aa_envelope", "verdict")})
+        assert re.fullmatch(VERDICT, c["verdict"])
+    # gpulens set against the peers of the same baseline
+    for pair in [("gpulens", "gpulens_thread"), ("gpulens", "wandb"),
+                 ("gpulens_wandb", "wandb_stats"), ("lightning_gpulens", "lightning_dsm")]:
+        if set(pair) <= ran:
+            assert pair in comps
+    printed = table_lines(out, "arm | against")
+    assert {(cells[0], cells[1]) for cells in printed} == set(comps)
+    for cells in printed:  # difference: mean [95 % CI]; the envelope; the verdict
+        assert re.fullmatch(EST, cells[2]), cells
+        assert re.fullmatch(rf"{EST}; range \[{SIGNED}, {SIGNED}\]", cells[4]), cells
+        assert cells[5] == comps[(cells[0], cells[1])]["verdict"]
+
+    # gpulens arms name their sampler process among the child processes, with its RSS
+    for name in ("gpulens", "gpulens_wandb", "hf_gpulens", "lightning_gpulens"):
+        assert arms[name]["rss_children_mib_max"].get("gpulens-sampler", 0) > 1, name
+    assert "gpulens-sampler" not in arms["none"]["rss_children_mib_max"]
+    assert "sampler in a process" in arms["gpulens"]["note"]
+    assert "sampler in a thread" in arms["gpulens_thread"]["note"]
+    assert re.search(r"[1-9]\d* gpu/\* keys in the W&B run", arms["hf_gpulens"]["note"])
+    assert re.search(r"[1-9]\d* gpu/\*", arms["lightning_gpulens"]["note"])
+    assert data["meta"]["quick"] is True and data["meta"]["complete"] is True
+
+
+def test_overhead_ddp_quick_two_ranks(tmp_path: Path) -> None:
+    """The HF callback under DDP (torchrun, gloo on CPU), at two logging_steps, each with its
+    A/A arm; rank 0 reports the slowest rank's step."""
+    json_path = tmp_path / "ddp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(BENCH / "overhead_ddp.py"), "--quick", "--log-steps", "1,2", "--rounds", "2",
+         "--steps", "4", "--warmup", "1", "--json", str(json_path)],
+        cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(json_path.read_text())
+    arms = data["arms"]
+    assert set(arms) == {"hf_ls1", "hf_ls1_b", "hf_ls1_gpulens", "hf_ls2", "hf_ls2_b",
+                         "hf_ls2_gpulens"}
+    for name, f in arms.items():
+        assert f["rounds"] == 2 and f["timing"] == "block", name
+        assert re.search(rf"per rank ms/step: {NUMBER}, {NUMBER}$", f["note"]), f["note"]
+    # both ranks' GPUs reached rank 0's W&B run through the callback's gather
+    assert re.search(r"([1-9]\d*) gpu/\* keys", arms["hf_ls1_gpulens"]["note"])
+    assert arms["hf_ls1"]["note"].startswith("0 gpu/* keys")
+    comps = {(c["arm"], c["than"]) for c in data["comparisons"]}
+    assert comps >= {("hf_ls1_b", "hf_ls1"), ("hf_ls1_gpulens", "hf_ls1"),
+                     ("hf_ls2_b", "hf_ls2"), ("hf_ls2_gpulens", "hf_ls2")}
+    assert data["meta"]["world_size"] == 2 and data["meta"]["backend"] == "gloo"
+    assert "| hf_ls2_gpulens | hf_ls2 |" in proc.stdout
+
+
+# --- the statistics of the A/A method -----------------------------------------------------------
+
+
+def test_round_order_is_a_seeded_shuffle_without_fixed_neighbours() -> None:
+    arms = [f"a{i}" for i in range(7)]
+    orders = [paired.round_order(arms, 0, r) for r in range(40)]
+    assert all(sorted(o) == arms for o in orders)
+    assert orders == [paired.round_order(arms, 0, r) for r in range(40)]  # repeatable
+    assert orders != [paired.round_order(arms, 1, r) for r in range(40)]  # the seed matters
+    # no arm always follows the same neighbour (a cyclic rotation would fix every neighbour)
+    followers = {a: {o[o.index(a) - 1] for o in orders if o.index(a) > 0} for a in arms}
+    assert all(len(f) >= 3 for f in followers.values()), followers
+    firsts = {o[0] for o in orders}
+    assert len(firsts) >= 4
+
+
+def test_per_round_differences_pair_by_round_not_by_position() -> None:
+    base = {0: 0.100, 1: 0.102, 3: 0.098}
+    arm = {0: 0.101, 2: 0.5, 3: 0.098}
+    pr = paired.per_round_pp(arm, base)
+    assert list(pr) == [0, 3]
+    assert pr[0] == pytest.approx(1.0) and pr[3] == pytest.approx(0.0)
+
+
+def _est(lo: float, hi: float) -> object:
+    return paired.Estimate((lo + hi) / 2, lo, hi, lo - 1, hi + 1, 0.1, 10)
+
+
+@pytest.mark.parametrize(
+    ("interval", "envelope", "want"),
+    [
+        ((0.30, 0.60), (-0.10, 0.10), "higher than none"),
+        ((-0.60, -0.30), (-0.10, 0.10), "lower than none"),
+        ((0.05, 0.40), (-0.10, 0.10), "not separable"),  # excludes 0, overlaps the envelope
+        ((0.15, 0.40), (0.05, 0.20), "not separable"),  # a biased A/A envelope
+        ((0.25, 0.40), (0.05, 0.20), "higher than none"),
+        ((-0.10, 0.40), (-0.10, 0.10), "not separable"),  # straddles 0
+    ],
+)
+def test_verdict_needs_zero_and_the_aa_envelope_excluded(
+    interval: tuple[float, float], envelope: tuple[float, float], want: str
+) -> None:
+    est, env = _est(*interval), _est(*envelope)
+    assert paired.verdict(est, env, "none") == want
+    assert paired.verdict(est, None, "none") == "not separable"
+
+
+def test_rounds_needed_and_resolvable_difference() -> None:
+    # 2 * 1.96 * 0.25 / 0.2 = 4.9 -> 24.01 -> 25 rounds
+    assert paired.rounds_needed(0.25) == 25
+    assert paired.resolvable_pp(0.25, 25) == pytest.approx(2 * paired.Z95 * 0.25 / 5)
+    assert paired.resolvable_pp(0.25, 25) <= 0.2 < paired.resolvable_pp(0.25, 24)
+    assert paired.rounds_needed(math.nan) is None
+    assert paired.rounds_needed(0.001) == 2
+    capped = paired.Plan(4, 0.25, 25, 10, 10, 0.25)
+    assert capped.capped and capped.unresolved
+    assert "25 rounds to resolve 0.2 pp" in capped.line()
+    assert "at most 10" in capped.line() and "UNRESOLVED by the time budget" in capped.line()
+    enough = paired.Plan(4, 0.05, 2, 30, 4, 0.05)
+    assert not enough.capped and not enough.unresolved and "UNRESOLVED" not in enough.line()
+
+
+def test_mean_interval_is_seeded_and_contains_the_mean() -> None:
+    values = [0.1, -0.2, 0.3, 0.05, 0.0, 0.15, -0.1, 0.2]
+    m, lo, hi = paired.mean_ci(values)
+    assert lo < m < hi and (m, lo, hi) == paired.mean_ci(values)
+    assert m == pytest.approx(sum(values) / len(values))
+    m1, lo1, hi1 = paired.mean_ci([0.4])
+    assert m1 == 0.4 and math.isnan(lo1) and math.isnan(hi1)
+
+
+def test_compare_sets_each_arm_beside_its_own_groups_envelope() -> None:
+    rounds = range(6)
+    values = {
+        "none": {r: 0.100 for r in rounds},
+        "none_b": {r: 0.100 + (0.0001 if r % 2 else -0.0001) for r in rounds},
+        "mon": {r: 0.1010 + (0.00005 if r % 2 else -0.00005) for r in rounds},
+        "other": {r: 0.10005 for r in rounds},
+        "hf": {r: 0.200 for r in rounds},
+        "hf_b": {r: 0.200 + (0.0004 if r % 2 else -0.0004) for r in rounds},
+        "hf_mon": {r: 0.2002 for r in rounds},
+    }
+    base_of = {"none": "none", "none_b": "none", "mon": "none", "other": "none",
+               "hf": "hf", "hf_b": "hf", "hf_mon": "hf"}
+    comps = {(c.arm, c.than): c for c in paired.compare(values, base_of, [("mon", "other"),
+                                                                          ("mon", "hf_mon")])}
+    assert ("mon", "hf_mon") not in comps  # different baselines are never compared
+    assert comps[("mon", "none")].verdict == "higher than none"  # +1 pp; envelope within 0.1
+    assert comps[("mon", "other")].verdict == "higher than other"
+    # +0.05 pp in every round: the interval excludes 0, but not the A/A envelope
+    other = comps[("other", "none")]
+    assert other.est.lo > 0 and other.est.lo < other.envelope.hi
+    assert other.verdict == "not separable"
+    assert comps[("mon", "none")].envelope == comps[("none_b", "none")].est
+    assert comps[("hf_mon", "hf")].envelope == comps[("hf_b", "hf")].est
+    assert comps[("hf_mon", "hf")].verdict == "not separable"  # +0.1 pp inside +-0.2 pp
 
 
 def test_fidelity_quick_prints_steps_and_checks(tmp_path: Path) -> None:

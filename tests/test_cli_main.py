@@ -29,6 +29,37 @@ def test_version_and_help() -> None:
         assert proc.returncode == 0 and "usage: gpulens" in proc.stdout, proc.stderr
 
 
+def test_every_subcommand_and_option_says_what_it_does() -> None:
+    import argparse
+
+    from gpulens.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == {"watch", "record", "report", "serve"}
+    listed = {a.dest: a.help for a in sub._choices_actions}
+    for name, p in sub.choices.items():
+        assert listed[name], f"{name} has no one-line help in `gpulens --help`"
+        assert p.description and len(p.description) > 80, f"{name} has no description"
+        for action in p._actions:
+            assert action.help and action.help != argparse.SUPPRESS, (
+                f"gpulens {name} {'/'.join(action.option_strings) or action.dest}: no help")
+
+
+def test_help_pages_show_descriptions_and_option_help() -> None:
+    proc = run("record", "--help")
+    assert "--summary-json FILE   also write the summary as JSON" in proc.stdout
+    assert "--summary-md FILE     also write the summary as Markdown" in proc.stdout
+    assert "Run COMMAND and write one row" in proc.stdout
+    proc = run("report", "--help")
+    assert "the report shows the last run unless --run chooses" in proc.stdout
+    proc = run("watch", "--help")
+    assert "85.9 GB = 80.0 GiB" in proc.stdout and "It fits 80 columns" in proc.stdout
+    proc = run("serve", "--help")
+    assert "Binds 127.0.0.1 unless --host" in proc.stdout
+    assert "gpulens COMMAND --help" in run("--help").stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

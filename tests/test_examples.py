@@ -4,7 +4,6 @@ a minute, and leaves the rows it promises."""
 from __future__ import annotations
 
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.jsonl import read_rows
 from tests.support.wandb_reader import find_run_file, read_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def run_example(args: list[str], cwd: Path, env: dict[str, str] | None = None) -
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_rows(path)
 
 
 def test_plain_loop(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ gpulens's own, and ``close()`` takes it down, its worker threads joined."""
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import os
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.jsonl import read_rows
 from tests.support.torchrun import kill_all_jobs, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def torchrun(args: list[str], cwd: Path) -> None:
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_rows(path)
 
 
 def check_rows(rows: list[dict[str, Any]], steps: list[int]) -> None:

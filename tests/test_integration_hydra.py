@@ -3,7 +3,6 @@ the ``gpu_monitor`` config group registered through ``hydra_plugins``)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.jsonl import read_rows
 
 hydra = pytest.importorskip("hydra")
 from omegaconf import OmegaConf  # noqa: E402
@@ -120,7 +121,7 @@ def test_monitor_from_config_writes_rows(compose: Any, tmp_path: Path,
     with monitor:
         for step in (1, 2, 3):
             monitor.log(step, loss=1.0 / step)
-    rows = [json.loads(line) for line in sink.read_text().splitlines()]
+    rows = read_rows(sink)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert "gpu/0/power_w" in rows[-1]
 

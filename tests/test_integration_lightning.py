@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import importlib
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.jsonl import read_rows
 from tests.support.mlflow_server import MlflowTracking
 from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history
@@ -151,7 +151,7 @@ def test_rows_reach_every_logger_on_the_module_log_steps(
     gpu_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, GPU_KEY))
     assert loss_steps == gpu_steps == [3, 7, 11]
 
-    lines = [json.loads(line) for line in sink.read_text().splitlines()]
+    lines = read_rows(sink)
     assert [r["step"] for r in lines] == [3, 7, 11]
     assert [r["perf/steps"] for r in lines[1:]] == [4, 4]
 
@@ -210,7 +210,7 @@ def test_exception_stops_the_monitor(pkg: tuple[Any, Any], tmp_path: Path) -> No
         fit(pl, callback, [], tmp_path, max_steps=12, log_every=2, fail_at=7)
     (monitor,) = started
     assert not monitor.running and callback.monitor is None
-    assert [json.loads(line)["step"] for line in sink.read_text().splitlines()] == [1, 3, 5]
+    assert [r["step"] for r in read_rows(sink)] == [1, 3, 5]
 
 
 def write_cli_script(tmp_path: Path, pl_name: str) -> Path:
@@ -275,7 +275,7 @@ def test_lightning_cli_adds_callback_from_yaml(name: str, tmp_path: Path) -> Non
         f"        sinks: ['jsonl:{sink}']\n"
     )
     run_cli(tmp_path, pl_name, ["fit", f"--config={config}", *CLI_TRAINER_ARGS])
-    assert [json.loads(line)["step"] for line in sink.read_text().splitlines()] == [3, 7]
+    assert [r["step"] for r in read_rows(sink)] == [3, 7]
 
 
 def test_bad_arguments_fail_at_construction() -> None:

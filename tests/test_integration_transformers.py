@@ -4,7 +4,6 @@ an offline W&B run file and a real MLflow server on loopback."""
 from __future__ import annotations
 
 import gc
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.jsonl import read_rows
 from tests.support.mlflow_server import MlflowTracking
 from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history
@@ -96,7 +96,7 @@ def loss_steps(trainer: Any) -> list[int]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return read_rows(path)
 
 
 def test_report_to_none_rows_on_hf_log_steps_with_hf_scalars(tmp_path: Path) -> None:

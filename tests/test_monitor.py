@@ -1,10 +1,16 @@
-"""Monitor end to end on simulated GPUs: rows, keys, energy, faults and bad input."""
+"""Monitor end to end on simulated GPUs: rows, keys, energy, faults and bad input.
+
+Every behaviour test runs on the default path (the engine in a process of its own) and on the
+fallback (the engine in a thread): the ``isolation`` fixture.  The simulators pickle (loads
+from :mod:`gpulens.testing.loads`), so they cross into the sampler process like real GPUs'
+NVML would be opened there.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -12,8 +18,28 @@ from pathlib import Path
 import pytest
 
 import gpulens
+from gpulens._warn import reset_warnings
 from gpulens.schema import GPU_ROW_KEYS
-from gpulens.testing import MemorySink, SimulatedNVML
+from gpulens.testing import Constant, MemorySink, SimulatedNVML, Square, Steps
+from tests.support.jsonl import read_rows
+
+
+@pytest.fixture(params=["process", "thread"])
+def isolation(request: pytest.FixtureRequest) -> str:
+    reset_warnings()
+    return str(request.param)
+
+
+def _wait_until(sim: SimulatedNVML, t: float) -> None:
+    """Sleep until ``t`` seconds after the simulator's epoch."""
+    while sim.elapsed() < t:
+        time.sleep(0.002)
+
+
+def _phase_start(sim: SimulatedNVML, period: float) -> float:
+    """The next start of a ``period`` after now, on the simulator's clock (loads are laid out
+    from its epoch, and starting a monitor takes a moment)."""
+    return (int(sim.elapsed() / period) + 1) * period
 
 
 def _run(mon: gpulens.Monitor, steps: int, dt: float, **scalars: float) -> None:
@@ -22,10 +48,11 @@ def _run(mon: gpulens.Monitor, steps: int, dt: float, **scalars: float) -> None:
         mon.log(step, loss=1.0 / step, **scalars)
 
 
-def test_one_row_per_log_with_schema_keys(tmp_path: Path) -> None:
+def test_one_row_per_log_with_schema_keys(isolation: str) -> None:
     sink = MemorySink()
     sim = SimulatedNVML(gpus=2)
-    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim) as mon:
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim, isolation=isolation) as mon:
+        assert mon.isolation == isolation
         _run(mon, 6, 0.1, learning_rate=1e-3, grad_norm=2.0)
     assert [r.step for r in sink.rows] == [1, 2, 3, 4, 5, 6]
     row = sink.rows[-1].values
@@ -34,70 +61,103 @@ def test_one_row_per_log_with_schema_keys(tmp_path: Path) -> None:
     assert row["train/global_step"] == 6.0
     for gpu in (0, 1):
         for key in ("util_pct", "sm_active_pct", "tensor_active_pct", "dram_bw_pct",
-                    "mem_used_gb", "mem_pct", "power_w", "power_w_max", "energy_j", "temp_c",
-                    "sm_clock_mhz", "throttle_pct", "samples"):
+                    "mem_used_gb", "mem_pct", "power_w", "power_w_max", "energy_j",
+                    "energy_err_j", "temp_c", "sm_clock_mhz", "throttle_pct", "samples"):
             assert f"gpu/{gpu}/{key}" in row, key
     assert {k.split("/")[2] for k in row if k.startswith("gpu/0/")} <= set(GPU_ROW_KEYS)
     assert "gpu/all/power_w_mean" in row and "host/ram_used_gb" in row
     assert row["perf/step_time_s"] == pytest.approx(0.1, abs=0.05)
+    assert row["perf/partial_gpus"] == 0.0
     # not available is absent: no torch allocator in this process's CUDA
     assert "gpu/0/torch_allocated_gb" not in row
     assert sink.closed and sink.context is not None and len(sink.context.gpus) == 2
+    assert sink.context.gpus[0].energy_update_s == pytest.approx(0.1, abs=0.04)
 
 
-def test_figures_follow_the_simulated_load() -> None:
-    """Busy and idle seconds show up as such, energy matches the simulator's integral."""
-    def load(gpu: int, t: float) -> float:
-        return 1.0 if int(t / 0.5) % 2 == 0 else 0.0
-
+def test_rows_come_soon_after_log(isolation: str) -> None:
+    """A row is finished about a quarter of a second after its log() (the driver's buffers are
+    read early for it), not at the next once-a-second read."""
     sink = MemorySink()
-    sim = SimulatedNVML(gpus=1, load=load)
-    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim) as mon:
-        t0 = sim.clock() - (sim._t0 or 0)
-        for step in range(1, 9):
-            # log at the middle of each busy/idle half second
-            target = (step + 0.5) * 0.5
-            while sim.clock() - (sim._t0 or 0) < target:
-                time.sleep(0.005)
+    with gpulens.Monitor(interval=0.5, sinks=[sink], backend=SimulatedNVML(gpus=1),
+                         isolation=isolation) as mon:
+        lags = []
+        for step in range(1, 6):
+            time.sleep(0.35)
             mon.log(step)
-        t_end = sim.clock() - (sim._t0 or 0)
-    rows = [r.values for r in sink.rows]
-    assert len(rows) == 8
-    energy = sum(r["gpu/0/energy_j"] for r in rows)
-    # energy over the monitored span equals the simulator's exact integral (to the edges)
-    exact = sim.energy_j(0, t_end) - sim.energy_j(0, t0)
-    assert energy == pytest.approx(exact, rel=0.08)
-    assert max(r["gpu/0/sm_active_pct"] for r in rows) > 40
-    for r in rows:
-        assert r["gpu/0/mem_used_gb_max"] <= sim.MEM_TOTAL / 1e9
-        assert r["gpu/0/power_w_max"] <= sim.MAX_W + 1e-6
+            t = time.monotonic()
+            while len(sink.rows) < step and time.monotonic() - t < 5:
+                time.sleep(0.01)
+            lags.append(time.monotonic() - t)
+    assert statistics.median(lags) < 0.6, lags
 
 
-def test_busy_and_idle_steps_show_as_such() -> None:
+def test_energy_follows_the_load_and_adds_up(isolation: str) -> None:
+    """Per-step energy against the simulator's exact integral (power samples are 20 ms
+    averages there, the counter updates every 100 ms at its own phase and each read takes
+    3-15 ms): close per step, inside its stated bound, and the run's sum within 2.5 % (the
+    counter's span is only 4 s here: each read's staleness is still a few percent of it)."""
+    sink = MemorySink()
+    sim = SimulatedNVML(gpus=1, load=Square(period=0.6), seed=3)
+    marks: list[float] = []
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim, isolation=isolation) as mon:
+        for step in range(1, 41):
+            time.sleep(0.1)
+            marks.append(sim.elapsed())
+            mon.log(step)
+    errors, total, exact_total, inside = [], 0.0, 0.0, 0
+    for i in range(1, len(marks)):
+        row = sink.rows[i].values
+        exact = sim.energy_j(0, marks[i]) - sim.energy_j(0, marks[i - 1])
+        errors.append(abs(row["gpu/0/energy_j"] - exact) / exact)
+        inside += abs(row["gpu/0/energy_j"] - exact) <= row["gpu/0/energy_err_j"]
+        total += row["gpu/0/energy_j"]
+        exact_total += exact
+    assert statistics.median(errors) < 0.03, errors
+    assert inside >= 0.95 * len(errors)
+    assert total == pytest.approx(exact_total, rel=0.025)
+
+
+def test_busy_and_idle_steps_show_as_such(isolation: str) -> None:
     """300 ms busy / 300 ms idle steps, logged at the phase edges (the fidelity benchmark's
-    pattern): GPM's refresh timing (100 ms, 90 ms late) is undone, utilization and power too."""
-    def load(gpu: int, t: float) -> float:
-        return 1.0 if int(t / 0.3) % 2 == 1 else 0.0
-
+    pattern): GPM's refresh timing (100 ms, ~90 ms late) is undone, utilization and power too."""
     sink = MemorySink()
-    sim = SimulatedNVML(gpus=1, load=load)
-    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim) as mon:
-        for step in range(1, 9):
-            while sim.clock() - (sim._t0 or 0) < step * 0.3:
-                time.sleep(0.002)
+    sim = SimulatedNVML(gpus=1, load=Square(period=0.6), seed=1)
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim, isolation=isolation) as mon:
+        base = _phase_start(sim, 0.6)  # an idle phase starts there
+        for step in range(0, 9):
+            _wait_until(sim, base + step * 0.3)
             mon.log(step)
-    rows = [r.values for r in sink.rows]
+    rows = [r.values for r in sink.rows][1:]
     busy = [r for r in rows if int(r["train/global_step"]) % 2 == 0]
-    idle = [r for r in rows[1:] if int(r["train/global_step"]) % 2 == 1]
-    for key, hi, lo in (("sm_active_pct", 80, 20), ("util_pct", 70, 30), ("power_w", 500, 250)):
+    idle = [r for r in rows if int(r["train/global_step"]) % 2 == 1]
+    # utilization comes in 200 ms samples: coarser than the 300 ms phases
+    for key, hi, lo in (("sm_active_pct", 75, 25), ("util_pct", 60, 45), ("power_w", 500, 250)):
         b = sum(r[f"gpu/0/{key}"] for r in busy) / len(busy)
         i = sum(r[f"gpu/0/{key}"] for r in idle) / len(idle)
         assert b >= hi and i <= lo, (key, b, i)
 
 
-def test_log_every_n_steps_divides_per_step_figures() -> None:
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_gpm_placement_holds_over_a_range_of_delays_and_phases(seed: int) -> None:
+    """The simulator draws GPM's delay (60-120 ms) and refresh phase at random: the code's
+    fixed 90 ms shift must still tell busy from idle steps."""
     sink = MemorySink()
-    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1)) as mon:
+    sim = SimulatedNVML(gpus=1, load=Square(period=0.6), seed=seed)
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim) as mon:
+        base = _phase_start(sim, 0.6)
+        for step in range(0, 9):
+            _wait_until(sim, base + step * 0.3)
+            mon.log(step)
+    rows = [r.values for r in sink.rows][1:]
+    busy = [r["gpu/0/sm_active_pct"] for r in rows if int(r["train/global_step"]) % 2 == 0]
+    idle = [r["gpu/0/sm_active_pct"] for r in rows if int(r["train/global_step"]) % 2 == 1]
+    assert min(busy) > 60 and max(idle) < 40, (sim.gpm_delay_s, busy, idle)
+
+
+def test_log_every_n_steps_divides_per_step_figures(isolation: str) -> None:
+    sink = MemorySink()
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1),
+                         isolation=isolation) as mon:
         time.sleep(0.2)
         mon.log(10)
         time.sleep(0.2)
@@ -110,9 +170,10 @@ def test_log_every_n_steps_divides_per_step_figures() -> None:
     assert last["perf/energy_per_step_j"] == pytest.approx(last["gpu/0/energy_j"] / 10)
 
 
-def test_resumed_run_starts_at_its_step() -> None:
+def test_resumed_run_starts_at_its_step(isolation: str) -> None:
     sink = MemorySink()
-    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1))
+    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1),
+                          isolation=isolation)
     mon.start(step=5000)
     time.sleep(0.1)
     mon.log(5004)
@@ -120,68 +181,51 @@ def test_resumed_run_starts_at_its_step() -> None:
     assert sink.rows[0].values["perf/steps"] == 4.0
 
 
-def test_energy_counter_reads_too_close_together_are_not_kept() -> None:
-    """NVML's counter ticks every ~100 ms: a read soon after another (the last pass at stop)
-    would give the windows between them 0 J for energy that was used."""
-    sink = MemorySink()
-    sim = SimulatedNVML(gpus=1, load=lambda g, t: 0.9)
-    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim)
-    mon.start()
-    sampler = mon._sampler
-    assert sampler is not None
-    gpu = sampler.gpus[0]
-    time.sleep(0.35)
-    mon.stop()  # joins the sampler thread, so its series are ours to read
-    n = len(gpu.energy_mj)
-    sampler._read_slow(time.monotonic())
-    sampler._read_slow(time.monotonic())
-    assert len(gpu.energy_mj) == n
-    time.sleep(0.35)
-    sampler._read_slow(time.monotonic())
-    assert len(gpu.energy_mj) == n + 1
-    assert all(b - a >= 0.3 for a, b in zip(gpu.energy_mj.t, gpu.energy_mj.t[1:], strict=False))
-
-
-def test_jsonl_lines_are_flushed_as_they_are_written(tmp_path: Path) -> None:
+def test_jsonl_lines_are_flushed_as_they_are_written(tmp_path: Path, isolation: str) -> None:
     path = tmp_path / "deep" / "gpu.jsonl"
-    mon = gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{path}"], backend=SimulatedNVML(gpus=1))
+    mon = gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{path}"], backend=SimulatedNVML(gpus=1),
+                          isolation=isolation)
     mon.start()
     try:
         for step in (1, 2, 3):
             time.sleep(0.05)
             mon.log(step, loss=float("nan") if step == 3 else 0.5)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and len(path.read_text().splitlines()) < 2:
+        while time.monotonic() < deadline and len(read_rows(path)) < 2:
             time.sleep(0.05)
         # readable while the job still runs (a killed job leaves these lines)
-        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        lines = read_rows(path)
         assert lines and lines[0]["step"] == 1 and "gpu/0/power_w" in lines[0]
         assert abs(lines[0]["time"] - time.time()) < 10
     finally:
         mon.stop()
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["train/loss"] is None
 
 
-def test_stop_is_idempotent_and_start_again_works() -> None:
+def test_stop_is_idempotent_and_start_again_works(isolation: str) -> None:
     sink = MemorySink()
-    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1))
+    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1),
+                          isolation=isolation)
     mon.start()
     mon.log(1)
     mon.stop()
     mon.stop()
+    with pytest.raises(RuntimeError, match=r"log\(\) after stop\(\)"):
+        mon.log(2)
     mon.start()
     mon.log(2)
     mon.stop()
     assert [r.step for r in sink.rows] == [1, 2]
-    assert not any(t.name == "gpulens-sampler" for t in threading.enumerate())
+    assert not any(t.name.startswith("gpulens-sampler") for t in threading.enumerate())
 
 
-def test_training_thread_sinks_are_written_from_the_training_thread() -> None:
+def test_training_thread_sinks_are_written_from_the_training_thread(isolation: str) -> None:
     sink = MemorySink(on_training_thread=True)
     per_log: list[int] = []
-    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1)) as mon:
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1),
+                         isolation=isolation) as mon:
         for step in range(1, 41):
             time.sleep(0.05)
             before = len(sink.rows)
@@ -189,14 +233,14 @@ def test_training_thread_sinks_are_written_from_the_training_thread() -> None:
             per_log.append(len(sink.rows) - before)
     assert [r.step for r in sink.rows] == list(range(1, 41))
     assert sink.write_threads == {threading.current_thread().name}
-    # rows come finished in bursts (after each slow read): no single log() writes a burst
+    # no single log() writes a burst
     assert max(per_log) <= 2 and sum(per_log) >= 15
 
 
-def test_latest_has_every_live_figure() -> None:
+def test_latest_has_every_live_figure(isolation: str) -> None:
     """The live view's figures, also those the buffered samples give instead of cheap reads."""
-    sim = SimulatedNVML(gpus=2, load=lambda g, t: 0.0 if t < 0.3 else 1.0)
-    with gpulens.Monitor(interval=0.05, backend=sim) as mon:
+    sim = SimulatedNVML(gpus=2, load=Steps(((0.3, 1.0),)))
+    with gpulens.Monitor(interval=0.05, backend=sim, isolation=isolation) as mon:
         time.sleep(1.6)  # past the first slow read: power and utilization come buffered now
         latest = mon.latest()
     # fresh figures, not the first read's (idle) held on
@@ -206,6 +250,7 @@ def test_latest_has_every_live_figure() -> None:
                     "sm_clock_mhz", "sm_active_pct"):
             assert f"gpu/{gpu}/{key}" in latest, key
     assert "host/ram_used_gb" in latest
+    assert mon.latest() == {}  # stopped
 
 
 def test_env_selects_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,7 +258,7 @@ def test_env_selects_simulated_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "3")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with gpulens.Monitor(interval=0.1) as mon:
-        assert mon.context is not None
+        assert mon.context is not None and mon.isolation == "process"
         assert mon.context.backend == "simulated" and len(mon.context.gpus) == 3
 
 
@@ -224,6 +269,33 @@ def test_cuda_visible_devices_is_honoured(monkeypatch: pytest.MonkeyPatch) -> No
         assert mon.context is not None
         (gpu,) = mon.context.gpus
         assert gpu.index == 0 and gpu.uuid.endswith("000000000002")
+
+
+def test_mig_instance_maps_to_its_parent_gpu(
+    monkeypatch: pytest.MonkeyPatch, isolation: str,
+) -> None:
+    sim = SimulatedNVML(gpus=2, mig={1: ["3g.40gb", "3g.40gb"]})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", sim.mig_uuid(1, 1))
+    sink = MemorySink()
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim, isolation=isolation) as mon:
+        _run(mon, 2, 0.1)
+    assert mon.context is not None
+    (gpu,) = mon.context.gpus
+    assert gpu.uuid == sim.gpu_uuid(1)  # the parent's metrics
+    assert gpu.mig is not None and "3g.40gb" in gpu.mig and sim.mig_uuid(1, 1) in gpu.mig
+    assert "gpu/0/power_w" in sink.rows[-1].values
+
+
+def test_mig_instance_that_matches_nothing_is_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, isolation: str,
+) -> None:
+    sim = SimulatedNVML(gpus=1, mig={0: ["7g.80gb"]})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-ffffffff-0000-0000-0000-000000000000")
+    with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
+            interval=0.05, backend=sim, isolation=isolation) as mon:
+        assert mon.context is not None and mon.context.gpus == ()
+    assert "matches no GPU that NVML sees" in caplog.text
+    assert sim.mig_uuid(0, 0) in caplog.text  # says what there is
 
 
 # -- bad input: ValueError before any training --------------------------------------------------
@@ -258,8 +330,8 @@ def test_unwritable_jsonl_path(tmp_path: Path) -> None:
         gpulens.Monitor(sinks=[f"jsonl:{tmp_path}"])
 
 
-def test_gpu_that_does_not_exist() -> None:
-    mon = gpulens.Monitor(gpus=[5], backend=SimulatedNVML(gpus=2))
+def test_gpu_that_does_not_exist(isolation: str) -> None:
+    mon = gpulens.Monitor(gpus=[5], backend=SimulatedNVML(gpus=2), isolation=isolation)
     with pytest.raises(ValueError, match=r"GPU 5 does not exist: this process sees 2 GPU"):
         mon.start()
     assert not mon.running
@@ -281,21 +353,36 @@ def test_log_before_start_is_a_clear_error() -> None:
         gpulens.Monitor().log(1)
 
 
-# -- faults: training goes on ----------------------------------------------------------------------
-def test_no_driver_warns_once_and_logs_host_and_training(
-    caplog: pytest.LogCaptureFixture,
+def test_steps_going_backwards_and_values_that_are_no_numbers_are_told(
+    caplog: pytest.LogCaptureFixture, isolation: str,
 ) -> None:
     sink = MemorySink()
-    from gpulens._warn import reset_warnings
+    with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
+            interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1),
+            isolation=isolation) as mon:
+        mon.log(5, loss=1.0)
+        time.sleep(0.05)
+        mon.log(3, loss="high")  # type: ignore[arg-type]
+    assert "steps went backwards" in caplog.text
+    assert "logged value 'loss' (str) could not be read as a number" in caplog.text
+    assert [r.step for r in sink.rows] == [5, 3]
+    assert "train/loss" not in sink.rows[1].values
 
-    reset_warnings()
+
+# -- faults: training goes on, and the user hears of it ------------------------------------------
+def test_no_driver_warns_once_and_logs_host_and_training(
+    caplog: pytest.LogCaptureFixture, isolation: str,
+) -> None:
+    sink = MemorySink()
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         for _ in range(2):
-            with gpulens.Monitor(interval=0.05, sinks=[sink],
+            with gpulens.Monitor(interval=0.05, sinks=[sink], isolation=isolation,
                                  backend=SimulatedNVML(driver_loaded=False)) as mon:
                 _run(mon, 2, 0.05)
     warnings = [r for r in caplog.records if "NVML could not be initialised" in r.message]
-    assert len(warnings) == 1
+    # once per process: the engine process is new each run, the thread engine is not
+    assert len(warnings) == (2 if isolation == "process" else 1)
+    assert all(r.levelno == logging.WARNING and r.name == "gpulens" for r in warnings)
     assert len(sink.rows) == 4
     row = sink.rows[-1].values
     assert not any(k.startswith("gpu/") for k in row)
@@ -313,61 +400,106 @@ def test_no_driver_with_nvml_asked_for_is_an_error() -> None:
         mon.stop()
 
 
-def test_not_supported_on_one_gpu_is_absent_for_that_gpu_only() -> None:
+def test_not_supported_on_one_gpu_is_absent_for_that_gpu_only(
+    caplog: pytest.LogCaptureFixture, isolation: str,
+) -> None:
     sink = MemorySink()
     sim = SimulatedNVML(gpus=2, not_supported={1: {"nvmlDeviceGetPowerUsage",
                                                    "nvmlDeviceGetSamples",
                                                    "nvmlDeviceGetTotalEnergyConsumption"}})
-    with gpulens.Monitor(interval=0.05, sinks=[sink], backend=sim) as mon:
+    with caplog.at_level(logging.INFO, logger="gpulens"), gpulens.Monitor(
+            interval=0.05, sinks=[sink], backend=sim, isolation=isolation) as mon:
         _run(mon, 3, 0.1)
     row = sink.rows[-1].values
     assert "gpu/0/power_w" in row and "gpu/0/energy_j" in row
     assert "gpu/1/power_w" not in row and "gpu/1/energy_j" not in row
     assert "gpu/1/power_w_max" not in row
     assert "gpu/1/util_pct" in row and "gpu/1/temp_c" in row  # the rest goes on
+    told = [r for r in caplog.records if "GPU 1: power not available" in r.message]
+    assert len(told) == 1 and told[0].levelno == logging.INFO
 
 
-def test_gpu_lost_mid_run(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_metric_that_stops_reading_is_absent_not_stale(
+    caplog: pytest.LogCaptureFixture, isolation: str,
+) -> None:
+    """Temperature fails from 2 s on: later rows leave it out (never the last value held),
+    the rest of the row goes on, and the user hears why."""
     sink = MemorySink()
-    sim = SimulatedNVML(gpus=2, lose_gpu_after={1: 0.4})
+    sim = SimulatedNVML(gpus=1, load=Constant(0.9),
+                        fail_after={0: {"nvmlDeviceGetTemperature": 2.0}})
     with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
-        interval=0.05, sinks=[sink], backend=sim
+            interval=0.05, sinks=[sink], backend=sim, isolation=isolation) as mon:
+        assert sim.elapsed() < 1.8  # the monitor started before the sensor fails
+        _wait_until(sim, 1.9)
+        mon.log(1)
+        _wait_until(sim, 4.0)
+        mon.log(2)
+        time.sleep(0.3)
+        mon.log(3)
+    first, later, last = (r.values for r in sink.rows)
+    assert first["gpu/0/temp_c"] == pytest.approx(32 + 45 * 0.9, abs=1)
+    assert "gpu/0/temp_c" not in last and "gpu/0/temp_c_max" not in last
+    assert "gpu/0/power_w" in last and "gpu/0/mem_used_gb" in last
+    assert last["perf/partial_gpus"] == 1.0
+    assert "NVML temperature failed on GPU 0" in caplog.text
+    assert "lacks temp_c" in caplog.text
+    del later
+
+
+def test_gpu_lost_mid_run(caplog: pytest.LogCaptureFixture, isolation: str) -> None:
+    sink = MemorySink()
+    sim = SimulatedNVML(gpus=2, lose_gpu_after={1: 2.0})
+    with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
+        interval=0.05, sinks=[sink], backend=sim, isolation=isolation,
     ) as mon:
-        _run(mon, 12, 0.1)
+        assert sim.elapsed() < 1.8
+        _wait_until(sim, 1.9)
+        mon.log(1)
+        _wait_until(sim, 3.0)
+        for step in range(2, 13):
+            time.sleep(0.1)
+            mon.log(step)
     assert any("fell off the bus" in r.message for r in caplog.records)
     assert len(sink.rows) == 12
     first, last = sink.rows[0].values, sink.rows[-1].values
     assert "gpu/1/power_w" in first
     assert not any(k.startswith("gpu/1/") for k in last)
     assert "gpu/0/power_w" in last
+    assert last["perf/partial_gpus"] == 0.0  # a lost GPU is told, not a partial window
 
 
-def test_sampler_failure_warns_and_training_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    def load(gpu: int, t: float) -> float:
-        if t > 0.3:
-            raise RuntimeError("simulated driver crash")
-        return 0.5
+def crashing_load(gpu: int, t: float) -> float:
+    if t > 2.0:
+        raise RuntimeError("simulated driver crash")
+    return 0.5
 
+
+def test_sampler_failure_warns_and_training_goes_on(
+    caplog: pytest.LogCaptureFixture, isolation: str,
+) -> None:
     sink = MemorySink()
+    sim = SimulatedNVML(gpus=1, load=crashing_load)
     with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
-        interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1, load=load)
+        interval=0.05, sinks=[sink], backend=sim, isolation=isolation,
     ) as mon:
+        _wait_until(sim, 2.1)
         _run(mon, 8, 0.1)
     assert any("sampler failed" in r.message for r in caplog.records)
     assert [r.step for r in sink.rows] == list(range(1, 9))
 
 
-def test_failing_sink_is_retried_then_counted(caplog: pytest.LogCaptureFixture) -> None:
+def test_failing_sink_is_retried_then_counted(
+    caplog: pytest.LogCaptureFixture, isolation: str,
+) -> None:
     flaky, good = MemorySink(), MemorySink()
     flaky.fail = True
     mon = gpulens.Monitor(interval=0.05, sinks=[flaky, good], backend=SimulatedNVML(gpus=1),
-                          buffer_rows=4)
+                          buffer_rows=4, isolation=isolation)
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         mon.start()
-        for step in range(1, 7):  # two bursts of three rows, each finished after a slow read
+        for step in range(1, 7):
             mon.log(step)
-            if step % 3 == 0:
-                time.sleep(1.6)
+            time.sleep(0.4)  # each row is finished before the next log
         flaky.fail = False  # the tracker comes back: the buffered rows are delivered
         time.sleep(1.5)
         stats = mon.stop(timeout=2)
@@ -379,25 +511,54 @@ def test_failing_sink_is_retried_then_counted(caplog: pytest.LogCaptureFixture) 
     assert (st.written, st.dropped) == (4, 2)
     assert stats["MemorySink#2"].dropped == 0
     assert any("failed to write" in r.message for r in caplog.records)
-    assert any("4 rows written, 2 dropped" in r.message for r in caplog.records)
+    assert any("MemorySink: 4 rows written, 2 dropped" in r.message for r in caplog.records)
+
+
+def test_stop_waits_while_a_slow_sink_makes_progress_and_says_so(
+    caplog: pytest.LogCaptureFixture, isolation: str,
+) -> None:
+    """A sink that writes slowly (a far tracker) is waited for, and stop() tells what for."""
+    slow = SlowSink(delay=0.35)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        mon = gpulens.Monitor(interval=0.05, sinks=[slow], backend=SimulatedNVML(gpus=1),
+                              isolation=isolation).start()
+        for step in range(1, 13):
+            time.sleep(0.02)
+            mon.log(step)
+        stats = mon.stop(timeout=30)
+    assert [r.step for r in slow.rows] == list(range(1, 13))
+    assert stats["SlowSink"].written == 12 and stats["SlowSink"].dropped == 0
+    assert "stop() is waiting for SlowSink" in caplog.text
+
+
+class SlowSink(MemorySink):
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def write(self, row: gpulens.Row) -> None:
+        time.sleep(self.delay)
+        super().write(row)
 
 
 def test_memory_is_bounded_over_many_rows() -> None:
-    sink = MemorySink()
-    mon = gpulens.Monitor(interval=0.01, sinks=[], backend=SimulatedNVML(gpus=1))
+    """20,000 steps at 5 kHz: the engine's series stay bounded (the thread engine, whose
+    sampler is reachable from here)."""
+    mon = gpulens.Monitor(interval=0.01, sinks=[], backend=SimulatedNVML(gpus=1),
+                          isolation="thread")
     mon.start()
     try:
         for step in range(1, 20_001):
             mon.log(step)
             if step % 2000 == 0:
                 time.sleep(0.05)
-        sampler = mon._sampler
-        assert sampler is not None
         time.sleep(1.5)
+        engine = mon._transport._engine  # type: ignore[union-attr]
+        sampler = engine._sampler
+        assert sampler is not None
         gpu = sampler.gpus[0]
         assert len(sampler.marks) < 20_000
         assert len(gpu.fast) < 5_000 and len(gpu.power_fast) < 5_000
         assert len(gpu.power_buf) < 5_000
     finally:
         mon.stop()
-    del sink

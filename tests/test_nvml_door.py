@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from gpulens.errors import GpuLost, NvmlUnavailable
@@ -72,10 +74,11 @@ def test_buffered_samples_arrive_once_with_unix_timestamps() -> None:
 def test_gpm_between_two_refreshes() -> None:
     now = [0.0]
     sim = SimulatedNVML(gpus=1, load=lambda g, t: 0.8, clock=lambda: now[0])
+    phase = sim.gpm_phase_s  # refreshes at phase + k * 0.1
     dev = _open(sim).device(0)
-    now[0] = 0.15
+    now[0] = phase + 0.15
     assert dev.read_gpm() is None  # the first call only takes a sample
-    now[0] = 0.45  # three refreshes later
+    now[0] = phase + 0.45  # three refreshes later
     got = dev.read_gpm()
     assert got is not None
     start, end, values = got
@@ -90,14 +93,15 @@ def test_gpm_without_a_refresh_keeps_the_earlier_sample() -> None:
     and the next span runs from the kept sample."""
     now = [0.0]
     sim = SimulatedNVML(gpus=1, load=lambda g, t: 1.0, clock=lambda: now[0])
+    phase = sim.gpm_phase_s  # refreshes at phase + k * 0.1
     dev = _open(sim).device(0)
-    now[0] = 0.31
+    now[0] = phase + 0.31
     dev.read_gpm()
-    now[0] = 0.33  # same refresh period as the kept sample
+    now[0] = phase + 0.33  # same refresh period as the kept sample
     assert dev.read_gpm() is None
-    now[0] = 0.36
+    now[0] = phase + 0.36
     assert dev.read_gpm() is None
-    now[0] = 0.52  # two refreshes after the kept sample
+    now[0] = phase + 0.52  # two refreshes after the kept sample
     got = dev.read_gpm()
     assert got is not None
     assert got[2]["sm_active_pct"] == pytest.approx(100.0, abs=0.5)  # not 0, not 2x
@@ -128,3 +132,47 @@ def test_cuda_visible_devices(
 def test_parse_visible_devices() -> None:
     assert parse_visible_devices(None) is None
     assert parse_visible_devices(" 1, 0 ") == ["1", "0"]
+
+
+def test_mig_instances_map_to_their_parent_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = SimulatedNVML(gpus=2, mig={1: ["3g.40gb", "4g.40gb"]})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{sim.mig_uuid(1, 1)},0")
+    (first, second) = _open(sim).visible_gpus()
+    assert first.nvml_index == 1 and first.mig is not None
+    assert "4g.40gb" in first.mig and sim.mig_uuid(1, 1) in first.mig
+    assert second.nvml_index == 0 and second.mig is None
+    # the older form names the parent GPU and the GPU instance
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"MIG-{sim.gpu_uuid(1)}/3/0")
+    (old,) = _open(sim).visible_gpus()
+    assert old.nvml_index == 1 and old.mig is not None and "instance 3" in old.mig
+
+
+def test_an_entry_that_matches_nothing_is_a_warning_naming_what_exists(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    sim = SimulatedNVML(gpus=1, mig={0: ["7g.80gb"]})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0000dead")
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        assert _open(sim).visible_gpus() == []
+    assert "'MIG-0000dead' matches no GPU" in caplog.text
+    assert sim.gpu_uuid(0) in caplog.text and sim.mig_uuid(0, 0) in caplog.text
+
+
+def test_enumeration_goes_through_the_door(monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """An NVML error while listing GPUs is a warning and an empty list, never an exception
+    out of the engine's start."""
+    sim = SimulatedNVML(gpus=2, fail_after={1: {"nvmlDeviceGetUUID": 0.0}})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", sim.gpu_uuid(1))
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        assert _open(sim).visible_gpus() == []
+    assert "NVML uuid failed" in caplog.text
+
+
+def test_the_energy_counter_update_period_is_probed() -> None:
+    sim = SimulatedNVML(gpus=1, energy_latency_s=(0.001, 0.002))
+    dev = _open(sim).device(0)
+    got = dev.probe_energy_update(0.5)
+    assert got is not None and got == pytest.approx(sim.ENERGY_PERIOD, abs=0.01)
+    assert _open(SimulatedNVML(gpus=1, not_supported={0: {
+        "nvmlDeviceGetTotalEnergyConsumption"}})).device(0).probe_energy_update(0.2) is None

@@ -17,6 +17,7 @@ import pytest
 
 from gpulens.cli import main
 from gpulens.report import load_jsonl, render_html, render_markdown, summarize
+from tests.support.jsonl import read_rows
 
 T0 = 1_700_000_000.0
 
@@ -251,7 +252,7 @@ def test_report_of_a_real_monitor_run(tmp_path: Path) -> None:
         for step in range(1, 61):
             time.sleep(0.02)
             mon.log(step, loss=2.0 * math.exp(-step / 20), learning_rate=1e-3, grad_norm=0.7)
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows = read_rows(path)
     assert len(rows) == 60
     html, md = tmp_path / "r.html", tmp_path / "r.md"
     assert main(["report", str(path), "-o", str(html), "--markdown", str(md)]) == 0
@@ -263,9 +264,13 @@ def test_report_of_a_real_monitor_run(tmp_path: Path) -> None:
         assert g.activity_metric == "sm_active_pct"
         assert g.mem_total_gb == pytest.approx(85.9, abs=0.1)
     assert summary.steps == 60
-    assert "| 0 | " in md.read_text() and "loss" in md.read_text()
+    assert "| 0 · Simulated H100 80GB HBM3 | " in md.read_text() and "loss" in md.read_text()
     dom = check_page_in_chromium(html, tmp_path, min_charts=9)
     assert re.search(r'id="chart-loss".*?data-points="60"', dom)
+    # the backend and the GPU models, stated plainly: these were simulated GPUs
+    assert "SIMULATED GPUs" in dom and 'id="simulated"' in dom
+    assert "2 x Simulated H100 80GB HBM3" in dom and "backend: simulated" in dom
+    assert "**SIMULATED GPUs**" in md.read_text() and "backend: simulated" in md.read_text()
 
 
 def test_report_of_a_gpulens_record_run(tmp_path: Path) -> None:
@@ -282,7 +287,11 @@ def test_report_of_a_gpulens_record_run(tmp_path: Path) -> None:
     html, md = tmp_path / "rec.html", tmp_path / "rec.md"
     assert main(["report", str(rows), "-o", str(html), "--markdown", str(md)]) == 0
     page = html.read_text()
-    assert "<h2>GPUs, by row</h2>" in page
+    assert "<h2>GPUs, by elapsed time (seconds since the start)</h2>" in page
+    # x is elapsed seconds (the rows' own record/elapsed_s, else time since the start)
+    x1 = [float(x) for x in re.findall(r'data-x1="([^"]+)"', page)]
+    assert x1 and all(0.9 < x < 5 for x in x1), x1
+    assert 'data-xlabel="elapsed s"' in page and 'data-xlabel="step"' not in page
     assert 'id="chart-loss"' not in page and 'id="chart-step-time"' not in page
     assert "energy per step" not in page and "steps" not in _kpi_labels(page)
     assert "energy/step" not in md.read_text() and "steps:" not in md.read_text()
@@ -299,7 +308,11 @@ def test_report_efficiency_with_work(tmp_path: Path) -> None:
     html, md = tmp_path / "r.html", tmp_path / "r.md"
     assert main(["report", str(path), "-o", str(html), "--markdown", str(md), "--work", "84000",
                  "--unit", "tokens"]) == 0
-    # 700 W for 60 s = 42 kJ; 84000 tokens / 42000 J = 2 tokens/J; 1400 tokens/s / 700 W
-    assert "tokens/J: 2 " in md.read_text() + " "
-    assert "tokens/s per W: 2" in md.read_text()
-    assert "<th>tokens per joule</th><td>2</td>" in html.read_text()
+    # 700 W for 60 s = 42 kJ; 84000 tokens / 42000 J = 2 tokens/J: one figure, one unit
+    text, page = md.read_text(), html.read_text()
+    assert "efficiency: 2 tokens/J" in text and "throughput: 1,400 tokens/s" in text
+    assert "<th>Efficiency</th><td>2 tokens/J</td>" in page
+    assert "<th>Throughput</th><td>1,400 tokens/s</td>" in page
+    for shown in (text, page):  # the same unit twice under two names: gone
+        assert "per W" not in shown and "per watt" not in shown
+    assert '<div class="v">2 tokens/J</div><div class="l">efficiency (tokens per joule)' in page

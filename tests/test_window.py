@@ -1,4 +1,4 @@
-"""Step windows: time-weighted means, interval spans and counter-anchored energy."""
+"""Step windows: time-weighted means, interval spans, stale columns and calibrated energy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from gpulens.engine.window import IntervalSeries, Series, job_aggregates, window_energy_j
+from gpulens.engine.window import (
+    NO_COUNTER_REL_ERR,
+    CalibratedEnergy,
+    IntervalSeries,
+    Series,
+    Table,
+    job_aggregates,
+)
 
 
 def _series(points: list[tuple[float, float]]) -> Series:
@@ -73,34 +80,92 @@ def test_interval_series_overlap_weighted() -> None:
     assert g.means(10.0, 11.0) == {}
 
 
-def test_energy_long_window_is_exact_counter_difference() -> None:
-    counter = _series([(0.0, 0.0), (1.0, 500_000.0), (2.0, 700_000.0)])  # mJ
-    power = _series([(0.0, 500.0), (1.0, 500.0), (1.001, 200.0), (2.0, 200.0)])
-    assert window_energy_j(counter, power, 0.0, 2.0) == pytest.approx(700.0)
+def _calibrated(power: Series, reads: list[tuple[float, float]], update_s: float = 0.1
+                ) -> CalibratedEnergy:
+    energy = CalibratedEnergy(power, update_s)
+    for t, mj in reads:
+        energy.add_counter(t + update_s / 2, mj)  # reads placed at t
+    return energy
 
 
-def test_energy_short_windows_share_the_counter_by_power_and_add_up() -> None:
-    counter = _series([(0.0, 0.0), (1.0, 300_000.0)])  # 300 J over the second
-    # power: 100 W in the first half, 500 W in the second
-    power = _series([(0.0, 100.0), (0.5, 100.0), (0.5000001, 500.0), (1.0, 500.0)])
-    edges = [i / 20 for i in range(21)]  # 50 ms windows, shorter than a counter update
-    parts = [window_energy_j(counter, power, a, b) for a, b in itertools.pairwise(edges)]
-    assert all(p is not None and p > 0 for p in parts)
-    assert sum(p for p in parts if p is not None) == pytest.approx(300.0)
-    first_half = sum(p for p in parts[:10] if p is not None)
-    assert first_half == pytest.approx(50.0, rel=1e-3)  # 100/(100+500) of 300 J
+def test_energy_scale_comes_from_the_counter_and_shape_from_power() -> None:
+    """The power samples read 10 % low; a minute of counter reads says so; each window keeps
+    the power curve's shape and the windows add up to the counter."""
+    power = _series([(0.0, 90.0), (0.5, 90.0), (0.5000001, 450.0), (61.0, 450.0)])
+    true = [(float(t), 1000 * power.integral(0.0, float(t)) / 0.9) for t in range(61)]
+    energy = _calibrated(power, true)
+    k, rel = energy.scale()
+    assert k == pytest.approx(1 / 0.9, rel=0.002)
+    assert rel < 0.002  # a minute's span: 0.1 s of staleness at 450 W over ~27 kJ
+    edges = [i / 20 for i in range(1201)]  # 50 ms windows, shorter than a counter update
+    parts = [energy.window(a, b) for a, b in itertools.pairwise(edges)]
+    assert all(p is not None and p[0] > 0 and p[1] >= 0 for p in parts)
+    assert sum(p[0] for p in parts if p is not None) == pytest.approx(true[-1][1] / 1000,
+                                                                      rel=0.002)
+    first_half_s = sum(p[0] for p in parts[:10] if p is not None)
+    assert first_half_s == pytest.approx(45.0 * k, rel=1e-3)  # 90 W for 0.5 s, scaled
 
 
-def test_energy_without_counter_integrates_power() -> None:
+def test_a_short_calibration_span_moves_the_scale_little() -> None:
+    """Two reads 3 s apart, each maybe 100 ms stale: the span's k is weighed against the
+    power samples' own scale by their uncertainties."""
+    power = _series([(0.0, 450.0), (3.0, 450.0)])
+    energy = _calibrated(power, [(0.0, 0.0), (3.0, 3 * 450 / 0.9 * 1000)])
+    k, rel = energy.scale()
+    u_span = 0.1 * 450 / (3 * 450)
+    w_prior, w_span = 1 / NO_COUNTER_REL_ERR**2, 1 / u_span**2
+    assert k == pytest.approx((w_prior + w_span / 0.9) / (w_prior + w_span))
+    assert 1.0 < k < 1 / 0.9 and rel == pytest.approx((w_prior + w_span) ** -0.5)
+
+
+def test_energy_before_a_calibration_span_is_the_power_integral_with_a_stated_bound() -> None:
     power = _series([(0.0, 100.0), (2.0, 100.0)])
-    assert window_energy_j(Series(), power, 0.5, 1.5) == pytest.approx(100.0)
-    assert window_energy_j(Series(), None, 0.5, 1.5) is None
+    energy = CalibratedEnergy(power)
+    got = energy.window(0.5, 1.5)
+    assert got is not None
+    assert got[0] == pytest.approx(100.0)
+    assert got[1] == pytest.approx(100.0 * NO_COUNTER_REL_ERR)
+    assert CalibratedEnergy(Series()).window(0.5, 1.5) is None
 
 
-def test_energy_counter_reset_falls_back_to_power() -> None:
-    counter = _series([(0.0, 900_000.0), (1.0, 10.0)])
-    power = _series([(0.0, 50.0), (1.0, 50.0)])
-    assert window_energy_j(counter, power, 0.0, 1.0) == pytest.approx(50.0)
+def test_energy_stale_counter_reads_do_not_make_steps_jump() -> None:
+    """Each read is up to 100 ms stale: a span-by-span calibration would swing ~10 % step to
+    step on a load that jumps; the scale over a long span barely moves."""
+    period = 0.6
+    samples = [(i * 0.02, 700.0 if (i * 0.02) % period >= period / 2 else 70.0)
+               for i in range(0, 1500)]
+    power = _series(samples)
+    energy = CalibratedEnergy(power, 0.1)
+    ks = []
+    for n in range(1, 30):
+        read_at = n * 1.0
+        stale_to = math.floor((read_at - 0.037) / 0.1) * 0.1 + 0.037  # 100 ms updates
+        energy.add_counter(read_at, power.integral(0.0, stale_to) * 1000)
+        if n > 5:
+            ks.append(energy.scale()[0])
+    assert max(ks) - min(ks) < 0.01
+    assert all(abs(k - 1) < 0.02 for k in ks)
+
+
+def test_energy_counter_reset_starts_the_calibration_afresh() -> None:
+    power = _series([(0.0, 50.0), (5.0, 50.0)])
+    energy = _calibrated(power, [(0.0, 900_000.0), (1.0, 950_000.0), (2.0, 10.0)])
+    assert energy.scale() == (1.0, NO_COUNTER_REL_ERR)  # one read since the reset
+    energy.add_counter(3.05, 50_010.0)
+    assert energy.scale()[0] == pytest.approx(1.0)
+
+
+def test_a_column_that_stops_reading_is_absent_not_held() -> None:
+    table = Table()
+    for i in range(10):
+        t = i * 0.1
+        table.add_row(t, {"temp_c": 40.0, "mem_used_gb": 1.0} if t < 0.45 else
+                      {"mem_used_gb": 1.0})
+    got = table.window(0.9, 1.0, stale=0.3)
+    assert got is not None
+    assert "mem_used_gb" in got[0] and "temp_c" not in got[0]
+    early = table.window(0.2, 0.4, stale=0.3)
+    assert early is not None and early[0]["temp_c"].mean == pytest.approx(40.0)
 
 
 def test_job_aggregates() -> None:

@@ -4,6 +4,10 @@
 (or the ``gpu_monitor`` config group is chosen); then a ``Monitor`` whose rows go to the sinks of
 ``trainer.gpu_monitor_sinks``, by default ``gpulens.jsonl`` in the run's output folder. A small
 MLP is trained on random data; without a GPU the monitor samples simulated GPUs.
+
+Everything goes under the Hydra run dir (``outputs/hydra_app/<time>/``; ``GPULENS_EXAMPLE_OUT``
+replaces ``outputs``): the job runs inside it (``hydra.job.chdir``), so relative sink paths land
+there too.  ``outputs/`` and ``multirun/`` are ignored by git and removed by ``make clean``.
 """
 
 from __future__ import annotations

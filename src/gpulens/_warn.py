@@ -1,12 +1,97 @@
-"""Library logging: a ``NullHandler`` on the package logger and warnings once per cause."""
+"""Library logging: the ``gpulens`` logger, heard by users who configured no logging at all.
+
+* Everything gpulens says goes through ``logging.getLogger("gpulens")`` (and its children).
+* A user who configured logging (a handler on the root logger: ``logging.basicConfig``,
+  pytest, a framework) hears gpulens through that, once.  A user who configured nothing still
+  hears WARNINGs and errors: the ``gpulens`` logger has a stderr handler of its own that speaks
+  only while the root logger has no handler (as ``logging.lastResort`` would, which a
+  ``NullHandler`` silences), formatted ``gpulens: WARNING: ...``.
+* ``GPULENS_VERBOSITY`` (``debug``, ``info``, ``warning``, ``error``, ``critical``) or
+  :func:`set_verbosity` set the ``gpulens`` logger's level; the default is the library default
+  (WARNING unless the application sets another).
+* :func:`warn_once` logs a WARNING once per cause, per process.
+* In the sampler process (:mod:`gpulens.transport.process`) the stderr handler is off and
+  every record goes down the pipe instead (:class:`ForwardHandler`); the training process
+  hands it to its own ``gpulens`` logger (:func:`reemit`), at the same level: the user hears
+  the engine exactly as if it ran in their process.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import threading
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("gpulens")
-logger.addHandler(logging.NullHandler())
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr, at WARNING and above, only while the application configured no root handler
+    (then the record reaches the user through the root logger instead, once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setLevel(logging.WARNING)
+        self.setFormatter(_Formatter())
+        self.enabled = True
+
+    @property
+    def stream(self) -> Any:  # the sys.stderr of the moment (pytest and others swap it)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.enabled or logging.getLogger().handlers:
+            return
+        super().emit(record)
+
+
+class _Formatter(logging.Formatter):
+    """``gpulens: WARNING: <message>`` (messages start with ``gpulens:`` already, for users
+    who read them through their own handlers)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage().removeprefix("gpulens: ")
+        return f"gpulens: {record.levelname}: {text}"
+
+
+_default_handler = _DefaultHandler()
+logger.addHandler(_default_handler)
+
+
+def _env_level() -> int | None:
+    raw = os.environ.get("GPULENS_VERBOSITY", "").strip().lower()
+    if not raw:
+        return None
+    if raw not in _LEVELS:
+        logger.warning("gpulens: GPULENS_VERBOSITY=%r is not one of %s; ignored", raw,
+                       ", ".join(_LEVELS))
+        return None
+    return _LEVELS[raw]
+
+
+def set_verbosity(level: int | str) -> None:
+    """Set the ``gpulens`` logger's level (``"info"``, ``logging.ERROR``, ...)."""
+    if isinstance(level, str):
+        if level.strip().lower() not in _LEVELS:
+            raise ValueError(f"verbosity {level!r}: expected one of {', '.join(_LEVELS)}")
+        level = _LEVELS[level.strip().lower()]
+    logger.setLevel(level)
+
+
+_level = _env_level()
+if _level is not None:
+    logger.setLevel(_level)
 
 _seen: set[str] = set()
 _lock = threading.Lock()
@@ -25,3 +110,50 @@ def reset_warnings() -> None:
     """Forget which causes were warned about (tests)."""
     with _lock:
         _seen.clear()
+
+
+# -- across the process boundary -------------------------------------------------------------
+LogPayload = tuple[str, int, str, float]
+"""(logger name, level number, formatted message, creation time): a record as it crosses."""
+
+
+class ForwardHandler(logging.Handler):
+    """Sends every record of the ``gpulens`` loggers to ``send`` (the sampler process's end of
+    the pipe), formatted there: arguments need not pickle."""
+
+    def __init__(self, send: Callable[[LogPayload], object]) -> None:
+        super().__init__(logging.DEBUG)
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):  # the pipe is gone: nobody is left to tell
+            self._send((record.name, record.levelno, record.getMessage(), record.created))
+
+
+def forward_records(send: Callable[[LogPayload], object], level: int) -> ForwardHandler:
+    """In the sampler process: stop writing to stderr, send every record at ``level`` and
+    above to the training process instead."""
+    _default_handler.enabled = False
+    handler = ForwardHandler(send)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    return handler
+
+
+def reemit(payload: LogPayload) -> None:
+    """In the training process: hand a record from the sampler process to the logger of the
+    same name, at its level (it reaches the user once, by whatever handlers they set)."""
+    name, levelno, message, created = payload
+    target = logging.getLogger(name)
+    if not target.isEnabledFor(levelno):
+        return
+    record = target.makeRecord(name, levelno, "(gpulens sampler process)", 0, message, (),
+                               None)
+    record.created = created
+    target.handle(record)
+
+
+def effective_level() -> int:
+    """The level below which the ``gpulens`` logger drops records here (sent to the sampler
+    process, so it forwards only what would be heard)."""
+    return logger.getEffectiveLevel()

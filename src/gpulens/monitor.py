@@ -1,4 +1,7 @@
-"""``Monitor``: the public face of the core (sources -> sampler -> window -> step logger -> sinks).
+"""``Monitor``: the client the training loop holds.  Thin: it stamps step marks, reads the
+torch allocator, writes the sinks that must live in the training process, and takes part in
+the rank gather; the engine (:mod:`gpulens.engine`) does the rest, in a process of gpulens's
+own (:mod:`gpulens.transport.process`) or, as a fallback, in a thread.
 
 ::
 
@@ -15,44 +18,43 @@ from __future__ import annotations
 
 import math
 import os
-import socket
+import pickle
 import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from gpulens._warn import logger, warn_once
-from gpulens.engine.sampler import GpuState, Mark, Sampler
-from gpulens.engine.steplogger import SinkStats, StepLogger
-from gpulens.errors import NvmlUnavailable
+from gpulens._warn import effective_level, logger, warn_once
+from gpulens.engine.sampler import Mark
+from gpulens.engine.spec import (
+    WORK_CPU,
+    WORK_FLOPS,
+    WORK_SAMPLES,
+    WORK_TOKENS,
+    EngineSpec,
+    SinkSpec,
+)
+from gpulens.engine.steplogger import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.base import Row, RunContext, Sink
-from gpulens.sources.host import HostReader
-from gpulens.sources.nvml import NvmlSource
 from gpulens.sources.torch_alloc import TorchAllocator
-from gpulens.transport.process import SamplerProcess, SpawnFailed, remote_spec
+from gpulens.transport.base import SpawnFailed, Transport
+from gpulens.transport.inproc import InprocTransport
+from gpulens.transport.process import ProcessTransport
+from gpulens.transport.relay import MarkRelay
 
 BACKENDS = ("auto", "nvml", "simulated")
 ISOLATIONS = ("auto", "process", "thread")
 
 
-def _env_isolation() -> str | None:
-    name = os.environ.get("GPULENS_ISOLATION", "").strip().lower()
-    if not name:
+def _env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
         return None
-    if name not in ISOLATIONS:
-        raise ValueError(f"GPULENS_ISOLATION={name!r}: expected one of {', '.join(ISOLATIONS)}")
-    return name
-
-
-def _env_backend() -> Any:
-    name = os.environ.get("GPULENS_BACKEND", "").strip().lower()
-    if not name:
-        return None
-    if name not in BACKENDS:
-        raise ValueError(f"GPULENS_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
-    return name
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
 
 
 def _simulated_from_env() -> Any:
@@ -68,6 +70,15 @@ def _simulated_from_env() -> Any:
     return SimulatedNVML(gpus=count)
 
 
+def _lightning_or_plain_dtype(dtype: Any) -> str | None:
+    """A dtype given in any of the usual spellings, as gpulens names it (``None``: unknown)."""
+    if dtype is None:
+        return None
+    from gpulens.work.precision import dtype_from_lightning_precision, normalize_dtype
+
+    return normalize_dtype(dtype) or dtype_from_lightning_precision(dtype)
+
+
 def distributed_env() -> tuple[int, int, int] | None:
     """(global rank, local rank, world size) from torchrun's variables, or None if single."""
     try:
@@ -79,6 +90,15 @@ def distributed_env() -> tuple[int, int, int] | None:
         return None
 
 
+def remote_spec(sink: Sink) -> tuple[str, dict[str, Any]] | None:
+    """``("module:Class", kwargs)`` that rebuild ``sink`` in the engine, or ``None``."""
+    method = getattr(sink, "remote_spec", None)
+    if method is None:
+        return None
+    spec: tuple[str, dict[str, Any]] | None = method()
+    return spec
+
+
 class Monitor:
     """Samples this process's GPUs and writes one row per :meth:`log` call to the sinks.
 
@@ -88,8 +108,9 @@ class Monitor:
             distributed job (``WORLD_SIZE`` > 1) only this rank's GPU (``LOCAL_RANK``).
         interval: seconds between cheap samples (utilization, memory, power, temperature,
             clocks); must be > 0.  Energy and the driver's buffered samples are read every
-            ``max(1 s, interval)``; GPM, whose counters refresh about every 100 ms, is polled
-            every ``max(50 ms, interval / 2)``.
+            ``max(1 s, interval)`` (the buffered samples also a fifth of a second after each
+            ``log()``, so rows come soon); GPM, whose counters refresh about every 100 ms, is
+            polled every ``max(50 ms, interval / 2)``.
         sinks: names (``"wandb"``, ``"mlflow"``, ``"jsonl:PATH"``, ``"prometheus:PORT"``) or
             objects with ``open``/``write``/``close``.
         backend: ``"nvml"``, ``"simulated"``, ``"auto"``/``None`` (NVML if a driver answers),
@@ -104,20 +125,24 @@ class Monitor:
         distributed: gather the ranks' rows on rank 0 (``None``: when torch.distributed is
             initialised with more than one rank).  Then every rank must call :meth:`log` for
             the same steps: it is a collective.
-        isolation: where the sampler runs.  ``"process"``: a process of its own
-            (:mod:`gpulens.transport.process`), which also writes the JSONL and MLflow sinks;
-            this process only sends step marks down a pipe.  ``"thread"``: a thread of this
-            process.  ``"auto"`` (default; ``GPULENS_ISOLATION`` overrides it): a process,
-            unless ``backend`` is an object (it cannot cross) or no process can be started
-            (then a thread, with a warning).
+        isolation: where the engine (sampler, windows, the sinks that can live there) runs.
+            ``"process"``: a process of its own; this process only sends step marks down a
+            pipe.  ``"thread"``: a thread of this process.  ``"auto"`` (default;
+            ``GPULENS_ISOLATION`` overrides it): a process, unless ``backend`` is an object
+            that does not pickle, or no process can be started (then a thread, with a
+            warning).
+        dtype: the run's compute dtype (``"bf16"``, ``torch.bfloat16``, a Lightning precision
+            such as ``"bf16-mixed"``): picks the column of the GPU's peak for MFU, and lets the
+            low-tensor-core rule judge.  Unknown: no MFU (said once), never a borrowed peak.
+        flops_per_token, flops_per_sample: model FLOPs (forward + backward) per token or per
+            sample (:func:`gpulens.work.hf.model_flops` computes them for a Hugging Face
+            model).  With the work of each step (``log(step, tokens=...)``) they give
+            ``perf/tflops`` and ``perf/mfu_pct``.
 
-    Rows are finished by the sampler thread a little after ``log()`` (once the data covering
-    the window has been read, at most about ``max(1 s, interval) + 0.2 s``); ``stop()``
-    writes all of them.
-
-    :attr:`dropped_marks` counts the ``log()`` calls whose step mark never reached a sampler
-    process that could not keep up (their steps fold into the next row's window; ``stop()``
-    warns if any); always 0 with the sampler in a thread.
+    Rows are finished by the engine a little after ``log()`` (once the data covering the
+    window has been read: usually a quarter of a second, at most about 10 s on a starved
+    machine); ``stop()`` writes all of them.  Everything the engine says (warnings, drops,
+    a lost GPU) reaches this process's ``gpulens`` logger at its level.
     """
 
     def __init__(
@@ -133,6 +158,9 @@ class Monitor:
         energy: bool = True,
         driver_samples: bool = True,
         isolation: str = "auto",
+        dtype: Any = None,
+        flops_per_token: float | None = None,
+        flops_per_sample: float | None = None,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)):
             raise ValueError(f"interval must be a number of seconds, got {interval!r}")
@@ -162,18 +190,36 @@ class Monitor:
         if not isinstance(isolation, str) or isolation.lower() not in ISOLATIONS:
             raise ValueError(f"isolation {isolation!r}: expected one of {', '.join(ISOLATIONS)}")
         self._isolation_arg = isolation.lower()
+        self._dtype_arg = dtype
+        self._dtype = _lightning_or_plain_dtype(dtype)
+        if dtype is not None and self._dtype is None:
+            warn_once(f"dtype:{dtype!r}", "gpulens: dtype %r is not one gpulens knows (bf16, "
+                      "fp16, fp32, tf32, fp8, int8, fp64); no MFU", dtype)
+        for name, value in (("flops_per_token", flops_per_token),
+                            ("flops_per_sample", flops_per_sample)):
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        self._flops_per_token = float(flops_per_token) if flops_per_token else None
+        self._flops_per_sample = float(flops_per_sample) if flops_per_sample else None
         self.isolation: str | None = None
         """``"process"`` or ``"thread"`` once started."""
-        self._process: SamplerProcess | None = None
-        self._alloc = TorchAllocator()
-        self._alloc_due = -math.inf
         self.context: RunContext | None = None
         self.sink_stats: dict[str, SinkStats] = {}
-        self._source: NvmlSource | None = None
-        self._sampler: Sampler | None = None
+        """Per sink, rows written and dropped: filled by :meth:`stop`."""
+        self._transport: Transport | None = None
+        self._relay: MarkRelay | None = None
         self._steplogger: StepLogger | None = None
         self._gather: Any = None
+        self._alloc = TorchAllocator()
+        self._alloc_due = -math.inf
+        self._torch_indices: list[int] = []
+        self._slow = max(1.0, self.interval)
+        self._last_step: int | None = None
+        self._cpu_at = 0.0
         self._started = False
+        self._stopped = False
+        self._dropped_marks = 0
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -186,7 +232,9 @@ class Monitor:
         """
         return Monitor(self.gpus, self.interval, sinks, self._backend_arg,
                        buffer_rows=self._buffer_rows, distributed=self._distributed_arg,
-                       isolation=self._isolation_arg, **self._reads)
+                       isolation=self._isolation_arg, dtype=self._dtype_arg,
+                       flops_per_token=self._flops_per_token,
+                       flops_per_sample=self._flops_per_sample, **self._reads)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -200,53 +248,42 @@ class Monitor:
     def running(self) -> bool:
         return self._started
 
-    def _open_source(self) -> NvmlSource | None:
+    def _backend(self) -> Any:
+        """The backend to hand the engine: ``"auto"``, ``"nvml"`` or an NVML-like object."""
         backend = self._backend_arg
         if backend is None:
-            backend = _env_backend() or "auto"
+            backend = _env_choice("GPULENS_BACKEND", BACKENDS) or "auto"
         if backend == "simulated":
-            source = NvmlSource(_simulated_from_env())
-        elif isinstance(backend, str):
-            source = NvmlSource()
-        else:
-            source = NvmlSource(backend)
-        try:
-            source.open()
-        except NvmlUnavailable as exc:
-            if backend == "nvml":
-                raise ValueError(f"backend='nvml' was asked for, but {exc}") from exc
-            warn_once("no-nvml", "gpulens: %s; logging host and training metrics only "
-                      "(set GPULENS_BACKEND=simulated for simulated GPUs)", exc)
-            return None
-        return source
+            return _simulated_from_env()
+        return backend
 
-    def _choose_gpus(self, source: NvmlSource) -> list[tuple[int, int, int | None]]:
-        """(row key, NVML index, torch index) for each GPU to watch."""
-        visible = source.visible_nvml_indices()
-        dist = distributed_env()
-        if self.gpus is None:
-            if dist is not None:
-                rank, local_rank, _ = dist
-                if not visible:
-                    return []
-                ordinal = local_rank % len(visible)
-                return [(rank, visible[ordinal], ordinal)]
-            return [(i, n, i) for i, n in enumerate(visible)]
-        out: list[tuple[int, int, int | None]] = []
-        for g in self.gpus:
-            if g >= len(visible):
-                raise ValueError(
-                    f"GPU {g} does not exist: this process sees {len(visible)} GPU(s)"
-                    + (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})"
-                       if "CUDA_VISIBLE_DEVICES" in os.environ else "")
-                )
-            key = dist[0] if dist is not None and len(self.gpus) == 1 else g
-            out.append((key, visible[g], g))
-        return out
+    def _choose_transport(self, backend: Any) -> Transport:
+        choice = self._isolation_arg
+        if choice == "auto":
+            choice = _env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+        if choice == "thread":
+            return InprocTransport()
+        if os.name != "posix":
+            if choice == "process":
+                raise ValueError("isolation='process' is only available on POSIX systems")
+            return InprocTransport()
+        if not isinstance(backend, str):
+            try:
+                pickle.dumps(backend)
+            except Exception as exc:
+                if choice == "process":
+                    raise ValueError(
+                        f"isolation='process' needs a backend that pickles ({exc}); give a "
+                        "simulator a load from gpulens.testing.loads or a module-level "
+                        "function, or use isolation='thread'") from None
+                logger.info("gpulens: the backend object does not pickle (%s); sampling in a "
+                            "thread of this process", exc)
+                return InprocTransport()
+        return ProcessTransport()
 
     def start(self, step: int = 0) -> Monitor:
-        """Start sampling (a process or a thread, see ``isolation``); open the sinks; take the
-        first sample.  Idempotent.
+        """Start the engine (a process or a thread, see ``isolation``); open the sinks; take
+        the first sample.  Idempotent while running; a stopped monitor starts afresh.
 
         ``step``: the training step the first window starts after (0 for a fresh run; a
         resumed run passes the step it resumes from), so the first row's per-step figures
@@ -255,121 +292,94 @@ class Monitor:
         with self._lock:
             if self._started:
                 return self
-            if self._wants_process():
+            backend = self._backend()
+            gather = self._gather = self._make_gather()  # rank rows may come once started
+            sinks = self.sinks if gather is None or gather.is_writer else []
+            names = unique_names(sinks)
+            transport = self._choose_transport(backend)
+            try:
+                steplogger, spec = self._plan(transport, sinks, names, backend, gather, step)
+                context, torch_indices = transport.start(spec, self._on_row)
+            except SpawnFailed as exc:
+                warn_once("spawn", "gpulens: %s; sampling in a thread of this process instead",
+                          exc)
+                transport = InprocTransport()
                 try:
-                    self._start_process(step)
-                except SpawnFailed as exc:
-                    warn_once("spawn", "gpulens: %s; sampling in a thread of this process "
-                              "instead", exc)
-                    self._start_thread(step)
-            else:
-                self._start_thread(step)
-            self._started = True
-            assert self.context is not None
-            logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (sampler in a %s)",
-                        len(self.context.gpus), self.context.backend, self.interval,
-                        self.isolation)
+                    steplogger, spec = self._plan(transport, sinks, names, backend, gather, step)
+                    context, torch_indices = transport.start(spec, self._on_row)
+                except BaseException:
+                    self._gather = self._steplogger = None
+                    raise
+            except BaseException:
+                self._gather = self._steplogger = None
+                raise
+            try:
+                if gather is not None:
+                    gather.bind(context)
+                steplogger.open(context)
+            except BaseException:
+                transport.stop(2.0, 2.0)
+                self._gather = self._steplogger = None
+                raise
+            relay = MarkRelay(transport.send_mark)
+            self._transport, self._relay = transport, relay
+            self.context, self._torch_indices = context, torch_indices
+            self.isolation = transport.isolation
+            self._alloc_due = -math.inf
+            self._cpu_at = time.process_time()
+            self._last_step = None
+            self._dropped_marks = 0
+            self._started, self._stopped = True, False
+            self._finalizer = weakref.finalize(self, _stop_quietly, transport, relay,
+                                               steplogger)
+            logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (engine in a %s)",
+                        len(context.gpus), context.backend, self.interval, self.isolation)
             return self
 
-    def _wants_process(self) -> bool:
-        choice = self._isolation_arg
-        if choice == "auto":
-            choice = _env_isolation() or "auto"
-        if choice == "thread":
-            return False
-        backend = self._backend_arg
-        if backend is not None and not isinstance(backend, str):
-            if choice == "process":
-                raise ValueError("isolation='process' needs a backend by name ('nvml', "
-                                 "'simulated', 'auto'): an NVML-like object cannot cross to "
-                                 "another process")
-            return False
-        if os.name != "posix":
-            if choice == "process":
-                raise ValueError("isolation='process' is only available on POSIX systems")
-            return False
-        return True
+    def _plan(self, transport: Transport, sinks: list[Sink], names: list[str], backend: Any,
+              gather: Any, step: int) -> tuple[StepLogger, EngineSpec]:
+        """Which sinks the engine writes, which this process does; the engine's spec.
 
-    def _start_process(self, step: int) -> None:
-        self._gather = self._make_gather_early()
-        is_writer = self._gather is None or self._gather.is_writer
-        sinks = self.sinks if is_writer else []
-        # Sinks that can be rebuilt there go to the sampler process, unless rows must meet
-        # the other ranks' here first.
-        remote: list[tuple[str, dict[str, Any]]] = []
+        With the engine in a process of its own, sinks that can be rebuilt there
+        (``remote_spec``: JSONL, MLflow, the dashboard) live there; the others (W&B, a
+        framework's loggers, objects) here, fed with the rows the engine hands back.  With the
+        engine in a thread, every sink is the object given, written here.
+        """
+        engine_sinks: list[SinkSpec] = []
         local: list[Sink] = []
-        for sink in sinks:
-            spec = remote_spec(sink) if self._gather is None else None
-            if spec is None:
+        local_names: list[str] = []
+        for sink, name in zip(sinks, names, strict=True):
+            found = remote_spec(sink) if transport.isolation == "process" else None
+            if found is None:
                 local.append(sink)
+                local_names.append(name)
             else:
-                remote.append(spec)
-        config = {
-            "gpus": self.gpus, "interval": self.interval, "backend": self._backend_arg,
-            "buffer_rows": self._buffer_rows, "reads": self._reads, "step": step,
-            "sinks": remote, "rows_back": bool(local) or self._gather is not None,
-        }
-        steplogger = StepLogger(local, buffer_rows=self._buffer_rows)
-        gather = self._gather
-        emit = steplogger.submit if gather is None else gather.local_row
-        proc = SamplerProcess(config, on_row=emit)
-        self.context = proc.start()
-        try:
-            if gather is not None:
-                gather.bind(self.context)
-            steplogger.open(self.context)
-        except BaseException:
-            proc.stop(2.0)
-            raise
-        self._process, self._steplogger = proc, steplogger
-        self._alloc_due = -math.inf
-        self._slow = max(1.0, self.interval)
-        self.isolation = "process"
-        self._finalizer = weakref.finalize(self, _stop_process_quietly, proc, steplogger)
-
-    def _start_thread(self, step: int) -> None:
-        source = self._open_source()
-        states: list[GpuState] = []
-        try:
-            if source is not None:
-                for key, nvml_index, torch_index in self._choose_gpus(source):
-                    device = source.device(nvml_index)
-                    states.append(GpuState(key=key, device=device, info=device.info(key),
-                                           torch_index=torch_index))
-            self.context = RunContext(
-                gpus=tuple(s.info for s in states),
-                hostname=socket.gethostname(),
-                backend=source.name if source is not None else "none",
-                interval=self.interval,
-            )
-            self._gather = self._make_gather()
-            is_writer = self._gather is None or self._gather.is_writer
-            steplogger = StepLogger(self.sinks if is_writer else [],
-                                    buffer_rows=self._buffer_rows)
-            steplogger.open(self.context)
-        except BaseException:
-            if source is not None:
-                source.close()
-            raise
-        self._source, self._steplogger = source, steplogger
-        emit = steplogger.submit if self._gather is None else self._gather.local_row
-        self._sampler = Sampler(
-            states,
+                engine_sinks.append(SinkSpec(name, found[0], found[1]))
+        spec = EngineSpec(
             interval=self.interval,
-            slow_interval=max(1.0, self.interval),
-            emit=emit,
-            host=HostReader(),
-            torch_alloc=TorchAllocator(),
+            gpus=tuple(self.gpus) if self.gpus is not None else None,
+            backend=backend, buffer_rows=self._buffer_rows, step=int(step),
+            sinks=tuple(engine_sinks), rows_back=bool(local), gather=gather is not None,
+            rank=distributed_env(), log_level=effective_level(), dtype=self._dtype,
+            flops_per_token=self._flops_per_token, flops_per_sample=self._flops_per_sample,
             **self._reads,
         )
-        self._sampler.start(step)
-        self.isolation = "thread"
-        self._finalizer = weakref.finalize(self, _stop_quietly, self._sampler, steplogger,
-                                           source)
+        self._steplogger = StepLogger(local, names=local_names, buffer_rows=self._buffer_rows)
+        return self._steplogger, spec
 
-    def _make_gather_early(self) -> Any:
-        """The gather, made before the run context is known (it comes from the sampler
-        process); :meth:`RankGather.bind` completes it."""
+    def _on_row(self, row: Row, final: bool) -> None:
+        """A row from the engine (its thread, or the link thread): a rank's own row for the
+        gather, or a finished row for this process's sinks."""
+        if not final:
+            if self._gather is not None:
+                self._gather.local_row(row)
+            return
+        steplogger = self._steplogger
+        if steplogger is not None:
+            steplogger.submit(row)
+
+    def _make_gather(self) -> Any:
+        """The rank gather of a distributed job, or ``None``."""
         if self._distributed_arg is False:
             return None
         from gpulens.distributed import RankGather, torch_distributed_ready
@@ -379,144 +389,159 @@ class Monitor:
                 raise ValueError("distributed=True, but torch.distributed is not initialised "
                                  "with more than one rank")
             return None
-        return RankGather(None, submit=lambda row: self._submit(row))
+        return RankGather(None, submit=self._finish_merged)
 
-    def _make_gather(self) -> Any:
-        gather = self._make_gather_early()
-        if gather is not None:
-            assert self.context is not None
-            gather.bind(self.context)
-        return gather
+    def _finish_merged(self, row: Row) -> None:
+        """Rank 0: a row that met every rank's goes to the engine to be finished (work,
+        rules) and written."""
+        transport = self._transport
+        if transport is not None:
+            transport.finish(row)
 
-    def _submit(self, row: Row) -> None:
-        if self._steplogger is not None:
-            self._steplogger.submit(row)
-
-    def log(self, step: int, **scalars: Any) -> None:
+    # -- the training thread -------------------------------------------------------------------
+    def log(self, step: int, *, tokens: Any = None, samples: Any = None, flops: Any = None,
+            **scalars: Any) -> None:
         """End the current window at training step ``step`` and write one row.
 
         ``scalars`` (loss, learning_rate, grad_norm, ...) go into the same row; a name without
         ``/`` is written as ``train/<name>``.  Pass Python numbers; a tensor is converted in
-        the background (never synchronised on this thread).  Never blocks on a network.  In a
-        distributed job this is a collective: every rank must call it for the same steps.
+        the background (never synchronised on this thread); a value that is not a number is
+        left out with a warning.  Never blocks on a network.  In a distributed job this is a
+        collective: every rank must call it for the same steps.
+
+        ``tokens``, ``samples``, ``flops``: the work this process did since its previous
+        ``log`` (real tokens, padding left out; model FLOPs, forward and backward).  They give
+        ``perf/tokens_per_s`` / ``perf/samples_per_s``, ``perf/tokens_per_j``, and with the
+        model's FLOPs (``flops``, or ``flops_per_token`` given to the monitor)
+        ``perf/tflops`` and ``perf/mfu_pct``; in a distributed job the ranks' work is summed.
         """
         if not self._started:
+            if self._stopped:
+                raise RuntimeError("Monitor.log() after stop(): this monitor is stopped "
+                                   "(start() it again for a new run)")
             raise RuntimeError("Monitor.log() before start(); use `with Monitor(...)` or start()")
+        step = int(step)
+        if self._last_step is not None and step < self._last_step:
+            warn_once("step-backwards", "gpulens: log() at step %d after step %d: steps went "
+                      "backwards (a resume without start(step=...)?); rows keep the steps given",
+                      step, self._last_step)
+        self._last_step = step
         now = time.monotonic()
-        proc = self._process
-        if proc is not None:
-            alloc = None
-            if now >= self._alloc_due and proc.torch_indices:
-                self._alloc_due = now + self._slow
-                alloc = self._read_alloc(proc.torch_indices)
-            proc.mark(int(step), now, time.time(), scalars, alloc)
-        else:
-            sampler = self._sampler
-            assert sampler is not None
-            sampler.marks.append(Mark(int(step), now, time.time(), scalars))
+        alloc = None
+        if now >= self._alloc_due and self._torch_indices:
+            self._alloc_due = now + self._slow
+            alloc = self._read_alloc()
+        cpu = time.process_time()
+        scalars[WORK_CPU] = cpu - self._cpu_at
+        self._cpu_at = cpu
+        if tokens is not None:
+            scalars[WORK_TOKENS] = tokens
+        if samples is not None:
+            scalars[WORK_SAMPLES] = samples
+        if flops is not None:
+            scalars[WORK_FLOPS] = flops
+        relay = self._relay
+        assert relay is not None
+        relay.put(Mark(step, now, time.time(), scalars, alloc))
         if self._gather is not None:
             self._gather.exchange()
-        if self._steplogger is not None:
-            self._steplogger.drain_training_thread()
+        steplogger = self._steplogger
+        if steplogger is not None:
+            steplogger.drain_training_thread()
 
-    def _read_alloc(self, indices: list[int]) -> dict[int, tuple[float, float]] | None:
-        """The torch allocator's figures, read here for the sampler process (one host-side
-        call per GPU, once a slow period)."""
-        out: dict[int, tuple[float, float]] = {}
-        for index in indices:
+    def _read_alloc(self) -> dict[int, tuple[float, float, float, float]] | None:
+        """The torch allocator's figures, read here for the engine (one host-side call per
+        GPU, once a slow period)."""
+        out: dict[int, tuple[float, float, float, float]] = {}
+        for index in self._torch_indices:
             mem = self._alloc.read(index)
             if mem is not None:
                 out[index] = mem
         return out or None
 
-    def stop(self, timeout: float = 10.0) -> dict[str, SinkStats]:
-        """Close the last windows, flush every sink (within ``timeout`` s) and stop.  Idempotent.
+    # -- stop ------------------------------------------------------------------------------------
+    def stop(self, timeout: float | None = None) -> dict[str, SinkStats]:
+        """Close the last windows, write what every sink holds, and stop.  Idempotent.
 
-        Returns, per sink, how many rows were written and dropped.
+        Waits while the sinks make progress: at most ``timeout`` seconds (default
+        :data:`~gpulens.engine.steplogger.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and
+        as long again for this process's, giving up on a sink that wrote nothing for 20 s
+        (say a tracker that is down).  After 3 s it says what it waits for.  Every row it had
+        to drop is told: a WARNING naming the sink and the count.
+
+        Returns, per sink, how many rows were written and dropped (:class:`SinkStats`).
         """
+        total = STOP_TIMEOUT_S if timeout is None else max(0.0, float(timeout))
+        stall = min(STALL_S, max(total, 0.5))
         with self._lock:
             if not self._started:
                 return self.sink_stats
-            self._started = False
-            assert self._steplogger is not None
-            child_stats: dict[str, SinkStats] = {}
-            proc = self._process
-            if proc is not None and proc.forked:
-                # a forked child: the sampler process and the sinks are the parent's
-                proc.forget()
-                if self._finalizer is not None:
-                    self._finalizer.detach()
-                self._process = None
-                return self.sink_stats
-            if proc is not None:
-                child_stats = proc.stop(timeout)
-                self._dropped_marks = proc.dropped_marks
-            else:
-                assert self._sampler is not None
-                self._sampler.stop()
-            if self._gather is not None:
-                try:
-                    self._gather.flush()
-                except Exception as exc:
-                    logger.warning("gpulens: gathering the last rows failed: %r", exc)
-            stats = dict(child_stats)
-            for name, st in self._steplogger.close(timeout).items():
-                stats[name if name not in stats else f"{name}#local"] = st
-            self.sink_stats = stats
-            if self._sampler is not None:
-                for state in self._sampler.gpus:
-                    state.device.close()
-            if self._source is not None:
-                self._source.close()
+            self._started, self._stopped = False, True
+            transport, relay, steplogger = self._transport, self._relay, self._steplogger
+            assert transport is not None and relay is not None and steplogger is not None
             if self._finalizer is not None:
                 self._finalizer.detach()
-            self._process = None
-            self._sampler = None
+            if transport.forked:
+                # a forked child: the engine and the sinks are the parent's
+                transport.forget()
+                relay.forget()
+                return self.sink_stats
+            relay.close(min(total, 10.0))
+            gather = self._gather
+            if gather is not None:
+                # the last windows of every rank meet before the engine stops: they come
+                # back raw, the gather merges them, the engine finishes them
+                transport.drain(total)
+                try:
+                    gather.flush()
+                except Exception as exc:
+                    logger.warning("gpulens: gathering the last rows failed: %r", exc)
+                close = getattr(gather, "close", None)
+                if close is not None:
+                    close()
+            engine_stats = transport.stop(total, stall)
+            client_dropped = relay.dropped + transport.dropped_marks
+            self._dropped_marks = client_dropped + transport.engine_dropped_marks
+            local_stats = steplogger.close(total, stall)
+            stats = {**engine_stats, **local_stats}
+            names = unique_names(self.sinks)
+            self.sink_stats = {n: stats[n] for n in names if n in stats}
+            self.sink_stats.update({n: s for n, s in stats.items() if n not in self.sink_stats})
+            if client_dropped:
+                logger.warning("gpulens: %d step mark(s) were dropped on their way to the "
+                               "sampler (it did not keep up); their steps have no rows of "
+                               "their own", client_dropped)
+            self._transport = self._relay = self._steplogger = None
+            self._gather = None
             return self.sink_stats
 
     # -- live view ---------------------------------------------------------------------------
     def latest(self) -> dict[str, float]:
-        """The newest sample of each GPU metric, keyed like rows (for live views).
-
-        GPM and buffered figures come from the last completed read.  With the sampler in a
-        process of its own this asks it (a round trip of a few milliseconds; ``{}`` if it
-        does not answer within 2 s).
-        """
-        proc = self._process
-        if proc is not None:
-            return proc.latest()
-        sampler = self._sampler
-        return sampler.latest() if sampler is not None else {}
-
-    _dropped_marks = 0
+        """The newest sample of each metric, keyed like rows (for live views); ``{}`` when not
+        running or when the engine does not answer within 2 s."""
+        transport = self._transport
+        return transport.latest(2.0) if transport is not None and self._started else {}
 
     @property
     def dropped_marks(self) -> int:
-        """Step marks dropped on their way to the sampler process (see the class doc)."""
-        proc = self._process
-        return proc.dropped_marks if proc is not None else self._dropped_marks
+        """Step marks dropped on their way to becoming rows (the engine did not keep up; their
+        steps fold into the next row's window; ``stop()`` warns if any)."""
+        transport, relay = self._transport, self._relay
+        if transport is None or relay is None:
+            return self._dropped_marks
+        return relay.dropped + transport.dropped_marks + transport.engine_dropped_marks
 
 
-def _stop_quietly(sampler: Sampler, steplogger: StepLogger, source: NvmlSource | None) -> None:
-    """Last-resort cleanup when a Monitor is garbage-collected or the process exits."""
+def _stop_quietly(transport: Transport, relay: MarkRelay, steplogger: StepLogger) -> None:
+    """Last-resort cleanup when a Monitor is garbage-collected or the process exits.  In a
+    forked child it only lets go of the parent's engine."""
     try:
-        sampler.stop(timeout=2.0)
-        steplogger.close(timeout=2.0)
-        if source is not None:
-            source.close()
-    except Exception:
-        pass
-
-
-def _stop_process_quietly(proc: SamplerProcess, steplogger: StepLogger) -> None:
-    """Last-resort cleanup of a process-isolated Monitor (garbage-collected, process exit).
-    In a forked child it only closes that child's copies of the pipe ends: the sampler
-    process and the sinks are the parent's."""
-    try:
-        if proc.forked:
-            proc.forget()
+        if transport.forked:
+            transport.forget()
+            relay.forget()
             return
-        proc.stop(timeout=2.0)
-        steplogger.close(timeout=2.0)
+        relay.close(1.0)
+        transport.stop(2.0, 2.0)
+        steplogger.close(2.0, 2.0)
     except Exception:
         pass

@@ -59,7 +59,13 @@ GPU_METRICS: tuple[GpuMetric, ...] = (
     GpuMetric("power_w", "W", Agg.MEAN, "board power draw", with_max=True),
     GpuMetric("power_limit_w", "W", Agg.LAST, "enforced power limit"),
     GpuMetric("energy_j", "J", Agg.DELTA,
-              "energy used in the window: NVML's energy counter, power integral between reads"),
+              "energy used in the window: the driver's 20 ms power samples integrated, "
+              "calibrated to NVML's energy counter over spans of at least 1 s"),
+    GpuMetric("energy_err_j", "J", Agg.DELTA,
+              "stated bound on the error of energy_j in this window"),
+    GpuMetric("energy_short_window", "flag", Agg.LAST,
+              "1 when the window is shorter than the energy counter's update period (~100 ms): "
+              "its energy rests on the power samples alone"),
     GpuMetric("temp_c", "Celsius", Agg.MEAN, "GPU core temperature", with_max=True),
     GpuMetric("sm_clock_mhz", "MHz", Agg.MEAN, "SM clock"),
     GpuMetric("throttle_pct", "percent", Agg.MEAN,
@@ -73,6 +79,11 @@ GPU_METRICS: tuple[GpuMetric, ...] = (
     GpuMetric("torch_peak_gb", "GB", Agg.LAST,
               "torch.cuda.max_memory_allocated: the peak since the process started or the "
               "training code last reset it (gpulens never resets it)"),
+    GpuMetric("torch_alloc_retries", "count", Agg.LAST,
+              "the torch caching allocator's cudaMalloc retries since the process started "
+              "(memory_stats num_alloc_retries: it had to free cached blocks to allocate)"),
+    GpuMetric("torch_ooms", "count", Agg.LAST,
+              "out-of-memory errors the torch allocator raised since the process started"),
 )
 
 GPU_METRIC_BY_KEY: dict[str, GpuMetric] = {m.key: m for m in GPU_METRICS}

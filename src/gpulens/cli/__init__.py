@@ -4,7 +4,7 @@ Subcommands::
 
     gpulens watch  [--gpus 0,1] [--interval S]          live terminal view
     gpulens record [--sink SPEC]... -- COMMAND [ARGS]   record GPU windows while a command runs
-    gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]]
+    gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]] [--run last|N|ID|all]
     gpulens serve  [--port 9400] [--host 127.0.0.1]     Prometheus exporter of live GPU metrics
 
 Importing this module is light: each subcommand imports what it needs (rich, prometheus_client,
@@ -28,23 +28,87 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+WATCH = """\
+A live view of the GPUs of this machine, one line per GPU: activity (GPM SM active where the
+GPU has GPM, else NVML utilization), tensor-core activity, memory used/total, power against
+its limit, temperature, SM clock, and what holds the clocks down.  It fits 80 columns; a wider
+terminal adds the activity history, memory and power bars, DRAM bandwidth and the GPU model.
+Memory is in GB of 10^9 bytes (an "80GB" card shows 85.9 GB = 80.0 GiB).  q quits.  Without a
+terminal (or with --plain) it prints one line per interval.
+
+  gpulens watch
+  gpulens watch --gpus 0,1 --interval 0.5
+  gpulens watch --plain --count 10 > gpus.log
+"""
+
+RECORD = """\
+Run COMMAND and write one row of GPU telemetry every --interval seconds for its whole life to
+each --sink; then print a per-GPU summary (activity, peak memory, power, temperature, energy,
+throttling) on stderr, and write it as JSON and Markdown when asked.  Exits with COMMAND's exit
+code.  Rows are wall-clock intervals, not training steps.
+
+  gpulens record --sink jsonl:run.jsonl -- python bench.py
+  gpulens record --work 1e6 --unit tokens --summary-md summary.md -- python serve_bench.py
+"""
+
+REPORT = """\
+Write one self-contained HTML page (no network needed to view it) from a JSONL record: loss,
+learning rate and step time beside GPU activity, memory, power, temperature and throttling on
+the same step axis (elapsed seconds for a `gpulens record` file), a per-GPU table, energy and
+efficiency.  --markdown also writes a summary for a pull-request comment.
+
+A JSONL file may hold several runs (the jsonl sink appends; each run starts with a header
+line): the report shows the last run unless --run chooses.
+
+  gpulens report runs/gpu.jsonl                  # writes runs/gpu.html
+  gpulens report runs/gpu.jsonl --run all -o all.html
+  gpulens report runs/gpu.jsonl --markdown       # Markdown to stdout too
+"""
+
+SERVE = """\
+Serve live GPU metrics on an HTTP endpoint for Prometheus to scrape (/metrics): utilization,
+SM and tensor activity, memory (bytes), power, energy (a counter), temperature, clocks and
+throttling, labelled by GPU, uuid, model and host.  Binds 127.0.0.1 unless --host says
+otherwise.
+
+  gpulens serve --port 9400
+  gpulens serve --host 0.0.0.0 --port 9400 --gpus 0,1
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``gpulens`` and its subcommands."""
-    parser = _Parser(prog="gpulens", description="GPU telemetry per training step.")
-    parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    parser = _Parser(
+        prog="gpulens",
+        description="GPU telemetry per training step, beside the loss curve. These commands "
+                    "watch, record, report and serve it without changing a training script.",
+        epilog="Each command has its own help: gpulens COMMAND --help",
+    )
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print the gpulens version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser,
+                                title="commands")
+    raw = argparse.RawDescriptionHelpFormatter
 
-    p = sub.add_parser("watch", help="live view of GPU activity, memory, power, temperature")
-    p.add_argument("--gpus", type=gpu_list, default=None, help="GPU indices, e.g. 0,1 (all)")
-    p.add_argument("--interval", type=positive_float, default=1.0, help="seconds (1.0)")
-    p.add_argument("--history", type=int, default=30, help="sparkline length in intervals (30)")
-    p.add_argument("--plain", action="store_true", help="one plain line per interval")
-    p.add_argument("--count", type=int, default=None, help="stop after N intervals")
+    p = sub.add_parser("watch", help="live terminal view of GPU activity, memory, power, "
+                       "temperature", description=WATCH, formatter_class=raw)
+    p.add_argument("--gpus", type=gpu_list, default=None, metavar="0,1",
+                   help="GPU indices to show, comma-separated (default: all)")
+    p.add_argument("--interval", type=positive_float, default=1.0, metavar="S",
+                   help="seconds between refreshes (default 1.0)")
+    p.add_argument("--history", type=int, default=30, metavar="N",
+                   help="length of the activity history, in intervals (default 30; shown "
+                        "when the terminal is wide enough)")
+    p.add_argument("--plain", action="store_true",
+                   help="one plain text line per interval, also in a terminal (for logs)")
+    p.add_argument("--count", type=int, default=None, metavar="N",
+                   help="stop after N intervals (default: run until q, Ctrl-C or SIGTERM)")
 
     p = sub.add_parser(
         "record",
         help="run a command and record GPU telemetry for its whole life",
         usage="gpulens record [options] -- COMMAND [ARGS...]",
+        description=RECORD, formatter_class=raw,
     )
     p.add_argument("--sink", action="append", default=[], metavar="SPEC",
                    help="where rows go, repeatable: jsonl:PATH, prometheus:PORT, mlflow, wandb")
@@ -55,28 +119,46 @@ def build_parser() -> argparse.ArgumentParser:
                    help="work the command does in total, for efficiency figures")
     p.add_argument("--unit", default="tokens", choices=("tokens", "samples", "requests"),
                    help="unit of --work (tokens)")
-    p.add_argument("--summary-json", metavar="FILE", default=None)
-    p.add_argument("--summary-md", metavar="FILE", default=None)
+    p.add_argument("--summary-json", metavar="FILE", default=None,
+                   help="also write the summary as JSON to FILE (per GPU: activity, peak "
+                        "memory, power, temperature, energy, throttling; the command and its "
+                        "exit code)")
+    p.add_argument("--summary-md", metavar="FILE", default=None,
+                   help="also write the summary as Markdown to FILE (a table per GPU, for a "
+                        "pull-request comment)")
     p.add_argument("--quiet", action="store_true", help="do not print the summary")
-    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the command to run, after --")
 
-    p = sub.add_parser("report", help="HTML/Markdown report of a JSONL record")
-    p.add_argument("input", metavar="RUN.jsonl")
-    p.add_argument("-o", "--output", default=None,
+    p = sub.add_parser("report", help="HTML/Markdown report of a JSONL record",
+                       description=REPORT, formatter_class=raw)
+    p.add_argument("input", metavar="RUN.jsonl",
+                   help="a JSONL record (the jsonl sink's file, or `gpulens record --sink "
+                        "jsonl:PATH`)")
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
                    help="HTML file (default: RUN.html beside the input; '-' for stdout)")
     p.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
                    help="also write Markdown (to stdout without FILE)")
-    p.add_argument("--title", default=None)
+    p.add_argument("--title", default=None, help="page title (default: 'gpulens report: "
+                                                 "RUN.jsonl')")
     p.add_argument("--work", type=positive_float, default=None,
-                   help="work the run did in total (tokens, samples, ...), for efficiency")
+                   help="work the run did in total (tokens, samples, ...), for the efficiency "
+                        "figure (work per joule of GPU energy) and the throughput")
     p.add_argument("--unit", default="tokens", choices=("tokens", "samples", "requests"),
                    help="unit of --work (tokens)")
+    p.add_argument("--run", default=None, metavar="last|N|ID|all",
+                   help="which run of the file: the last (default), the N-th (1-based; -1 is "
+                        "the last), the run with id ID (or a unique prefix), or all")
 
-    p = sub.add_parser("serve", help="Prometheus exporter of live GPU metrics")
+    p = sub.add_parser("serve", help="Prometheus exporter of live GPU metrics",
+                       description=SERVE, formatter_class=raw)
     p.add_argument("--port", type=_port, default=9400, help="TCP port (9400; 0 = any free)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    p.add_argument("--interval", type=positive_float, default=1.0, help="seconds (1.0)")
-    p.add_argument("--gpus", type=gpu_list, default=None, help="GPU indices (all)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (127.0.0.1: this machine only; 0.0.0.0 for all)")
+    p.add_argument("--interval", type=positive_float, default=1.0, metavar="S",
+                   help="seconds between samples (default 1.0)")
+    p.add_argument("--gpus", type=gpu_list, default=None, metavar="0,1",
+                   help="GPU indices to serve, comma-separated (default: all)")
     return parser
 
 

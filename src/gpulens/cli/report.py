@@ -1,4 +1,8 @@
-"""``gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]]``."""
+"""``gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]] [--run last|N|ID|all]``.
+
+A JSONL record may hold several runs (the sink appends); the report shows the last one unless
+``--run`` chooses, and says on stderr which run it shows when the file holds more than one.
+"""
 
 from __future__ import annotations
 
@@ -25,14 +29,22 @@ def run_report(args: argparse.Namespace) -> int:
     from gpulens.report import ReportError, load_jsonl, render_html, render_markdown, summarize
 
     try:
-        record = load_jsonl(args.input)
+        record = load_jsonl(args.input, run=getattr(args, "run", None))
     except ReportError as e:
         raise CliError(str(e)) from None
     if record.skipped:
         print(f"gpulens report: skipped {record.skipped} malformed line(s) in {args.input}",
               file=sys.stderr)
     if not record.rows:
-        raise CliError(f"no rows in {args.input} (expected JSON objects with 'step' and 'time')")
+        which = (f" for {', '.join(r.label for r in record.selected)}"
+                 if len(record.runs) > 1 else "")
+        raise CliError(f"no rows in {args.input}{which} (expected JSON objects with 'step' and "
+                       "'time')")
+    if len(record.runs) > 1:
+        shown = ("all " + str(len(record.runs)) + " runs" if len(record.selected) == len(
+            record.runs) else ", ".join(r.label for r in record.selected))
+        print(f"gpulens report: {args.input} holds {len(record.runs)} runs; showing {shown} "
+              "(--run N|ID|all for others)", file=sys.stderr)
     summary = summarize(record, work=args.work, unit=args.unit)
     output = args.output
     if output is None:

@@ -1,11 +1,16 @@
 """``gpulens watch [--gpus 0,1] [--interval S]``: a live terminal view.
 
-Per GPU: true activity (GPM SM active and tensor active where the GPU has GPM, else NVML
-utilization) with a sparkline of the last ``--history`` intervals, memory used/total, power
-against its limit, temperature, SM clock, and what holds the clocks down (power cap, thermal).
-``q`` quits.  Without a terminal (or with ``--plain``) it prints one plain line per interval.
+One line per GPU, readable in an 80x24 terminal: activity (GPM SM active where the GPU has
+GPM, else NVML utilization), tensor-core activity, memory used/total, power against its limit,
+temperature, SM clock, and what holds the clocks down (power cap, thermal).  As the terminal
+widens, more columns join: the activity history (a sparkline of the last ``--history``
+intervals), the GPU model, memory and power bars, DRAM bandwidth.  The view follows the
+terminal's size while it runs.  ``q`` quits.  Without a terminal (or with ``--plain``) it
+prints one plain line per interval (and, once, on stderr, what the GPUs are).
 
-The figures are the newest samples (``Monitor.latest()``), read every ``--interval`` seconds.
+Memory is in GB of 1e9 bytes, as NVML counts it: an "80GB" card shows 85.9 GB (80.0 GiB);
+the view says so.  The figures are the newest samples (``Monitor.latest()``), read every
+``--interval`` seconds.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from types import FrameType
 from typing import Any
 
 from gpulens.cli._common import CliError, monitor_interval
-from gpulens.report.text import sparkline
+from gpulens.report.text import gib, sparkline
 from gpulens.sinks.base import GpuInfo
 
 
@@ -101,44 +106,212 @@ def _bar(value: float | None, total: float | None, width: int = 12) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-def render(views: list[GpuView], interval: float, hostname: str, backend: str) -> Any:
-    """The rich renderable for one frame."""
-    from rich.table import Table
+def short_name(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"H100 80GB HBM3"`` (the vendor says nothing here)."""
+    return name[len("NVIDIA "):] if name.startswith("NVIDIA ") else name
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the live view.
+
+    Core columns are always shown (together they fit 80 columns); the others join, in the
+    order of :data:`OPTIONAL`, while the terminal has room, and the flexible ones (``grow``)
+    then share what is left.
+    """
+
+    key: str
+    header: str
+    width: int
+    """Minimum width in cells (content may make it wider)."""
+    grow: int = 0
+    """How many cells more it takes when the terminal has them."""
+    right: bool = True
+
+
+COLUMNS: dict[str, Column] = {c.key: c for c in (
+    Column("gpu", "GPU", 3),
+    Column("name", "Name", 4, right=False),
+    Column("activity", "Activity", 8),
+    Column("history", "History", 12, grow=1 << 30, right=False),
+    Column("tensor", "Tensor", 6),
+    Column("dram", "DRAM bw", 7),
+    Column("memory", "Memory", 12),
+    Column("mem_bar", "Mem used", 11, right=False),
+    Column("power", "Power", 9),
+    Column("power_bar", "Of limit", 11, right=False),
+    Column("temp", "Temp", 4),
+    Column("clock", "SM clock", 8),
+    Column("held", "Held by", 9, right=False),
+)}
+ORDER = ("gpu", "name", "activity", "history", "tensor", "dram", "memory", "mem_bar", "power",
+         "power_bar", "temp", "clock", "held")
+"""Left to right on a line."""
+CORE = ("gpu", "activity", "tensor", "memory", "power", "temp", "clock", "held")
+"""Always shown: GPU, activity, tensor, memory, power, temperature, clock, what holds it down.
+With everyday figures they take 73 cells: an 80-column terminal shows them all."""
+OPTIONAL = ("history", "mem_bar", "power_bar", "dram", "name")
+"""Added as the terminal widens, in this order (the GPU model comes first when the GPUs are
+not all the same model; otherwise the title names it).  The history then grows to
+``--history`` cells."""
+GAP = 2
+
+
+def layout(width: int, history: int, cells: dict[str, list[str]] | None = None,
+           mixed_models: bool = False) -> dict[str, int]:
+    """Column key -> width for a terminal ``width`` cells wide.  ``cells`` holds the texts to
+    show: a column is never narrower than its widest text, so no figure is ever cut."""
+
+    def need(key: str) -> int:
+        col = COLUMNS[key]
+        content = max((len(t) for t in (cells or {}).get(key, [])), default=0)
+        return max(col.width, len(col.header), content)
+
+    widths = {k: need(k) for k in CORE}
+    used = sum(widths.values()) + GAP * (len(widths) - 1)
+    optional = (("name", *(k for k in OPTIONAL if k != "name")) if mixed_models else OPTIONAL)
+    for key in optional:
+        w = min(need(key), history) if key == "history" else need(key)
+        if used + GAP + w <= width:
+            widths[key] = w
+            used += GAP + w
+    if "history" in widths:
+        extra = max(0, min(history - widths["history"], width - used))
+        widths["history"] += extra
+    return widths
+
+
+def _cells(v: GpuView, widths: dict[str, int]) -> dict[str, tuple[str, str]]:
+    """Column key -> (text, style) for one GPU."""
+    label, act = v.activity()
+    used, total = v.get("mem_used_gb"), v.mem_total_gb()
+    power, limit = v.get("power_w"), v.power_limit_w()
+    temp = v.get("temp_c")
+    mem_pct = None if used is None or not total else used / total * 100
+    power_pct = None if power is None or not limit else power / limit * 100
+    held = v.held_by()
+    held = {"power cap+thermal": "pwr+therm"}.get(held, held)
+    tensor, dram = v.get("tensor_active_pct"), v.get("dram_bw_pct")
+    hist = list(v.history)[-widths.get("history", 1):]
+    return {
+        "gpu": (v.key, "bold"),
+        "name": (short_name(v.info.name), ""),
+        "activity": (f"{'SM' if label == 'SM' else 'util':<4}{_f(act, '3.0f', '%'):>4}",
+                     _level(act, 50, 85, reverse=True)),
+        "history": (sparkline(hist, len(hist) or 1, 0.0, 100.0), "green"),
+        "tensor": (_f(tensor, ".0f", "%") if tensor is not None else "-", "cyan"),
+        "dram": (_f(dram, ".0f", "%") if dram is not None else "-", ""),
+        "memory": (f"{_f(used, '.1f')}/{_f(total, '.1f')} GB", _level(mem_pct, 80, 95)),
+        "mem_bar": (f"{_bar(used, total, 6)} {_f(mem_pct, '3.0f', '%')}",
+                    _level(mem_pct, 80, 95)),
+        "power": (f"{_f(power, '.0f')}/{_f(limit, '.0f')} W", _level(power_pct, 90, 98)),
+        "power_bar": (f"{_bar(power, limit, 6)} {_f(power_pct, '3.0f', '%')}",
+                      _level(power_pct, 90, 98)),
+        "temp": (_f(temp, ".0f", "°C"), _level(temp, 80, 87)),
+        "clock": (_f(v.get("sm_clock_mhz"), ".0f", " MHz"), ""),
+        "held": (held, "yellow" if held not in ("-", "n/a") else "dim"),
+    }
+
+
+def _pad(text: str, width: int, right: bool) -> str:
+    return text.rjust(width) if right else text.ljust(width)
+
+
+def render_lines(views: list[GpuView], width: int, history: int, interval: float,
+                 hostname: str, backend: str, host: dict[str, float] | None = None) -> list[Any]:
+    """The frame as ``rich.text.Text`` lines, none wider than ``width`` cells."""
     from rich.text import Text
 
-    table = Table(title=f"gpulens watch · {hostname} · {backend} · every {interval:g} s",
-                  title_justify="left", expand=False, header_style="bold")
-    for col in ("GPU", "Activity", "History", "Memory", "Power", "Temp", "SM clock",
-                "Held down by"):
-        table.add_column(col, no_wrap=True)
+    probe = {k: [t for t, _ in (_cells(v, {"history": history})[k] for v in views)]
+             for k in ORDER if k != "history"}
+    models = sorted({short_name(v.info.name) for v in views})
+    widths = layout(width, history, probe, mixed_models=len(models) > 1)
+    keys = [k for k in ORDER if k in widths]
+    lines = [_title(views, models, width, interval, hostname, backend)]
+    header = Text(no_wrap=True, overflow="crop", style="bold")
+    header.append((" " * GAP).join(_pad(COLUMNS[k].header, widths[k], COLUMNS[k].right)
+                                   for k in keys))
+    lines.append(header)
+    lines.append(Text("─" * min(width, sum(widths[k] for k in keys) + GAP * (len(keys) - 1)),
+                      style="dim"))
     for v in views:
-        label, act = v.activity()
-        tensor = v.get("tensor_active_pct")
-        act_text = Text(f"{_bar(act, 100, 10)} {_f(act, '5.1f', '%')} {label}",
-                        style=_level(act, 50, 85, reverse=True))
-        if tensor is not None:
-            act_text.append(f"\n{_bar(tensor, 100, 10)} {tensor:5.1f}% tensor", style="cyan")
-        used, total = v.get("mem_used_gb"), v.mem_total_gb()
-        power, limit = v.get("power_w"), v.power_limit_w()
-        temp = v.get("temp_c")
-        held = v.held_by()
-        table.add_row(
-            Text(f"{v.key} {v.info.name}"),
-            act_text,
-            Text(sparkline(list(v.history), len(v.history) or 1, 0.0, 100.0), style="green"),
-            Text(f"{_bar(used, total, 10)} {_f(used, '.1f')}/{_f(total, '.0f')} GB",
-                 style=_level(None if used is None or not total else used / total * 100, 80,
-                              95)),
-            Text(f"{_bar(power, limit, 10)} {_f(power, '.0f')}/{_f(limit, '.0f')} W",
-                 style=_level(None if power is None or not limit else power / limit * 100, 90,
-                              98)),
-            Text(_f(temp, ".0f", " °C"), style=_level(temp, 80, 87)),
-            Text(_f(v.get("sm_clock_mhz"), ".0f", " MHz")),
-            Text(held, style="yellow" if held not in ("-", "n/a") else "dim"),
-        )
+        line = Text(no_wrap=True, overflow="crop")
+        cells = _cells(v, widths)
+        for i, k in enumerate(keys):
+            if i:
+                line.append(" " * GAP)
+            text, style = cells[k]
+            line.append(_pad(text, widths[k], COLUMNS[k].right), style=style)
+        lines.append(line)
+    lines.append(Text(""))
+    lines.extend(_footer(views, width, host))
+    return lines
+
+
+def _title(views: list[GpuView], models: list[str], width: int, interval: float,
+           hostname: str, backend: str) -> Any:
+    """``gpulens watch · SIMULATED GPUs · host · 8 x H100 80GB HBM3 · every 1 s``, leaving out
+    from the end what does not fit."""
+    from rich.text import Text
+
+    parts: list[tuple[str, str]] = [("gpulens watch", "bold")]
+    if backend == "simulated":
+        parts.append(("SIMULATED GPUs", "bold black on yellow"))
+    elif backend != "nvml":
+        parts.append((f"backend {backend}", "bold"))
+    parts.append((hostname, ""))
+    parts.append((f"{len(views)} x {models[0]}" if len(models) == 1
+                  else f"{len(views)} GPUs", ""))
+    parts.append((f"every {interval:g} s", ""))
+    while len(parts) > 1 and len(" · ".join(t for t, _ in parts)) > width:
+        parts.pop()
+    title = Text(no_wrap=True, overflow="crop")
+    for i, (text, style) in enumerate(parts):
+        if i:
+            title.append(" · ")
+        title.append(text, style=style)
+    return title
+
+
+def _footer(views: list[GpuView], width: int, host: dict[str, float] | None) -> list[Any]:
+    """Units (GB vs GiB, what activity means), the host, and how to quit; as many lines as
+    the width needs."""
+    from rich.text import Text
+
+    total = next((t for v in views if (t := v.mem_total_gb())), None)
+    pieces = ["q quits"]
+    if total:
+        pieces.append(f"GB = 10⁹ bytes: {total:.1f} GB = {gib(total):.1f} GiB")
+    labels = {v.activity()[0] for v in views}
+    if "SM" in labels:
+        pieces.append("SM = GPM SM active")
+    if "util" in labels:
+        pieces.append("util = NVML utilization")
+    if any(v.get("tensor_active_pct") is not None for v in views):
+        pieces.append("Tensor = tensor-core active")
+    if host:
+        cpu, ram = host.get("host/cpu_pct"), host.get("host/ram_used_gb")
+        if cpu is not None or ram is not None:
+            pieces.append(f"host CPU {_f(cpu, '.0f', '%')} RAM {_f(ram, '.1f')} GB")
+    out: list[Any] = []
+    current = ""
+    for piece in pieces:
+        candidate = piece if not current else f"{current} · {piece}"
+        if len(candidate) <= width or not current:
+            current = candidate
+        else:
+            out.append(Text(current, style="dim", no_wrap=True, overflow="crop"))
+            current = piece
+    out.append(Text(current, style="dim", no_wrap=True, overflow="crop"))
+    return out
+
+
+def render(views: list[GpuView], interval: float, hostname: str, backend: str,
+           width: int = 80, history: int = 30, host: dict[str, float] | None = None) -> Any:
+    """The rich renderable for one frame, laid out for ``width`` columns."""
     from rich.console import Group
 
-    return Group(table, Text("q quits", style="dim"))
+    return Group(*render_lines(views, width, history, interval, hostname, backend, host))
 
 
 def _level(value: float | None, warn: float, bad: float, reverse: bool = False) -> str:
@@ -194,7 +367,7 @@ def run_watch(args: argparse.Namespace) -> int:
             if tty:
                 _run_tty(monitor, views, args, ctx.hostname, ctx.backend, stop)
             else:
-                _run_plain(monitor, views, args, stop)
+                _run_plain(monitor, views, args, ctx.backend, stop)
         except KeyboardInterrupt:
             pass
         finally:
@@ -204,7 +377,8 @@ def run_watch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _update(monitor: Any, views: list[GpuView]) -> None:
+def _update(monitor: Any, views: list[GpuView]) -> dict[str, float]:
+    """Fetch the newest samples into ``views``; returns the host figures (``host/...``)."""
     latest: dict[str, float] = monitor.latest()
     for v in views:
         prefix = f"gpu/{v.key}/"
@@ -212,10 +386,22 @@ def _update(monitor: Any, views: list[GpuView]) -> None:
         _, act = v.activity()
         if act is not None:
             v.history.append(act)
+    return {k: val for k, val in latest.items() if k.startswith("host/")}
 
 
-def _run_plain(monitor: Any, views: list[GpuView], args: argparse.Namespace,
+def describe(views: list[GpuView], backend: str) -> str:
+    """One line saying what is watched, for the plain mode's stderr."""
+    gpus = ", ".join(f"{v.key}: {v.info.name}" for v in views)
+    total = next((t for v in views if (t := v.mem_total_gb())), None)
+    sim = " (SIMULATED GPUs)" if backend == "simulated" else ""
+    units = (f"; memory in GB = 10^9 bytes ({total:.1f} GB = {gib(total):.1f} GiB)"
+             if total else "")
+    return f"gpulens watch: {len(views)} GPU(s) [{gpus}] via {backend}{sim}{units}"
+
+
+def _run_plain(monitor: Any, views: list[GpuView], args: argparse.Namespace, backend: str,
                stop: threading.Event) -> None:
+    print(describe(views, backend), file=sys.stderr, flush=True)
     n = 0
     while not stop.wait(args.interval):
         _update(monitor, views)
@@ -245,11 +431,15 @@ def _run_tty(monitor: Any, views: list[GpuView], args: argparse.Namespace, hostn
             console.size = (size.columns, size.lines)
 
     time.sleep(min(args.interval, 0.3))  # a first sample for every metric
-    _update(monitor, views)
+    host = _update(monitor, views)
     fit()
+
+    def frame() -> Any:
+        return render(views, args.interval, hostname, backend, width=console.size.width,
+                      history=args.history, host=host)
+
     n = 0
-    with _cbreak(fd), Live(render(views, args.interval, hostname, backend), console=console,
-                           screen=True, auto_refresh=False) as live:
+    with _cbreak(fd), Live(frame(), console=console, screen=True, auto_refresh=False) as live:
         live.refresh()
         deadline = time.monotonic() + args.interval
         while not stop.is_set():
@@ -259,9 +449,9 @@ def _run_tty(monitor: Any, views: list[GpuView], args: argparse.Namespace, hostn
                 if not keys or b"q" in keys.lower():
                     return
                 continue
-            _update(monitor, views)
+            host = _update(monitor, views)
             fit()
-            live.update(render(views, args.interval, hostname, backend), refresh=True)
+            live.update(frame(), refresh=True)
             n += 1
             if args.count is not None and n >= args.count:
                 return

@@ -2,18 +2,23 @@
 
 One thread per :meth:`Sampler.start` (so stop-then-start works).  It
 
-* every ``interval`` seconds reads the cheap NVML values of each GPU, the host (psutil) and,
-  where this process uses CUDA through torch, the caching allocator (no device sync);
+* every ``interval`` seconds reads the cheap NVML values of each GPU and the host (psutil);
 * every ``slow_interval`` seconds reads the energy counter and the driver's buffered power and
   utilization samples (the buffers hold ~2.4 s of power and ~14 s of utilization, so a read a
   second loses nothing);
+* reads the buffered samples early, :data:`READY_LAG_S` after a step mark, so the row of that
+  step can be finished a quarter of a second after ``log()`` rather than at the next slow read;
 * every ``gpm_interval`` seconds (half the interval, at least 50 ms) polls GPM (Hopper and
   newer), whose counters refresh about every 100 ms;
 * after each pass turns every step mark whose window is covered by data into a
-  :class:`~gpulens.sinks.base.Row` and hands it to ``emit``.
+  :class:`~gpulens.sinks.base.Row` and hands it to ``emit``.  A mark waits for its data at
+  most :data:`MAX_ROW_WAIT_S` from when it reached the engine (a mark that arrives late, from
+  a starved process, is not finished at once on that account); a row finished before its data
+  came says so in ``perf/partial_gpus`` and with a warning.
 
-The training thread only appends marks to a deque.  NVML's calls go through ctypes, which
-releases the GIL while the driver works.
+Step marks come from the client (the training process) through :meth:`Sampler.add_mark`; the
+torch allocator's figures ride on them.  NVML's calls go through ctypes, which releases the GIL
+while the driver works.
 """
 
 from __future__ import annotations
@@ -22,14 +27,20 @@ import itertools
 import math
 import threading
 import time
-from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple
 
 from gpulens._warn import logger, warn_once
-from gpulens.engine.window import IntervalSeries, Series, Table, job_aggregates, window_energy_j
+from gpulens.engine.window import (
+    CalibratedEnergy,
+    IntervalSeries,
+    Series,
+    Stat,
+    Table,
+    job_aggregates,
+)
 from gpulens.errors import GpuLost
 from gpulens.schema import GPU_METRICS, Agg, gpu_key, train_key
 from gpulens.sinks.base import GpuInfo, Row
@@ -45,37 +56,50 @@ from gpulens.sources.nvml import (
     UTIL_SAMPLES,
     NvmlDevice,
 )
-from gpulens.sources.torch_alloc import TorchAllocator
 
 GPM_KEYS = frozenset(GPM_IDS.values())
-COUNTER_MIN_SPAN_S = 0.3
-"""Energy counter reads closer than this to the previous one are not kept (the counter
-updates about every 100 ms)."""
+READY_LAG_S = 0.2
+"""How long after a step mark the driver's buffers and GPM hold data covering it: buffered
+power samples are ~10-25 ms old when read, GPM shows activity ~90 ms late and refreshes every
+~100 ms (H200, driver 580.159; see docs/design-notes.md)."""
+MIN_EARLY_READ_S = 0.2
+"""Early reads of the driver's buffers (for a waiting mark) are at least this far apart."""
+MAX_ROW_WAIT_S = 10.0
+"""The longest a mark waits for the data covering its window before its row is finished
+anyway (its missing figures then counted in ``perf/partial_gpus``)."""
+MAX_MARKS = 10_000
+"""Marks waiting to become rows; beyond this the oldest are dropped (counted, warned)."""
+HEADLINE = ("util_pct", "power_w", "mem_used_gb", "temp_c", "sm_active_pct", "energy_j")
+"""Per-GPU figures whose absence from a row, after the GPU reported them before, makes that
+GPU's window partial."""
 
-# What each schema metric is made of: (suffix, column of the fast table, take, with max).
-# "util_pct" and "power_w" prefer the driver's buffered samples (see ``Sampler.gpu_window``).
+_NOT_FAST = frozenset({"util_pct", "power_w", "energy_j", "energy_err_j", "energy_short_window",
+                       "torch_allocated_gb", "torch_peak_gb", "torch_alloc_retries",
+                       "torch_ooms"})
+# What each schema metric of the cheap reads is made of: (suffix, column of the fast table,
+# take last, with max).  "util_pct" and "power_w" prefer the driver's buffered samples, energy
+# and the torch allocator have their own series (see ``Sampler.gpu_window``).
 _FAST_PLAN: tuple[tuple[str, str, bool, bool], ...] = tuple(
     (m.key, m.key, m.agg is Agg.LAST, m.with_max)
     for m in GPU_METRICS
-    if m.key not in ("util_pct", "power_w", "energy_j", "torch_allocated_gb", "torch_peak_gb")
-    and m.key not in GPM_KEYS
+    if m.key not in _NOT_FAST and m.key not in GPM_KEYS
 )
 
 
-@dataclass
-class Mark:
-    """A ``log()`` call: the end of one window."""
+class Mark(NamedTuple):
+    """A ``log()`` call: the end of one window (it crosses from the client to the engine)."""
 
     step: int
     t: float
     """``time.monotonic()`` at the call."""
     wall: float
     """``time.time()`` at the call."""
-    scalars: dict[str, Any]
-    """As passed to ``log()``; named (``train/<name>``) and converted in the sampler thread."""
-    alloc: dict[int, tuple[float, float]] | None = None
-    """Torch allocator (allocated GB, peak GB) per torch device, read by the training process
-    at the call (a sampler in a process of its own cannot read it); ``None`` when not read."""
+    scalars: dict[str, float]
+    """As passed to ``log()``, as numbers (the client converts tensors off the training
+    thread); named ``train/<name>`` here."""
+    alloc: dict[int, tuple[float, float, float, float]] | None = None
+    """Torch allocator figures per torch device, read by the client at the call: (allocated
+    GB, peak GB, allocation retries, OOMs); ``None`` when not read."""
 
 
 @dataclass
@@ -95,16 +119,20 @@ class GpuState:
     driver's buffered samples come), so they go stale, and drop out, when they stop."""
     util_buf: Series = field(default_factory=Series)
     power_buf: Series = field(default_factory=Series)
-    energy_mj: Series = field(default_factory=Series)
+    energy: CalibratedEnergy | None = None
+    """Made at the first counter read, on the power series that has data then."""
+    energy_update_s: float = 0.1
+    """How often this GPU's energy counter changes (measured at start)."""
     gpm: IntervalSeries = field(default_factory=IntervalSeries)
-    torch_alloc: Series = field(default_factory=Series)
-    torch_peak: Series = field(default_factory=Series)
-    """The torch allocator's figures (GB), read every slow period."""
+    torch: Table = field(default_factory=Table)
+    """The torch allocator's figures (GB and counts), from the client's marks."""
     limit_due: bool = True
     """Read the power limit at the next fast read (set by each slow read)."""
     periods: dict[int, float] = field(default_factory=dict)
     """The driver's sample period of each kind of buffered sample, in seconds."""
     lost: bool = False
+    reported: set[str] = field(default_factory=set)
+    """Headline figures this GPU has given in a row (their later absence is a hole)."""
 
     keys: dict[str, str] = field(default_factory=dict)
     """Row key of each suffix (``gpu/{key}/{suffix}``), made once."""
@@ -121,10 +149,10 @@ class GpuState:
         self.power_fast.trim_before(t)
         self.util_buf.trim_before(t)
         self.power_buf.trim_before(t)
-        self.energy_mj.trim_before(t)
+        if self.energy is not None:
+            self.energy.trim_before(t)
         self.gpm.trim_before(t)
-        self.torch_alloc.trim_before(t)
-        self.torch_peak.trim_before(t)
+        self.torch.trim_before(t)
 
 
 class Sampler:
@@ -142,7 +170,6 @@ class Sampler:
         energy: bool = True,
         driver_samples: bool = True,
         host: HostReader | None = None,
-        torch_alloc: TorchAllocator | None = None,
     ) -> None:
         self.gpus = list(gpus)
         self.interval = interval
@@ -155,8 +182,11 @@ class Sampler:
         self.driver_samples = driver_samples
         self.emit = emit
         self.host = host
-        self.torch_alloc = torch_alloc
         self.marks: deque[Mark] = deque()
+        self._arrived: deque[float] = deque()
+        """When each waiting mark reached the engine (monotonic s): a mark that comes late
+        (a starved process, a full pipe) still gets its full wait for data."""
+        self.dropped_marks = 0
         self.host_series: dict[str, Series] = {"cpu_pct": Series(), "ram_used_gb": Series()}
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -164,8 +194,10 @@ class Sampler:
         self._window_start = 0.0
         self._prev_step = 0
         self._last_fast = -math.inf
-        self._last_slow = -math.inf
+        self._last_buffers = -math.inf
+        self._last_gpm = -math.inf
         self._unix_offset = time.time() - time.monotonic()
+        self._late_rows = 0
         self.failed: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -196,14 +228,31 @@ class Sampler:
                           timeout)
             self._thread = None
 
+    def add_mark(self, mark: Mark) -> None:
+        """Queue a step mark (the end of a window).  Beyond :data:`MAX_MARKS` waiting, the
+        oldest is dropped: its steps fold into the next row's window."""
+        marks = self.marks
+        if len(marks) >= MAX_MARKS:
+            marks.popleft()
+            self._arrived.popleft()
+            self.dropped_marks += 1
+            warn_once("marks-full", "gpulens: %d step marks wait for their rows; the oldest "
+                      "are dropped (their steps fold into the next row), counted", MAX_MARKS)
+        self._arrived.append(time.monotonic())
+        marks.append(mark)
+
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
-        next_fast = time.monotonic() + self.interval
-        next_slow = time.monotonic() + self.slow_interval
-        next_gpm = time.monotonic() + self.gpm_interval
+        now = time.monotonic()
+        next_fast = now + self.interval
+        next_slow = now + self.slow_interval
+        next_gpm = now + self.gpm_interval
         while True:
-            timeout = max(0.0, min(next_fast, next_slow, next_gpm) - time.monotonic())
-            self._wake.wait(timeout)
+            due = min(next_fast, next_slow, next_gpm)
+            early = self._early_read_due()
+            if early is not None:
+                due = min(due, early)
+            self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
             stopping = self._stop.is_set()
             now = time.monotonic()
@@ -216,10 +265,21 @@ class Sampler:
             if now >= next_slow or stopping:
                 self._guard(self._read_slow, now)
                 next_slow = max(next_slow + self.slow_interval, now + self.slow_interval / 2)
+            elif early is not None and now >= early:
+                self._guard(self._read_buffers, now)
             # Rows go on (host and training figures, a gap for the GPUs) whatever the reads did.
             self._guard(self._close_final if stopping else self._close_ready, now)
             if stopping:
                 return
+
+    def _early_read_due(self) -> float | None:
+        """When to read the driver's buffers for the oldest waiting mark (``None``: no need)."""
+        if not self.driver_samples or not self.marks or not self.gpus:
+            return None
+        want = self.marks[0].t + READY_LAG_S
+        if self._last_buffers >= want:
+            return None
+        return max(want, self._last_buffers + MIN_EARLY_READ_S)
 
     def _close_ready(self, now: float) -> None:
         self._close_windows(final=False)
@@ -281,31 +341,15 @@ class Sampler:
             for key, value in self.host.read().items():
                 self.host_series[key].add(t, value)
 
-    def _read_slow(self, now: float) -> None:
+    def _read_buffers(self, now: float) -> None:
+        """The driver's buffered power and utilization samples of every GPU."""
         offset = self._unix_offset = time.time() - time.monotonic()
         for gpu in self.gpus:
-            # The allocator's statistics cost tens of microseconds of Python-visible work
-            # each: once a slow period, not at every cheap read.
-            if self.torch_alloc is not None and gpu.torch_index is not None:
-                mem = self.torch_alloc.read(gpu.torch_index)
-                if mem is not None:
-                    t = time.monotonic()
-                    gpu.torch_alloc.add(t, mem[0])
-                    gpu.torch_peak.add(t, mem[1])
-            if gpu.lost:
+            if gpu.lost or not self.driver_samples:
                 continue
             try:
-                gpu.limit_due = True
-                energy = gpu.device.read_energy_mj() if self.energy else None
-                t = time.monotonic()
-                last = gpu.energy_mj.last_time
-                # The counter ticks about every 100 ms: two reads closer than that can show no
-                # change for energy that was used (the last pass at stop() comes early).
-                if energy is not None and (last is None or t - last >= COUNTER_MIN_SPAN_S):
-                    gpu.energy_mj.add(t, energy)
-                for kind, series in ((POWER_SAMPLES, gpu.power_buf), (UTIL_SAMPLES, gpu.util_buf)):
-                    if not self.driver_samples:
-                        break
+                for kind, series in ((POWER_SAMPLES, gpu.power_buf),
+                                     (UTIL_SAMPLES, gpu.util_buf)):
                     points = gpu.device.read_samples(kind)
                     if not points:
                         continue
@@ -316,7 +360,31 @@ class Sampler:
                     series.extend([(ts - offset - period / 2, v) for ts, v in points])
             except GpuLost as exc:
                 self._lose(gpu, exc)
-        self._last_slow = time.monotonic()
+        self._last_buffers = time.monotonic()
+
+    def _read_slow(self, now: float) -> None:
+        self._read_buffers(now)
+        for gpu in self.gpus:
+            if gpu.lost:
+                continue
+            gpu.limit_due = True
+            # Energy follows the finest power series there is: the driver's 20 ms samples,
+            # else the cheap reads (once, it moves to the samples when they appear).
+            power = gpu.power_buf if gpu.power_buf.t else gpu.power_fast
+            if power.t and (gpu.energy is None or (gpu.energy.power is not power
+                                                    and power is gpu.power_buf)):
+                gpu.energy = CalibratedEnergy(power, gpu.energy_update_s)
+            if not self.energy or gpu.energy is None:
+                continue
+            try:
+                before = time.monotonic()
+                energy = gpu.device.read_energy_mj()
+                after = time.monotonic()
+            except GpuLost as exc:
+                self._lose(gpu, exc)
+                continue
+            if energy is not None:
+                gpu.energy.add_counter((before + after) / 2, energy)
 
     def _read_gpm(self, now: float) -> None:
         if not self.gpm:
@@ -331,61 +399,72 @@ class Sampler:
                 continue
             if got is not None:
                 gpu.gpm.add(*got)
+        self._last_gpm = time.monotonic()
 
     # -- live view ---------------------------------------------------------------------------
     def latest(self) -> dict[str, float]:
         """The newest sample of each metric, keyed like rows (read from the sampler's series;
-        a torn read at worst shows one sample older)."""
+        a torn read at worst shows one sample older).  A metric whose newest sample is stale
+        (older than two intervals and half a second) is left out."""
         out: dict[str, float] = {}
+        now = time.monotonic()
+        stale = 2 * self.interval + 0.5
         for gpu in self.gpus:
-            for key, column in list(gpu.fast.cols.items()):
-                if column:
+            fast = gpu.fast
+            for key, column in list(fast.cols.items()):
+                if column and now - fast.seen.get(key, -math.inf) <= stale + self.slow_interval:
                     out[f"gpu/{gpu.key}/{key}"] = column[-1]
             # the newer of the cheap read and the driver's buffered samples
             for key, pair in (("util_pct", (gpu.util_fast, gpu.util_buf)),
                               ("power_w", (gpu.power_fast, gpu.power_buf))):
                 fresh = max(pair, key=lambda s: s.last_time or -math.inf)
-                if fresh.v:
+                if fresh.v and now - (fresh.last_time or -math.inf) <= stale + self.slow_interval:
                     out[f"gpu/{gpu.key}/{key}"] = fresh.v[-1]
-            for key, series in (("torch_allocated_gb", gpu.torch_alloc),
-                                ("torch_peak_gb", gpu.torch_peak)):
-                if series.v:
-                    out[f"gpu/{gpu.key}/{key}"] = series.v[-1]
-            if gpu.gpm.spans:
+            torch = gpu.torch
+            for key, column in list(torch.cols.items()):
+                if column:
+                    out[f"gpu/{gpu.key}/{key}"] = column[-1]
+            if gpu.gpm.spans and now - gpu.gpm.spans[-1][1] <= stale + 0.5:
                 for key, value in gpu.gpm.spans[-1][2].items():
                     out[f"gpu/{gpu.key}/{key}"] = value
         for key, series in self.host_series.items():
-            if series.v:
+            if series.v and now - (series.last_time or -math.inf) <= stale:
                 out[f"host/{key}"] = series.v[-1]
         return out
 
     # -- windows -----------------------------------------------------------------------------
-    def _ready(self, mark: Mark, now: float) -> bool:
+    def _ready(self, mark: Mark, arrived: float, now: float) -> bool:
+        """Whether the data covering the mark's window has been read (or the mark waited
+        long enough here: then its row is finished with what there is)."""
+        if now - arrived > MAX_ROW_WAIT_S:
+            return True
         if self._last_fast < mark.t:
             return False
-        # The driver's buffers lag the read a little (utilization every ~1/6 s): wait for a
-        # slow read a bit past the mark, but never longer than max_lag.
-        if self._last_slow >= mark.t + 0.2:
+        if not self.gpus:
             return True
-        return now - mark.t > self.slow_interval + 2 * self.interval + 0.5
+        want = mark.t + READY_LAG_S
+        if self.driver_samples and self._last_buffers < want:
+            return False
+        return not (self.gpm and self._last_gpm < want)
 
     def _close_windows(self, final: bool) -> None:
         now = time.monotonic()
         while self.marks:
             mark = self.marks[0]
-            if not final and not self._ready(mark, now):
+            if not final and not self._ready(mark, self._arrived[0], now):
                 break
             self.marks.popleft()
+            self._arrived.popleft()
             row = self._row(mark)
             try:
                 self.emit(row)
             except Exception as exc:  # a sink problem is the step logger's to count
                 warn_once("emit", "gpulens: could not hand a row on: %r", exc)
             # Finishing a row is pure Python under the GIL: yield it after each row, so that
-            # the training thread, if it waits for the GIL, waits for one row, not a burst.
+            # a thread that waits for the GIL waits for one row, not a burst.
             time.sleep(0)
         horizon = self.marks[0].t if self.marks else self._window_start
-        horizon -= 2 * self.slow_interval + 1.0
+        horizon -= 2 * self.slow_interval + MAX_ROW_WAIT_S
         for gpu in self.gpus:
             gpu.trim_before(horizon)
         for s in self.host_series.values():
@@ -394,7 +473,6 @@ class Sampler:
     def gpu_window(self, gpu: GpuState, t0: float, t1: float) -> dict[str, float]:
         """The figures of one GPU over ``[t0, t1)``, keyed by schema suffix."""
         stale = 2 * self.interval + 0.5
-        slack = 0.25
         out: dict[str, float] = {}
         last_seen = gpu.fast.last_time
         if (gpu.lost or self.failed is not None) and (last_seen is None or last_seen < t0):
@@ -410,28 +488,25 @@ class Sampler:
             out[suffix] = st.last if take_last else st.mean
             if with_max:
                 out[suffix + "_max"] = st.max
-        # utilization and power: the driver's buffered samples where they cover the window
-        util_series = gpu.util_buf if gpu.util_buf.covers(t0, t1, slack) else gpu.util_fast
-        util = util_series.stat(t0, t1, stale)
+        # utilization and power: the driver's buffered samples wherever they have data near
+        # the window (the cheap reads stop once they come), else the cheap reads
+        util = _stat(gpu.util_buf, t0, t1, stale) or _stat(gpu.util_fast, t0, t1, stale)
         if util is not None:
             out["util_pct"] = util.mean
-        power_series = gpu.power_buf if gpu.power_buf.covers(t0, t1, slack) else gpu.power_fast
-        if not power_series.t:  # buffered samples that do not cover, and no fast power read
-            power_series = gpu.power_buf
-        power = power_series.stat(t0, t1, stale) if power_series.t else None
+        power = _stat(gpu.power_buf, t0, t1, stale) or _stat(gpu.power_fast, t0, t1, stale)
         if power is not None:
             out["power_w"] = power.mean
             out["power_w_max"] = power.max
-        energy = window_energy_j(gpu.energy_mj, power_series if power_series.t else None, t0, t1)
-        if energy is not None:
-            out["energy_j"] = energy
+            energy = gpu.energy.window(t0, t1) if gpu.energy is not None else None
+            if energy is not None:
+                out["energy_j"], out["energy_err_j"] = energy
+                if t1 - t0 < gpu.energy_update_s:
+                    out["energy_short_window"] = 1.0
         out.update(gpu.gpm.means(t0, t1, stale))
-        alloc_stale = self.slow_interval + stale
-        for suffix, series in (("torch_allocated_gb", gpu.torch_alloc),
-                               ("torch_peak_gb", gpu.torch_peak)):
-            value = _last_at(series, t1, alloc_stale)
-            if value is not None:
-                out[suffix] = value
+        torch = gpu.torch.window(t1, t1, self.slow_interval + stale)
+        if torch is not None:
+            for key, st in torch[0].items():
+                out[key] = st.last
         out["samples"] = float(count)
         return out
 
@@ -441,14 +516,18 @@ class Sampler:
             for gpu in self.gpus:
                 mem = mark.alloc.get(gpu.torch_index) if gpu.torch_index is not None else None
                 if mem is not None:
-                    gpu.torch_alloc.add(t1, mem[0])
-                    gpu.torch_peak.add(t1, mem[1])
+                    allocated, peak, retries, ooms = mem
+                    gpu.torch.add_row(t1, {"torch_allocated_gb": allocated,
+                                           "torch_peak_gb": peak,
+                                           "torch_alloc_retries": retries,
+                                           "torch_ooms": ooms})
         self._window_start = t1
         steps = max(1, mark.step - self._prev_step)
         self._prev_step = mark.step
         values: dict[str, float] = {}
         energy_total = 0.0
         have_energy = False
+        partial = 0
         per_gpu: list[dict[str, float]] = []
         for gpu in self.gpus:
             figures = self.gpu_window(gpu, t0, t1)
@@ -463,6 +542,16 @@ class Sampler:
             if "energy_j" in figures:
                 energy_total += figures["energy_j"]
                 have_energy = True
+            if not gpu.lost:
+                missing = [k for k in gpu.reported if k not in figures]
+                if missing:
+                    partial += 1
+                    warn_once(f"partial:{gpu.key}:{','.join(sorted(missing))}",
+                              "gpulens: GPU %d's row at step %d lacks %s, which it reported "
+                              "before (the data did not come in time, or the read fails); "
+                              "counted in perf/partial_gpus", gpu.key, mark.step,
+                              ", ".join(sorted(missing)))
+                gpu.reported.update(k for k in HEADLINE if k in figures)
         values.update(job_aggregates(per_gpu))
         stale = 2 * self.interval + 0.5
         for key, series in self.host_series.items():
@@ -471,22 +560,18 @@ class Sampler:
                 values[f"host/{key}"] = st.mean
         values["perf/steps"] = float(steps)
         values["perf/step_time_s"] = (t1 - t0) / steps
+        if self.gpus:
+            values["perf/partial_gpus"] = float(partial)
         if have_energy:
             values["perf/energy_per_step_j"] = energy_total / steps
         for name, value in mark.scalars.items():
-            number = _to_float(value)
-            if number is not None:
-                values[train_key(name)] = number
+            values[train_key(name)] = value
         values["train/global_step"] = float(mark.step)
         return Row(step=mark.step, time=mark.wall, values=values)
 
 
-def _last_at(series: Series, t: float, stale: float) -> float | None:
-    """The newest sample at or before ``t``, if it is at most ``stale`` seconds old."""
-    i = bisect_right(series.t, t) - 1
-    if i < 0 or t - series.t[i] > stale:
-        return None
-    return series.v[i]
+def _stat(series: Series, t0: float, t1: float, stale: float) -> Stat | None:
+    return series.stat(t0, t1, stale) if series.t else None
 
 
 def _spacing(points: list[tuple[float, float]]) -> float:
@@ -496,21 +581,3 @@ def _spacing(points: list[tuple[float, float]]) -> float:
     if gaps:
         return gaps[len(gaps) // 2]
     return 0.0
-
-
-def _to_float(value: Any) -> float | None:
-    """A scalar as a float (tensors via ``.item()``, off the training thread); else None.
-
-    Anything that fails (not a number, a tensor of several elements, a CUDA error) leaves out
-    this one value, with one warning, never the row.
-    """
-    try:
-        if hasattr(value, "item"):
-            value = value.item()
-        number = float(value)
-    except Exception as exc:
-        warn_once(f"scalar:{type(value).__name__}",
-                  "gpulens: a logged value of type %s could not be read as a number (%r); "
-                  "left out", type(value).__name__, exc)
-        return None
-    return number

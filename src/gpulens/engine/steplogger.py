@@ -2,9 +2,15 @@
 
 Each sink gets its own worker thread and a bounded buffer, so a slow or unreachable tracker
 (an MLflow server that went away) holds up nobody else.  A failed write is retried with
-back-off; when the buffer is full the oldest row is dropped and counted.  Sinks whose
-``on_training_thread`` attribute is true (W&B: ``wandb.log`` is not thread-safe) are written
-from the training thread, inside the next ``log()`` or ``stop()``.
+back-off (0.5 s doubling to 10 s); when the buffer is full the oldest row is dropped and
+counted.  Sinks whose ``on_training_thread`` attribute is true (W&B: ``wandb.log`` is not
+thread-safe) are written from the training thread, inside the next ``log()`` or ``stop()``.
+
+What users hear (WARNING, through the ``gpulens`` logger, once per cause): a sink whose writes
+fail (rows are kept and retried), a sink more than :data:`SLOW_BACKLOG_ROWS` rows or
+:data:`SLOW_BACKLOG_S` seconds behind (a slow tracker), a full buffer (rows dropped), what
+``close`` waits for once it has waited :data:`TELL_AFTER_S`, and at the end every sink that
+dropped rows, with the counts.
 """
 
 from __future__ import annotations
@@ -13,12 +19,22 @@ import contextlib
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpulens._warn import logger, warn_once
 from gpulens.sinks.base import Row, RunContext, Sink
 
 TRAINING_THREAD_ROWS_PER_LOG = 2
+STOP_TIMEOUT_S = 120.0
+"""How long ``close`` (``Monitor.stop``) waits at most for the sinks to write what they hold:
+a slow MLflow server takes ~20-50 ms a row, so thousands of buffered rows fit."""
+STALL_S = 20.0
+"""``close`` gives up on a sink that wrote nothing for this long (a tracker that is down)."""
+TELL_AFTER_S = 3.0
+"""``close`` says what it is waiting for once it has waited this long, then every 10 s."""
+SLOW_BACKLOG_ROWS = 200
+SLOW_BACKLOG_S = 30.0
+"""A sink this many rows or seconds behind is a slow tracker: warned about once."""
 
 
 @dataclass
@@ -27,7 +43,8 @@ class SinkStats:
 
     written: int = 0
     dropped: int = 0
-    """Rows dropped because the buffer was full or the sink still failed at stop()."""
+    """Rows dropped: the buffer was full, the sink still failed at stop, or the process that
+    wrote it died with rows unwritten."""
     failures: int = 0
     """Failed write attempts (each retried)."""
 
@@ -36,19 +53,31 @@ def sink_name(sink: Sink) -> str:
     return type(sink).__name__
 
 
+def unique_names(sinks: list[Sink]) -> list[str]:
+    """Class names, numbered from the second of a kind: ``MemorySink``, ``MemorySink#2``."""
+    seen: dict[str, int] = {}
+    names: list[str] = []
+    for sink in sinks:
+        base = sink_name(sink)
+        seen[base] = seen.get(base, 0) + 1
+        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return names
+
+
 class _Delivery:
     """A sink, its bounded buffer and (unless on the training thread) its worker thread."""
 
-    def __init__(self, sink: Sink, capacity: int) -> None:
+    def __init__(self, sink: Sink, name: str, capacity: int) -> None:
         self.sink = sink
-        self.name = sink_name(sink)
+        self.name = name
         self.on_training_thread = bool(getattr(sink, "on_training_thread", False))
         self.capacity = capacity
-        self.buffer: deque[Row] = deque()
+        self.buffer: deque[tuple[Row, float]] = deque()
         self.stats = SinkStats()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = threading.Event()
+        self.abandoned = False
         self._thread: threading.Thread | None = None
         self._retry_at = 0.0
         self._backoff = 0.0
@@ -61,49 +90,67 @@ class _Delivery:
             self._thread.start()
 
     def put(self, row: Row) -> None:
+        now = time.monotonic()
         with self._lock:
+            if self.abandoned:
+                self.stats.dropped += 1
+                return
             if len(self.buffer) >= self.capacity:
                 self.buffer.popleft()
                 self.stats.dropped += 1
                 warn_once(f"full:{self.name}",
                           "gpulens: sink %s is behind; its buffer of %d rows is full and the "
                           "oldest rows are dropped (counted)", self.name, self.capacity)
-            self.buffer.append(row)
+            self.buffer.append((row, now))
+            backlog = len(self.buffer)
+            oldest = now - self.buffer[0][1]
+        if backlog > SLOW_BACKLOG_ROWS or oldest > SLOW_BACKLOG_S:
+            warn_once(f"slow:{self.name}",
+                      "gpulens: sink %s is slow: %d rows waiting, the oldest for %.0f s "
+                      "(rows are kept up to %d, then the oldest are dropped)", self.name,
+                      backlog, oldest, self.capacity)
         self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self.buffer)
 
     def deliver(self, deadline: float | None = None, limit: int | None = None) -> bool:
         """Write what is buffered, oldest first (at most ``limit`` rows).  False if a write
         failed (rows kept) or rows are left."""
-        if time.monotonic() < self._retry_at and not self._closing.is_set():
+        if time.monotonic() < self._retry_at:
             return False
         written = 0
-        while self.buffer:
+        while self.buffer and not self.abandoned:
             if deadline is not None and time.monotonic() > deadline:
                 return False
             if limit is not None and written >= limit:
                 return False
-            row = self.buffer[0]
+            row = self.buffer[0][0]
             try:
                 self.sink.write(row)
             except Exception as exc:
                 self.stats.failures += 1
-                self._backoff = min(10.0, max(0.5, self._backoff * 2))
+                cap = 2.0 if self._closing.is_set() else 10.0
+                self._backoff = min(cap, max(0.5, self._backoff * 2))
                 self._retry_at = time.monotonic() + self._backoff
                 warn_once(f"write:{self.name}",
                           "gpulens: sink %s failed to write (%r); rows are buffered (up to %d) "
                           "and retried", self.name, exc, self.capacity)
                 return False
             with self._lock:
-                if self.buffer and self.buffer[0] is row:  # not dropped meanwhile (buffer full)
+                if self.buffer and self.buffer[0][0] is row:  # not dropped meanwhile
                     self.buffer.popleft()
-            self.stats.written += 1
+                self.stats.written += 1
             written += 1
             self._backoff = 0.0
-        return True
+        return not self.buffer
 
     def _run(self) -> None:
-        while not self._closing.is_set():
-            self._wake.wait(0.5)
+        while not self.abandoned:
+            if self._closing.is_set() and not self.buffer:
+                return
+            self._wake.wait(0.5 if not self._closing.is_set() else 0.05)
             self._wake.clear()
             self.deliver()
 
@@ -111,21 +158,29 @@ class _Delivery:
         self._closing.set()
         self._wake.set()
 
-    def close(self, deadline: float) -> None:
-        self.begin_close()
-        if self._thread is not None:
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-            if self._thread.is_alive():
-                # The worker is stuck inside a write (a network timeout); leave it, count.
-                with self._lock:
-                    self.stats.dropped += len(self.buffer)
-                    self.buffer.clear()
-                return
-        self._retry_at = 0.0
-        if not self.deliver(max(deadline, time.monotonic() + 0.5)):
-            with self._lock:
-                self.stats.dropped += len(self.buffer)
-                self.buffer.clear()
+    @property
+    def busy(self) -> bool:
+        """Rows are left, or the worker is still inside a write."""
+        if self.abandoned:
+            return False
+        if self.buffer:
+            return True
+        return self._thread is not None and self._thread.is_alive()
+
+    def abandon(self) -> int:
+        """Give up: count what is buffered as dropped (a worker stuck in a write is left to
+        finish or fail on its own).  Returns the rows dropped."""
+        with self._lock:
+            self.abandoned = True
+            lost = len(self.buffer)
+            self.stats.dropped += lost
+            self.buffer.clear()
+        self._wake.set()
+        return lost
+
+    def close_sink(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return  # never close a sink under a write that is still going on
         try:
             self.sink.close()
         except Exception as exc:
@@ -135,21 +190,31 @@ class _Delivery:
 class StepLogger:
     """Fans rows out to sinks (see module doc)."""
 
-    def __init__(self, sinks: list[Sink], *, buffer_rows: int = 10_000) -> None:
-        self._deliveries = [_Delivery(s, buffer_rows) for s in sinks]
-        seen: dict[str, int] = {}
-        for d in self._deliveries:  # unique names: "MemorySink", "MemorySink#2", ...
-            seen[d.name] = seen.get(d.name, 0) + 1
-            if seen[d.name] > 1:
-                d.name = f"{d.name}#{seen[d.name]}"
+    def __init__(self, sinks: list[Sink], *, names: list[str] | None = None,
+                 buffer_rows: int = 10_000) -> None:
+        names = names if names is not None else unique_names(sinks)
+        self._deliveries = [_Delivery(s, n, buffer_rows) for s, n in zip(sinks, names,
+                                                                          strict=True)]
         self._training = [d for d in self._deliveries if d.on_training_thread]
 
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self._deliveries]
+
     def open(self, context: RunContext) -> None:
-        """Open every sink; a sink's ``ValueError`` propagates (a user error) after cleanup."""
+        """Open every sink.  A sink that cannot open is a user error: ``ValueError`` naming
+        the sink (its own message when it raised one), after the others are closed again."""
         opened: list[_Delivery] = []
         try:
             for d in self._deliveries:
-                d.sink.open(context)
+                try:
+                    d.sink.open(context)
+                except ValueError:
+                    raise
+                except ImportError as exc:
+                    raise ValueError(str(exc)) from exc
+                except Exception as exc:
+                    raise ValueError(f"sink {d.name} could not open: {exc}") from exc
                 opened.append(d)
         except Exception:
             for d in opened:
@@ -160,30 +225,75 @@ class StepLogger:
             d.start()
 
     def submit(self, row: Row) -> None:
-        """Queue a row for every sink (called from the sampler thread)."""
+        """Queue a row for every sink (called from the sampler or link thread)."""
         for d in self._deliveries:
             d.put(row)
 
     def drain_training_thread(self) -> None:
         """Write queued rows to the training-thread sinks (called inside ``log()``).
 
-        Rows are finished in bursts (after each slow read); writing a whole burst inside one
-        ``log()`` would make that one step slow (``wandb.log`` costs milliseconds).  At most
+        Rows are finished in bursts; writing a whole burst inside one ``log()`` would make that
+        one step slow (``wandb.log`` costs milliseconds).  At most
         ``TRAINING_THREAD_ROWS_PER_LOG`` rows go out per call: more than one row per ``log()``
-        on average, so the backlog drains, and ``stop()`` writes the rest.
+        on average, so the backlog drains, and ``close()`` writes the rest.
         """
         for d in self._training:
             if d.buffer:
                 d.deliver(limit=TRAINING_THREAD_ROWS_PER_LOG)
 
-    def close(self, timeout: float = 10.0) -> dict[str, SinkStats]:
-        """Flush within ``timeout`` seconds, close the sinks, report what was dropped."""
-        deadline = time.monotonic() + timeout
+    def stats(self) -> dict[str, SinkStats]:
+        """A copy of every sink's figures so far."""
+        return {d.name: replace(d.stats) for d in self._deliveries}
+
+    def pending(self) -> dict[str, int]:
+        """Rows each sink still holds."""
+        return {d.name: d.pending for d in self._deliveries}
+
+    def close(self, timeout: float = STOP_TIMEOUT_S, stall: float = STALL_S
+              ) -> dict[str, SinkStats]:
+        """Write what the sinks hold, close them, report what was dropped.
+
+        Waits while sinks make progress: at most ``timeout`` seconds in all, and gives up on a
+        sink that wrote nothing for ``stall`` seconds.  After :data:`TELL_AFTER_S` it says what
+        it waits for.  Training-thread sinks are written here (call it on the training thread).
+        """
+        start = time.monotonic()
+        deadline = start + max(0.0, timeout)
         for d in self._deliveries:
             d.begin_close()
+        progress = {d.name: (d.stats.written, start) for d in self._deliveries}
+        tell_at = start + TELL_AFTER_S
+        while True:
+            now = time.monotonic()
+            for d in self._training:
+                if d.buffer and not d.abandoned:
+                    d.deliver(deadline=min(deadline, now + 0.5))
+            busy = [d for d in self._deliveries if d.busy]
+            if not busy:
+                break
+            now = time.monotonic()
+            for d in busy:
+                written, since = progress[d.name]
+                if d.stats.written != written:
+                    progress[d.name] = (d.stats.written, now)
+                elif now - since > stall or now > deadline:
+                    lost = d.abandon()
+                    why = "its time is up" if now > deadline else \
+                        f"it wrote nothing for {stall:.0f} s"
+                    logger.warning("gpulens: gave up on sink %s at stop (%s); %d rows it "
+                                   "held are dropped", d.name, why, lost)
+            if now >= tell_at:
+                waiting = ", ".join(f"{d.name} ({d.pending} rows left, {d.stats.written} "
+                                    "written)" for d in busy if not d.abandoned)
+                if waiting:
+                    logger.warning("gpulens: stop() is waiting for %s: %.0f s so far, at most "
+                                   "%.0f s, or %.0f s without progress", waiting, now - start,
+                                   timeout, stall)
+                tell_at = now + 10.0
+            time.sleep(0.02)
         for d in self._deliveries:
-            d.close(deadline)
-        stats = {d.name: d.stats for d in self._deliveries}
+            d.close_sink()
+        stats = self.stats()
         for name, st in stats.items():
             if st.dropped:
                 logger.warning("gpulens: sink %s: %d rows written, %d dropped (%d failed "

@@ -8,15 +8,20 @@ Samples live in bounded :class:`Series` on ``time.monotonic()``.  A step's windo
   largest sample inside the window where the peak matters;
 * interval measurements (GPM, whose values hold for the span between two GPM samples): the mean
   weighted by each span's overlap with the window;
-* energy: NVML's energy counter, exact over long spans.  Between two counter reads the
-  counter's difference is shared out in proportion to the power integral, so windows far
-  shorter than the counter's ~100 ms update period still get their energy, and the windows'
-  energies add up to the counter's difference.  Without a counter, the power integral.
+* energy: the integral of the driver's 20 ms power samples, calibrated to NVML's energy
+  counter (:class:`CalibratedEnergy`): exact in time like the samples, exact in total like the
+  counter.
+
+A column that stops reading (a sensor that fails mid-run) is absent from every window that
+starts more than ``stale`` seconds after its last real value: never its last value carried
+forward.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
+from collections import deque
 from typing import NamedTuple
 
 
@@ -40,13 +45,15 @@ class Table:
     first appears late is back-filled with its first value.
     """
 
-    __slots__ = ("capacity", "cols", "cums", "t")
+    __slots__ = ("capacity", "cols", "cums", "seen", "t")
 
     def __init__(self, capacity: int = 36_000) -> None:
         self.capacity = capacity
         self.t: list[float] = []
         self.cols: dict[str, list[float]] = {}
         self.cums: dict[str, list[float]] = {}
+        self.seen: dict[str, float] = {}
+        """Time of each column's last real value (held values do not count)."""
 
     def __len__(self) -> int:
         return len(self.t)
@@ -62,6 +69,9 @@ class Table:
                 self.cols[key] = [value] * n
                 self.cums[key] = [value * (x - ts[0]) for x in ts]
         dt = t - ts[-1] if n else 0.0
+        seen = self.seen
+        for key in values:
+            seen[key] = t
         for key, col in self.cols.items():
             got = values.get(key)
             value = col[-1] if got is None else got
@@ -110,7 +120,8 @@ class Table:
     ) -> tuple[dict[str, Stat], int] | None:
         """Every column's :class:`Stat` over ``[t0, t1)`` and the count of samples inside.
 
-        ``None`` without a fresh sample: none within ``stale`` seconds of the window.
+        ``None`` without a fresh sample: none within ``stale`` seconds of the window.  A column
+        whose last real value is older than ``t0 - stale`` is left out (it stopped reading).
         """
         ts = self.t
         n = len(ts)
@@ -127,7 +138,11 @@ class Table:
         i1, f1, d1 = self._position(t1)
         length = t1 - t0
         out: dict[str, Stat] = {}
+        fresh_after = t0 - stale
+        seen = self.seen
         for key, v in self.cols.items():
+            if seen.get(key, -math.inf) < fresh_after:
+                continue
             c = self.cums[key]
             a0 = v[i0]
             x0 = a0 + (v[i0 + 1] - a0) * f0 if f0 else a0
@@ -172,6 +187,7 @@ class Series(Table):
             self.c.append(0.0)
         self.v.append(value)
         ts.append(t)
+        self.seen[""] = t
         if len(ts) > self.capacity:
             self.trim_count(len(ts) - self.capacity // 2)
 
@@ -254,44 +270,105 @@ class IntervalSeries:
         return {key: acc[key] / weight[key] for key in acc}
 
 
-def window_energy_j(
-    counter: Series, power: Series | None, t0: float, t1: float
-) -> float | None:
-    """Energy in joules over ``[t0, t1]``.
+class CalibratedEnergy:
+    """A GPU's energy per window: the power integral, calibrated to NVML's energy counter.
 
-    ``counter`` holds NVML's energy counter in millijoules; ``power`` (watts) shares each
-    counter difference out over time.  Where the counter does not bracket the window (or went
-    backwards: a driver reset), the power integral stands in.
+    The driver's power samples are 20 ms averages with exact timestamps, so their integral
+    places energy in time to within a sample.  NVML's energy counter is exact in total but
+    changes only every ~100 ms (``update_s``, measured at start), so a single read can be up to
+    that stale: over a 1 s span that is up to ~10 % of the energy when the load jumps.  So the
+    counter sets only the *scale*: ``k = (C(b) - C(a)) / integral(P, a, b)`` over the longest
+    span of kept reads within the last :data:`CALIBRATION_WINDOW_S` (at least
+    :data:`CALIBRATION_SPAN_S`), each read placed half an update period before it was taken,
+    weighed against the power samples' own scale while the span is short (see :meth:`scale`).
+    A window's energy is ``k`` times the power integral over it.  The windows then add up to
+    the counter to within the staleness of two reads over the whole span, and each window keeps
+    the shape of the power curve.  Without a counter, ``k = 1``.  A counter that goes
+    backwards (a driver reset) starts the calibration afresh.
     """
-    ts, vs = counter.t, counter.v
-    if len(ts) >= 2 and ts[0] <= t0 and ts[-1] >= t1:
-        k0 = bisect_right(ts, t0) - 1
-        k1 = bisect_left(ts, t1)
-        total = 0.0
-        for k in range(k0, k1):
-            a, b = ts[k], ts[k + 1]
-            delta_j = (vs[k + 1] - vs[k]) / 1000.0
-            lo, hi = max(a, t0), min(b, t1)
-            if hi <= lo:
-                continue
-            if delta_j < 0:
-                if power is None or not power.t:
-                    return None
-                total += power.integral(lo, hi)
-                continue
-            if lo == a and hi == b:
-                total += delta_j
-                continue
-            share = (hi - lo) / (b - a)
-            if power is not None and power.t:
-                whole = power.integral(a, b)
-                if whole > 0:
-                    share = power.integral(lo, hi) / whole
-            total += delta_j * share
-        return total
-    if power is not None and power.t:
-        return power.integral(t0, t1)
-    return None
+
+    def __init__(self, power: Series, update_s: float = 0.1) -> None:
+        self.power = power
+        self.update_s = update_s
+        self.reads: deque[tuple[float, float, float]] = deque()
+        """Kept counter reads: (effective time, energy J, power integral up to then J)."""
+
+    def add_counter(self, t_read: float, millijoules: float) -> bool:
+        """Keep a counter read taken at ``t_read`` (the middle of the call).  True if kept."""
+        if not self.power.t:
+            return False  # nothing to place the energy in time with yet
+        t_eff = t_read - self.update_s / 2
+        joules = millijoules / 1000.0
+        reads = self.reads
+        if reads and joules < reads[-1][1]:
+            reads.clear()  # a reset: calibrate afresh
+        if reads and t_eff <= reads[-1][0]:
+            return False
+        reads.append((t_eff, joules, self.power.cumulative(t_eff)))
+        while len(reads) > 2 and reads[-1][0] - reads[1][0] >= CALIBRATION_WINDOW_S:
+            reads.popleft()
+        return True
+
+    def scale(self) -> tuple[float, float]:
+        """(k, relative uncertainty of k).
+
+        The counter's span gives ``k_span`` with uncertainty ``u_span``: each end's read may be
+        ``update_s`` stale, at up to the span's peak power, so ``u_span = update_s * peak /
+        integral``.  The power samples' own scale (``k = 1``) is trusted to
+        :data:`NO_COUNTER_REL_ERR`.  The two are weighted by the inverse square of their
+        uncertainties: a young, short span moves ``k`` little, a minute of reads sets it.
+        """
+        reads = self.reads
+        prior = NO_COUNTER_REL_ERR
+        if len(reads) < 2 or reads[-1][0] - reads[0][0] < CALIBRATION_SPAN_S:
+            return 1.0, prior
+        (_, e0, p0), (_, e1, p1) = reads[0], reads[-1]
+        integral = p1 - p0
+        if integral <= 0:
+            return 1.0, prior
+        k_span = (e1 - e0) / integral
+        peak = max(self.power.v) if self.power.v else 0.0
+        u_span = max(self.update_s * peak / integral, 1e-6)
+        w_prior, w_span = 1 / prior**2, 1 / u_span**2
+        k = (w_prior + w_span * k_span) / (w_prior + w_span)
+        return k, (w_prior + w_span) ** -0.5
+
+    def trim_before(self, t: float) -> None:
+        """Nothing to trim: the reads are bounded by :data:`CALIBRATION_WINDOW_S`."""
+
+    def window(self, t0: float, t1: float) -> tuple[float, float] | None:
+        """(energy in J, error bound in J) of ``[t0, t1]``; ``None`` without power samples.
+
+        The bound: the energy times the scale's relative uncertainty, plus half a power
+        sample period of the power step at each edge.
+        """
+        power = self.power
+        if not power.t:
+            return None
+        k, rel = self.scale()
+        energy = k * power.integral(t0, t1)
+        error = abs(energy) * rel + k * (_edge_error(power, t0) + _edge_error(power, t1))
+        return max(0.0, energy), error
+
+
+CALIBRATION_SPAN_S = 1.0
+"""The shortest span of counter reads that sets the scale: shorter ones leave it at 1."""
+CALIBRATION_WINDOW_S = 60.0
+"""The scale comes from the counter reads of the last minute: long enough that two reads'
+staleness is a fraction of a percent, short enough to follow a drift."""
+NO_COUNTER_REL_ERR = 0.05
+"""Relative error stated for power-integral energy that no counter span has calibrated (no
+counter, or not yet): the scale of the power readings is then unchecked."""
+
+
+def _edge_error(power: Series, t: float) -> float:
+    """Half a sample period of the power step around ``t`` (J): how much energy the placement
+    of the window's edge inside one power sample can move."""
+    ts = power.t
+    i = bisect_right(ts, t)
+    if i <= 0 or i >= len(ts):
+        return 0.0
+    return abs(power.v[i] - power.v[i - 1]) * (ts[i] - ts[i - 1]) / 2
 
 
 JOB_SUFFIXES = frozenset({

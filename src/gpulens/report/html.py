@@ -1,10 +1,14 @@
 """One self-contained HTML page: inline CSS, inline SVG charts, a few lines of inline script
 for hover read-outs.  Nothing is fetched at view time.
 
-Layout: training charts (loss, learning rate, gradient norm, step time) in the left column,
-beside the GPU charts (activity, memory, power, temperature, clocks held down) in the right, all
-on the same step axis with one line per GPU; then the per-GPU summary table, energy and
-efficiency.
+Layout: the GPU models and the backend under the title (a SIMULATED GPUs banner when a
+simulator made the figures); training charts (loss, learning rate, gradient norm, step time) in
+the left column, beside the GPU charts (activity, memory, power, temperature, clocks held down)
+in the right, all on the same x-axis with one line per GPU: the step, or elapsed seconds for a
+wall-clock record (``gpulens record``: ``record/elapsed_s``, else time since the run's start).
+Every axis is labelled and its tick labels are exact.  Then the per-GPU table, energy and the
+one efficiency figure (work per joule), alerts and notices, and the runs of the file when it
+holds several.  One column below 900 px; no sideways scroll at 700 px.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ import dataclasses
 import datetime as dt
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from html import escape
 
 from gpulens.report.load import Record
 from gpulens.report.summary import RunSummary
 from gpulens.report.svg import Series, color, line_chart
-from gpulens.report.text import HEADERS, duration, energy_text, gpu_cells, sparkline
+from gpulens.report.text import HEADERS, duration, energy_text, figure, gpu_cells, sparkline
 
 _GPU_KEY = re.compile(r"^gpu/(\d+)/")
 
@@ -58,8 +63,19 @@ td.spark{font-family:monospace;color:#2563eb;white-space:nowrap;letter-spacing:-
 #tip{position:absolute;pointer-events:none;background:#0f172a;color:#fff;font-size:12px;
  padding:6px 8px;border-radius:6px;white-space:pre;z-index:9}
 #js-errors{color:#b91c1c;white-space:pre}
-.note{color:var(--muted);font-size:12px;margin-top:18px}
+.note{color:var(--muted);font-size:12px;margin-top:10px}
+.axis-label{fill:#334155;font-size:12px}
+.banner{background:#fef3c7;border:1px solid #f59e0b;color:#78350f;border-radius:10px;
+ padding:8px 12px;margin:8px 0 10px}
+.scroll{overflow-x:auto;max-width:100%}
+table.narrow{width:auto;max-width:100%}
+tr.chosen td{font-weight:600}
+tr.critical td{color:#b91c1c}
+code{font-size:12px;background:#f1f5f9;padding:0 3px;border-radius:4px}
+.sub{overflow-wrap:anywhere}
 @media (max-width:900px){.cols,.grid2{grid-template-columns:1fr}}
+@media (max-width:760px){main{padding:12px}th,td{padding:5px 6px;font-size:12px}
+ #summary td.spark,#summary th:last-child{display:none}}
 """
 
 SCRIPT = """
@@ -83,7 +99,8 @@ document.querySelectorAll('svg.chart').forEach(function(svg){
   var r=svg.getBoundingClientRect(),px=(ev.clientX-r.left)/r.width*W;
   if(px<L||px>R||!lines.length){hide();return;}
   cur.setAttribute('x1',px);cur.setAttribute('x2',px);cur.setAttribute('visibility','visible');
-  var out=['step '+Math.round(x0+(px-L)/(R-L)*(x1-x0))];
+  var x=x0+(px-L)/(R-L)*(x1-x0);
+  var out=[d.xlabel==='step'?'step '+Math.round(x):d.xlabel+' '+x.toFixed(1)];
   lines.forEach(function(l){var p=nearest(l.pts,px);
    out.push(l.label+': '+fmt(y0+(B-p[1])/(B-T)*(y1-y0)));});
   tip.textContent=out.join('\\n');tip.style.left=(ev.pageX+14)+'px';
@@ -94,8 +111,53 @@ document.documentElement.setAttribute('data-js','ok');
 """
 
 
-def _series(record: Record, key: str) -> list[tuple[float, float]]:
-    return [(float(r.step), r.values[key]) for r in record.rows if key in r.values]
+@dataclass
+class _Axis:
+    """The x of every row: the training step, or elapsed seconds for wall-clock rows
+    (``gpulens record``); rows of different runs are never joined by a line."""
+
+    label: str
+    xs: list[float]
+    runs: list[int]
+
+    @property
+    def range(self) -> tuple[float, float]:
+        return (min(self.xs), max(self.xs)) if self.xs else (0.0, 1.0)
+
+
+def _axis(record: Record) -> _Axis:
+    runs = record.run_of_row or [1] * len(record.rows)
+    if record.trained:
+        return _Axis("step", [float(r.step) for r in record.rows], runs)
+    starts = {r.number: r.start_time for r in record.selected}
+    first: dict[int, float] = {}
+    for n, r in zip(runs, record.rows, strict=True):
+        first.setdefault(n, r.time)
+    xs = []
+    for n, r in zip(runs, record.rows, strict=True):
+        elapsed = r.values.get("record/elapsed_s")
+        if elapsed is None:
+            start = starts.get(n)
+            origin = start if start is not None and start <= first[n] else first[n]
+            elapsed = r.time - origin
+        xs.append(float(elapsed))
+    return _Axis("elapsed s", xs, runs)
+
+
+def _points(record: Record, axis: _Axis, key: str) -> dict[int, list[tuple[float, float]]]:
+    """Points of ``key`` per run number, in row order."""
+    out: dict[int, list[tuple[float, float]]] = {}
+    for x, n, r in zip(axis.xs, axis.runs, record.rows, strict=True):
+        if key in r.values:
+            out.setdefault(n, []).append((x, r.values[key]))
+    return out
+
+
+def _lines(record: Record, axis: _Axis, key: str, label: str, col: str, dash: str | None = None,
+           width: float = 1.8, legend: bool = True) -> list[Series]:
+    """One series per run (same colour; the legend names it once)."""
+    return [Series(label, pts, col, dash, width, legend and i == 0)
+            for i, pts in enumerate(_points(record, axis, key).values())]
 
 
 def _gpus(record: Record) -> list[str]:
@@ -116,70 +178,77 @@ def _utc(t: float | None) -> str:
 
 def _charts(record: Record, summary: RunSummary) -> tuple[list[str], list[str]]:
     """(training charts, GPU charts) as HTML figures, leaving out those with no data."""
-    steps = [float(r.step) for r in record.rows]
-    xr = (min(steps), max(steps)) if steps else (0.0, 1.0)
+    axis = _axis(record)
+    xr = axis.range
     gpus = _gpus(record)
+    several = len(record.selected) > 1
 
-    def one(cid: str, title: str, unit: str, key: str, floor: float | None = 0.0) -> str | None:
-        pts = _series(record, key)
-        if not pts:
+    def one(cid: str, title: str, unit: str, key: str, y_label: str,
+            floor: float | None = 0.0) -> str | None:
+        per_run = _points(record, axis, key)
+        if not per_run:
             return None
-        return line_chart(cid, title, unit, [Series(key, pts, color(0))], xr, y_floor=floor)
+        if several:
+            series = [Series(f"run {n}", pts, color(i)) for i, (n, pts) in
+                      enumerate(per_run.items())]
+        else:
+            series = [Series(key, pts, color(0)) for pts in per_run.values()]
+        return line_chart(cid, title, unit, series, xr, y_floor=floor, x_label=axis.label,
+                          y_label=y_label)
 
     def per_gpu(
-        cid: str, title: str, unit: str, build: Callable[[int, str], list[Series]],
+        cid: str, title: str, unit: str, y_label: str, build: Callable[[int, str], list[Series]],
         floor: float | None = 0.0, ceiling: float | None = None,
     ) -> str | None:
         series = [s for i, g in enumerate(gpus) for s in build(i, g) if s.points]
         if not series:
             return None
-        return line_chart(cid, title, unit, series, xr, y_floor=floor, y_ceiling=ceiling)
+        return line_chart(cid, title, unit, series, xr, y_floor=floor, y_ceiling=ceiling,
+                          x_label=axis.label, y_label=y_label)
 
     def activity(i: int, g: str) -> list[Series]:
-        sm = _series(record, f"gpu/{g}/sm_active_pct")
+        sm = _lines(record, axis, f"gpu/{g}/sm_active_pct", f"GPU {g} SM active", color(i))
         if sm:
-            return [
-                Series(f"GPU {g} SM active", sm, color(i)),
-                Series(f"GPU {g} tensor active", _series(record, f"gpu/{g}/tensor_active_pct"),
-                       color(i), "5 3", 1.4),
-            ]
-        return [Series(f"GPU {g} util", _series(record, f"gpu/{g}/util_pct"), color(i))]
+            return sm + _lines(record, axis, f"gpu/{g}/tensor_active_pct",
+                               f"GPU {g} tensor active", color(i), "5 3", 1.4)
+        return _lines(record, axis, f"gpu/{g}/util_pct", f"GPU {g} util", color(i))
 
-    def simple(suffix: str, label: str) -> Callable[[int, str], list[Series]]:
-        return lambda i, g: [Series(f"GPU {g}{label}", _series(record, f"gpu/{g}/{suffix}"),
-                                    color(i))]
+    def simple(suffix: str) -> Callable[[int, str], list[Series]]:
+        return lambda i, g: _lines(record, axis, f"gpu/{g}/{suffix}", f"GPU {g}", color(i))
 
     def power(i: int, g: str) -> list[Series]:
-        return [
-            Series(f"GPU {g}", _series(record, f"gpu/{g}/power_w"), color(i)),
-            Series(f"GPU {g} limit", _series(record, f"gpu/{g}/power_limit_w"), color(i),
-                   "2 4", 1.2, legend=False),
-        ]
+        return (_lines(record, axis, f"gpu/{g}/power_w", f"GPU {g}", color(i))
+                + _lines(record, axis, f"gpu/{g}/power_limit_w", f"GPU {g} limit", color(i),
+                         "2 4", 1.2, legend=False))
 
     totals = {g.gpu: g.mem_total_gb for g in summary.gpus if g.mem_total_gb}
 
     def memory(i: int, g: str) -> list[Series]:
-        used = Series(f"GPU {g}", _series(record, f"gpu/{g}/mem_used_gb"), color(i))
+        used = _lines(record, axis, f"gpu/{g}/mem_used_gb", f"GPU {g}", color(i))
         total = totals.get(g)
-        if total is None or not used.points:
-            return [used]
-        return [used, Series(f"GPU {g} total", [(xr[0], total), (xr[1], total)], color(i),
-                             "2 4", 1.2, legend=False)]
+        if total is None or not used:
+            return used
+        return [*used, Series(f"GPU {g} total", [(xr[0], total), (xr[1], total)], color(i),
+                              "2 4", 1.2, legend=False)]
 
     train = [
-        one("chart-loss", "Loss", "train/loss", "train/loss", None),
-        one("chart-lr", "Learning rate", "train/learning_rate", "train/learning_rate"),
-        one("chart-grad-norm", "Gradient norm", "train/grad_norm", "train/grad_norm"),
-        one("chart-step-time", "Step time", "seconds (perf/step_time_s)", "perf/step_time_s"),
+        one("chart-loss", "Loss", "train/loss", "train/loss", "loss", None),
+        one("chart-lr", "Learning rate", "train/learning_rate", "train/learning_rate",
+            "learning rate"),
+        one("chart-grad-norm", "Gradient norm", "train/grad_norm", "train/grad_norm",
+            "gradient norm"),
+        one("chart-step-time", "Step time", "seconds (perf/step_time_s)", "perf/step_time_s",
+            "s"),
     ]
     gpu = [
         per_gpu("chart-activity", "GPU activity", "% (SM / tensor active where GPM exists, "
-                "else NVML util)", activity, 0.0, 100.0),
-        per_gpu("chart-memory", "GPU memory used", "GB (dotted: total)", memory),
-        per_gpu("chart-power", "GPU power", "W (dotted: limit)", power),
-        per_gpu("chart-temp", "GPU temperature", "°C", simple("temp_c", ""), None),
+                "else NVML util)", "%", activity, 0.0, 100.0),
+        per_gpu("chart-memory", "GPU memory used", "GB = 10⁹ bytes (dotted: total)", "GB",
+                memory),
+        per_gpu("chart-power", "GPU power", "W (dotted: limit)", "W", power),
+        per_gpu("chart-temp", "GPU temperature", "°C", "°C", simple("temp_c"), None),
         per_gpu("chart-throttle", "Clocks held down", "% of time (power cap, thermal, ...)",
-                simple("throttle_pct", ""), 0.0, 100.0),
+                "% of time", simple("throttle_pct"), 0.0, 100.0),
     ]
     if not record.trained:  # e.g. `gpulens record`: rows are wall-clock intervals
         train = []
@@ -197,12 +266,13 @@ def _kpis(summary: RunSummary) -> str:
     if summary.energy_per_step_j is not None:
         items.append((f"{summary.energy_per_step_j:.1f} J", "energy per step"))
     if summary.step_time_mean_s is not None:
-        items.append((f"{summary.step_time_mean_s * 1000:.0f} ms", "mean step time"))
+        items.append((f"{summary.step_time_mean_s * 1000:.0f} ms",
+                      "mean step time (duration / steps)"))
     if summary.loss_last is not None:
         items.append((f"{summary.loss_last:.4g}", f"final loss (first {summary.loss_first:.4g})"))
     e = summary.efficiency
     if e is not None and e.per_joule is not None:
-        items.append((f"{e.per_joule:.4g}", f"{e.unit} per joule"))
+        items.append((f"{figure(e.per_joule)} {e.unit}/J", f"efficiency ({e.unit} per joule)"))
     return "".join(
         f'<div class="kpi"><div class="v">{escape(v)}</div>'
         f'<div class="l">{escape(label)}</div></div>'
@@ -215,12 +285,16 @@ def _table(record: Record, summary: RunSummary) -> str:
         return "<p>No GPU metrics in this record.</p>"
     head = "".join(f"<th>{escape(h)}</th>" for h in (*HEADERS, "Activity over the run"))
     body = []
+    axis = _axis(record)
     for g in summary.gpus:
         key = f"gpu/{g.gpu}/{g.activity_metric or 'util_pct'}"
-        spark = sparkline([v for _, v in _series(record, key)], 20, 0.0, 100.0)
+        values = [v for pts in _points(record, axis, key).values() for _, v in pts]
+        spark = sparkline(values, 20, 0.0, 100.0)
         cells = "".join(f"<td>{escape(c)}</td>" for c in gpu_cells(g))
         body.append(f'<tr data-gpu="{escape(g.gpu)}">{cells}<td class="spark">{spark}</td></tr>')
-    return f'<table id="summary"><tr>{head}</tr>{"".join(body)}</table>'
+    return (f'<div class="scroll"><table id="summary"><tr>{head}</tr>{"".join(body)}</table>'
+            "</div><p class=note>Memory in GB of 10⁹ bytes, as NVML counts it; a GiB is 2³⁰ "
+            "bytes, so an \u201c80GB\u201d card shows 85.9 GB (80.0 GiB).</p>")
 
 
 def _energy(summary: RunSummary) -> str:
@@ -237,13 +311,82 @@ def _energy(summary: RunSummary) -> str:
     if e is not None:
         rows.append(("Work", f"{e.work:g} {e.unit}"))
         if e.per_joule is not None:
-            rows.append((f"{e.unit} per joule", f"{e.per_joule:.4g}"))
-        if e.per_second_per_watt is not None:
-            rows.append((f"{e.unit}/s per watt", f"{e.per_second_per_watt:.4g}"))
+            rows.append(("Efficiency", f"{figure(e.per_joule)} {e.unit}/J"))
+        if e.per_second is not None:
+            rows.append(("Throughput", f"{figure(e.per_second)} {e.unit}/s"))
     if not rows:
         return "<p>No energy or power readings in this record.</p>"
     body = "".join(f"<tr><th>{escape(a)}</th><td>{escape(b)}</td></tr>" for a, b in rows)
-    return f'<table id="energy" style="width:auto">{body}</table>'
+    return f'<table id="energy" class="narrow">{body}</table>'
+
+
+def gpu_models(record: Record, summary: RunSummary) -> str:
+    """``"2 x NVIDIA H100 80GB HBM3"``, ``"NVIDIA A100, NVIDIA L4"``, or ``""``."""
+    names = [record.gpu_names.get(g.gpu) or g.name for g in summary.gpus]
+    if not summary.gpus:
+        names = list(record.gpu_names.values())
+    counts: dict[str, int] = {}
+    for n in names:
+        if n:
+            counts[n] = counts.get(n, 0) + 1
+    return ", ".join(f"{c} x {n}" if c > 1 else n for n, c in counts.items())
+
+
+def backend_text(record: Record) -> str:
+    """What sampled the GPUs, in words."""
+    backend = record.backend
+    if backend is None:
+        return "backend not recorded (a file without a run header)"
+    if backend == "simulated":
+        return "backend: simulated (GPULENS_BACKEND=simulated)"
+    if backend == "none":
+        return "backend: none (no NVIDIA driver answered: no GPU metrics)"
+    return f"backend: {backend}"
+
+
+SIMULATED_BANNER = ("SIMULATED GPUs: gpulens's GPU simulator made the GPU figures of this report. "
+                    "They describe no real hardware.")
+
+
+def _runs(record: Record) -> str:
+    if len(record.runs) <= 1:
+        return ""
+    chosen = {r.number for r in record.selected}
+    head = "".join(f"<th>{h}</th>" for h in ("Run", "Run id", "Started", "Backend", "Rows",
+                                               "Steps", "Ended cleanly"))
+    body = []
+    for r in record.runs:
+        steps = f"{r.first_step} to {r.last_step}" if r.first_step is not None else "n/a"
+        cells = (str(r.number), r.run_id or "(no header)", _utc(r.start_time),
+                 r.backend or "n/a", str(r.rows), steps,
+                 "yes" if r.ended else "no (killed, or still running)")
+        mark = ' class="chosen"' if r.number in chosen else ""
+        body.append(f"<tr{mark}>" + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
+    return (f"<h2>Runs in this file</h2><p class=note>This report shows "
+            f"{'all runs' if len(chosen) == len(record.runs) else escape(_chosen_text(record))}"
+            "; <code>gpulens report FILE --run N</code> (or a run id, or <code>all</code>) "
+            "picks others.</p>"
+            f'<div class="scroll"><table id="runs"><tr>{head}</tr>{"".join(body)}</table></div>')
+
+
+def _chosen_text(record: Record) -> str:
+    return ", ".join(r.label for r in record.selected)
+
+
+def _events(record: Record) -> str:
+    if not record.events:
+        return ""
+    head = "".join(f"<th>{h}</th>" for h in ("Step", "Time", "Kind", "What", "Message",
+                                               "Advice"))
+    body = []
+    for e in record.events:
+        what = f"{e.name} ({e.state})" if e.state else e.name
+        cells = (str(e.step), _utc(e.time), f"{e.kind} · {e.severity}", what, e.message,
+                 e.advice)
+        body.append(f'<tr class="{escape(e.severity)}">'
+                    + "".join(f"<td>{escape(c)}</td>" for c in cells) + "</tr>")
+    return (f"<h2>Alerts and notices</h2><div class=\"scroll\"><table id=\"events\">"
+            f"<tr>{head}</tr>{''.join(body)}</table></div>")
 
 
 def render_html(record: Record, summary: RunSummary, title: str | None = None) -> str:
@@ -263,26 +406,37 @@ def render_html(record: Record, summary: RunSummary, title: str | None = None) -
         )
     else:
         charts = '<div class="grid2">' + "".join(gpu) + "</div>"
-    names = sorted({g.name for g in summary.gpus if g.name})
-    sub = (
-        f"{summary.rows} rows · {_utc(summary.start_time)} → {_utc(summary.end_time)} · "
-        f"{len(summary.gpus)} GPU(s){(' · ' + ', '.join(names)) if names else ''}"
-    )
+    models = gpu_models(record, summary)
+    host = {r.hostname for r in record.selected if r.hostname}
+    sub = " · ".join(part for part in (
+        f"{summary.rows} rows",
+        f"{_utc(summary.start_time)} → {_utc(summary.end_time)}",
+        f"{len(summary.gpus)} GPU(s)" + (f": {models}" if models else ""),
+        backend_text(record),
+        ("host " + ", ".join(sorted(host))) if host else "",
+        (_chosen_text(record) + f" of {len(record.runs)} in this file")
+        if len(record.runs) > 1 else "",
+    ) if part)
+    banner = (f'<div class="banner" id="simulated"><b>SIMULATED GPUs</b>: '
+              f"{escape(SIMULATED_BANNER.split(': ', 1)[1])}</div>" if record.simulated else "")
     note = (
         f"<p class=note>{record.skipped} malformed line(s) skipped.</p>" if record.skipped else ""
     )
+    heading = ("Training and GPUs, by step" if train
+               else "GPUs, by elapsed time (seconds since the start)")
     return (
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
         f"<title>{escape(title)}</title><style>{CSS}</style></head><body><main>"
-        f"<h1>{escape(title)}</h1><div class=sub>{escape(sub)}</div>"
+        f"<h1>{escape(title)}</h1>{banner}<div class=sub>{escape(sub)}</div>"
         f'<div class="kpis">{_kpis(summary)}</div>'
-        f"<h2>{'Training and GPUs, by step' if train else 'GPUs, by row'}</h2>{charts}"
+        f"<h2>{heading}</h2>{charts}"
         f"<h2>Per GPU</h2>{_table(record, summary)}"
         f"<h2>Energy and efficiency</h2>{_energy(summary)}"
+        f"{_events(record)}{_runs(record)}"
         f"{note}<p class=note>Made by gpulens from {escape(str(record.path))}. Means are "
         "time-weighted over each row's window; energy comes from NVML's energy counter where "
-        "the GPU has one.</p>"
+        "the GPU has one; the mean step time is the duration divided by the steps.</p>"
         '<div id="js-errors" hidden></div><div id="tip" hidden></div>'
         f"</main><script>{SCRIPT}</script></body></html>"
     )

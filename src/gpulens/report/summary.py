@@ -7,7 +7,12 @@ so a long recording costs constant memory.
 Every row covers a window that ends at its ``time``; the window of row *n* starts at the time of
 row *n-1*.  Means are weighted by window length in seconds, so an uneven logging cadence does not
 bias them.  The first row's window is ``perf/step_time_s * perf/steps`` when the row says so,
-else the ``start_time`` handed to the builder, else the median of the later windows.
+else the ``start_time`` handed to the builder, else the median of the later windows.  Several
+runs (``begin_run``) each start a chain of windows of their own: the gap between two runs is
+no window, and the duration is the sum of the runs' durations.
+
+The mean step time is the duration divided by the steps (not a mean of the rows' step times,
+which would weight each step time by its own length).
 
 What a summary holds per GPU (absent metrics stay ``None``, never 0):
 
@@ -120,10 +125,10 @@ class Efficiency:
     work: float
     unit: str
     per_joule: float | None
-    """Units of work per joule of GPU energy."""
-    per_second_per_watt: float | None
-    """Throughput (units/s) per watt of mean GPU power."""
+    """The efficiency figure: units of work per joule of GPU energy (all GPUs; the energy
+    counter where the GPUs have one, else mean power x time)."""
     per_second: float | None
+    """Throughput: units of work per second of the run's duration."""
 
 
 @dataclass
@@ -148,7 +153,13 @@ class RunSummary:
     loss_last: float | None = None
     loss_min: float | None = None
     step_time_mean_s: float | None = None
+    """Duration / steps, where the rows are training steps that time themselves
+    (``perf/step_time_s`` beside training scalars)."""
     efficiency: Efficiency | None = None
+    runs: int = 0
+    """Runs folded in (each with its own chain of windows)."""
+    backend: str | None = None
+    """What sampled the GPUs: ``"nvml"``, ``"simulated"``, ``"none"``; ``None`` if unknown."""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (``None`` stays ``null``)."""
@@ -162,6 +173,7 @@ class SummaryBuilder:
         gpu_names: GPU key -> model name, for the table.
         mem_total_gb: GPU key -> total memory in GB, where known.
         start_time: Unix time the first window started (the monitor's start), if known.
+        backend: what sampled the GPUs (``"nvml"``, ``"simulated"``, ``"none"``), if known.
     """
 
     def __init__(
@@ -169,14 +181,15 @@ class SummaryBuilder:
         gpu_names: Mapping[str, str] | None = None,
         mem_total_gb: Mapping[str, float] | None = None,
         start_time: float | None = None,
+        backend: str | None = None,
     ) -> None:
+        self._backend = backend
         self._names = dict(gpu_names or {})
         self._mem_total = dict(mem_total_gb or {})
         self._start = start_time
         self._prev_time: float | None = None
-        self._first_time: float | None = None
-        self._first_window: float | None = None
-        self._pending_first: list[tuple[int, float, dict[str, float]]] = []
+        self._spans: list[list[float | None]] = []  # per run: [first row time, window, last]
+        self._pending_first: list[tuple[int, dict[str, float], list[float | None]]] = []
         self._dts: list[float] = []
         self._gpu: dict[str, dict[str, _Stat]] = {}
         self._energy: dict[str, tuple[float, int, int]] = {}  # j, counter rows, estimated rows
@@ -187,25 +200,31 @@ class SummaryBuilder:
         self._last_step: int | None = None
         self._loss: list[float] = []  # first, last, min
         self._step_time = _Stat()
+        self._trained = False  # rows with training scalars (not `gpulens record` intervals)
+
+    def begin_run(self, start_time: float | None = None) -> None:
+        """The next row is the first of another run (which started at ``start_time``, unix
+        seconds, if known): its window does not reach back to the previous run."""
+        self._start = start_time
+        self._prev_time = None
 
     def add(self, step: int, time: float, values: Mapping[str, float]) -> None:
-        """Fold in one row.  Rows must come in time order."""
+        """Fold in one row.  Rows of one run must come in time order."""
         self._rows += 1
-        if self._first_time is None:
-            self._first_time = time
+        if self._prev_time is None:  # the first row of a run
             window = self._first_row_window(time, values)
+            span: list[float | None] = [time, window, time]
+            self._spans.append(span)
             if window is None:
                 # decided at the end, from the median of the later windows
-                self._pending_first.append((step, time, dict(values)))
-                self._prev_time = time
-                return
-            self._first_window = window
-            self._fold(step, values, window)
+                self._pending_first.append((step, dict(values), span))
+            else:
+                self._fold(step, values, window)
         else:
-            prev = self._prev_time if self._prev_time is not None else time
-            dt = max(0.0, time - prev)
+            dt = max(0.0, time - self._prev_time)
             self._dts.append(dt)
             self._fold(step, values, dt)
+            self._spans[-1][2] = max(time, self._spans[-1][2] or time)
         self._prev_time = time
 
     def _first_row_window(self, time: float, values: Mapping[str, float]) -> float | None:
@@ -235,6 +254,9 @@ class SummaryBuilder:
         st = values.get("perf/step_time_s")
         if st is not None:
             self._step_time.add(float(st), weight)
+        if not self._trained:
+            self._trained = any(k.startswith("train/") and k != "train/global_step"
+                                for k in values)
         per_gpu: dict[str, dict[str, float]] = {}
         for key, value in values.items():
             m = _GPU_KEY.match(key)
@@ -264,22 +286,26 @@ class SummaryBuilder:
         """The summary of the rows folded so far; ``work`` adds efficiency figures."""
         if self._pending_first:
             window = statistics.median(self._dts) if self._dts else 0.0
-            self._first_window = window
-            for step, _, values in self._pending_first:
+            for step, values, span in self._pending_first:
+                span[1] = window
                 self._fold(step, values, window)
             self._pending_first = []
-        out = RunSummary(rows=self._rows, first_step=self._first_step, last_step=self._last_step)
-        if self._first_time is not None and self._prev_time is not None:
-            out.start_time = self._first_time - (self._first_window or 0.0)
-            out.end_time = self._prev_time
-            out.duration_s = out.end_time - out.start_time
+        out = RunSummary(rows=self._rows, first_step=self._first_step, last_step=self._last_step,
+                         runs=len(self._spans), backend=self._backend)
+        if self._spans:
+            starts = [(first or 0.0) - (window or 0.0) for first, window, _ in self._spans]
+            out.start_time = min(starts)
+            out.end_time = max(last or 0.0 for _, _, last in self._spans)
+            out.duration_s = sum((last or 0.0) - start
+                                 for start, (_, _, last) in zip(starts, self._spans, strict=True))
         if self._steps_seen:
             out.steps = round(self._steps_sum)
         elif self._first_step is not None and self._last_step is not None:
             out.steps = self._last_step - self._first_step + 1
         if self._loss:
             out.loss_first, out.loss_last, out.loss_min = self._loss
-        out.step_time_mean_s = self._step_time.mean
+        if self._step_time.count and self._trained and out.steps and out.duration_s:
+            out.step_time_mean_s = out.duration_s / out.steps
         total_j = 0.0
         total_power = 0.0
         have_energy = have_power = False
@@ -304,9 +330,6 @@ class SummaryBuilder:
                 work=work,
                 unit=unit,
                 per_joule=work / total_j if have_energy and total_j > 0 else None,
-                per_second_per_watt=per_s / total_power
-                if per_s is not None and have_power and total_power > 0
-                else None,
                 per_second=per_s,
             )
         return out

@@ -7,12 +7,13 @@ the page's small hover script can turn pixels back into values.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from html import escape
 
-WIDTH, HEIGHT = 560, 210
-LEFT, RIGHT, TOP, BOTTOM = 56, 14, 12, 30
+WIDTH, HEIGHT = 560, 224
+LEFT, RIGHT, TOP, BOTTOM = 66, 14, 12, 44
 PALETTE = (
     "#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#db2777", "#0891b2", "#65a30d",
 )
@@ -74,6 +75,33 @@ def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return ticks
 
 
+def tick_labels(ticks: list[float]) -> list[str]:
+    """Labels for evenly spaced ticks, each exact and no two alike: as many decimals as the
+    spacing needs (``4.705, 4.71, 4.715`` reads ``4.705, 4.710, 4.715``), ``k``/``M`` for large
+    values, powers of ten for small ones (``2e-05``)."""
+    if not ticks:
+        return []
+    top = max(abs(t) for t in ticks)
+    step = min((abs(b - a) for a, b in itertools.pairwise(ticks) if b != a),
+               default=top or 1.0)
+    if 0 < top < 0.01:
+        for p in range(7):
+            labels = [f"{t:.{p}e}" if t else "0" for t in ticks]
+            if all(_close(float(x), t, step) for x, t in zip(labels, ticks, strict=True)):
+                return labels
+        return [f"{t:.6e}" for t in ticks]
+    scale, suffix = (1e6, "M") if top >= 1e6 else (1e3, "k") if top >= 1e4 else (1.0, "")
+    for d in range(13):
+        labels = [f"{t / scale:.{d}f}" for t in ticks]
+        if all(_close(float(x) * scale, t, step) for x, t in zip(labels, ticks, strict=True)):
+            return [("0" if float(x) == 0 else x + suffix) for x in labels]
+    return [fmt(t) for t in ticks]
+
+
+def _close(shown: float, value: float, step: float) -> bool:
+    return abs(shown - value) <= step * 1e-6
+
+
 def fmt(v: float) -> str:
     """Short number text for axes and tables: ``1.2k``, ``0.35``, ``3e-04``."""
     a = abs(v)
@@ -98,11 +126,14 @@ def line_chart(
     x_range: tuple[float, float],
     y_floor: float | None = 0.0,
     y_ceiling: float | None = None,
+    x_label: str = "step",
+    y_label: str = "",
 ) -> str:
     """A ``<figure>`` with a title, a legend and the SVG chart; empty series are left out.
 
     ``y_floor``/``y_ceiling`` pin the y-axis ends (0 for most gauges, 100 for percentages);
-    ``None`` lets the data decide.
+    ``None`` lets the data decide.  ``x_label`` names the x-axis (``"step"``, or
+    ``"elapsed s"`` for wall-clock rows), ``y_label`` the y-axis (its unit).
     """
     series = [s for s in series if s.points]
     pts = [p for s in series for p in s.points]
@@ -126,24 +157,31 @@ def line_chart(
         return TOP + (1 - (y - y0) / (y1 - y0)) * ph
 
     parts: list[str] = []
-    for t in yt:
+    for t, label in zip(yt, tick_labels(yt), strict=True):
         y = sy(t)
         parts.append(
             f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
-            f'<text class="tick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{fmt(t)}</text>'
+            f'<text class="tick ytick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
+            f"{label}</text>"
         )
-    for t in nice_ticks(x0, x1, 6):
-        if t < x0 or t > x1:
-            continue
+    xt = [t for t in nice_ticks(x0, x1, 6) if x0 <= t <= x1]
+    for t, label in zip(xt, tick_labels(xt), strict=True):
         x = sx(t)
         parts.append(
             f'<line class="xtick" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP + ph}" y2="{TOP + ph + 4}"/>'
-            f'<text class="tick" x="{x:.1f}" y="{TOP + ph + 17}" text-anchor="middle">'
-            f"{fmt(t)}</text>"
+            f'<text class="tick xtick-label" x="{x:.1f}" y="{TOP + ph + 17}" '
+            f'text-anchor="middle">{label}</text>'
         )
     parts.append(
         f'<line class="axis" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{TOP + ph}" y2="{TOP + ph}"/>'
+        f'<text class="axis-label x-label" x="{LEFT + pw / 2:.1f}" y="{HEIGHT - 6}" '
+        f'text-anchor="middle">{escape(x_label)}</text>'
     )
+    if y_label:
+        parts.append(
+            f'<text class="axis-label y-label" x="0" y="0" text-anchor="middle" '
+            f'transform="translate(13 {TOP + ph / 2:.1f}) rotate(-90)">{escape(y_label)}</text>'
+        )
     drawn = 0
     for s in series:
         reduced = downsample(s.points)
@@ -175,7 +213,8 @@ def line_chart(
         f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" data-points="{drawn}" '
         f'data-x0="{x0!r}" data-x1="{x1!r}" data-y0="{y0!r}" data-y1="{y1!r}" '
         f'data-left="{LEFT}" data-right="{WIDTH - RIGHT}" data-top="{TOP}" '
-        f'data-bottom="{TOP + ph}" role="img" aria-label="{escape(title)}">'
+        f'data-bottom="{TOP + ph}" data-xlabel="{escape(x_label)}" role="img" '
+        f'aria-label="{escape(title)}">'
         + "".join(parts)
         + f'<line class="cursor" x1="0" x2="0" y1="{TOP}" y2="{TOP + ph}" visibility="hidden"/>'
         "</svg></figure>"

@@ -32,6 +32,11 @@ def sparkline(values: Sequence[float], width: int = 32, lo: float | None = None,
     return "".join(BARS[max(0, min(n, round((v - a) / (b - a) * n)))] for v in vals)
 
 
+def figure(v: float) -> str:
+    """A rate for people: ``"26,000"`` above 1000, else 4 significant digits (``"22.84"``)."""
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
 def duration(seconds: float | None) -> str:
     """``"2 h 05 min"``, ``"3 min 12 s"``, ``"4.2 s"``."""
     if seconds is None:
@@ -60,11 +65,22 @@ def activity_text(g: GpuSummary) -> str:
     return f"{num(g.activity_mean_pct, '%')} / {num(g.activity_max_pct, '%')} {label}"
 
 
+GIB_PER_GB = 1e9 / 2**30
+"""gpulens counts memory in GB of 1e9 bytes (NVML's bytes / 1e9); a GiB is 2**30 bytes."""
+
+
+def gib(gb: float) -> float:
+    """GB (1e9 bytes) to GiB (2**30 bytes): an "80GB" card's 85.9 GB are 80.0 GiB."""
+    return gb * GIB_PER_GB
+
+
 def memory_text(g: GpuSummary) -> str:
+    """``"64.80 / 85.9 GB (80.0 GiB)"``: peak used / total, GB of 1e9 bytes."""
     if g.mem_peak_gb is None:
         return "n/a"
     total = f" / {g.mem_total_gb:.1f}" if g.mem_total_gb else ""
-    return f"{g.mem_peak_gb:.2f}{total} GB"
+    in_gib = f" ({gib(g.mem_total_gb):.1f} GiB)" if g.mem_total_gb else ""
+    return f"{g.mem_peak_gb:.2f}{total} GB{in_gib}"
 
 
 def power_text(g: GpuSummary) -> str:
@@ -114,7 +130,7 @@ def headline(s: RunSummary) -> list[str]:
     if s.steps is not None and s.first_step is not None:
         out.append(f"steps: {s.steps} ({s.first_step} to {s.last_step})")
     out.append(f"duration: {duration(s.duration_s)}")
-    out.append(f"GPUs: {len(s.gpus)}")
+    out.append(f"GPUs: {len(s.gpus)}" + (" SIMULATED" if s.backend == "simulated" else ""))
     if s.energy_wh is not None:
         out.append(f"energy: {energy_text(s.energy_wh)}")
     if s.power_mean_w is not None:
@@ -123,13 +139,15 @@ def headline(s: RunSummary) -> list[str]:
         out.append(f"energy/step: {s.energy_per_step_j:.1f} J")
     if s.loss_first is not None and s.loss_last is not None:
         out.append(f"loss: {s.loss_first:.4g} → {s.loss_last:.4g} (min {s.loss_min:.4g})")
+    if s.step_time_mean_s is not None:
+        out.append(f"mean step time: {s.step_time_mean_s * 1000:.0f} ms")
     e = s.efficiency
     if e is not None:
         out.append(f"work: {e.work:g} {e.unit}")
         if e.per_joule is not None:
-            out.append(f"{e.unit}/J: {e.per_joule:.4g}")
-        if e.per_second_per_watt is not None:
-            out.append(f"{e.unit}/s per W: {e.per_second_per_watt:.4g}")
+            out.append(f"efficiency: {figure(e.per_joule)} {e.unit}/J")
+        if e.per_second is not None:
+            out.append(f"throughput: {figure(e.per_second)} {e.unit}/s")
     return out
 
 

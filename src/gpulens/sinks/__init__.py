@@ -17,6 +17,7 @@ SINKS: dict[str, str] = {
     "wandb": "gpulens.sinks.wandb:WandbSink",
     "mlflow": "gpulens.sinks.mlflow:MlflowSink",
     "prometheus": "gpulens.sinks.prometheus:PrometheusSink",
+    "dashboard": "gpulens.sinks.dashboard:DashboardSink",
 }
 
 __all__ = ["SINKS", "Event", "GpuInfo", "Row", "RunContext", "Sink", "resolve_sink"]

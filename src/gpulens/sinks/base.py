@@ -28,6 +28,17 @@ class GpuInfo:
     pci_bus_id: str
     mem_total_gb: float | None = None
     power_limit_w: float | None = None
+    mig: str | None = None
+    """The MIG instance this process uses on this GPU (``"MIG 3g.40gb (MIG-...)"``), if any:
+    the metrics are the whole GPU's, which NVML alone gives."""
+    energy_update_s: float | None = None
+    """How often the GPU's energy counter changes (seconds, measured at start; ~0.1 on an
+    H200), ``None`` without a counter."""
+    max_sm_clock_mhz: float | None = None
+    """The SM clock's maximum (boost), MHz: the clock the datasheet peak assumes."""
+    default_power_limit_w: float | None = None
+    """The board's default power limit, W (tells variants of one name apart, e.g. H200 SXM
+    from NVL, whatever limit an operator set)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,10 @@ class RunContext:
     """``"nvml"``, ``"simulated"`` or ``"none"`` (no driver: host and training metrics only)."""
     interval: float
     """Seconds between cheap samples."""
+    meta: dict[str, str | float] = field(default_factory=dict)
+    """What else a record of the run should say: the compute dtype, each GPU's peak and its
+    source (``peak_tflops``, ``peak_source``), how model FLOPs were counted ... (sinks that
+    keep run metadata write it: the JSONL header, MLflow params, W&B config)."""
 
 
 @dataclass(frozen=True)

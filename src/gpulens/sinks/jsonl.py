@@ -1,27 +1,64 @@
-"""JSONL: one JSON object a line, written and flushed line by line.
+"""JSONL: one JSON object a line, appended and flushed line by line.
 
-Each line holds ``step``, ``time`` (unix seconds at the end of the window) and the row's keys.
-A value that is not finite (a NaN loss) is written as ``null``.  A killed job leaves every line
-written so far readable.
+A file may hold several runs (a hyper-parameter search that re-uses one path, a resumed job):
+the sink never overwrites, it appends.  Each run is told apart by its run id:
+
+* ``{"event": "run_start", "run_id": ..., "time": ..., "hostname": ..., "backend": ...,
+  "interval": ..., "gpus": [{"index", "name", "uuid", "pci_bus_id", "mem_total_gb",
+  "power_limit_w"}, ...], "gpulens_version": ...}`` opens each run (``backend`` is ``"nvml"``,
+  ``"simulated"`` or ``"none"``; ``time`` in unix seconds; ``interval`` in seconds between
+  samples; ``mem_total_gb`` in GB of 1e9 bytes; ``power_limit_w`` in W);
+* a row line per :class:`~gpulens.sinks.base.Row`: ``run_id``, ``step``, ``time`` (unix seconds
+  at the end of the window) and the row's keys; a value that is not finite (a NaN loss) is
+  written as ``null``;
+* an event line per :class:`~gpulens.sinks.base.Event` of a row, after that row:
+  ``{"event": "alert"|"notice", "run_id", "step", "time", "name", "state", "severity",
+  "message", "advice", "data"}``;
+* ``{"event": "run_end", "run_id": ..., "time": ..., "rows": N}`` when the run closes cleanly
+  (a killed job leaves none, and every line written before is readable).
+
+Every line that is not a row carries an ``event`` key, so ``[r for r in lines if "event" not in
+r]`` gives the rows.  :func:`gpulens.report.load_jsonl` reads such a file run by run (and files
+written before the header existed as one run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import secrets
+import time
 from pathlib import Path
 from typing import IO, Any
 
-from gpulens.sinks.base import Row, RunContext
+from gpulens.sinks.base import Event, Row, RunContext
+
+
+def new_run_id() -> str:
+    """A run id that sorts by start time and is unique within a file: ``20261126-082042-3fa9c1``
+    (UTC date and time, then 6 random hex digits)."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
 class JsonlSink:
-    """Writes rows to ``path`` (parent folders are made; an existing file is replaced)."""
+    """Appends the rows of one run to ``path`` (parent folders are made; an existing file is
+    kept and the run is added after what it holds).
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    Args:
+        path: the JSONL file.
+        run_id: the id written on every line of this run (default: :func:`new_run_id` at
+            ``open``, or the ``run_id`` of the :class:`RunContext` where it has one).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], run_id: str | None = None) -> None:
         self.path = Path(path)
-        self._file: IO[str] | None = None
+        self.run_id = run_id
+        self._file: IO[bytes] | None = None
+        self._pending = ""
+        """The header line, until it is written (a full disk at open puts it off)."""
+        self._rows = 0
         _check_writable(self.path)
 
     @classmethod
@@ -32,27 +69,114 @@ class JsonlSink:
 
     def remote_spec(self) -> tuple[str, dict[str, Any]]:
         """How the sampler process rebuilds this sink (it then writes the file)."""
-        return "gpulens.sinks.jsonl:JsonlSink", {"path": str(self.path.absolute())}
+        kwargs: dict[str, Any] = {"path": str(self.path.absolute())}
+        if self.run_id is not None:
+            kwargs["run_id"] = self.run_id
+        return "gpulens.sinks.jsonl:JsonlSink", kwargs
 
     def open(self, context: RunContext) -> None:
+        """Open ``path`` for appending and write the run's ``run_start`` line."""
+        if self.run_id is None:
+            given = getattr(context, "run_id", None)
+            self.run_id = given if isinstance(given, str) and given else new_run_id()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("w", encoding="utf-8")
+            torn = _ends_without_newline(self.path)
+            # unbuffered: a line is written whole or not at all, so a retried write (after a
+            # full disk, say) never leaves a line twice
+            self._file = self.path.open("ab", buffering=0)
         except OSError as exc:
             raise ValueError(f"cannot write the JSONL record {str(self.path)!r}: {exc}") from exc
+        self._rows = 0
+        # a killed job's half line: the header must start a line of its own
+        self._pending = ("\n" if torn else "") + _dumps(header(context, self.run_id)) + "\n"
+        # a full disk: the header goes with the first row the step logger retries
+        with contextlib.suppress(OSError):
+            self._flush_pending()
 
     def write(self, row: Row) -> None:
         assert self._file is not None, "JsonlSink.write before open"
-        record: dict[str, object] = {"step": row.step, "time": round(row.time, 6)}
+        record: dict[str, object] = {"run_id": self.run_id, "step": row.step,
+                                     "time": round(row.time, 6)}
         for key, value in row.values.items():
             record[key] = value if math.isfinite(value) else None
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._file.flush()
+        lines = [_dumps(record)]
+        lines.extend(_dumps(event_line(e, self.run_id)) for e in row.events)
+        self._flush_pending()
+        self._file.write("".join(line + "\n" for line in lines).encode())
+        self._rows += 1
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            try:
+                self._line({"event": "run_end", "run_id": self.run_id,
+                            "time": round(time.time(), 6), "rows": self._rows})
+            finally:
+                self._file.close()
+                self._file = None
+
+    def _line(self, obj: dict[str, object]) -> None:
+        assert self._file is not None
+        self._flush_pending()
+        self._file.write((_dumps(obj) + "\n").encode())
+
+    def _flush_pending(self) -> None:
+        """Write the header line if it is still to be written (raises ``OSError``)."""
+        if self._pending and self._file is not None:
+            self._file.write(self._pending.encode())
+            self._pending = ""
+
+
+def header(context: RunContext, run_id: str | None) -> dict[str, object]:
+    """The ``run_start`` line of a run, from its :class:`RunContext`."""
+    from gpulens import __version__
+
+    return {
+        "event": "run_start",
+        "run_id": run_id,
+        "time": round(time.time(), 6),
+        "hostname": context.hostname,
+        "backend": context.backend,
+        "interval": _finite(context.interval),
+        "gpus": [
+            {"index": g.index, "name": g.name, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
+             "mem_total_gb": _finite(g.mem_total_gb), "power_limit_w": _finite(g.power_limit_w)}
+            for g in context.gpus
+        ],
+        "gpulens_version": __version__,
+    }
+
+
+def event_line(event: Event, run_id: str | None) -> dict[str, object]:
+    """The JSONL line of one :class:`Event` (``"event"`` is its kind: alert or notice)."""
+    return {
+        "event": event.kind, "run_id": run_id, "step": event.step,
+        "time": round(event.time, 6), "name": event.name, "state": event.state,
+        "severity": event.severity, "message": event.message, "advice": event.advice,
+        "data": {k: _finite(v) for k, v in event.data.items()},
+    }
+
+
+def _finite(value: float | None) -> float | None:
+    """``value``, or ``None`` (JSON ``null``) where it is missing or not finite."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _dumps(obj: dict[str, object]) -> str:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+
+def _ends_without_newline(path: Path) -> bool:
+    """Whether ``path`` exists, is not empty and its last byte is not a newline."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
 
 
 def _check_writable(path: Path) -> None:

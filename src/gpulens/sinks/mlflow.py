@@ -43,13 +43,21 @@ class MlflowSink:
             default experiment otherwise), ended at close.
         tracking_uri: default: MLflow's own setting (``MLFLOW_TRACKING_URI``, ...).
         include_train: also write the ``train/*`` scalars (off when the framework logs them).
+        fail_fast: give up on an HTTP request after 2 retries (back-off factor 1) and 15 s
+            (unless the user set
+            ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT``): MLflow's
+            own defaults (7 retries, 120 s each) keep a write to a server that went away busy
+            for minutes, so nobody hears of it.  gpulens retries the row itself, with its own
+            back-off, and says so.  Set for the copy rebuilt in gpulens's engine process, whose
+            environment is gpulens's own; never in the training process.
     """
 
     def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None,
-                 include_train: bool = True) -> None:
+                 include_train: bool = True, fail_fast: bool = False) -> None:
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self.include_train = include_train
+        self.fail_fast = fail_fast
         self._client: Any = None
         self._owned = False
 
@@ -73,9 +81,14 @@ class MlflowSink:
                 if active is not None:
                     run_id = self.run_id = active.info.run_id
         return "gpulens.sinks.mlflow:MlflowSink", {
-            "run_id": run_id, "tracking_uri": uri, "include_train": self.include_train}
+            "run_id": run_id, "tracking_uri": uri, "include_train": self.include_train,
+            "fail_fast": True}
 
     def open(self, context: RunContext) -> None:
+        if self.fail_fast:
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         mlflow = import_mlflow()
         from mlflow.tracking import MlflowClient
 

@@ -93,6 +93,8 @@ def scalar_series_name(key: str) -> tuple[str, float]:
         return "gpulens_train_energy_per_step_joules", 1.0
     if key == "host/ram_used_gb":
         return "gpulens_host_memory_used_bytes", 1e9
+    if key == "perf/partial_gpus":  # a count of GPUs: the unit is the GPU
+        return "gpulens_partial_window_gpus", 1.0
     name = re.sub(r"[^a-zA-Z0-9_]", "_", key).strip("_").lower()
     scale = 1.0
     for suffix, unit, factor in _UNITS:
@@ -110,17 +112,21 @@ class PrometheusSink:
         port: TCP port; 0 picks a free one (``self.port`` tells which after ``open()``).
         host: address to bind; 127.0.0.1 unless you mean to expose it.
         training: also export ``train/*`` and ``perf/*`` scalars (the training process's view).
+        http: serve ``/metrics`` on ``host:port`` from ``open()``.  ``False``: no server of
+            its own; another server (``gpulens serve``'s dashboard) serves :meth:`exposition`.
     """
 
     on_training_thread = False
 
     def __init__(self, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
-                 training: bool = True) -> None:
+                 training: bool = True, *, http: bool = True) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"prometheus sink: port must be 0-65535, not {port}")
         self.port = port
         self.host = host
         self.training = training
+        self.http = http
+        self._registry: Any = None
         self._lock = threading.Lock()
         self._context: RunContext | None = None
         self._gpu_values: dict[str, dict[str, float]] = {}
@@ -159,6 +165,9 @@ class PrometheusSink:
             self._context = context
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self))
+        self._registry = registry
+        if not self.http:
+            return
         try:
             server, thread = start_http_server(self.port, addr=self.host, registry=registry)
         except OSError as e:
@@ -207,6 +216,15 @@ class PrometheusSink:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The metrics in Prometheus's text format, and its content type (for a server that
+        is not the sink's own); ``RuntimeError`` before ``open()``."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if self._registry is None:
+            raise RuntimeError("prometheus sink: exposition() before open()")
+        return generate_latest(self._registry), CONTENT_TYPE_LATEST
 
     @property
     def url(self) -> str:

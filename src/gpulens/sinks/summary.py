@@ -36,7 +36,8 @@ class SummarySink:
         return cls()
 
     def open(self, context: RunContext) -> None:
-        """Start a new summary; GPU names and memory totals come from ``context``."""
+        """Start a new summary; GPU names, memory totals and the backend (``"simulated"`` is
+        said in the summary's headline) come from ``context``."""
         with self._lock:
             self.context = context
             self._builder = SummaryBuilder(
@@ -44,6 +45,7 @@ class SummarySink:
                 mem_total_gb={str(g.index): g.mem_total_gb for g in context.gpus
                               if g.mem_total_gb},
                 start_time=time.time(),
+                backend=context.backend,
             )
 
     def write(self, row: Row) -> None:

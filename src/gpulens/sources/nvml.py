@@ -18,6 +18,7 @@ Units are in the names: ``_w`` watts, ``_mj`` millijoules, ``_gb`` 1e9 bytes, ``
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -63,6 +64,8 @@ _GPM_REFRESH_KEY = "dram_bw_pct"  # NaN when the counters did not refresh betwee
 GPM_DELAY_S = 0.09
 """How long before it is read the activity shown by a GPM refresh ended (H200, driver
 580.159: a 1 s busy phase showed up ~90 ms late; see benchmarks/gpm_probe.py)."""
+
+_MIG_ENABLED = 1  # NVML_DEVICE_MIG_ENABLE
 
 POWER_SAMPLES = 0  # NVML_TOTAL_POWER_SAMPLES, values in mW
 UTIL_SAMPLES = 1  # NVML_GPU_UTILIZATION_SAMPLES, values in percent
@@ -123,8 +126,8 @@ class NvmlDevice:
             code = getattr(exc, "value", None)
             if code in _PERMANENT:
                 self._unsupported.add(what)
-                logger.info("GPU %d: %s not available (%s); not asked again", self.nvml_index,
-                            what, exc)
+                logger.info("gpulens: GPU %d: %s not available (%s); not asked again",
+                            self.nvml_index, what, exc)
                 return None
             if code == _ERR_GPU_IS_LOST:
                 self.lost = True
@@ -132,7 +135,8 @@ class NvmlDevice:
             if code == _ERR_NOT_FOUND:
                 return None
             warn_once(f"nvml:{self.nvml_index}:{what}:{code}",
-                      "gpulens: NVML %s failed on GPU %d: %s", what, self.nvml_index, exc)
+                      "gpulens: NVML %s failed on GPU %d: %s; that metric is left out while it "
+                      "fails", what, self.nvml_index, exc)
             return None
 
     def supports(self, what: str) -> bool:
@@ -140,14 +144,18 @@ class NvmlDevice:
         return what not in self._unsupported
 
     # -- static facts ---------------------------------------------------------------------
-    def info(self, index: int) -> GpuInfo:
-        """Name, UUID, PCI bus id, memory and power limit, keyed as GPU ``index`` in rows."""
+    def info(self, index: int, mig: str | None = None) -> GpuInfo:
+        """Name, UUID, PCI bus id, memory and power limit, keyed as GPU ``index`` in rows;
+        ``mig`` names the MIG instance this process uses on it, if any."""
         lib, h = self._lib, self._handle
         name = self._call("name", lib.nvmlDeviceGetName, h)
         uuid = self._call("uuid", lib.nvmlDeviceGetUUID, h)
         pci = self._call("pci", lib.nvmlDeviceGetPciInfo, h)
         mem = self._call("memory", lib.nvmlDeviceGetMemoryInfo, h)
         limit = self._call("power_limit", lib.nvmlDeviceGetEnforcedPowerLimit, h)
+        default_limit = self._call("default_power_limit",
+                                   lib.nvmlDeviceGetPowerManagementDefaultLimit, h)
+        max_clock = self._call("max_sm_clock", lib.nvmlDeviceGetMaxClockInfo, h, 1)  # SM
         if mem is not None:
             self._mem_total_gb = mem.total / _GB
         return GpuInfo(
@@ -157,6 +165,9 @@ class NvmlDevice:
             pci_bus_id=_text(pci.busId) if pci is not None else "",
             mem_total_gb=self._mem_total_gb,
             power_limit_w=limit / 1000.0 if limit is not None else None,
+            mig=mig,
+            max_sm_clock_mhz=float(max_clock) if max_clock else None,
+            default_power_limit_w=default_limit / 1000.0 if default_limit else None,
         )
 
     # -- cheap reads, every sample --------------------------------------------------------
@@ -196,6 +207,26 @@ class NvmlDevice:
         """NVML's total energy counter in millijoules (2.5-12 ms a call on an H200)."""
         value = self._call("energy", self._lib.nvmlDeviceGetTotalEnergyConsumption, self._handle)
         return float(value) if value is not None else None
+
+    def probe_energy_update(self, budget_s: float = 0.35) -> float | None:
+        """How often the energy counter changes, in seconds: the median time between the
+        changes seen while reading it back to back for at most ``budget_s`` (each read takes
+        3-15 ms on an H200, so the figure is that coarse).  ``None`` without a counter or
+        without two changes in the budget."""
+        changes: list[float] = []
+        last: float | None = None
+        end = time.monotonic() + budget_s
+        while time.monotonic() < end and len(changes) < 5:
+            before = time.monotonic()
+            value = self.read_energy_mj()
+            if value is None:
+                return None
+            t = (before + time.monotonic()) / 2
+            if last is not None and value != last:
+                changes.append(t)
+            last = value
+        gaps = sorted(b - a for a, b in itertools.pairwise(changes))
+        return gaps[len(gaps) // 2] if gaps else None
 
     def read_samples(self, kind: int) -> list[tuple[float, float]]:
         """The driver's buffered samples of ``kind`` since the last call, as (unix s, value).
@@ -239,10 +270,11 @@ class NvmlDevice:
             support = self._call("gpm", lib.nvmlGpmQueryDeviceSupport, h)
             self._gpm_ok = bool(support is not None and support.isSupportedDevice)
             if self._gpm_ok:
-                self._gpm_prev = lib.nvmlGpmSampleAlloc()
-                self._gpm_spare = lib.nvmlGpmSampleAlloc()
+                self._gpm_prev = self._call("gpm", lib.nvmlGpmSampleAlloc)
+                self._gpm_spare = self._call("gpm", lib.nvmlGpmSampleAlloc)
                 self._gpm_prev_t = time.monotonic()
-                if self._call("gpm", lib.nvmlGpmSampleGet, h, self._gpm_prev) is None:
+                if (self._gpm_prev is None or self._gpm_spare is None
+                        or self._call("gpm", lib.nvmlGpmSampleGet, h, self._gpm_prev) is None):
                     self._gpm_ok = False
             return None
         if not self._gpm_ok or not self.supports("gpm"):
@@ -287,10 +319,10 @@ class NvmlDevice:
 
 
 def parse_visible_devices(value: str | None) -> list[str] | None:
-    """``CUDA_VISIBLE_DEVICES`` as a list of entries (indices, ``GPU-<uuid>``, ``MIG-``).
+    """``CUDA_VISIBLE_DEVICES`` as a list of entries (indices, ``GPU-<uuid>``, ``MIG-...``).
 
-    ``None`` when unset (all GPUs visible).  Parsing stops at the first invalid entry, as CUDA
-    does.
+    ``None`` when unset (all GPUs visible).  Parsing stops at the first empty entry or ``-1``,
+    as CUDA does.
     """
     if value is None:
         return None
@@ -303,8 +335,22 @@ def parse_visible_devices(value: str | None) -> list[str] | None:
     return out
 
 
+@dataclass(frozen=True)
+class VisibleGpu:
+    """A GPU this process can use, as NVML knows it."""
+
+    nvml_index: int
+    """NVML index of the (parent) GPU: its metrics are the ones read."""
+    mig: str | None = None
+    """The MIG instance this process uses on it (``"MIG 3g.40gb (MIG-...)"``), if any: NVML
+    gives utilization, power, temperature and clocks for the whole GPU only."""
+
+
 class NvmlSource:
-    """Opens NVML (the real library, or one handed in) and hands out devices."""
+    """Opens NVML (the real library, or one handed in) and hands out devices.
+
+    Enumeration goes through :meth:`_call` too: one door for every NVML call.
+    """
 
     def __init__(self, lib: Any | None = None) -> None:
         self._given = lib
@@ -338,39 +384,120 @@ class NvmlSource:
                 self._lib.nvmlShutdown()
             self._lib = None
 
+    def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T | None:
+        """An enumeration call: its value, or ``None`` (not supported, not found, or failed:
+        failures other than "not supported" are warned about once)."""
+        try:
+            return fn(*args)
+        except self._lib.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code not in _PERMANENT and code != _ERR_NOT_FOUND:
+                warn_once(f"nvml-enum:{what}:{code}", "gpulens: NVML %s failed: %s", what, exc)
+            return None
+
     def device_count(self) -> int:
         """How many GPUs NVML sees (all of the node's, whatever CUDA_VISIBLE_DEVICES says)."""
-        return int(self._lib.nvmlDeviceGetCount())
+        count = self._call("device count", self._lib.nvmlDeviceGetCount)
+        return int(count) if count is not None else 0
 
-    def visible_nvml_indices(self, env: str | None = None) -> list[int]:
-        """NVML indices of the GPUs this process can see, in CUDA's order.
+    def _handle(self, index: int) -> Any:
+        return self._call(f"handle of GPU {index}", self._lib.nvmlDeviceGetHandleByIndex, index)
 
-        Honours ``CUDA_VISIBLE_DEVICES`` given as indices or as (prefixes of) UUIDs.
-        """
-        count = self.device_count()
-        entries = parse_visible_devices(
-            os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
-        )
-        if entries is None:
-            return list(range(count))
-        uuids = [_text(self._lib.nvmlDeviceGetUUID(self._lib.nvmlDeviceGetHandleByIndex(i)))
-                 for i in range(count)]
-        out: list[int] = []
-        for entry in entries:
-            if entry.isdigit():
-                idx = int(entry)
-                if idx >= count:
-                    break
-                out.append(idx)
+    def _uuid(self, handle: Any) -> str:
+        value = self._call("uuid", self._lib.nvmlDeviceGetUUID, handle)
+        return _text(value) if value is not None else ""
+
+    def _mig_instances(self, index: int) -> list[tuple[str, str]]:
+        """(UUID, name) of each MIG instance of GPU ``index`` (none without MIG mode)."""
+        lib = self._lib
+        handle = self._handle(index)
+        if handle is None or not hasattr(lib, "nvmlDeviceGetMigMode"):
+            return []
+        mode = self._call("MIG mode", lib.nvmlDeviceGetMigMode, handle)
+        if not mode or int(mode[0]) != _MIG_ENABLED:
+            return []
+        count = self._call("MIG device count", lib.nvmlDeviceGetMaxMigDeviceCount, handle) or 0
+        out: list[tuple[str, str]] = []
+        for k in range(int(count)):
+            mig = self._call("MIG device", lib.nvmlDeviceGetMigDeviceHandleByIndex, handle, k)
+            if mig is None:
                 continue
-            matches = [i for i, u in enumerate(uuids) if u.startswith(entry) or
-                       u.removeprefix("GPU-").startswith(entry.removeprefix("GPU-"))]
-            if len(matches) != 1:
-                break
-            out.append(matches[0])
+            name = self._call("MIG name", lib.nvmlDeviceGetName, mig)
+            text = _text(name) if name is not None else ""
+            profile = text[text.find("MIG "):] if "MIG " in text else "MIG instance"
+            out.append((self._uuid(mig), profile))
         return out
 
+    def visible_gpus(self, env: str | None = None) -> list[VisibleGpu]:
+        """The GPUs this process can see, in CUDA's order.
+
+        Honours ``CUDA_VISIBLE_DEVICES`` given as indices, as (prefixes of) GPU UUIDs, or as
+        MIG instances (``MIG-<uuid>``, or the older ``MIG-GPU-<uuid>/<gi>/<ci>``), which map to
+        their parent GPU with the instance named.  An entry that matches nothing is warned
+        about (CUDA ignores it and every entry after it, and so does this).
+        """
+        count = self.device_count()
+        value = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
+        entries = parse_visible_devices(value)
+        if entries is None:
+            return [VisibleGpu(i) for i in range(count)]
+        uuids = [self._uuid(h) if (h := self._handle(i)) is not None else ""
+                 for i in range(count)]
+        migs: dict[int, list[tuple[str, str]]] | None = None
+        out: list[VisibleGpu] = []
+        for entry in entries:
+            found: VisibleGpu | None = None
+            if entry.isdigit():
+                if int(entry) < count:
+                    found = VisibleGpu(int(entry))
+            elif entry.startswith("MIG-"):
+                if migs is None:
+                    migs = {i: self._mig_instances(i) for i in range(count)}
+                found = _match_mig(entry, uuids, migs)
+            else:
+                matches = [i for i, u in enumerate(uuids) if u and (
+                    u.startswith(entry)
+                    or u.removeprefix("GPU-").startswith(entry.removeprefix("GPU-")))]
+                if len(matches) == 1:
+                    found = VisibleGpu(matches[0])
+            if found is None:
+                known = ", ".join(u for u in uuids if u) or "none"
+                mig_known = ", ".join(u for inst in (migs or {}).values() for u, _ in inst)
+                logger.warning(
+                    "gpulens: CUDA_VISIBLE_DEVICES=%r: entry %r matches no GPU that NVML sees "
+                    "(%d GPU(s): %s%s); it and the entries after it are not monitored",
+                    value, entry, count, known,
+                    f"; MIG instances: {mig_known}" if mig_known else "")
+                break
+            out.append(found)
+        return out
+
+    def visible_nvml_indices(self, env: str | None = None) -> list[int]:
+        """NVML indices of the GPUs this process can see, in CUDA's order (see
+        :meth:`visible_gpus`)."""
+        return [g.nvml_index for g in self.visible_gpus(env)]
+
     def device(self, nvml_index: int) -> NvmlDevice:
-        """The device at NVML index ``nvml_index``."""
-        handle = self._lib.nvmlDeviceGetHandleByIndex(nvml_index)
+        """The device at NVML index ``nvml_index`` (``GpuLost`` if NVML cannot give it)."""
+        handle = self._handle(nvml_index)
+        if handle is None:
+            raise GpuLost(f"NVML gives no handle for GPU {nvml_index}")
         return NvmlDevice(self._lib, handle, nvml_index)
+
+
+def _match_mig(entry: str, uuids: list[str],
+               migs: dict[int, list[tuple[str, str]]]) -> VisibleGpu | None:
+    """The GPU of MIG entry ``entry`` of ``CUDA_VISIBLE_DEVICES``, or ``None``."""
+    if entry.startswith("MIG-GPU-"):  # MIG-GPU-<uuid>/<gi>/<ci> (CUDA < 11.4 style)
+        gpu_uuid, _, rest = entry.removeprefix("MIG-").partition("/")
+        for i, u in enumerate(uuids):
+            if u and u.startswith(gpu_uuid):
+                gi = rest.partition("/")[0]
+                return VisibleGpu(i, f"MIG GPU instance {gi} ({entry})")
+        return None
+    hits = [(i, uuid, name) for i, inst in migs.items() for uuid, name in inst
+            if uuid.startswith(entry)]
+    if len(hits) != 1:
+        return None
+    i, uuid, name = hits[0]
+    return VisibleGpu(i, f"{name} ({uuid})")

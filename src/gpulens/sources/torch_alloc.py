@@ -16,10 +16,13 @@ _GB = 1e9
 
 
 class TorchAllocator:
-    """``read(index)`` gives (allocated GB, peak GB) of torch device ``index``, or ``None``.
+    """``read(index)`` gives (allocated GB, peak GB, allocation retries, OOMs) of torch device
+    ``index``, or ``None``.
 
     The peak is torch's ``max_memory_allocated``: since the process started or since the
     training code last called ``torch.cuda.reset_peak_memory_stats`` (gpulens never resets it).
+    Retries (``num_alloc_retries``: the allocator had to free its cache to satisfy a request)
+    and OOMs (``num_ooms``) count since the process started.
     """
 
     def _cuda(self) -> Any | None:
@@ -31,12 +34,14 @@ class TorchAllocator:
             return None
         return cuda
 
-    def read(self, index: int) -> tuple[float, float] | None:
+    def read(self, index: int) -> tuple[float, float, float, float] | None:
         cuda = self._cuda()
         if cuda is None:
             return None
         try:
-            stats = cuda.memory_stats_as_nested_dict(index)["allocated_bytes"]["all"]
-            return stats["current"] / _GB, stats["peak"] / _GB
+            stats = cuda.memory_stats_as_nested_dict(index)
+            allocated = stats["allocated_bytes"]["all"]
+            return (allocated["current"] / _GB, allocated["peak"] / _GB,
+                    float(stats.get("num_alloc_retries", 0)), float(stats.get("num_ooms", 0)))
         except Exception:
             return None

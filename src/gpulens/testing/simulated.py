@@ -12,15 +12,22 @@ they do on hardware.  The GPUs are lively but deterministic and self-consistent:
   1/6 s for 14 s), and GPM gives SM / tensor activity between two samples.
 
 Faults can be injected: ``not_supported`` (per GPU, a set of pynvml function names that raise
-NotSupported), ``lose_gpu_after`` (per GPU, seconds after init after which every call raises
-GPU_IS_LOST) and ``driver_loaded=False`` (``nvmlInit`` fails like a machine without a driver).
+NotSupported), ``fail_after`` (per GPU, function names that start failing with an unknown
+error after some seconds: a metric that stops reading mid-run), ``lose_gpu_after`` (per GPU,
+seconds after which every call raises GPU_IS_LOST) and ``driver_loaded=False`` (``nvmlInit``
+fails like a machine without a driver).  ``mig`` gives GPUs MIG instances.
+
+A simulator is picklable when its load is (see :mod:`gpulens.testing.loads`): it then crosses
+into gpulens's sampler process, so tests run the very path users run.  Time is counted from
+:attr:`SimulatedNVML.epoch`, a ``time.monotonic()`` reading taken when the simulator is made,
+so the test (in the training process) and the sampler process agree on what happens when.
 
 Example::
 
     from gpulens import Monitor
-    from gpulens.testing import SimulatedNVML
+    from gpulens.testing import SimulatedNVML, Square
 
-    sim = SimulatedNVML(gpus=2, load=lambda gpu, t: 1.0 if int(t) % 2 == 0 else 0.05)
+    sim = SimulatedNVML(gpus=2, load=Square(period=2.0, high=1.0, low=0.05))
     with Monitor(backend=sim, sinks=["jsonl:run.jsonl"]) as mon:
         ...
 """
@@ -28,18 +35,21 @@ Example::
 from __future__ import annotations
 
 import math
+import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-LoadFn = Callable[[int, float], float]
+from gpulens.testing.loads import LoadFn, Wave
 
 NVML_SUCCESS = 0
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_UNKNOWN = 999
+NVML_DEVICE_MIG_ENABLE = 1
 NVML_GPM_METRICS_GET_VERSION = 1
 NVML_TOTAL_POWER_SAMPLES = 0
 NVML_GPU_UTILIZATION_SAMPLES = 1
@@ -56,14 +66,12 @@ class NVMLError(Exception):
         self.value = value
 
 
-def default_load(gpu: int, t: float) -> float:
-    """A lively, deterministic activity in [0, 1]: a 7 s wave with a per-GPU phase."""
-    return 0.55 + 0.4 * math.sin(2 * math.pi * (t / 7.0 + gpu / 8.0))
-
-
-@dataclass
+@dataclass(frozen=True)
 class _Handle:
     index: int
+    """The GPU (parent GPU of a MIG instance)."""
+    mig: int = -1
+    """The MIG instance's number on its GPU; -1 for a whole GPU."""
 
 
 @dataclass
@@ -131,12 +139,30 @@ class SimulatedNVML:
 
     Args:
         gpus: number of GPUs.
-        load: activity in [0, 1] as a function of (gpu index, seconds since ``nvmlInit``).
+        load: activity in [0, 1] as a function of (gpu index, seconds since :attr:`epoch`);
+            default :class:`~gpulens.testing.loads.Wave`.  Pass a shape from
+            :mod:`gpulens.testing.loads` or a module-level function so the simulator pickles.
         not_supported: per GPU index, pynvml function names that raise NotSupported.
-        lose_gpu_after: per GPU index, seconds after init after which the GPU is lost.
+        fail_after: per GPU index, ``{function name: seconds}``: from then on that function
+            raises an unknown NVML error (a metric that stops reading mid-run).
+        lose_gpu_after: per GPU index, seconds after which every call raises GPU_IS_LOST.
         driver_loaded: ``False`` makes ``nvmlInit`` fail (no driver).
         gpm: whether the GPUs support GPM (Hopper and newer do).
-        clock: the time source (``time.monotonic``); tests may pass their own.
+        mig: per GPU index, the profiles of its MIG instances (e.g. ``["3g.40gb"]``): MIG mode
+            is on for that GPU and each instance has a ``MIG-...`` UUID (:meth:`mig_uuid`).
+        seed: seeds what the hardware does not tell: the phases of the energy counter's and
+            GPM's refreshes, and GPM's delay (``None``: drawn afresh).
+        energy_latency_s: (min, max) seconds an energy counter read takes (3-15 ms on an
+            H200): each read sleeps a time drawn from that range.
+        gpm_delay_s: how late a GPM refresh shows activity (``None``: drawn from 0.06-0.12 s;
+            an H200 showed ~0.09 s).
+        clock: the time source (``time.monotonic``); tests may pass their own (a clock that
+            does not pickle keeps the simulator in the training process).
+
+    Like the hardware, and unlike what gpulens assumes: power samples are averages over their
+    20 ms period; the energy counter changes every 100 ms at its own phase; GPM refreshes every
+    100 ms at its own phase and shows the activity of a period that ended ``gpm_delay_s``
+    earlier.
     """
 
     IS_SIMULATED = True
@@ -148,10 +174,9 @@ class SimulatedNVML:
     MAX_W = 700.0
     MEM_TOTAL = 80 * _GIB
     POWER_PERIOD = 0.02
-    UTIL_PERIOD = 1 / 6
+    UTIL_PERIOD = 0.2
     ENERGY_PERIOD = 0.1
     GPM_PERIOD = 0.1
-    GPM_DELAY = 0.09
 
     def __init__(
         self,
@@ -159,32 +184,49 @@ class SimulatedNVML:
         *,
         load: LoadFn | None = None,
         not_supported: Mapping[int, Iterable[str]] | None = None,
+        fail_after: Mapping[int, Mapping[str, float]] | None = None,
         lose_gpu_after: Mapping[int, float] | None = None,
         driver_loaded: bool = True,
         gpm: bool = True,
+        mig: Mapping[int, Sequence[str]] | None = None,
+        seed: int | None = None,
+        energy_latency_s: tuple[float, float] = (0.003, 0.015),
+        gpm_delay_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if gpus < 0:
             raise ValueError(f"gpus must be >= 0, got {gpus}")
         self.gpus = gpus
-        self.load = load or default_load
+        self.load: LoadFn = load or Wave()
         self.not_supported = {int(k): set(v) for k, v in (not_supported or {}).items()}
+        self.fail_after = {int(k): dict(v) for k, v in (fail_after or {}).items()}
         self.lose_gpu_after = dict(lose_gpu_after or {})
         self.driver_loaded = driver_loaded
         self.gpm = gpm
+        self.mig = {int(k): list(v) for k, v in (mig or {}).items()}
         self.clock = clock
-        self._t0: float | None = None
+        self.epoch = clock()
+        """The simulator's time zero (a reading of ``clock``), taken when it is made."""
+        rng = random.Random(seed)
+        self.energy_phase_s = rng.uniform(0.0, self.ENERGY_PERIOD)
+        self.gpm_phase_s = rng.uniform(0.0, self.GPM_PERIOD)
+        self.gpm_delay_s = gpm_delay_s if gpm_delay_s is not None else rng.uniform(0.06, 0.12)
+        self.energy_latency_s = energy_latency_s
+        self._rng = rng
+        self._initialized = False
         self._unix_offset = 0.0
         self.calls: dict[str, int] = {}
         self._energy_cache: dict[int, tuple[float, float]] = {}
 
     # -- the model -------------------------------------------------------------------------
-    def _now(self) -> float:
-        assert self._t0 is not None
-        return self.clock() - self._t0
+    def elapsed(self) -> float:
+        """Seconds since :attr:`epoch` (the ``t`` that loads are functions of)."""
+        return self.clock() - self.epoch
+
+    _now = elapsed
 
     def activity(self, gpu: int, t: float) -> float:
-        """The simulated activity of ``gpu`` at ``t`` seconds after init, clamped to [0, 1]."""
+        """The simulated activity of ``gpu`` at ``t`` seconds after the epoch, in [0, 1]."""
         return min(1.0, max(0.0, float(self.load(gpu, t))))
 
     def power_w(self, gpu: int, t: float) -> float:
@@ -192,7 +234,7 @@ class SimulatedNVML:
         return self.IDLE_W + (self.MAX_W - self.IDLE_W) * self.activity(gpu, t)
 
     def energy_j(self, gpu: int, t: float) -> float:
-        """Exact-to-1 ms integral of :meth:`power_w` from init to ``t``."""
+        """Exact-to-1 ms integral of :meth:`power_w` from the epoch to ``t``."""
         start, total = self._energy_cache.get(gpu, (0.0, 0.0))
         step = 0.001
         if t < start:  # a little behind the cache (the counter lags): integrate backwards
@@ -207,24 +249,36 @@ class SimulatedNVML:
         self._energy_cache[gpu] = (start, total)
         return total + self.power_w(gpu, start) * (t - start)
 
+    def mig_uuid(self, gpu: int, instance: int) -> str:
+        """The UUID of MIG instance ``instance`` of ``gpu``."""
+        return f"MIG-5105a7ed-0001-4000-8000-{gpu:04d}{instance:08d}"
+
+    def gpu_uuid(self, gpu: int) -> str:
+        """The UUID of ``gpu``."""
+        return f"GPU-5105a7ed-0000-4000-8000-{gpu:012d}"
+
     def _check(self, name: str, handle: _Handle | None = None) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
-        if self._t0 is None:
+        if not self._initialized:
             raise NVMLError(1)  # NVML_ERROR_UNINITIALIZED
         if handle is None:
             return
+        now = self._now()
         lost = self.lose_gpu_after.get(handle.index)
-        if lost is not None and self._now() >= lost:
+        if lost is not None and now >= lost:
             raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         if name in self.not_supported.get(handle.index, ()):
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        failing = self.fail_after.get(handle.index, {}).get(name)
+        if failing is not None and now >= failing:
+            raise NVMLError(NVML_ERROR_UNKNOWN)
 
     # -- pynvml's functions ------------------------------------------------------------------
     def nvmlInit(self) -> None:
         if not self.driver_loaded:
             raise NVMLError(NVML_ERROR_DRIVER_NOT_LOADED)
-        if self._t0 is None:
-            self._t0 = self.clock()
+        if not self._initialized:
+            self._initialized = True
             self._unix_offset = time.time() - time.monotonic()
 
     def nvmlShutdown(self) -> None:
@@ -240,18 +294,56 @@ class SimulatedNVML:
             raise NVMLError(2)  # NVML_ERROR_INVALID_ARGUMENT
         return _Handle(index)
 
+    def nvmlDeviceGetHandleByUUID(self, uuid: str | bytes) -> _Handle:
+        self._check("nvmlDeviceGetHandleByUUID")
+        text = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for gpu in range(self.gpus):
+            if text == self.gpu_uuid(gpu):
+                return _Handle(gpu)
+            for k in range(len(self.mig.get(gpu, ()))):
+                if text == self.mig_uuid(gpu, k):
+                    return _Handle(gpu, k)
+        raise NVMLError(NVML_ERROR_NOT_FOUND)
+
+    # MIG
+    def nvmlDeviceGetMigMode(self, h: _Handle) -> list[int]:
+        self._check("nvmlDeviceGetMigMode", h)
+        mode = NVML_DEVICE_MIG_ENABLE if self.mig.get(h.index) else 0
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: _Handle) -> int:
+        self._check("nvmlDeviceGetMaxMigDeviceCount", h)
+        return 7 if self.mig.get(h.index) else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: _Handle, index: int) -> _Handle:
+        self._check("nvmlDeviceGetMigDeviceHandleByIndex", h)
+        if not 0 <= index < len(self.mig.get(h.index, ())):
+            raise NVMLError(NVML_ERROR_NOT_FOUND)
+        return _Handle(h.index, index)
+
+    def nvmlDeviceIsMigDeviceHandle(self, h: _Handle) -> int:
+        self._check("nvmlDeviceIsMigDeviceHandle")
+        return int(h.mig >= 0)
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: _Handle) -> _Handle:
+        self._check("nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
+        if h.mig < 0:
+            raise NVMLError(2)
+        return _Handle(h.index)
+
     def nvmlDeviceGetName(self, h: _Handle) -> str:
         self._check("nvmlDeviceGetName", h)
+        if h.mig >= 0:
+            return f"Simulated H100 80GB HBM3 MIG {self.mig[h.index][h.mig]}"
         return "Simulated H100 80GB HBM3"
 
     def nvmlDeviceGetUUID(self, h: _Handle) -> str:
         self._check("nvmlDeviceGetUUID", h)
-        return f"GPU-5105a7ed-0000-4000-8000-{h.index:012d}"
+        return self.mig_uuid(h.index, h.mig) if h.mig >= 0 else self.gpu_uuid(h.index)
 
     def nvmlDeviceGetPciInfo(self, h: _Handle) -> _Pci:
         self._check("nvmlDeviceGetPciInfo", h)
         return _Pci(busId=f"00000000:{0x18 + h.index:02X}:00.0")
-
     def nvmlDeviceGetMemoryInfo(self, h: _Handle) -> _Memory:
         self._check("nvmlDeviceGetMemoryInfo", h)
         t = self._now()
@@ -271,6 +363,14 @@ class SimulatedNVML:
         self._check("nvmlDeviceGetEnforcedPowerLimit", h)
         return round(1000 * self.MAX_W)
 
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, h: _Handle) -> int:
+        self._check("nvmlDeviceGetPowerManagementDefaultLimit", h)
+        return round(1000 * self.MAX_W)
+
+    def nvmlDeviceGetMaxClockInfo(self, h: _Handle, clock_type: int) -> int:
+        self._check("nvmlDeviceGetMaxClockInfo", h)
+        return 1980
+
     def nvmlDeviceGetTemperature(self, h: _Handle, sensor: int) -> int:
         self._check("nvmlDeviceGetTemperature", h)
         return round(32 + 45 * self.activity(h.index, self._now()))
@@ -287,11 +387,22 @@ class SimulatedNVML:
             return 0x1  # GPU idle
         return 0x4 if a > 0.9 else 0x0  # software power cap near the limit
 
+    def power_avg_w(self, gpu: int, end: float, period: float) -> float:
+        """Mean power over ``[end - period, end]`` (1 ms steps): what a driver sample says."""
+        n = max(1, round(period / 0.001))
+        step = period / n
+        start = end - period
+        return sum(self.power_w(gpu, start + (k + 0.5) * step) for k in range(n)) / n
+
     def nvmlDeviceGetTotalEnergyConsumption(self, h: _Handle) -> int:
         self._check("nvmlDeviceGetTotalEnergyConsumption", h)
+        lo, hi = self.energy_latency_s
+        if hi > 0:
+            time.sleep(self._rng.uniform(lo, hi))
         t = self._now()
-        updated = math.floor(t / self.ENERGY_PERIOD) * self.ENERGY_PERIOD
-        return round(1000 * self.energy_j(h.index, updated))
+        period, phase = self.ENERGY_PERIOD, self.energy_phase_s
+        updated = math.floor((t - phase) / period) * period + phase
+        return round(1000 * self.energy_j(h.index, max(0.0, updated)))
 
     def nvmlDeviceGetSamples(
         self, h: _Handle, sampling_type: int, since_us: int
@@ -304,8 +415,7 @@ class SimulatedNVML:
             period, history = self.UTIL_PERIOD, 14.0
         else:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-        assert self._t0 is not None
-        unix0 = self._t0 + self._unix_offset
+        unix0 = self.epoch + self._unix_offset
         first = max(0, math.ceil((now - history) / period))
         last = math.floor(now / period)
         samples: list[_Sample] = []
@@ -314,10 +424,13 @@ class SimulatedNVML:
             ts = int((unix0 + t) * 1e6)
             if ts <= since_us:
                 continue
-            if sampling_type == NVML_TOTAL_POWER_SAMPLES:
-                value = round(1000 * self.power_w(h.index, t))
-            else:  # utilization over the period that ends at t
-                value = round(100 * min(1.0, 1.05 * self.activity(h.index, t - period / 2)))
+            if sampling_type == NVML_TOTAL_POWER_SAMPLES:  # the mean of the period ending at t
+                value = round(1000 * self.power_avg_w(h.index, t, period))
+            else:  # the share of the period ending at t that a kernel ran
+                n = 20
+                busy = sum(min(1.0, 1.05 * self.activity(h.index, t - period + (j + 0.5) *
+                                                         period / n)) for j in range(n)) / n
+                value = round(100 * busy)
             samples.append(_Sample(ts, _Value(value)))
         if not samples:
             raise NVMLError(NVML_ERROR_NOT_FOUND)
@@ -334,11 +447,11 @@ class SimulatedNVML:
         return None
 
     def nvmlGpmSampleGet(self, h: _Handle, sample: _GpmSample) -> _GpmSample:
-        """Like the hardware: the counters refresh every ``GPM_PERIOD`` s and a refresh holds
-        the activity up to ``GPM_DELAY`` s before it."""
+        """Like the hardware: the counters refresh every ``GPM_PERIOD`` s (at their own phase)
+        and a refresh holds the activity up to ``gpm_delay_s`` before it."""
         self._check("nvmlGpmSampleGet", h)
-        refresh = math.floor(self._now() / self.GPM_PERIOD)
-        t = max(0.0, refresh * self.GPM_PERIOD - self.GPM_DELAY)
+        refresh = math.floor((self._now() - self.gpm_phase_s) / self.GPM_PERIOD)
+        t = max(0.0, refresh * self.GPM_PERIOD + self.gpm_phase_s - self.gpm_delay_s)
         sample.refresh, sample.gpu = refresh, h.index
         # integral of activity from init: the energy integral is its affine image
         sample.integral = (self.energy_j(h.index, t) - self.IDLE_W * t) / (

@@ -1,36 +1,34 @@
-"""The sampler in a process of its own, so that monitoring takes nothing from training.
+"""The engine in a process of its own (the default), so that monitoring takes nothing from
+training.
 
-In the training process, a sampler thread competes with the training thread for the GIL: each
-time it wakes it waits for the interpreter, then holds it while it reads and finishes rows,
-and a tracker client (MLflow's is pure Python, ~20 ms of CPU a row) holds it longer.  With
-``Monitor(isolation="process")`` (the default where it can be used) the training process keeps
-only this:
+In the training process, an engine thread would compete with the training thread for the
+GIL: each time it wakes it waits for the interpreter, then holds it while it reads and finishes
+rows, and a tracker client (MLflow's is pure Python, ~20 ms of CPU a row) holds it longer.
+Here the training process keeps only this:
 
 * ``log()`` pickles the mark (step, time, scalars) and writes it to a pipe without blocking:
   a few microseconds, no thread woken in this process;
 * once a slow period, ``log()`` also reads the torch allocator's counters (one host-side call),
-  which another process cannot see;
+  which another process cannot see (the mark carries them);
 * a link thread that sleeps in ``os.read`` and wakes only for what must happen here: rows for
   the sinks that live in this process (W&B, whose run object is here; a framework's loggers;
-  Prometheus; objects without a ``remote_spec``) and for the distributed gather.
+  Prometheus; objects without a ``remote_spec``) and for the distributed gather; the engine's
+  log records, re-emitted through this process's ``gpulens`` logger at their level; the
+  engine's sink figures (every second, so they are known even if it dies).
 
-The sampler process (``python -c "...sampler_process.main(...)"``) runs an ordinary thread-mode
-:class:`~gpulens.Monitor` over the sinks that can be rebuilt there (JSONL, MLflow: their
-``remote_spec()``), and sends the other rows back.  It ignores SIGINT (the training process
-decides when to stop) and stops by itself, writing what it holds, when the training process
-goes away (end of file on the pipe).
+The engine process (``python -c "...process.main(...)"``) builds an
+:class:`~gpulens.engine.engine.Engine` from the :class:`~gpulens.engine.spec.EngineSpec` it
+is sent.  It ignores SIGINT (the training process decides when to stop) and stops by itself,
+writing what it holds, when the training process goes away (end of file on the pipe).  It
+polls its pipe every :data:`POLL_S` instead of sleeping in ``read``: a write that must wake a
+sleeping reader costs the writer (the training thread) more (``benchmarks/pipe_wake.py``).
 
-Messages, training process -> sampler process: the config (first), ``("m", step, t, wall,
-scalars, alloc)``, ``("latest", n)``, ``("stop", timeout)``.  Back: ``("ready", context,
-torch indices)`` or ``("error", kind, text)``, ``("row", row)``, ``("latest", n, values)``,
-``("stopped", sink stats)``.
+Messages: :mod:`gpulens.transport.messages`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import math
 import os
 import queue
 import signal
@@ -44,91 +42,85 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpulens._warn import logger, warn_once
-from gpulens.engine.sampler import Mark, _to_float
+from gpulens._warn import forward_records, logger, reemit, warn_once
+from gpulens.engine.sampler import Mark
+from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sinks.base import Row, RunContext
+from gpulens.transport.base import SpawnFailed
+from gpulens.transport.messages import (
+    Drain,
+    Drained,
+    Failed,
+    Finish,
+    LatestAsk,
+    LatestReply,
+    LogOut,
+    Ready,
+    RowOut,
+    Start,
+    Stats,
+    StatsOut,
+    Stop,
+    Stopped,
+)
 from gpulens.transport.pipe import LinkClosed, Receiver, Sender
 
 READY_TIMEOUT_S = 120.0
-"""How long ``start()`` waits for the sampler process to open NVML and its sinks (importing
+"""How long ``start()`` waits for the engine process to open NVML and its sinks (importing
 MLflow can take seconds on a loaded machine)."""
 _CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
           "from gpulens.transport.process import main; sys.exit(main(sys.argv[1:]))")
-"""The sampler process's bootstrap: it ignores SIGINT before anything else (a Ctrl-C at the
+"""The engine process's bootstrap: it ignores SIGINT before anything else (a Ctrl-C at the
 terminal reaches the whole process group; the training process decides when to stop)."""
 POLL_S = 0.02
-"""How often the sampler process looks for step marks (they wait at least 0.2 s for the data
+"""How often the engine process looks for step marks (they wait at least 0.2 s for the data
 that closes their window anyway)."""
+STATS_EVERY_S = 1.0
+"""How often the engine process sends its sinks' figures."""
+STOP_GRACE_S = 10.0
+"""Beyond the stop timeout: time for the engine process to close windows and exit."""
 _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20
-RELAY_MAX = 10_000
-"""Marks with tensors that may wait for conversion before new ones are dropped (counted)."""
 
 
-class SpawnFailed(Exception):
-    """The sampler process could not be started (not a user error: fall back to a thread)."""
-
-
-def remote_spec(sink: Sink) -> tuple[str, dict[str, Any]] | None:
-    """``("module:Class", kwargs)`` that rebuild ``sink`` in another process, or ``None``."""
-    method = getattr(sink, "remote_spec", None)
-    if method is None:
-        return None
-    spec: tuple[str, dict[str, Any]] | None = method()
-    return spec
-
-
-def _build(spec: tuple[str, dict[str, Any]]) -> Sink:
-    target, kwargs = spec
-    module_name, _, cls_name = target.partition(":")
-    cls: Any = getattr(importlib.import_module(module_name), cls_name)
-    sink: Sink = cls(**kwargs)
-    return sink
-
-
-def _plain(scalars: dict[str, Any]) -> bool:
-    for value in scalars.values():
-        if type(value) is not float and type(value) is not int:
-            return False
-    return True
-
-
-class SamplerProcess:
-    """The training process's end: spawns the sampler process and talks to it.
+class ProcessTransport:
+    """:class:`~gpulens.transport.base.Transport` to an engine in a process of its own.
 
     Only the process that started it talks to it: in a child forked from that process
     (``os.fork``, a fork-started DataLoader worker), the copies of the pipe ends are closed
     and every call does nothing.
     """
 
-    def __init__(self, config: dict[str, Any], on_row: Callable[[Row], None]) -> None:
-        self._config = config
-        self._on_row = on_row
+    isolation = "process"
+
+    def __init__(self) -> None:
+        self._on_row: Callable[[Row, bool], None] | None = None
+        self._drained = threading.Event()
         self._pid = os.getpid()
         self._proc: subprocess.Popen[bytes] | None = None
         self._tx: Sender | None = None
         self._rx: Receiver | None = None
         self._reader: threading.Thread | None = None
-        self._startup: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._startup: queue.Queue[Any] = queue.Queue()
         self._replies: dict[int, dict[str, float]] = {}
         self._awaited: set[int] = set()
         self._reply_ready = threading.Condition()
         self._latest_seq = 0
         self._stopped = threading.Event()
-        self._got_stopped = False
-        self._child_stats: dict[str, SinkStats] = {}
+        self._final: Stopped | None = None
+        self._last_stats: StatsOut | None = None
         self._stopping = False
         self._killing = False
-        self._relay: queue.SimpleQueue[Mark | None] | None = None
-        self._relay_thread: threading.Thread | None = None
-        self._relay_dropped = 0
-        self.context: RunContext | None = None
-        self.torch_indices: list[int] = []
+        self._sink_names: list[str] = []
+        self.marks_sent = 0
+        self.died = False
+        """The engine process ended without being asked to."""
 
     # -- start -------------------------------------------------------------------------------
-    def start(self) -> RunContext:
-        """Spawn, send the config, wait until the process is sampling.
+    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None]
+              ) -> tuple[RunContext, list[int]]:
+        """Spawn, send the spec, wait until the engine is sampling.
 
         ``ValueError`` for a user error found there (no such GPU, a sink that cannot open);
         :class:`SpawnFailed` when the process could not be started at all.  Whatever ends the
@@ -138,6 +130,8 @@ class SamplerProcess:
         if not sys.executable:
             raise SpawnFailed("no Python executable to start (sys.executable is empty)")
         self._pid = os.getpid()
+        self._on_row = on_row
+        self._sink_names = [s.name for s in spec.sinks]
         child_ends: list[int] = []
         try:
             to_child_r, to_child_w = os.pipe()
@@ -168,19 +162,18 @@ class SamplerProcess:
             self._reader = threading.Thread(target=self._read_loop, name="gpulens-link",
                                             daemon=True)
             self._reader.start()
-            self._tx.send(self._config, force=True)
+            self._tx.send(Start(spec), force=True)
             try:
                 got = self._startup.get(timeout=READY_TIMEOUT_S)
             except queue.Empty:
                 raise SpawnFailed(f"the sampler process did not start within "
                                   f"{READY_TIMEOUT_S:.0f} s") from None
-            if got[0] == "ready":
-                self.context, self.torch_indices = got[1], list(got[2])
-                return self.context
-            if got[0] == "error" and got[1] == "ValueError":
-                raise ValueError(got[2])
-            if got[0] == "error":
-                raise SpawnFailed(f"the sampler process failed: {got[1]}: {got[2]}")
+            if isinstance(got, Ready):
+                return got.context, list(got.torch_indices)
+            if isinstance(got, Failed) and got.user_error:
+                raise ValueError(got.text)
+            if isinstance(got, Failed):
+                raise SpawnFailed(f"the sampler process failed: {got.kind}: {got.text}")
             code = self._proc.poll()
             raise SpawnFailed(f"the sampler process ended before it started (exit code "
                               f"{code})")
@@ -200,23 +193,29 @@ class SamplerProcess:
         try:
             while True:
                 msg = rx.recv()
-                kind = msg[0]
-                if kind == "row":
-                    try:
-                        self._on_row(msg[1])
-                    except Exception as exc:
-                        warn_once("link-row", "gpulens: could not hand a row on: %r", exc)
-                elif kind == "latest":
+                if isinstance(msg, RowOut):
+                    on_row = self._on_row
+                    if on_row is not None:
+                        try:
+                            on_row(msg.row, msg.final)
+                        except Exception as exc:
+                            warn_once("link-row", "gpulens: could not hand a row on: %r", exc)
+                elif isinstance(msg, Drained):
+                    self._drained.set()
+                elif isinstance(msg, LogOut):
+                    reemit(msg.record)
+                elif isinstance(msg, StatsOut):
+                    self._last_stats = msg
+                elif isinstance(msg, LatestReply):
                     with self._reply_ready:
-                        if msg[1] in self._awaited:  # else its asker gave up: drop it
-                            self._replies[msg[1]] = msg[2]
+                        if msg.seq in self._awaited:  # else its asker gave up: drop it
+                            self._replies[msg.seq] = msg.values
                             self._reply_ready.notify_all()
-                elif kind == "stopped":
-                    self._child_stats = msg[1]
-                    self._got_stopped = True
+                elif isinstance(msg, Stopped):
+                    self._final = msg
                     self._set_stopped()
-                elif kind in ("ready", "error") and not started:
-                    started = kind == "ready"
+                elif isinstance(msg, (Ready, Failed)) and not started:
+                    started = isinstance(msg, Ready)
                     self._startup.put(msg)
         except LinkClosed:
             pass
@@ -225,12 +224,16 @@ class SamplerProcess:
         finally:
             rx.close()  # this thread's to close: nothing reads it any more
             if not started:
-                self._startup.put(("dead",))
-            elif not self._got_stopped and not self._killing:
-                # it ended by itself (stop() or not): say so
+                self._startup.put(None)
+            elif self._final is None and not self._killing:
+                self.died = True
                 code = self._proc.poll() if self._proc is not None else None
-                logger.warning("gpulens: the sampler process ended (exit code %s); GPU rows "
-                               "stop, training goes on", code)
+                lost = ", ".join(self._sink_names)
+                logger.warning(
+                    "gpulens: the sampler process ended unexpectedly (exit code %s); GPU rows "
+                    "stop, training goes on%s", code,
+                    f"; rows it had not yet written to {lost} are lost (counted in stop()'s "
+                    "figures)" if lost else "")
             self._set_stopped()
 
     def _set_stopped(self) -> None:
@@ -238,106 +241,79 @@ class SamplerProcess:
             self._stopped.set()
             self._reply_ready.notify_all()  # latest() need not wait out its timeout
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (``None`` before start or in a forked child)."""
+        return self._proc.pid if self._proc is not None else None
+
     # -- fork ----------------------------------------------------------------------------------
     @property
     def forked(self) -> bool:
         """True in a process forked from the one that started this (which alone talks to
-        the sampler process)."""
+        the engine process)."""
         return os.getpid() != self._pid
 
     def forget(self) -> None:
         """In a forked child: close this process's copies of the pipe ends and do nothing
-        more (never send: the sampler process is the parent's)."""
+        more (never send: the engine process is the parent's)."""
         tx, rx = self._tx, self._rx
         self._tx = self._rx = None
         self._proc = None
-        self._relay = None
-        self.torch_indices = []  # log() reads no allocator for a sampler it does not feed
         if tx is not None:
             tx.abandon()
         if rx is not None:
             rx.abandon()
 
     # -- training thread ---------------------------------------------------------------------
-    def mark(self, step: int, t: float, wall: float, scalars: dict[str, Any],
-             alloc: dict[int, tuple[float, float]] | None) -> None:
-        """Send a step mark (training thread; never blocks).  Scalars that are not plain
-        numbers (tensors) are converted in a relay thread, which then sends every later mark
-        too, in order."""
+    def send_mark(self, mark: Mark) -> bool:
+        """Send a step mark (training thread; never blocks).  False if it was dropped because
+        the engine did not keep up (counted by the pipe) or the engine is gone."""
         tx = self._tx
         if tx is None:  # not started, stopped, or a forked child (see forget)
-            return
-        relay = self._relay
-        if relay is None and _plain(scalars):
-            if not tx.send(("m", step, t, wall, scalars, alloc)):
-                self._warn_unsent(tx)
-            return
-        if relay is None:
-            relay = self._start_relay()
-            if relay is None:
-                return
-        if relay.qsize() >= RELAY_MAX:
-            self._relay_dropped += 1
-            warn_once("relay-full", "gpulens: logged tensors are not converted fast enough; "
-                      "step marks are dropped (counted)")
-            return
-        relay.put(Mark(step, t, wall, scalars, alloc))
-
-    def _start_relay(self) -> queue.SimpleQueue[Mark | None] | None:
-        relay: queue.SimpleQueue[Mark | None] = queue.SimpleQueue()
-        thread = threading.Thread(target=self._relay_loop, args=(relay,),
-                                  name="gpulens-relay", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError as exc:
-            warn_once("relay-start", "gpulens: could not start the relay thread (%s); marks "
-                      "with tensors are left out", exc)
-            return None
-        self._relay, self._relay_thread = relay, thread
-        return relay
-
-    def _send_mark(self, mark: Mark) -> None:
-        tx = self._tx
-        if tx is None:
-            return
-        if not tx.send(("m", mark.step, mark.t, mark.wall, mark.scalars, mark.alloc)):
-            self._warn_unsent(tx)
-
-    @staticmethod
-    def _warn_unsent(tx: Sender) -> None:
-        if tx.closed:
-            warn_once("link-closed", "gpulens: the sampler process is gone; GPU rows stop, "
-                      "training goes on")
-        else:
+            return False
+        if tx.send(tuple(mark)):  # a plain tuple: see gpulens.transport.messages
+            self.marks_sent += 1
+            return True
+        if not tx.closed:
             warn_once("link-full", "gpulens: the sampler process is not keeping up; step "
                       "marks are dropped (counted)")
-
-    def _relay_loop(self, relay: queue.SimpleQueue[Mark | None]) -> None:
-        while True:
-            mark = relay.get()
-            if mark is None:
-                return
-            try:
-                scalars: dict[str, float] = {}
-                for name, value in mark.scalars.items():
-                    number = _to_float(value)  # a value it cannot read is left out
-                    if number is not None:
-                        scalars[name] = number
-                mark.scalars = scalars
-                self._send_mark(mark)
-            except Exception as exc:  # this thread must outlive any one mark
-                warn_once("relay-mark", "gpulens: could not send a step mark: %r", exc)
+        return False
 
     @property
     def dropped_marks(self) -> int:
-        """Step marks dropped (the pipe's queue or the relay's full), counted."""
+        """Step marks dropped because the pipe's queue was full."""
         tx = self._tx
-        return self._relay_dropped + (tx.dropped if tx is not None else 0)
+        return tx.dropped if tx is not None else 0
+
+    @property
+    def engine_dropped_marks(self) -> int:
+        """Step marks the engine dropped (it warned), as it last said."""
+        engine = self._final or self._last_stats
+        return engine.dropped_marks if engine is not None else 0
+
+    def finish(self, row: Row) -> None:
+        """A merged row to finish (rank 0's training thread, inside ``log()``): never blocks,
+        never dropped for the pipe's bound (it is not a mark: each is a row of the job)."""
+        tx = self._tx
+        if tx is not None:
+            tx.send(Finish(row), force=True)
+
+    def drain(self, timeout: float) -> None:
+        """Ask the engine to close its last windows; wait until their rows are here."""
+        tx = self._tx
+        if tx is None or tx.closed or self._stopped.is_set():
+            return
+        tx.send(Drain(), force=True)
+        deadline = time.monotonic() + timeout
+        while not self._drained.wait(0.05):
+            if self._stopped.is_set() or time.monotonic() > deadline:
+                return
+            tx.flush()
 
     # -- live view -----------------------------------------------------------------------------
-    def latest(self, timeout: float = 2.0) -> dict[str, float]:
-        """The sampler process's newest sample of each metric (``{}`` if it does not answer,
-        at once if it is gone or stopping)."""
+    def latest(self, timeout: float) -> dict[str, float]:
+        """The engine's newest sample of each metric (``{}`` if it does not answer in
+        ``timeout`` seconds, at once if it is gone or stopping)."""
         if self.forked:
             self.forget()
             return {}
@@ -349,7 +325,7 @@ class SamplerProcess:
             seq = self._latest_seq
             self._awaited.add(seq)
         try:
-            if not tx.send(("latest", seq), force=True):
+            if not tx.send(LatestAsk(seq), force=True):
                 return {}
             deadline = time.monotonic() + timeout
             with self._reply_ready:
@@ -365,42 +341,50 @@ class SamplerProcess:
                 self._replies.pop(seq, None)
 
     # -- stop ----------------------------------------------------------------------------------
-    def stop(self, timeout: float) -> dict[str, SinkStats]:
-        """Send what is queued and ``stop``; wait for the last rows and the sinks' figures."""
+    def stop(self, timeout: float, stall: float) -> dict[str, SinkStats]:
+        """Send what is queued and :class:`Stop`; wait for the last rows and the sinks'
+        figures.  If the engine died, the figures it last sent, with every row it had not
+        written counted as dropped."""
         if self.forked:
             self.forget()
             return {}
         if self._stopping:
-            return self._child_stats
+            return self._stats()
         self._stopping = True
         with self._reply_ready:
             self._reply_ready.notify_all()  # a latest() waiting gives up now
-        deadline = time.monotonic() + timeout + 5.0
-        if self._relay is not None and self._relay_thread is not None:
-            self._relay.put(None)
-            self._relay_thread.join(max(0.0, deadline - time.monotonic()))
+        deadline = time.monotonic() + timeout + STOP_GRACE_S
         tx = self._tx
         if tx is not None and not tx.closed:
-            tx.send(("stop", timeout), force=True)
+            tx.send(Stop(timeout, stall), force=True)
             while tx.pending_bytes and not tx.closed and time.monotonic() < deadline:
                 time.sleep(0.002)
                 tx.flush()
         if not self._stopped.wait(max(0.0, deadline - time.monotonic())):
-            warn_once("child-stuck", "gpulens: the sampler process did not stop in %.0f s",
-                      timeout + 5.0)
+            logger.warning("gpulens: the sampler process did not stop in %.0f s; it is ended",
+                           timeout + STOP_GRACE_S)
         if self._reader is not None:
             self._reader.join(max(0.0, deadline - time.monotonic()) + 1.0)
         self._kill(grace=max(0.5, deadline - time.monotonic()))
         _LIVE.discard(self)
-        if not self._got_stopped and self._config.get("sinks"):
-            logger.warning("gpulens: the sampler process ended without reporting its sinks' "
-                           "figures; sink_stats lacks %s (rows it held may be unwritten)",
-                           ", ".join(_sink_name(spec) for spec in self._config["sinks"]))
-        dropped = self.dropped_marks
-        if dropped:
-            logger.warning("gpulens: %d step mark(s) were dropped (the sampler process did "
-                           "not keep up); their steps have no rows of their own", dropped)
-        return self._child_stats
+        return self._stats()
+
+    def _stats(self) -> dict[str, SinkStats]:
+        if self._final is not None:
+            return dict(self._final.stats)
+        # The engine died (or never said): its last figures, and every mark it was sent that
+        # its sinks did not account for is a row lost.
+        last: Stats = dict(self._last_stats.stats) if self._last_stats is not None else {}
+        out: dict[str, SinkStats] = {}
+        for name in self._sink_names:
+            st = last.get(name, SinkStats())
+            lost = max(0, self.marks_sent - st.written - st.dropped)
+            out[name] = SinkStats(written=st.written, dropped=st.dropped + lost,
+                                  failures=st.failures)
+            if out[name].dropped:
+                logger.warning("gpulens: sink %s: %d rows written, %d dropped (the sampler "
+                               "process died)", name, st.written, out[name].dropped)
+        return out
 
     def _kill(self, grace: float = 0.0) -> None:
         self._killing = True
@@ -423,18 +407,14 @@ class SamplerProcess:
             self._rx.close()  # once: the reader may have closed it already
 
 
-def _sink_name(spec: tuple[str, dict[str, Any]]) -> str:
-    return spec[0].rpartition(":")[2] or spec[0]
-
-
-_LIVE: weakref.WeakSet[SamplerProcess] = weakref.WeakSet()
-"""Sampler processes this process talks to: a forked child forgets them (see forget)."""
+_LIVE: weakref.WeakSet[ProcessTransport] = weakref.WeakSet()
+"""Engine processes this process talks to: a forked child forgets them (see forget)."""
 
 
 def _forget_all_after_fork() -> None:
-    for proc in list(_LIVE):
+    for transport in list(_LIVE):
         with contextlib.suppress(Exception):
-            proc.forget()
+            transport.forget()
     _LIVE.clear()
 
 
@@ -456,87 +436,75 @@ def _is_site_dir(path: str) -> bool:
 
 
 def _child_env() -> dict[str, str]:
-    """The sampler process's environment: this one's, and for a gpulens that is not installed
+    """The engine process's environment: this one's, and for a gpulens that is not installed
     (a source checkout, a ``sys.path`` entry) the folder it was imported from first on
     ``PYTHONPATH``.  An installed gpulens is found as the parent found it; its site-packages
     is never put ahead of the standard library."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parent.parent.parent)
     if not _is_site_dir(root):
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
 
 
-# -- the sampler process's side ----------------------------------------------------------------
-class LinkSink:
-    """In the sampler process: sends rows back to the training process."""
-
-    def __init__(self, tx: Sender) -> None:
-        self._tx = tx
-
-    def open(self, context: RunContext) -> None:
-        pass
-
-    def write(self, row: Row) -> None:
-        # A training process that is gone takes nothing more: the row has nowhere to go.
-        self._tx.send(("row", row))
-
-    def close(self) -> None:
-        pass
-
-
+# -- the engine process's side ---------------------------------------------------------------
 def main(argv: list[str]) -> int:
-    """The sampler process: ``main([FD_IN, FD_OUT])`` (see :data:`_CHILD`)."""
-    from gpulens.monitor import Monitor
+    """The engine process: ``main([FD_IN, FD_OUT])`` (see :data:`_CHILD`)."""
+    from gpulens.engine.engine import Engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rx = Receiver(int(argv[0]))
     tx = Sender(int(argv[1]), blocking=True)
     try:
-        config = rx.recv()
+        start = rx.recv()
     except LinkClosed:
         return 0
+    if not isinstance(start, Start):
+        return 2
+    spec = start.spec
+    forward_records(lambda record: tx.send(LogOut(record)), spec.log_level)
+
+    def row_back(row: Row, final: bool) -> None:
+        tx.send(RowOut(row, final))
+
+    engine = Engine(spec, on_row=row_back)
     try:
-        sinks: list[Sink] = [_build(spec) for spec in config["sinks"]]
-        if config["rows_back"]:
-            sinks.append(LinkSink(tx))
-        monitor = Monitor(
-            config["gpus"], config["interval"], sinks, config["backend"],
-            buffer_rows=config["buffer_rows"], distributed=False, isolation="thread",
-            **config["reads"],
-        )
-        monitor.start(config["step"])
+        context, torch_indices = engine.start()
     except ValueError as exc:
-        tx.send(("error", "ValueError", str(exc)))
+        tx.send(Failed(True, "ValueError", str(exc)))
         return 2
     except Exception as exc:
-        tx.send(("error", type(exc).__name__, str(exc)))
+        tx.send(Failed(False, type(exc).__name__, str(exc)))
         return 1
-    sampler = monitor._sampler
-    assert sampler is not None and monitor.context is not None
-    tx.send(("ready", monitor.context,
-             [g.torch_index for g in sampler.gpus if g.torch_index is not None]))
-    timeout = 10.0
+    tx.send(Ready(context, torch_indices))
+    timeout, stall = 120.0, 20.0
+    next_stats = time.monotonic() + STATS_EVERY_S
     stopping = False
     while not stopping:
         # Poll, never block: a reader asleep on the pipe would make each of the training
         # thread's writes pay for waking it (see gpulens.transport.pipe).
         time.sleep(POLL_S)
         for msg in rx.poll():
-            kind = msg[0]
-            if kind == "m":
-                _, step, t, wall, scalars, alloc = msg
-                sampler.marks.append(Mark(step, t, wall, scalars, alloc))
-            elif kind == "latest":
-                tx.send(("latest", msg[1], monitor.latest()))
-            elif kind == "stop":
-                timeout = float(msg[1]) if math.isfinite(msg[1]) else 10.0
+            if type(msg) is tuple:  # a mark, as it crosses (see gpulens.transport.messages)
+                engine.mark(Mark(*msg))
+            elif isinstance(msg, LatestAsk):
+                tx.send(LatestReply(msg.seq, engine.latest()))
+            elif isinstance(msg, Finish):
+                engine.finish(msg.row)
+            elif isinstance(msg, Drain):
+                engine.drain()  # the last raw rows are sent before the answer
+                tx.send(Drained())
+            elif isinstance(msg, Stop):
+                timeout, stall = msg.timeout, msg.stall
                 stopping = True
                 break
         if rx.eof:
             break  # the training process is gone: write what we hold and end
-    stats = monitor.stop(timeout)
-    tx.send(("stopped", {k: v for k, v in stats.items() if not k.startswith("LinkSink")}))
+        if time.monotonic() >= next_stats:
+            next_stats = time.monotonic() + STATS_EVERY_S
+            tx.send(StatsOut(engine.stats(), engine.dropped_marks))
+    dropped = engine.dropped_marks
+    stats = engine.stop(timeout, stall)
+    tx.send(Stopped(stats, dropped))
     return 0
-

@@ -1,9 +1,10 @@
-"""The sampler in a process of its own (``Monitor(isolation="process")``, the default).
+"""The engine in a process of its own (``Monitor(isolation="process")``, the default).
 
 What must hold: the training process runs no sampler or writer thread; rows reach sinks on
-both sides of the pipe, in order; user errors found there are ``ValueError`` here; the sampler
-process dying, or failing to start, never stops training; a training process that dies without
-``stop()`` still leaves its JSONL rows written.
+both sides of the pipe, in order; user errors found there are ``ValueError`` here; what the
+engine says reaches this process's ``gpulens`` logger; the engine process dying, or failing to
+start, never stops training and is told once, with true figures; a training process that dies
+without ``stop()`` still leaves its JSONL rows written.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import psutil
 import pytest
 
 import gpulens
+from gpulens.engine.spec import EngineSpec
 from gpulens.testing import MemorySink, SimulatedNVML
+from gpulens.transport.process import ProcessTransport
+from tests.support.jsonl import read_rows
 from tests.support.mlflow_server import MlflowTracking
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +73,7 @@ def test_rows_written_by_the_sampler_process(tmp_path: Path) -> None:
         names = {t.name for t in threading.enumerate()}
         assert not any(n.startswith(("gpulens-sampler", "gpulens-sink")) for n in names)
     _wait_gone(children)
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["train/loss"] == pytest.approx(1 / 8)
     assert rows[-1]["train/learning_rate"] == 1e-3
@@ -90,7 +94,7 @@ def test_local_sinks_get_the_rows_back_in_order(tmp_path: Path) -> None:
     assert training.write_threads == {threading.current_thread().name}
     assert background.context is not None and len(background.context.gpus) == 2
     assert background.closed and training.closed
-    jsonl = [json.loads(line) for line in path.read_text().splitlines()]
+    jsonl = read_rows(path)
     # the same figures on both sides of the pipe
     assert jsonl[4]["gpu/1/power_w"] == pytest.approx(background.rows[4].values["gpu/1/power_w"])
     assert {k: (v.written, v.dropped) for k, v in mon.sink_stats.items()} == {
@@ -134,13 +138,18 @@ def test_user_error_in_the_sampler_process_is_a_value_error_here() -> None:
 def test_bad_isolation_is_refused() -> None:
     with pytest.raises(ValueError, match="isolation 'fork'"):
         gpulens.Monitor(isolation="fork")
-    mon = gpulens.Monitor(isolation="process", backend=SimulatedNVML(gpus=1))
-    with pytest.raises(ValueError, match="cannot cross to another process"):
+    mon = gpulens.Monitor(isolation="process", backend=SimulatedNVML(gpus=1, load=_unpicklable))
+    with pytest.raises(ValueError, match="needs a backend that pickles"):
         mon.start()
 
 
-def test_object_backend_and_env_choose_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+_unpicklable = lambda gpu, t: 0.5  # noqa: E731 - a lambda on purpose: it does not pickle
+
+
+def test_backend_objects_cross_when_they_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
     with gpulens.Monitor(backend=SimulatedNVML(gpus=1)) as mon:
+        assert mon.isolation == "process"
+    with gpulens.Monitor(backend=SimulatedNVML(gpus=1, load=_unpicklable)) as mon:
         assert mon.isolation == "thread"
     monkeypatch.setenv("GPULENS_ISOLATION", "thread")
     with gpulens.Monitor(backend="simulated") as mon:
@@ -187,7 +196,9 @@ def test_sampler_process_killed_mid_run_training_goes_on(
     assert [r.step for r in sink.rows] == [1, 2, 3]
     assert worst < 0.05, worst
     assert stop_s < 5.0, stop_s
-    assert "the sampler process ended" in caplog.text
+    told = [r for r in caplog.records if "sampler process" in r.message]
+    assert len(told) == 1, [r.message for r in told]  # one warning, not one per cause
+    assert "ended unexpectedly" in told[0].message
 
 
 def test_latest_asks_the_sampler_process() -> None:
@@ -202,9 +213,9 @@ class _FakeAllocator:
     def __init__(self) -> None:
         self.reads = 0
 
-    def read(self, index: int) -> tuple[float, float]:
+    def read(self, index: int) -> tuple[float, float, float, float]:
         self.reads += 1
-        return 1.5 + index, 2.5 + index
+        return 1.5 + index, 2.5 + index, 3.0, 0.0
 
 
 def test_torch_allocator_read_here_once_a_slow_period() -> None:
@@ -220,6 +231,8 @@ def test_torch_allocator_read_here_once_a_slow_period() -> None:
     values = [r.values for r in sink.rows]
     assert all(v["gpu/0/torch_allocated_gb"] == 1.5 for v in values)
     assert all(v["gpu/1/torch_peak_gb"] == 3.5 for v in values)
+    assert all(v["gpu/1/torch_alloc_retries"] == 3.0 and v["gpu/0/torch_ooms"] == 0.0
+               for v in values)
 
 
 class _FakeCuda:
@@ -231,23 +244,27 @@ class _FakeCuda:
 
     def memory_stats_as_nested_dict(self, index: int) -> dict[str, Any]:
         self.calls += 1
-        return {"allocated_bytes": {"all": {"current": 2e9 * (index + 1), "peak": 3e9}}}
+        return {"allocated_bytes": {"all": {"current": 2e9 * (index + 1), "peak": 3e9}},
+                "num_alloc_retries": 2, "num_ooms": 1}
 
 
-def test_thread_sampler_reads_the_allocator_once_a_slow_period(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_the_allocator_is_read_here_once_a_slow_period(
+    monkeypatch: pytest.MonkeyPatch, isolation: str,
 ) -> None:
     class FakeTorch:
         cuda = _FakeCuda()
 
     monkeypatch.setitem(sys.modules, "torch", FakeTorch)
     sink = MemorySink()
-    with gpulens.Monitor(interval=0.02, sinks=[sink], backend=SimulatedNVML(gpus=2)) as mon:
+    with gpulens.Monitor(interval=0.02, sinks=[sink], backend=SimulatedNVML(gpus=2),
+                         isolation=isolation) as mon:
         _train(mon, 12, dt=0.1)  # 1.2 s: ~60 cheap reads, 2-3 slow ones
     assert FakeTorch.cuda.calls <= 2 * 4
     last = sink.rows[-1].values
     assert last["gpu/0/torch_allocated_gb"] == 2.0 and last["gpu/1/torch_allocated_gb"] == 4.0
     assert last["gpu/1/torch_peak_gb"] == 3.0
+    assert last["gpu/1/torch_alloc_retries"] == 2.0 and last["gpu/1/torch_ooms"] == 1.0
 
 
 def test_mlflow_written_by_the_sampler_process_into_the_active_run(
@@ -278,7 +295,7 @@ def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None
         for step in range(1, 6):
             time.sleep(0.03)
             mon.log(step)
-        print(mon._process._proc.pid, flush=True)
+        print(mon._transport.pid, flush=True)
         os._exit(3)
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -290,7 +307,7 @@ def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None
     while psutil.pid_exists(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all("gpu/0/power_w" in r for r in rows)
 
@@ -300,16 +317,11 @@ def _nfd() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _config(**over: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "gpus": None, "interval": 0.05, "backend": "simulated", "buffer_rows": 100,
-        "reads": {"gpm": True, "energy": True, "driver_samples": True}, "step": 0,
-        "sinks": [], "rows_back": False}
-    config.update(over)
-    return config
+def _spec() -> EngineSpec:
+    return EngineSpec(interval=0.05, backend=SimulatedNVML(gpus=2), buffer_rows=100)
 
 
-def test_killed_sampler_process_closes_both_pipes_and_says_figures_are_missing(
+def test_killed_sampler_process_closes_both_pipes_and_tells_true_figures(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     base = _nfd()
@@ -319,13 +331,19 @@ def test_killed_sampler_process_closes_both_pipes_and_says_figures_are_missing(
                                                         MemorySink()],
                                   backend="simulated").start()
             _train(mon, 2)
+            time.sleep(1.5)  # the engine's figures come every second: JSONL 2 rows written
             (child,) = _sampler_children()
             child.kill()
             child.wait(5)
-            _train(mon, 3, dt=0.05)  # a write meets the closed pipe (EPIPE)
-            mon.stop()
+            for step in range(3, 6):  # a write meets the closed pipe (EPIPE)
+                time.sleep(0.05)
+                mon.log(step)
+            stats = mon.stop()
+            assert (stats["JsonlSink"].written, stats["JsonlSink"].dropped) == (2, 0)
+            assert (stats["MemorySink"].written, stats["MemorySink"].dropped) == (2, 0)
     assert _nfd() == base
-    assert "ended without reporting its sinks' figures; sink_stats lacks JsonlSink" in caplog.text
+    assert caplog.text.count("ended unexpectedly") == 2  # once for each monitor
+    assert "rows it had not yet written to JsonlSink are lost" in caplog.text
 
 
 def test_child_failing_before_ready_leaks_no_fd(
@@ -334,13 +352,14 @@ def test_child_failing_before_ready_leaks_no_fd(
     """The process started fails before "ready", but a process it left behind holds the
     pipe's write end a moment longer: the link thread is still reading when start() gives
     up, and closes the read end itself when the end of file comes."""
-    from gpulens.transport.process import SamplerProcess, SpawnFailed
+    from gpulens.transport.process import ProcessTransport, SpawnFailed
 
     fake = tmp_path / "python"
     fake.write_text(textwrap.dedent(f"""\
         #!{sys.executable}
         import os, pickle, struct, subprocess, sys
-        payload = pickle.dumps(("error", "RuntimeError", "no luck"))
+        from gpulens.transport.messages import Failed
+        payload = pickle.dumps(Failed(False, "RuntimeError", "no luck"))
         os.write(int(sys.argv[4]), struct.pack("<I", len(payload)) + payload)
         subprocess.Popen(["sleep", "0.5"], close_fds=False)  # inherits the write end
         sys.exit(1)
@@ -350,7 +369,7 @@ def test_child_failing_before_ready_leaks_no_fd(
     base = _nfd()
     for _ in range(2):
         with pytest.raises(SpawnFailed, match="RuntimeError: no luck"):
-            SamplerProcess(_config(), on_row=lambda row: None).start()
+            ProcessTransport().start(_spec(), on_row=lambda row: None)
     deadline = time.monotonic() + 5
     while _nfd() != base and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -360,17 +379,17 @@ def test_child_failing_before_ready_leaks_no_fd(
 def test_keyboard_interrupt_while_starting_ends_the_sampler_process() -> None:
     import queue
 
-    from gpulens.transport.process import SamplerProcess
+    from gpulens.transport.process import ProcessTransport
 
     class Interrupted(queue.Queue):  # type: ignore[type-arg]
         def get(self, block: bool = True, timeout: float | None = None) -> Any:
             raise KeyboardInterrupt  # Ctrl-C while start() waits for "ready"
 
     base = _nfd()
-    proc = SamplerProcess(_config(), on_row=lambda row: None)
+    proc = ProcessTransport()
     proc._startup = Interrupted()
     with pytest.raises(KeyboardInterrupt):
-        proc.start()
+        proc.start(_spec(), on_row=lambda row: None)
     assert proc._proc is not None and proc._proc.poll() is not None
     assert not _sampler_children()
     assert _nfd() == base
@@ -387,7 +406,7 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
         for step in range(1, 4):
             time.sleep(0.03)
             mon.log(step, loss=1.0)
-        fds = (mon._process._tx.fd, mon._process._rx.fd)
+        fds = (mon._transport._tx.fd, mon._transport._rx.fd)
         t = time.monotonic()
         pid = os.fork()
         if pid == 0:
@@ -403,7 +422,7 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
             sys.exit(0)  # atexit: the monitor's finalizer
         os.waitpid(pid, 0)
         print("fork_exit_s", time.monotonic() - t, flush=True)
-        print("alive", mon._process._proc.poll() is None, flush=True)
+        print("alive", mon._transport._proc.poll() is None, flush=True)
         for step in range(4, 8):
             time.sleep(0.03)
             mon.log(step, loss=1.0)
@@ -417,7 +436,7 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
     assert json.loads(out["child"]) == [True, True]
     assert float(out["fork_exit_s"]) < 1.5
     assert out["alive"] == "True"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
 
 
@@ -430,8 +449,8 @@ class _TwoElements:
 def test_a_value_that_cannot_be_read_is_left_out_and_the_relay_goes_on(
     caplog: pytest.LogCaptureFixture, isolation: str,
 ) -> None:
-    """Only the value is lost, never the row, whichever thread converts it (the relay, or
-    the sampler thread)."""
+    """Only the value is lost, never the row (the relay converts it, whatever the engine's
+    isolation)."""
     from gpulens._warn import reset_warnings
 
     reset_warnings()
@@ -448,16 +467,16 @@ def test_a_value_that_cannot_be_read_is_left_out_and_the_relay_goes_on(
     assert "train/loss" not in sink.rows[1].values
     assert sink.rows[1].values["train/lr"] == 0.1
     assert sink.rows[4].values["train/loss"] == 2.0
-    assert ("a logged value of type _TwoElements could not be read as a number "
-            "(RuntimeError('a Tensor with 2 elements") in caplog.text
+    assert ("logged value 'loss' (_TwoElements) could not be read as a number "
+            "(a Tensor with 2 elements") in caplog.text
 
 
 def test_relay_queue_is_bounded_and_its_drops_are_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpulens.transport import process as sampler_process
+    from gpulens.transport import relay as relay_module
 
-    monkeypatch.setattr(sampler_process, "RELAY_MAX", 5)
+    monkeypatch.setattr(relay_module, "RELAY_MAX", 5)
     gate = threading.Event()
 
     class Slow:
@@ -469,10 +488,10 @@ def test_relay_queue_is_bounded_and_its_drops_are_counted(
     with gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated") as mon:
         assert mon.dropped_marks == 0
         mon.log(1, loss=Slow())
-        proc = mon._process
-        assert proc is not None and proc._relay is not None
+        relay = mon._relay
+        assert relay is not None and relay._queue is not None
         deadline = time.monotonic() + 5
-        while proc._relay.qsize() and time.monotonic() < deadline:
+        while relay._queue.qsize() and time.monotonic() < deadline:
             time.sleep(0.005)  # the relay thread holds mark 1
         for step in range(2, 12):
             mon.log(step, loss=1.0)
@@ -497,9 +516,9 @@ def test_dropped_marks_are_counted_and_stop_still_gets_through(
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         mon = gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{path}"],
                               backend="simulated").start()
-        proc = mon._process
-        assert proc is not None and proc._proc is not None
-        child = psutil.Process(proc._proc.pid)
+        pid = mon._transport.pid  # type: ignore[union-attr]
+        assert pid is not None
+        child = psutil.Process(pid)
         child.suspend()
         try:
             step = 0
@@ -512,19 +531,19 @@ def test_dropped_marks_are_counted_and_stop_still_gets_through(
         stats = mon.stop(timeout=2.0)
         stop_s = time.perf_counter() - t
     assert mon.dropped_marks == 3
-    assert "3 step mark(s) were dropped" in caplog.text
+    assert "3 step mark(s) were dropped on their way" in caplog.text
     assert stats["JsonlSink"].written == step - 3
     assert stop_s < 6.0, stop_s
-    with gpulens.Monitor(backend=SimulatedNVML(gpus=1)) as thread_mon:
+    with gpulens.Monitor(backend=SimulatedNVML(gpus=1), isolation="thread") as thread_mon:
         assert thread_mon.dropped_marks == 0
 
 
 def test_latest_gives_up_at_once_when_the_sampler_process_dies_and_drops_late_replies(
 ) -> None:
     mon = gpulens.Monitor(interval=0.05, backend="simulated").start()
-    proc = mon._process
-    assert proc is not None and proc._proc is not None
-    child = psutil.Process(proc._proc.pid)
+    proc = mon._transport
+    assert isinstance(proc, ProcessTransport) and proc.pid is not None
+    child = psutil.Process(proc.pid)
     time.sleep(0.2)
     child.suspend()
     try:
@@ -554,7 +573,7 @@ def test_an_installed_gpulens_is_not_put_ahead_of_the_standard_library(
 
     from gpulens.transport import process as sampler_process
 
-    root = str(Path(sampler_process.__file__).resolve().parent.parent)
+    root = str(Path(sampler_process.__file__).resolve().parent.parent.parent)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     # a source checkout: the child must import this very gpulens
     assert sampler_process._child_env()["PYTHONPATH"] == f"{root}{os.pathsep}/elsewhere"

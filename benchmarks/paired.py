@@ -1,0 +1,308 @@
+"""Paired, randomised A/A statistics shared by the overhead benchmarks (issue 11).
+
+The method, in one place so that every script says the same thing:
+
+* **Rounds, arms, pairing.** A run is a series of rounds; each round runs every arm once (an
+  arm: a baseline loop, or the same loop with one monitor). An arm's value in a round is one
+  number of seconds per step (the median of its timed steps, or a block's mean where steps are
+  timed as a block). Pairing within a round takes out the slow drift of clocks and temperature
+  between rounds: a monitor's **per-round difference** is
+  ``100 * (value(arm) / value(baseline) - 1)`` percentage points (pp) of the same round's
+  baseline step; a monitor against another monitor is the difference of their two per-round
+  differences.
+* **Order.** The order of the arms is shuffled anew in every round (seeded by
+  ``(seed, round)``, recorded), so no arm always follows the same neighbour.
+* **A/A arm.** Every baseline runs twice per round (``<baseline>`` and ``<baseline>_b``, the
+  same code). The A/A arm's per-round difference is what two identical arms differ by in this
+  run: its 95 % interval is the run's **A/A envelope**, and its range is shown beside it.
+* **Interval.** The mean of the per-round differences, with a 95 % percentile-bootstrap
+  interval (4000 resamples of the rounds, seeded).
+* **Verdict.** "higher than X" / "lower than X" only where the interval excludes 0 **and** lies
+  wholly outside the A/A envelope (no overlap with the A/A arm's interval); otherwise "not
+  separable". An A/A interval that itself excludes 0 is a bias of the method in that run, and is
+  reported as such.
+* **Rounds.** With ``s`` the standard deviation of the A/A arm's per-round differences, the
+  95 % half-width of a mean over ``n`` rounds is ``1.96 s / sqrt(n)``. A difference ``d`` clears
+  both 0 and an A/A interval of the same width when ``d >= 2 * 1.96 s / sqrt(n)``, so resolving
+  ``d`` needs ``n = ceil((2 * 1.96 s / d)^2)`` rounds (``rounds_needed``), and ``n`` rounds
+  resolve ``2 * 1.96 s / sqrt(n)`` (``resolvable_pp``). A pilot's ``s`` sets ``n``; the time
+  budget caps it, and the report says when the cap left the target unresolved.
+
+Standard library only: the scripts that import it run on machines with nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+Z95 = 1.959963984540054
+"""Two-sided 95 % point of the standard normal distribution."""
+RESOLVE_PP = 0.2
+"""The difference (percentage points of a step) a run should be able to resolve."""
+BOOTSTRAP = 4000
+
+
+def aa_name(baseline: str) -> str:
+    """The A/A arm of ``baseline``: the same code, run a second time in every round."""
+    return f"{baseline}_b"
+
+
+def round_order(arms: Sequence[str], seed: int, round_index: int) -> list[str]:
+    """The order of ``arms`` in round ``round_index``: a fresh shuffle, seeded by both numbers
+    (repeatable, and the same on every rank of a distributed run)."""
+    order = list(arms)
+    random.Random(f"gpulens-bench:{seed}:{round_index}").shuffle(order)
+    return order
+
+
+def per_round_pp(arm: Mapping[int, float], base: Mapping[int, float]) -> dict[int, float]:
+    """Per round present in both: ``100 * (arm / base - 1)``, in percentage points."""
+    return {r: 100.0 * (arm[r] / base[r] - 1.0) for r in sorted(arm) if r in base and base[r] > 0}
+
+
+def minus(a: Mapping[int, float], b: Mapping[int, float]) -> dict[int, float]:
+    """Per round present in both: ``a - b``."""
+    return {r: a[r] - b[r] for r in sorted(a) if r in b}
+
+
+def mean_ci(values: Sequence[float], seed: int = 0,
+            resamples: int = BOOTSTRAP) -> tuple[float, float, float]:
+    """The mean of ``values`` and its 95 % percentile-bootstrap interval (seeded)."""
+    if not values:
+        return math.nan, math.nan, math.nan
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, math.nan, math.nan
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(statistics.fmean(rng.choices(values, k=n)) for _ in range(resamples))
+    return m, means[int(0.025 * (resamples - 1))], means[int(0.975 * (resamples - 1))]
+
+
+def sd(values: Sequence[float]) -> float:
+    """Sample standard deviation (NaN below two values)."""
+    return statistics.stdev(values) if len(values) >= 2 else math.nan
+
+
+def rounds_needed(sd_pp: float, resolve_pp: float = RESOLVE_PP) -> int | None:
+    """Rounds for a difference of ``resolve_pp`` to clear 0 and the A/A envelope (module doc);
+    ``None`` when the SD is unknown."""
+    if not math.isfinite(sd_pp):
+        return None
+    return max(2, math.ceil((2 * Z95 * sd_pp / resolve_pp) ** 2))
+
+
+def resolvable_pp(sd_pp: float, rounds: int) -> float:
+    """The smallest difference ``rounds`` rounds resolve at this A/A noise (module doc)."""
+    if rounds < 2 or not math.isfinite(sd_pp):
+        return math.nan
+    return 2 * Z95 * sd_pp / math.sqrt(rounds)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A per-round difference summarised: mean, 95 % interval, range, rounds."""
+
+    mean: float
+    lo: float
+    hi: float
+    min: float
+    max: float
+    sd: float
+    n: int
+
+    @staticmethod
+    def of(per_round: Mapping[int, float], seed: int = 0) -> Estimate:
+        values = list(per_round.values())
+        m, lo, hi = mean_ci(values, seed)
+        return Estimate(m, lo, hi, min(values, default=math.nan),
+                        max(values, default=math.nan), sd(values), len(values))
+
+    @property
+    def has_interval(self) -> bool:
+        return math.isfinite(self.lo) and math.isfinite(self.hi)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"mean_pp": self.mean, "ci95_pp": [self.lo, self.hi],  # type: ignore[dict-item]
+                "range_pp": [self.min, self.max], "sd_pp": self.sd,  # type: ignore[dict-item]
+                "rounds": self.n}
+
+
+def verdict(est: Estimate, envelope: Estimate | None, than: str) -> str:
+    """"higher than X" / "lower than X" where the interval excludes 0 and lies wholly outside
+    the A/A envelope's interval; otherwise "not separable"."""
+    if not est.has_interval or envelope is None or not envelope.has_interval:
+        return "not separable"
+    if est.lo > 0 and est.lo > envelope.hi:
+        return f"higher than {than}"
+    if est.hi < 0 and est.hi < envelope.lo:
+        return f"lower than {than}"
+    return "not separable"
+
+
+def fmt_pp(x: float) -> str:
+    return f"{x:+.3f}" if math.isfinite(x) else "-"
+
+
+def fmt_est(est: Estimate) -> str:
+    """``mean [lo, hi]`` in pp."""
+    if not est.has_interval:
+        return f"{fmt_pp(est.mean)} [-, -]"
+    return f"{fmt_pp(est.mean)} [{fmt_pp(est.lo)}, {fmt_pp(est.hi)}]"
+
+
+def fmt_envelope(env: Estimate | None) -> str:
+    """The A/A envelope as shown beside each arm: its interval; its range."""
+    if env is None:
+        return "no A/A arm"
+    rng = f"[{fmt_pp(env.min)}, {fmt_pp(env.max)}]"
+    return f"{fmt_est(env)}; range {rng}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many rounds the A/A noise asks for, and what the run could afford."""
+
+    pilot_rounds: int
+    pilot_sd_pp: float
+    needed: int | None
+    cap: int | None
+    """The most rounds the run allowed itself after the pilot (``cap_by`` says why)."""
+    done: int
+    final_sd_pp: float
+    resolve_pp: float = RESOLVE_PP
+    cap_by: str = "the time budget"
+
+    @property
+    def resolvable(self) -> float:
+        return resolvable_pp(self.final_sd_pp, self.done)
+
+    @property
+    def capped(self) -> bool:
+        """The cap, not the A/A noise, set the number of rounds."""
+        return self.cap is not None and self.needed is not None and self.cap < self.needed
+
+    @property
+    def unresolved(self) -> bool:
+        r = self.resolvable
+        return not math.isfinite(r) or r > self.resolve_pp
+
+    def line(self) -> str:
+        """One sentence for the report."""
+        need = "unknown (no A/A SD)" if self.needed is None else str(self.needed)
+        if self.pilot_rounds:
+            out = (f"A/A noise: per-round SD {self.pilot_sd_pp:.3f} pp after a "
+                   f"{self.pilot_rounds}-round pilot -> {need} rounds to resolve "
+                   f"{self.resolve_pp} pp; {self.done} rounds ran")
+        else:
+            out = (f"A/A noise: {self.done} rounds fixed by the command (no pilot); their "
+                   f"per-round SD asks for {need} rounds to resolve {self.resolve_pp} pp")
+        if self.capped:
+            out += f" ({self.cap_by}: at most {self.cap})"
+        out += (f"; final SD {self.final_sd_pp:.3f} pp: {self.done} rounds resolve "
+                f"{self.resolvable:.3f} pp")
+        if self.unresolved:
+            out += f" -- {self.resolve_pp} pp left UNRESOLVED" + (
+                f" by {self.cap_by}" if self.capped else "")
+        return out
+
+    def as_dict(self) -> dict[str, object]:
+        return {"pilot_rounds": self.pilot_rounds, "pilot_sd_pp": self.pilot_sd_pp,
+                "rounds_needed": self.needed, "rounds_cap": self.cap, "cap_by": self.cap_by,
+                "capped": self.capped, "rounds_done": self.done,
+                "final_sd_pp": self.final_sd_pp, "resolve_pp": self.resolve_pp,
+                "resolvable_pp": self.resolvable, "unresolved": self.unresolved}
+
+
+def worst_aa_sd(values: Mapping[str, Mapping[int, float]], baselines: Iterable[str]) -> float:
+    """The largest SD of the A/A per-round differences over the groups (the noisiest group
+    sets the number of rounds); NaN if no group has two rounds yet."""
+    sds = []
+    for base in baselines:
+        aa = aa_name(base)
+        if base in values and aa in values:
+            s = sd(list(per_round_pp(values[aa], values[base]).values()))
+            if math.isfinite(s):
+                sds.append(s)
+    return max(sds) if sds else math.nan
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One row of the report: ``arm`` against ``than`` (a baseline or another monitor)."""
+
+    arm: str
+    than: str
+    est: Estimate
+    envelope: Estimate | None
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.est, self.envelope, self.than)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"arm": self.arm, "than": self.than, **self.est.as_dict(),
+                "aa_envelope": self.envelope.as_dict() if self.envelope else None,
+                "verdict": self.verdict}
+
+
+def compare(values: Mapping[str, Mapping[int, float]], baseline_of: Mapping[str, str],
+            rivals: Iterable[tuple[str, str]] = (), seed: int = 0) -> list[Comparison]:
+    """Every arm against its baseline (A/A arms included), then each ``(ours, theirs)`` pair
+    of monitors of the same baseline against each other; each beside its group's envelope.
+
+    ``values[arm][round]``: seconds per step; ``baseline_of[arm]``: the arm's baseline (a
+    baseline maps to itself and is skipped).
+    """
+    envelopes: dict[str, Estimate] = {}
+    for base in set(baseline_of.values()):
+        aa = aa_name(base)
+        if base in values and aa in values:
+            pr = per_round_pp(values[aa], values[base])
+            if pr:
+                envelopes[base] = Estimate.of(pr, seed)
+    out: list[Comparison] = []
+    for arm, base in baseline_of.items():
+        if arm == base or arm not in values or base not in values:
+            continue
+        pr = per_round_pp(values[arm], values[base])
+        if pr:
+            out.append(Comparison(arm, base, Estimate.of(pr, seed), envelopes.get(base)))
+    for ours, theirs in rivals:
+        group = baseline_of.get(ours)
+        if group is None or baseline_of.get(theirs) != group:
+            continue
+        if not all(a in values for a in (ours, theirs, group)):
+            continue
+        d = minus(per_round_pp(values[ours], values[group]),
+                  per_round_pp(values[theirs], values[group]))
+        if d:
+            out.append(Comparison(ours, theirs, Estimate.of(d, seed), envelopes.get(group)))
+    return out
+
+
+def table(comparisons: Sequence[Comparison]) -> str:
+    """The Markdown table of comparisons (see the module doc for each column)."""
+    lines = ["| arm | against | difference (pp): mean [95 % CI] | per-round range (pp) "
+             "| A/A envelope (pp): interval; range | verdict |",
+             "|---|---|---|---|---|---|"]
+    for c in comparisons:
+        e = c.est
+        lines.append(f"| {c.arm} | {c.than} | {fmt_est(e)} | [{fmt_pp(e.min)}, {fmt_pp(e.max)}] "
+                     f"| {fmt_envelope(c.envelope)} | {c.verdict} |")
+    return "\n".join(lines)
+
+
+def bias_notes(comparisons: Sequence[Comparison]) -> list[str]:
+    """A sentence for each A/A arm whose interval excludes 0 (a bias of the method)."""
+    notes = []
+    for c in comparisons:
+        if c.arm == aa_name(c.than) and c.est.has_interval and (c.est.lo > 0 or c.est.hi < 0):
+            notes.append(f"A/A arm {c.arm}: its interval {fmt_est(c.est)} pp excludes 0: two "
+                         "identical arms differed in this run (order or drift bias); only "
+                         "differences outside that envelope are claimed.")
+    return notes

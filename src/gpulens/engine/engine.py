@@ -1,0 +1,297 @@
+"""The engine: built from an :class:`~gpulens.engine.spec.EngineSpec`, it opens the GPUs,
+samples them, turns the client's step marks into rows, and writes the sinks it owns.
+
+::
+
+    engine = Engine(spec, on_row=...)     # nothing starts yet
+    context, torch_indices = engine.start()
+    engine.mark(Mark(...))                # each log() of the client
+    engine.latest()                       # newest sample of each metric
+    engine.stop(timeout)                  # last rows, sinks flushed: {sink name: SinkStats}
+
+Each window becomes a row in the sampler thread; the engine *finishes* it there: the work the
+client reported (tokens, FLOPs, CPU time) becomes throughput, TFLOP/s and MFU
+(:mod:`gpulens.work.mfu`, against the GPU's peak in the run's dtype), the advice rules read it
+(:mod:`gpulens.engine.rules`: ``alerts/<rule>`` keys, alert events, a WARNING when one fires),
+and the finished row goes to the engine's sinks and, for the client's sinks, back
+(``on_row(row, final=True)``).  In a distributed job the raw row of each window goes back
+instead (``final=False``) to meet the other ranks' in the client; rank 0's client hands the
+merged row to :meth:`Engine.finish`, which finishes it in a thread of the engine's own.
+
+The same engine runs in a process of gpulens's own (:mod:`gpulens.transport.process`) or in a
+thread of the training process (:mod:`gpulens.transport.inproc`).  It never imports the
+client; it tells what happens through the ``gpulens`` logger (forwarded to the training
+process when it runs apart).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+from gpulens._warn import logger, warn_once
+from gpulens.engine.finish import Finisher
+from gpulens.engine.sampler import MAX_MARKS, GpuState, Mark, Sampler
+from gpulens.engine.spec import EngineSpec
+from gpulens.engine.steplogger import STALL_S, SinkStats, StepLogger
+from gpulens.errors import NvmlUnavailable
+from gpulens.sinks.base import GpuInfo, Row, RunContext, Sink
+from gpulens.sources.host import HostReader
+from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
+
+ENERGY_PROBE_S = 0.35
+"""How long ``start`` reads each GPU's energy counter back to back to learn how often it
+changes (all GPUs at once, in threads)."""
+
+
+RowBack = Callable[[Row, bool], None]
+"""Where rows go back to the client: ``(row, final)``; ``final`` False for a distributed
+job's raw rows (for the rank gather), True for finished rows (for the client's sinks)."""
+
+
+class Engine:
+    """Sources -> sampler -> windows -> finishing (work, rules) -> step logger -> sinks (see
+    the module doc)."""
+
+    def __init__(self, spec: EngineSpec, on_row: RowBack | None = None) -> None:
+        self.spec = spec
+        self._on_row = on_row
+        self._source: NvmlSource | None = None
+        self._sampler: Sampler | None = None
+        self._steplogger: StepLogger | None = None
+        self._finisher: Finisher | None = None
+        self._merged: queue.SimpleQueue[Row | None] = queue.SimpleQueue()
+        self._merged_thread: threading.Thread | None = None
+        self.context: RunContext | None = None
+        self.torch_indices: list[int] = []
+
+    # -- start -------------------------------------------------------------------------------
+    def start(self) -> tuple[RunContext, list[int]]:
+        """Open NVML and the sinks, take the first sample, start sampling.
+
+        Returns the run's context and the torch device numbers whose allocator the client
+        should read.  ``ValueError`` for what the user can fix (no such GPU, NVML asked for but
+        absent, a sink that cannot open); everything opened is closed again first.
+        """
+        spec = self.spec
+        source = self._open_source()
+        states: list[GpuState] = []
+        steplogger: StepLogger | None = None
+        try:
+            if source is not None:
+                for key, visible, torch_index in self._choose_gpus(source):
+                    device = source.device(visible.nvml_index)
+                    states.append(GpuState(key=key, device=device,
+                                           info=device.info(key, visible.mig),
+                                           torch_index=torch_index))
+            updates = _probe_energy_updates([s.device for s in states]) if spec.energy else {}
+            for state in states:
+                update = updates.get(id(state.device))
+                if update is not None:
+                    state.energy_update_s = update
+                    state.info = _with_update(state.info, update)
+            infos = tuple(s.info for s in states)
+            finisher = Finisher(spec, infos)
+            context = RunContext(
+                gpus=infos,
+                hostname=socket.gethostname(),
+                backend=source.name if source is not None else "none",
+                interval=spec.interval,
+                meta=finisher.meta,
+            )
+            sinks: list[Sink] = [s.build() for s in spec.sinks]
+            steplogger = StepLogger(sinks, names=[s.name for s in spec.sinks],
+                                    buffer_rows=spec.buffer_rows)
+            steplogger.open(context)
+        except BaseException:
+            for state in states:
+                state.device.close()
+            if source is not None:
+                source.close()
+            raise
+        self._source, self._steplogger, self.context = source, steplogger, context
+        self._finisher = finisher
+        if spec.gather:
+            self._merged_thread = threading.Thread(target=self._finish_merged,
+                                                   name="gpulens-finish", daemon=True)
+            self._merged_thread.start()
+        self._sampler = Sampler(
+            states,
+            interval=spec.interval,
+            slow_interval=max(1.0, spec.interval),
+            emit=self._emit,
+            host=HostReader(),
+            gpm=spec.gpm,
+            energy=spec.energy,
+            driver_samples=spec.driver_samples,
+        )
+        self._sampler.start(spec.step)
+        self.torch_indices = [s.torch_index for s in states if s.torch_index is not None]
+        logger.info("gpulens: engine sampling %d GPU(s) via %s (%s)", len(states),
+                    context.backend, ", ".join(
+                        f"GPU {s.key}: {s.info.name}"
+                        + (f", energy counter every {s.energy_update_s * 1000:.0f} ms"
+                           if id(s.device) in updates else "") for s in states) or "no GPU")
+        return context, self.torch_indices
+
+    def _open_source(self) -> NvmlSource | None:
+        backend = self.spec.backend
+        source = NvmlSource(None if isinstance(backend, str) else backend)
+        try:
+            source.open()
+        except NvmlUnavailable as exc:
+            if backend == "nvml":
+                raise ValueError(f"backend='nvml' was asked for, but {exc}") from exc
+            warn_once("no-nvml", "gpulens: %s; logging host and training metrics only, no GPU "
+                      "metrics (set GPULENS_BACKEND=simulated for simulated GPUs)", exc)
+            return None
+        return source
+
+    def _choose_gpus(self, source: NvmlSource) -> list[tuple[int, VisibleGpu, int | None]]:
+        """(row key, visible GPU, torch index) for each GPU to watch."""
+        visible = source.visible_gpus()
+        rank = self.spec.rank
+        gpus = self.spec.gpus
+        if not visible:
+            warn_once("no-visible-gpu", "gpulens: NVML works but this process sees no GPU "
+                      "(CUDA_VISIBLE_DEVICES=%r); no GPU metrics",
+                      os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if gpus:
+                raise ValueError(f"GPU {gpus[0]} does not exist: this process sees no GPU")
+            return []
+        if gpus is None:
+            if rank is not None:
+                global_rank, local_rank, _ = rank
+                ordinal = local_rank % len(visible)
+                return [(global_rank, visible[ordinal], ordinal)]
+            return [(i, v, i) for i, v in enumerate(visible)]
+        out: list[tuple[int, VisibleGpu, int | None]] = []
+        for g in gpus:
+            if g >= len(visible):
+                raise ValueError(
+                    f"GPU {g} does not exist: this process sees {len(visible)} GPU(s)"
+                    + (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r})"
+                       if "CUDA_VISIBLE_DEVICES" in os.environ else "")
+                )
+            key = rank[0] if rank is not None and len(gpus) == 1 else g
+            out.append((key, visible[g], g))
+        return out
+
+    # -- running -----------------------------------------------------------------------------
+    def _emit(self, row: Row) -> None:
+        """A window's row (sampler thread): finished and written, or, in a distributed job,
+        back to the client raw, to meet the other ranks'."""
+        if self.spec.gather:
+            if self._on_row is not None:
+                self._on_row(row, False)
+            return
+        self._write(row)
+
+    def _write(self, row: Row) -> None:
+        finisher, steplogger = self._finisher, self._steplogger
+        if finisher is not None:
+            row = finisher.finish(row)
+        if steplogger is not None:
+            steplogger.submit(row)
+        if self.spec.rows_back and self._on_row is not None:
+            self._on_row(row, True)
+
+    def finish(self, row: Row) -> None:
+        """A merged row of a distributed job (rank 0): finished and written in the engine's
+        finishing thread, in order."""
+        self._merged.put(row)
+
+    def _finish_merged(self) -> None:
+        while True:
+            row = self._merged.get()
+            if row is None:
+                return
+            try:
+                self._write(row)
+            except Exception as exc:  # this thread must outlive any one row
+                warn_once("finish", "gpulens: could not finish a merged row: %r", exc)
+
+    def drain(self) -> None:
+        """Close the last windows (their rows go out as usual) and stop sampling; the sinks
+        stay open for merged rows still to come (:meth:`finish`)."""
+        sampler, self._sampler = self._sampler, None
+        if sampler is None:
+            return
+        sampler.stop(timeout=11.0)
+        for state in sampler.gpus:
+            state.device.close()
+        self._drained_marks = sampler.dropped_marks
+        if sampler.dropped_marks:
+            logger.warning("gpulens: %d step mark(s) were dropped (more than %d waited for "
+                           "their rows); their steps have no rows of their own",
+                           sampler.dropped_marks, MAX_MARKS)
+
+    _drained_marks = 0
+
+    def mark(self, mark: Mark) -> None:
+        """A step mark from the client: the window up to it becomes a row."""
+        sampler = self._sampler
+        if sampler is not None:
+            sampler.add_mark(mark)
+
+    def latest(self) -> dict[str, float]:
+        """The newest sample of each metric, keyed like rows."""
+        sampler = self._sampler
+        return sampler.latest() if sampler is not None else {}
+
+    def stats(self) -> dict[str, SinkStats]:
+        """Figures of the engine's sinks so far."""
+        steplogger = self._steplogger
+        return steplogger.stats() if steplogger is not None else {}
+
+    @property
+    def dropped_marks(self) -> int:
+        sampler = self._sampler
+        return sampler.dropped_marks if sampler is not None else self._drained_marks
+
+    def stop(self, timeout: float, stall: float = STALL_S) -> dict[str, SinkStats]:
+        """Close the last windows, finish what is merged, write what the sinks hold (see
+        :meth:`StepLogger.close`), release NVML.  Idempotent."""
+        self.drain()
+        thread, self._merged_thread = self._merged_thread, None
+        if thread is not None:
+            self._merged.put(None)
+            thread.join(timeout)
+        stats: dict[str, SinkStats] = {}
+        steplogger, self._steplogger = self._steplogger, None
+        if steplogger is not None:
+            stats = steplogger.close(timeout, stall)
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+        return stats
+
+
+def _probe_energy_updates(devices: list[NvmlDevice]) -> dict[int, float]:
+    """The energy counter's update period of each device (by ``id``), probed in parallel."""
+    out: dict[int, float] = {}
+
+    def probe(device: NvmlDevice) -> None:
+        try:
+            value = device.probe_energy_update(ENERGY_PROBE_S)
+        except Exception as exc:  # a lost GPU shows up at the first sample anyway
+            logger.info("gpulens: energy counter probe failed: %r", exc)
+            return
+        if value is not None:
+            out[id(device)] = value
+
+    threads = [threading.Thread(target=probe, args=(d,), name="gpulens-probe", daemon=True)
+               for d in devices]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(ENERGY_PROBE_S + 5.0)
+    return out
+
+
+def _with_update(info: GpuInfo, update_s: float) -> GpuInfo:
+    return replace(info, energy_update_s=update_s)

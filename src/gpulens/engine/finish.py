@@ -1,0 +1,136 @@
+"""Finishing a row: throughput, achieved TFLOP/s and MFU from the work the client reported,
+then the advice rules.  Runs in the engine (off the training process's GIL), on every row in
+step order: the sampler thread's own rows, or a distributed job's merged rows.
+
+What a finished row gains (each absent where its inputs are):
+
+* ``perf/tokens_per_s`` / ``perf/samples_per_s``, ``perf/tokens_per_j`` /
+  ``perf/samples_per_j``, ``perf/tflops`` (achieved, per GPU), ``perf/tflops_job``,
+  ``perf/mfu_pct``, ``perf/mfu_clock_adjusted_pct``, ``perf/mfu_when_tensor_active_pct``
+  (:func:`gpulens.work.mfu.window_perf`; the peak is the GPU's dense figure in the run's dtype,
+  :func:`gpulens.work.peaks.peak_for`, recorded in the run's metadata);
+* ``perf/cpu_busy_s``: CPU seconds the training process used per step (all its threads);
+  in a distributed job ``rank/{r}/cpu_busy_s`` per rank instead;
+* ``alerts/<rule>`` (1 firing, 0 not) and the rules' events (:mod:`gpulens.engine.rules`); a
+  rule that fires is also a WARNING through the ``gpulens`` logger, with what to try.
+
+The work figures a mark carried (``work/*``) are left out of the finished row.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from gpulens._warn import logger
+from gpulens.engine.rules import RuleEngine, RulesConfig
+from gpulens.engine.spec import (
+    WORK_CPU,
+    WORK_FLOPS,
+    WORK_KEYS,
+    WORK_SAMPLES,
+    WORK_TOKENS,
+    EngineSpec,
+)
+from gpulens.sinks.base import Event, GpuInfo, Row
+
+_GPU = re.compile(r"^gpu/(\d+)/(sm_clock_mhz|energy_j|tensor_active_pct|util_pct|power_w)$")
+
+
+class Finisher:
+    """Finishes the rows of one run (see the module doc)."""
+
+    def __init__(self, spec: EngineSpec, gpus: Sequence[GpuInfo]) -> None:
+        self.spec = spec
+        self.meta: dict[str, str | float] = {}
+        self.peak_tflops: float | None = None
+        self.max_clock_mhz: float | None = None
+        if spec.dtype is not None:
+            self.meta["dtype"] = spec.dtype
+        if spec.flops_per_token is not None:
+            self.meta["flops_per_token"] = spec.flops_per_token
+        if spec.flops_per_sample is not None:
+            self.meta["flops_per_sample"] = spec.flops_per_sample
+        if gpus and spec.dtype is not None:
+            from gpulens.work.peaks import peak_for
+
+            peaks = [peak_for(g.name, spec.dtype, memory_gb=g.mem_total_gb,
+                              power_limit_w=g.default_power_limit_w or g.power_limit_w)
+                     for g in gpus]
+            if all(p is not None for p in peaks):
+                found = [p for p in peaks if p is not None]
+                self.peak_tflops = sum(p.tflops for p in found) / len(found)
+                self.meta.update(found[0].describe())
+                if len({p.gpu for p in found}) > 1:  # mixed cards: the mean peak
+                    self.meta["peak_gpu"] = ", ".join(sorted({p.gpu for p in found}))
+                    self.meta["peak_tflops"] = self.peak_tflops
+        clocks = [g.max_sm_clock_mhz for g in gpus if g.max_sm_clock_mhz]
+        if clocks:
+            self.max_clock_mhz = min(clocks)
+        try:
+            self.rules: RuleEngine | None = RuleEngine(RulesConfig(
+                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather))
+        except Exception as exc:  # the rules are advice: never a reason not to monitor
+            logger.warning("gpulens: the advice rules could not start (%r); rows go on "
+                           "without them", exc)
+            self.rules = None
+
+    def finish(self, row: Row) -> Row:
+        values = dict(row.values)
+        work = {k: values.pop(k) for k in WORK_KEYS if k in values}
+        steps = values.get("perf/steps", 1.0) or 1.0
+        step_time = values.get("perf/step_time_s")
+        if WORK_CPU in work:
+            values["perf/cpu_busy_s"] = work[WORK_CPU] / steps
+        clocks: list[float] = []
+        tensors: list[float] = []
+        energy = 0.0
+        have_energy = False
+        gpus: set[str] = set()
+        for key, value in values.items():
+            m = _GPU.match(key)
+            if m is None or not math.isfinite(value):
+                continue
+            gpus.add(m.group(1))
+            kind = m.group(2)
+            if kind == "sm_clock_mhz":
+                clocks.append(value)
+            elif kind == "tensor_active_pct":
+                tensors.append(value)
+            elif kind == "energy_j":
+                energy += value
+                have_energy = True
+        if step_time is not None and any(k in work for k in
+                                         (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS)):
+            from gpulens.work.mfu import window_perf
+
+            values.update(window_perf(
+                seconds=step_time * steps, gpus=max(1, len(gpus)),
+                tokens=work.get(WORK_TOKENS), samples=work.get(WORK_SAMPLES), steps=steps,
+                flops=work.get(WORK_FLOPS), flops_per_token=self.spec.flops_per_token,
+                flops_per_sample=self.spec.flops_per_sample,
+                peak_tflops=self.peak_tflops if gpus else None,
+                mean_sm_clock_mhz=sum(clocks) / len(clocks) if clocks else None,
+                max_sm_clock_mhz=self.max_clock_mhz,
+                energy_j=energy if have_energy else None,
+                tensor_active_pct=sum(tensors) / len(tensors) if tensors else None,
+            ))
+        events: list[Event] = []
+        if self.rules is not None:
+            events = self.rules.feed(values, row.step, row.time)
+            values.update(self.rules.alert_keys())
+            for event in events:
+                _tell(event)
+        return Row(step=row.step, time=row.time, values=values,
+                   events=row.events + tuple(events))
+
+
+def _tell(event: Event) -> None:
+    """A rule's event, as the user hears it through the ``gpulens`` logger."""
+    if event.kind == "alert" and event.state == "firing":
+        logger.warning("gpulens: %s at step %d: %s%s", event.name, event.step, event.message,
+                       f" Try: {event.advice}" if event.advice else "")
+    else:
+        logger.info("gpulens: %s %s at step %d: %s", event.name, event.state, event.step,
+                    event.message)

@@ -1,0 +1,72 @@
+"""What the client tells the engine at start: a picklable spec (it crosses to the sampler
+process), from which :class:`gpulens.engine.engine.Engine` builds everything."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpulens.sinks.base import Sink
+
+WORK_TOKENS = "work/tokens"
+WORK_SAMPLES = "work/samples"
+WORK_FLOPS = "work/flops"
+WORK_CPU = "work/cpu_s"
+"""A step mark's work figures ride among its scalars under these names (so a tensor among them
+is converted off the training thread like any scalar); the engine turns them into ``perf/*``
+keys and leaves them out of the rows it finishes."""
+WORK_KEYS = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU)
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """How to rebuild a sink in the engine: ``target`` is ``"module:Class"``, called with
+    ``kwargs`` (a sink's ``remote_spec()``)."""
+
+    name: str
+    """The sink's name in stats and messages, unique in the run."""
+    target: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def build(self) -> Sink:
+        module_name, _, cls_name = self.target.partition(":")
+        cls: Any = getattr(importlib.import_module(module_name), cls_name)
+        sink: Sink = cls(**self.kwargs)
+        return sink
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the engine needs; every field pickles (a simulator backend does when its
+    load does: see :mod:`gpulens.testing.loads`)."""
+
+    interval: float
+    """Seconds between cheap samples."""
+    gpus: tuple[int, ...] | None = None
+    """CUDA device numbers to watch (as the training process numbers them); ``None``: every
+    visible GPU, or this rank's in a distributed job."""
+    backend: Any = "auto"
+    """``"auto"``, ``"nvml"`` or an NVML-like object (:class:`gpulens.testing.SimulatedNVML`)."""
+    buffer_rows: int = 10_000
+    gpm: bool = True
+    energy: bool = True
+    driver_samples: bool = True
+    step: int = 0
+    """The training step the first window starts after."""
+    sinks: tuple[SinkSpec, ...] = ()
+    """Sinks the engine writes itself."""
+    rows_back: bool = False
+    """Hand every finished row back to the client, for its own sinks."""
+    gather: bool = False
+    """A distributed job: each window's raw row goes back to the client for the rank gather;
+    rank 0's client sends the merged row back to be finished (:meth:`Engine.finish`)."""
+    rank: tuple[int, int, int] | None = None
+    """(global rank, local rank, world size) in a distributed job."""
+    log_level: int = 30
+    """The client's ``gpulens`` logger level: the engine says nothing below it."""
+    dtype: str | None = None
+    """The run's compute dtype (``"bf16"``, ...): the peak's column, the tensor-core rule."""
+    flops_per_token: float | None = None
+    flops_per_sample: float | None = None
+    """Model FLOPs (forward + backward) per token / per sample, for ``perf/tflops``."""

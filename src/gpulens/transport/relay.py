@@ -1,0 +1,119 @@
+"""Step marks on their way from ``log()`` to the transport, with every scalar a number.
+
+``log()`` takes whatever the training loop passes: Python numbers (the usual case: the mark goes
+straight on), but also tensors, whose ``.item()`` would synchronise the device if called on
+the training thread.  A mark holding anything but plain ``int``/``float`` goes to a relay
+thread (started on first need) that converts the scalars and sends it on; every later mark then
+goes through the relay too, so marks keep their order.  The queue is bounded
+(:data:`RELAY_MAX`): beyond it marks are dropped and counted.
+
+:func:`to_float` is the one place a logged value becomes a number.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gpulens._warn import warn_once
+from gpulens.engine.sampler import Mark
+
+RELAY_MAX = 10_000
+"""Marks with tensors that may wait for conversion before new ones are dropped (counted)."""
+
+
+def to_float(name: str, value: Any) -> float | None:
+    """A logged value as a float (tensors via ``.item()``, off the training thread), or
+    ``None`` with one warning per name and type: not a number, a tensor of several elements,
+    a CUDA error.  Never raises.  NaN and infinities stay (a NaN loss is news)."""
+    try:
+        if hasattr(value, "item"):
+            value = value.item()
+        if isinstance(value, (str, bytes)):
+            raise TypeError("text is not a number")
+        number = float(value)
+    except Exception as exc:
+        warn_once(f"scalar:{name}:{type(value).__name__}",
+                  "gpulens: logged value %r (%s) could not be read as a number (%s); left out",
+                  name, type(value).__name__, exc)
+        return None
+    return number
+
+
+def _plain(scalars: dict[str, Any]) -> bool:
+    for value in scalars.values():
+        if type(value) is not float and type(value) is not int:
+            return False
+    return True
+
+
+class MarkRelay:
+    """Sends marks through ``send`` (see the module doc).  ``send`` returns False when it
+    could not take the mark (counted by its owner)."""
+
+    def __init__(self, send: Callable[[Mark], bool]) -> None:
+        self._send = send
+        self._queue: queue.SimpleQueue[Mark | None] | None = None
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+        """Marks dropped because the relay's queue was full."""
+
+    def put(self, mark: Mark) -> None:
+        """From ``log()``: send now, or queue for the relay thread.  Never blocks."""
+        relay = self._queue
+        if relay is None:
+            if _plain(mark.scalars):
+                self._send(mark)
+                return
+            relay = self._start()
+            if relay is None:
+                return
+        if relay.qsize() >= RELAY_MAX:
+            self.dropped += 1
+            warn_once("relay-full", "gpulens: logged tensors are not converted fast enough; "
+                      "step marks are dropped (counted)")
+            return
+        relay.put(mark)
+
+    def _start(self) -> queue.SimpleQueue[Mark | None] | None:
+        relay: queue.SimpleQueue[Mark | None] = queue.SimpleQueue()
+        thread = threading.Thread(target=self._loop, args=(relay,), name="gpulens-relay",
+                                  daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            warn_once("relay-start", "gpulens: could not start the relay thread (%s); marks "
+                      "with tensors are left out", exc)
+            return None
+        self._queue, self._thread = relay, thread
+        return relay
+
+    def _loop(self, relay: queue.SimpleQueue[Mark | None]) -> None:
+        while True:
+            mark = relay.get()
+            if mark is None:
+                return
+            try:
+                scalars: dict[str, float] = {}
+                for name, value in mark.scalars.items():
+                    number = value if type(value) is float else to_float(name, value)
+                    if number is not None:
+                        scalars[name] = number
+                self._send(mark._replace(scalars=scalars))
+            except Exception as exc:  # this thread must outlive any one mark
+                warn_once("relay-mark", "gpulens: could not send a step mark: %r", exc)
+
+    def close(self, timeout: float) -> None:
+        """Send what the relay holds (within ``timeout`` seconds) and end its thread."""
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+        self._queue = None
+        self._thread = None
+
+    def forget(self) -> None:
+        """In a forked child: the relay thread is the parent's."""
+        self._queue = None
+        self._thread = None

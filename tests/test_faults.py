@@ -1,0 +1,211 @@
+"""Faults on the default path (the engine in a process of its own), as a user meets them.
+
+Each fault is told in the training process: a WARNING through the ``gpulens`` logger (heard
+by a user who configured no logging at all, once), and no row is lost silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import gpulens
+from gpulens._warn import reset_warnings
+from gpulens.testing import MemorySink, SimulatedNVML
+from tests.support.mlflow_server import MlflowServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _python(code: str, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **(env or {})}
+    for name in ("GPULENS_BACKEND", "GPULENS_ISOLATION", "GPULENS_VERBOSITY"):
+        if env is None or name not in env:
+            full_env.pop(name, None)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+_NO_DRIVER = """
+    import logging, sys, time, gpulens
+    {setup}
+    from gpulens.testing import MemorySink
+    sink = MemorySink()
+    with gpulens.Monitor(interval=0.05, sinks=[sink]) as mon:
+        print("isolation", mon.isolation, flush=True)
+        for step in range(1, 4):
+            time.sleep(0.05)
+            mon.log(step, loss=1.0)
+    keys = sorted(sink.rows[-1].values)
+    print("rows", len(sink.rows), "gpu keys", sum(k.startswith("gpu/") for k in keys))
+"""
+
+
+@pytest.mark.parametrize("setup", ["", "logging.basicConfig()"])
+def test_no_driver_is_heard_once_without_any_logging_set_up(setup: str) -> None:
+    """This machine has no NVIDIA driver: the default Monitor() (engine in its own process)
+    says so once on stderr, whether or not the user configured logging, and rows go on."""
+    done = _python(_NO_DRIVER.format(setup=setup))
+    assert done.returncode == 0, done.stderr
+    assert "isolation process" in done.stdout
+    assert "rows 3 gpu keys 0" in done.stdout
+    lines = [line for line in done.stderr.splitlines() if "NVML could not be initialised" in line]
+    assert len(lines) == 1, done.stderr
+    if not setup:
+        assert lines[0].startswith("gpulens: WARNING: NVML could not be initialised")
+    else:  # through the root logger's handler, in its format
+        assert lines[0].startswith("WARNING:gpulens:gpulens: NVML could not be initialised")
+
+
+def test_verbosity_can_silence_and_widen_what_is_heard() -> None:
+    quiet = _python(_NO_DRIVER.format(setup=""), env={"GPULENS_VERBOSITY": "error"})
+    assert quiet.returncode == 0 and "NVML" not in quiet.stderr
+    loud = _python(_NO_DRIVER.format(setup="logging.basicConfig(level=logging.INFO)"),
+                   env={"GPULENS_VERBOSITY": "info"})
+    assert loud.returncode == 0
+    # an INFO record of the engine process, heard in the training process
+    assert "INFO:gpulens:gpulens: engine sampling 0 GPU(s) via none (no GPU)" in loud.stderr
+
+
+def test_a_sink_that_cannot_write_is_told_with_its_counts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``jsonl:/dev/full``: every write fails (ENOSPC).  The JSONL sink lives in the engine
+    process; its failure and its drops are heard here."""
+    if not os.path.exists("/dev/full"):  # pragma: no cover - Linux has it
+        pytest.skip("no /dev/full")
+    reset_warnings()
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        mon = gpulens.Monitor(interval=0.05, sinks=["jsonl:/dev/full"],
+                              backend=SimulatedNVML(gpus=1)).start()
+        assert mon.isolation == "process"
+        for step in range(1, 6):
+            time.sleep(0.05)
+            mon.log(step)
+        stats = mon.stop(timeout=3)
+    assert (stats["JsonlSink"].written, stats["JsonlSink"].dropped) == (0, 5)
+    assert "sink JsonlSink failed to write" in caplog.text
+    assert "JsonlSink: 0 rows written, 5 dropped" in caplog.text
+
+
+def test_a_tracker_that_dies_mid_run_is_told_and_counted(
+    mlflow_server_factory: Callable[[], MlflowServer], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """MLflow is written by the engine process; its server is killed after 3 rows: the
+    failure, the wait at stop and the rows lost all reach this process."""
+    reset_warnings()
+    server = mlflow_server_factory()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    from mlflow.tracking import MlflowClient
+
+    from gpulens.sinks.mlflow import MlflowSink
+
+    client = MlflowClient(tracking_uri=server.uri)
+    sink = MlflowSink(tracking_uri=server.uri)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1))
+        mon.start()
+        for step in range(1, 4):
+            time.sleep(0.05)
+            mon.log(step)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the first rows reach the server
+            runs = client.search_runs(["0"])
+            if runs and client.get_metric_history(runs[0].info.run_id, "gpu/0/power_w"):
+                break
+            time.sleep(0.2)
+        server.stop()
+        for step in range(4, 9):
+            time.sleep(0.05)
+            mon.log(step)
+        deadline = time.monotonic() + 30  # heard while training goes on, not only at stop
+        while "failed to write" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stats = mon.stop(timeout=4)
+    st = stats["MlflowSink"]
+    assert st.written + st.dropped == 8 and st.dropped >= 5
+    assert "sink MlflowSink failed to write" in caplog.text
+    assert f"MlflowSink: {st.written} rows written, {st.dropped} dropped" in caplog.text
+
+
+class _Gate(MemorySink):
+    """A sink that blocks its writer until released: a tracker far behind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def write(self, row: gpulens.Row) -> None:
+        self.gate.wait(30)
+        super().write(row)
+
+
+def test_a_slow_tracker_is_told_and_loses_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    reset_warnings()
+    sink = _Gate()
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1)).start()
+        for step in range(1, 261):
+            mon.log(step)
+            time.sleep(0.001)
+        deadline = time.monotonic() + 20
+        while "is slow" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sink.gate.set()
+        stats = mon.stop(timeout=30)
+    assert "sink _Gate is slow" in caplog.text
+    assert [r.step for r in sink.rows] == list(range(1, 261))
+    assert stats["_Gate"].dropped == 0
+
+
+def test_rows_are_complete_when_the_cpu_is_starved(tmp_path: Path) -> None:
+    """Twice as many busy processes as cores beside a training process: every row still has
+    each GPU's headline figures (the engine waits for the data that covers a window, up to
+    10 s), or says it lacks them (``perf/partial_gpus``)."""
+    code = f"""
+        import json, time, gpulens
+        from gpulens.testing import MemorySink, SimulatedNVML
+        sink = MemorySink()
+        with gpulens.Monitor(interval=0.5, sinks=[sink, "jsonl:{tmp_path / 'g.jsonl'}"],
+                             backend=SimulatedNVML(gpus=2)) as mon:
+            for step in range(1, 13):
+                t = time.perf_counter()
+                while time.perf_counter() - t < 0.25:  # a CPU-bound step
+                    sum(i * i for i in range(1000))
+                mon.log(step, loss=1.0)
+        out = []
+        for row in sink.rows:
+            v = row.values
+            out.append([v.get("perf/partial_gpus")] + [
+                k in v for g in (0, 1) for k in (f"gpu/{{g}}/util_pct", f"gpu/{{g}}/power_w",
+                                                f"gpu/{{g}}/energy_j")])
+        print(json.dumps(out))
+    """
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(2 * (os.cpu_count() or 2))]
+    try:
+        done = _python(code, timeout=240)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert done.returncode == 0, done.stderr
+    import json
+
+    rows = json.loads(done.stdout.splitlines()[-1])
+    assert len(rows) == 12
+    for row in rows:
+        partial, *present = row
+        assert all(present) or partial > 0, rows
+    assert sum(all(r[1:]) for r in rows) >= 11, rows

@@ -1,0 +1,93 @@
+"""What a newcomer meets before any GPU figure: `make` says what it installs while pip is
+quiet, and the Hydra example leaves its output under its run dir, which git ignores and
+`make clean` removes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.jsonl import read_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_PYTHON = """#!/bin/sh
+# stands in for python: `-m venv DIR` makes DIR/bin/python (this script), anything else says
+# what it was asked to do
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0; fi
+echo "RAN python $*"
+"""
+
+
+def make() -> str:
+    exe = shutil.which("make")
+    if exe is None:
+        pytest.skip("make is not installed")
+    return exe
+
+
+def test_make_says_what_it_installs_before_each_quiet_step(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    venv = tmp_path / "venv"
+    proc = subprocess.run([make(), "--no-print-directory", "-C", str(ROOT), "venv",
+                           f"VENV={venv}", f"PYTHON={fake}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    ran = [i for i, line in enumerate(lines) if line.startswith("RAN python -m pip install")]
+    assert len(ran) == 3, proc.stdout
+    told = [i for i, line in enumerate(lines) if line.startswith("gpulens make [")]
+    # a line before every pip step, saying what comes and that it takes a while
+    for step, i in zip(("[1/3] upgrading pip", "[2/3] installing torch==2.13.0",
+                        "[3/3] installing gpulens with every extra"), ran, strict=True):
+        assert i - 1 in told and step in lines[i - 1], (step, lines[i - 1])
+    assert "takes a few minutes" in proc.stdout and "pip is quiet" in proc.stdout
+    assert lines[-1].endswith(f"{venv} is ready")
+    assert (venv / ".installed").exists()
+
+
+def test_make_clean_removes_the_hydra_outputs(tmp_path: Path) -> None:
+    shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
+    for folder in ("outputs/hydra_app/2026-01-01_00-00-00", "multirun/hydra_app/x", "keep"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "gpulens.jsonl").write_text("{}\n")
+    proc = subprocess.run([make(), "--no-print-directory", "clean"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+    assert (tmp_path / "keep" / "gpulens.jsonl").exists()
+
+
+def test_git_ignores_the_hydra_outputs() -> None:
+    git = shutil.which("git")
+    if git is None or subprocess.run([git, "-C", str(ROOT), "rev-parse"],
+                                     capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("not a git checkout")
+    for path in ("outputs/hydra_app/2026-01-01_00-00-00/gpulens.jsonl",
+                 "multirun/hydra_app/x/0/gpulens.jsonl"):
+        proc = subprocess.run([git, "-C", str(ROOT), "check-ignore", "-q", "--no-index", path],
+                              capture_output=True, timeout=30)
+        assert proc.returncode == 0, f"{path} is not ignored"
+
+
+def test_hydra_example_writes_under_its_run_dir(tmp_path: Path) -> None:
+    """A relative sink path lands in the Hydra run dir, not where the app was started."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hydra_app" / "train.py"),
+         "+trainer.enable_gpu_monitoring=true", "+trainer.gpu_monitor_interval=0.05",
+         "+trainer.gpu_monitor_sinks=[jsonl:gpu.jsonl]"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "outputs" / "hydra_app").iterdir()
+    assert len(read_rows(run_dir / "gpu.jsonl")) == 8
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # nothing else left

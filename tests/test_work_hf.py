@@ -1,0 +1,216 @@
+"""gpulens.work.hf and gpulens.work.precision: real tokens per optimizer step from a real
+Hugging Face Trainer run (padding, gradient accumulation), packed batches, and the run's dtype."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from gpulens._warn import reset_warnings  # noqa: E402
+from gpulens.work.flops import formula_from_config  # noqa: E402
+from gpulens.work.hf import (  # noqa: E402
+    TokenCounter,
+    TokensSeenDelta,
+    dtype_from_training_args,
+    input_tokens_mode,
+    model_flops,
+)
+from gpulens.work.precision import (  # noqa: E402
+    dtype_from_lightning_precision,
+    dtype_from_torch,
+    float32_matmul_dtype,
+)
+
+VOCAB = 128
+LENGTHS = [5, 9, 12, 3, 7, 16, 4, 11, 8, 6, 10, 2]  # one epoch: 3 steps x 2 micro x 2 rows
+
+
+@pytest.fixture(autouse=True)
+def _quiet_and_one_thread() -> Iterator[None]:
+    reset_warnings()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    reset_warnings()
+
+
+def _tiny_llama() -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, pad_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+class _Seqs(torch.utils.data.Dataset):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.items = [[1 + (i + j) % (VOCAB - 1) for j in range(n)] for i, n in enumerate(LENGTHS)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.items[i]
+
+
+def _pad(rows: list[list[int]]) -> dict[str, Any]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_trainer_steps_with_padding_and_gradient_accumulation(tmp_path: Path) -> None:
+    model = _tiny_llama()
+    formula = model_flops(model)
+    assert formula is not None and formula.method == "formula"
+    counter = TokenCounter(formula).attach(model)
+    seen = TokensSeenDelta()
+    steps: list[tuple[Any, int | None]] = []
+
+    class Probe(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            seen.update(state.num_input_tokens_seen)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            steps.append((counter.take(), seen.update(state.num_input_tokens_seen)))
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=3, include_num_input_tokens_seen="non_padding", use_cpu=True, report_to=[],
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, learning_rate=1e-3,
+        seed=0)
+    assert input_tokens_mode(args) == "non_padding"
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Seqs(),
+                                   data_collator=_pad, callbacks=[Probe()])
+    trainer.train()
+    counter.detach()
+
+    assert len(steps) == 3
+    for work, hf_delta in steps:
+        assert work.micro_batches == 2  # both micro-batches of the step
+        assert int(work.tokens) == hf_delta  # the Trainer's own non-padding count agrees
+    assert sum(int(w.tokens) for w, _ in steps) == sum(LENGTHS)
+    total_flops = sum(float(w.flops) for w, _ in steps)
+    assert total_flops == pytest.approx(formula.training_flops(LENGTHS), rel=1e-9)
+    # Padding was there, and was not counted as work.
+    padded = sum(max(LENGTHS[i], LENGTHS[i + 1]) * 2 for i in range(0, len(LENGTHS), 2))
+    assert padded > sum(LENGTHS)
+
+
+def test_packed_and_varlen_batches() -> None:
+    model = _tiny_llama()
+    formula = formula_from_config(model.config)
+    assert formula is not None
+    counter = TokenCounter(formula, attention="causal").attach(model)
+    lens = [5, 3, 8]
+    ids = torch.randint(1, VOCAB, (1, sum(lens)))
+    position_ids = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    model(input_ids=ids, position_ids=position_ids)
+    packed = counter.take()
+    assert isinstance(packed.flops, torch.Tensor)  # left on the batch's device: no sync
+    assert int(packed.tokens) == 16
+    assert float(packed.flops) == pytest.approx(formula.training_flops(lens, "causal"))
+    assert float(packed.flops) < formula.training_flops([16], "causal")
+
+    counter.observe({"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 5, 8, 16])})
+    varlen = counter.take()
+    assert float(varlen.flops) == pytest.approx(formula.training_flops(lens, "causal"))
+
+    model.eval()  # evaluation forwards are not training work
+    model(input_ids=ids)
+    assert counter.take().micro_batches == 0
+    counter.detach()
+
+
+def test_sliding_window_tokens_from_positions() -> None:
+    """Per-token positions give the same attention term as the per-sequence form."""
+    config = transformers.MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, sliding_window=4)
+    formula = formula_from_config(config)
+    assert formula is not None and formula.attention_forward_per_pair[0][0] == 4
+    lens = [9, 2, 6]
+    position_ids = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    for attention in ("full", "causal"):
+        c = TokenCounter(formula, attention=attention)  # type: ignore[arg-type]
+        c.observe({"input_ids": torch.ones((1, 17), dtype=torch.long),
+                   "position_ids": position_ids})
+        c.observe({"input_ids": torch.ones((3, 9), dtype=torch.long),
+                   "attention_mask": torch.tensor([[1] * n + [0] * (9 - n) for n in lens])})
+        work = c.take()
+        assert float(work.flops) == pytest.approx(
+            2 * formula.training_flops(lens, attention))  # type: ignore[arg-type]
+
+
+def test_batches_without_a_padding_mask(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpulens")
+    c = TokenCounter()  # no formula: tokens only
+    c.observe({"input_ids": torch.ones((2, 10), dtype=torch.long)})
+    c.observe({"input_ids": torch.ones((2, 10), dtype=torch.long),
+               "attention_mask": torch.ones((2, 1, 10, 10))})
+    work = c.take()
+    assert int(work.tokens) == 40 and work.flops is None and work.micro_batches == 2
+    assert any("4-D attention mask" in r.getMessage() for r in caplog.records)
+
+
+def test_tokens_seen_delta() -> None:
+    d = TokensSeenDelta()
+    assert d.update(100) is None
+    assert d.update(160) == 60
+    assert d.update(160) == 0
+    assert d.update(40) is None  # went backwards: a resumed run
+    assert d.update(90) == 50
+    assert input_tokens_mode(SimpleNamespace(include_num_input_tokens_seen=True)) == "all"
+    assert input_tokens_mode(SimpleNamespace(include_num_input_tokens_seen="no")) == "no"
+
+
+def test_dtype_from_training_args() -> None:
+    assert dtype_from_training_args(SimpleNamespace(bf16=True, fp16=False)) == "bf16"
+    assert dtype_from_training_args(SimpleNamespace(bf16=False, fp16=True)) == "fp16"
+    assert dtype_from_training_args(SimpleNamespace(bf16=False, fp16=False, tf32=True)) == "tf32"
+    real = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    assert dtype_from_training_args(real) == "fp32"
+    half_model = _tiny_llama().to(torch.bfloat16)  # a model loaded in bf16, no autocast
+    assert dtype_from_training_args(real, half_model) == "bf16"
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")  # TF32 allowed for FP32 products
+        assert dtype_from_training_args(real) == "tf32"
+        assert float32_matmul_dtype() == "tf32"
+        assert dtype_from_torch(torch.float32) == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert dtype_from_torch(torch.float32) == "fp32"
+    assert dtype_from_torch(torch.bfloat16) == "bf16"
+    assert dtype_from_torch(torch.int64) is None
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [
+    ("bf16-mixed", "bf16"), ("bf16-true", "bf16"), ("bf16", "bf16"),
+    ("16-mixed", "fp16"), ("16-true", "fp16"), (16, "fp16"),
+    ("32-true", "fp32"), (32, "fp32"), ("64-true", "fp64"),
+    ("transformer-engine", "fp8"), ("transformer-engine-float16", "fp8"),
+    ("nf4-dq", None), ("int8-training", None), ("mixed-whatever", None),
+])
+def test_lightning_precision(precision: object, dtype: str | None) -> None:
+    assert dtype_from_lightning_precision(precision) == dtype
+
+
+def test_model_flops_without_a_config(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gpulens")
+    assert model_flops(torch.nn.Linear(4, 4)) is None
+    assert any("no Hugging Face config" in r.getMessage() for r in caplog.records)

@@ -1,0 +1,102 @@
+"""gpulens.work.mfu: the perf/* keys of one window, worked by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpulens.work.mfu import PERF_KEYS, window_flops, window_perf
+
+
+def test_a_window_by_hand() -> None:
+    # 4 steps of 8 GPUs x one 4096-token sequence in 2.5 s, Llama-3-8B at 51.47 GFLOP/token
+    # (training), H100 SXM bf16 989.4 TFLOP/s, SM clock 1755 of 1980 MHz, 690 W a GPU.
+    tokens = 4 * 8 * 4096
+    out = window_perf(seconds=2.5, gpus=8, tokens=tokens, steps=4, flops_per_token=51.47e9,
+                      peak_tflops=989.4, mean_sm_clock_mhz=1755.0, max_sm_clock_mhz=1980.0,
+                      energy_j=8 * 2.5 * 690.0, tensor_active_pct=80.0)
+    per_gpu = tokens * 51.47e9 / 2.5 / 8 / 1e12
+    mfu = 100 * per_gpu / 989.4
+    assert out == pytest.approx({
+        "perf/tokens_per_s": tokens / 2.5,
+        "perf/tflops": per_gpu,
+        "perf/tflops_job": per_gpu * 8,
+        "perf/mfu_pct": mfu,
+        "perf/mfu_clock_adjusted_pct": mfu * 1980.0 / 1755.0,
+        "perf/tokens_per_j": tokens / (8 * 2.5 * 690.0),
+        "perf/mfu_when_tensor_active_pct": mfu / 0.80,
+    })
+    assert 34 < out["perf/mfu_pct"] < 35
+    assert set(out) <= set(PERF_KEYS)
+
+
+def test_absent_inputs_give_absent_keys() -> None:
+    assert window_perf(seconds=1.0) == {}
+    only_tokens = window_perf(seconds=2.0, tokens=100.0)
+    assert only_tokens == {"perf/tokens_per_s": 50.0}
+    no_peak = window_perf(seconds=2.0, tokens=100.0, flops_per_token=1e12)
+    assert set(no_peak) == {"perf/tokens_per_s", "perf/tflops", "perf/tflops_job"}
+    no_clock = window_perf(seconds=1.0, flops=1e12, peak_tflops=10.0, mean_sm_clock_mhz=1500)
+    assert set(no_clock) == {"perf/tflops", "perf/tflops_job", "perf/mfu_pct"}
+    assert no_clock["perf/mfu_pct"] == pytest.approx(10.0)
+    nan = window_perf(seconds=1.0, tokens=math.nan, flops=math.nan, energy_j=math.nan)
+    assert nan == {}
+    # No energy figure, or none spent: no work per joule (never a 0 or an infinity).
+    assert "perf/tokens_per_j" not in window_perf(seconds=1.0, tokens=5.0, energy_j=0.0)
+    # GPM absent (pre-Hopper) or tensor pipes idle: no comparison.
+    for tensor in (None, 0.0):
+        out = window_perf(seconds=1.0, flops=1e12, peak_tflops=10.0, tensor_active_pct=tensor)
+        assert "perf/mfu_when_tensor_active_pct" not in out
+    # A window of no length has no rate.
+    assert window_perf(seconds=0.0, tokens=10.0, flops=1e9, peak_tflops=1.0) == {}
+
+
+def test_zero_work_is_a_measurement() -> None:
+    out = window_perf(seconds=1.0, tokens=0.0, flops_per_token=1e9, peak_tflops=100.0,
+                      energy_j=50.0)
+    assert out["perf/tokens_per_s"] == 0.0
+    assert out["perf/mfu_pct"] == 0.0
+    assert out["perf/tokens_per_j"] == 0.0
+
+
+def test_clock_adjusted_never_above_the_datasheet() -> None:
+    base = {"seconds": 1.0, "flops": 5e14, "peak_tflops": 1000.0, "max_sm_clock_mhz": 1980.0}
+    slow = window_perf(mean_sm_clock_mhz=990.0, **base)
+    assert slow["perf/mfu_pct"] == pytest.approx(50.0)
+    assert slow["perf/mfu_clock_adjusted_pct"] == pytest.approx(100.0)
+    fast = window_perf(mean_sm_clock_mhz=2100.0, **base)  # above max: the peak is not raised
+    assert fast["perf/mfu_clock_adjusted_pct"] == pytest.approx(50.0)
+
+
+def test_samples_and_flops_sources() -> None:
+    out = window_perf(seconds=4.0, samples=64.0, flops_per_sample=2e12, energy_j=800.0,
+                      peak_tflops=100.0, gpus=2)
+    assert out["perf/samples_per_s"] == 16.0
+    assert out["perf/samples_per_j"] == 0.08
+    assert out["perf/tflops"] == pytest.approx(64 * 2e12 / 4.0 / 2 / 1e12)
+    assert "perf/tokens_per_s" not in out
+    # Counted FLOPs win over a per-token estimate; per step is the last resort.
+    assert window_flops(flops=7.0, tokens=10.0, flops_per_token=100.0) == 7.0
+    assert window_flops(tokens=10.0, flops_per_token=100.0, steps=2, flops_per_step=1.0) == 1e3
+    assert window_flops(steps=2, flops_per_step=3.0) == 6.0
+    assert window_flops(tokens=10.0) is None
+
+
+def test_tensor_cores_busy_but_slow_versus_idle() -> None:
+    busy_slow = window_perf(seconds=1.0, flops=3e14, peak_tflops=1000.0, tensor_active_pct=90.0)
+    idle = window_perf(seconds=1.0, flops=3e14, peak_tflops=1000.0, tensor_active_pct=32.0)
+    assert busy_slow["perf/mfu_when_tensor_active_pct"] == pytest.approx(33.3, abs=0.1)
+    assert idle["perf/mfu_when_tensor_active_pct"] == pytest.approx(93.75)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"seconds": 1.0, "tokens": -1.0},
+    {"seconds": 1.0, "flops": math.inf},
+    {"seconds": 1.0, "gpus": 0},
+    {"seconds": -1.0},
+    {"seconds": 1.0, "energy_j": -5.0},
+])
+def test_bad_inputs_are_user_errors(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        window_perf(**kwargs)  # type: ignore[arg-type]
