@@ -10,7 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from tests.support.torchrun import run_torchrun
+from tests.support.torchrun import is_running, run_torchrun
 
 # Each rank writes its pid and the pid of a child it started, then hangs (the child too).
 HANG = textwrap.dedent("""
@@ -32,14 +32,6 @@ LEAVE = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
 
@@ -55,7 +47,7 @@ def test_a_hung_job_is_killed_whole(tmp_path: Path) -> None:
     pids = [int(p) for rank in (0, 1)
             for p in (tmp_path / f"pids-{rank}").read_text().split()]
     assert set(pids) <= set(seen)  # the ranks and their children carried the job's tag
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if is_running(pid)]
 
 
 def test_processes_left_after_torchrun_are_reported_and_killed(tmp_path: Path) -> None:
@@ -66,4 +58,4 @@ def test_processes_left_after_torchrun_are_reported_and_killed(tmp_path: Path) -
     pid = int((tmp_path / "leftover").read_text())
     assert [p.pid for p in done.leftovers] == [pid]
     assert sys.executable in done.leftovers[0].cmdline
-    assert not _alive(pid)
+    assert not is_running(pid)

@@ -98,10 +98,23 @@ def kill_job(tag: str, leader: int | None = None) -> list[JobProcess]:
     for proc in alive:
         with contextlib.suppress(OSError):
             os.kill(proc.pid, signal.SIGKILL)
+    # gone: no tagged process left, and each one killed is dead (a zombie at most; a process
+    # still exiting has already lost its environment but not its pid)
     deadline = time.monotonic() + 10.0
-    while job_processes(tag) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while time.monotonic() < deadline and (
+            job_processes(tag) or any(is_running(p.pid) for p in alive)):
+        time.sleep(0.02)
     return alive
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not died yet (zombies have died)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X", "x")
 
 
 def kill_all_jobs() -> None:
