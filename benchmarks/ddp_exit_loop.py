@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.support.jsonl import read_rows  # noqa: E402
 from tests.support.torchrun import JobProcess, run_torchrun  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
@@ -128,7 +129,7 @@ def main() -> int:
             else:
                 got = []
                 if sink.exists():
-                    got = [json.loads(line)["step"] for line in sink.read_text().splitlines()]
+                    got = [row["step"] for row in read_rows(sink)]
                 if got != steps:
                     result, note = "failed", f"rows at steps {got}, expected {steps}"
                 else:
