@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,6 +58,12 @@ def test_rows_summary_json_and_markdown(tmp_path: Path) -> None:
     assert steps == list(range(1, len(steps) + 1))
     assert 6 <= len(steps) <= 9  # 1.6 s / 0.25 s, plus the tail
     assert all("gpu/0/power_w" in r and "gpu/1/util_pct" in r for r in lines)
+    # rows of a wall-clock record: on record/elapsed_s, without per-step figures
+    elapsed = [r["record/elapsed_s"] for r in lines]
+    assert elapsed == sorted(elapsed)
+    assert elapsed[:-1] == pytest.approx([0.25 * (i + 1) for i in range(len(elapsed) - 1)],
+                                         abs=0.12)
+    assert not any(k == "train/global_step" or k.startswith("perf/") for r in lines for k in r)
     # the rows' windows cover the child's life
     data = json.loads(sj.read_text())
     assert data["command"][0] == sys.executable and data["exit_code"] == 0
@@ -157,8 +164,8 @@ def test_ctrl_c_in_a_terminal_reaches_child_once(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
-        ([], 2, "no command given"),
-        (["--"], 2, "no command given"),
+        (["--bogus", "--", "true"], 2, "unrecognized arguments: --bogus (see 'gpulens record"),
+        (["--interval", "1", "--summary-interval", "0.5"], 2, "--summary-interval (0.5 s) must"),
         (["--", "no-such-command-xyz"], 127, "command not found: no-such-command-xyz"),
         (["--sink", "nosuch:1", "--", "true"], 2, "unknown sink 'nosuch:1'"),
         (["--gpus", "7", "--", "true"], 2, "GPU 7 does not exist"),
@@ -203,3 +210,149 @@ def test_prometheus_sink_while_recording_has_gpu_but_no_training_series() -> Non
                   "-c", child)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "gpu notrain"
+
+
+# -- beside a training: no command, until a signal -------------------------------------------
+
+def start_beside(*args: str, extra_env: dict[str, str] | None = None,
+                 gpus: int = 2) -> subprocess.Popen[str]:
+    e = env(gpus)
+    e.update(extra_env or {})
+    return subprocess.Popen([*GPULENS, "record", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=e)
+
+
+def wait_for_rows(path: Path, n: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(read_rows(path)) >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} rows in {path} after {timeout} s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_beside_training_records_until_a_signal_and_exits_0(tmp_path: Path,
+                                                            sig: signal.Signals) -> None:
+    rows, sj = tmp_path / "rows.jsonl", tmp_path / "s.json"
+    proc = start_beside("--gpus", "0,1", "--interval", "0.2", "--sink", f"jsonl:{rows}",
+                        "--summary-json", str(sj))
+    wait_for_rows(rows, 4)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    lines = read_rows(rows)
+    assert [r["step"] for r in lines] == list(range(1, len(lines) + 1))
+    elapsed = [r["record/elapsed_s"] for r in lines]
+    # the first interval is one interval long, and so are the others (the last: the tail)
+    assert elapsed[:-1] == pytest.approx([0.2 * (i + 1) for i in range(len(elapsed) - 1)],
+                                         abs=0.1)
+    assert not any(k == "train/global_step" or k.startswith("perf/") for r in lines for k in r)
+    assert all("gpu/0/power_w" in r and "gpu/1/power_w" in r for r in lines)
+    # the live line: one a row (stderr is not a terminal), newest sample of each GPU
+    live = [x for x in err.splitlines() if x.startswith("[")]
+    assert len(live) >= 3 and all("gpu0 SM" in x and "gpu1 SM" in x for x in live), err
+    assert "gpulens record (beside a training)" in err  # the summary at the end
+    data = json.loads(sj.read_text())
+    assert data["command"] == [] and data["exit_code"] == 0 and data["rows"] == len(lines)
+
+
+def test_beside_training_no_console_gpus_and_summary_interval(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    proc = start_beside("--gpus", "1", "--interval", "0.1", "--no-console",
+                        "--summary-interval", "0.5", "--sink", f"jsonl:{rows}")
+    wait_for_rows(rows, 15)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert not [x for x in err.splitlines() if x.startswith("[")], err  # no live line
+    assert err.count("gpulens record: the last 0.5 s") >= 2, err
+    lines = read_rows(rows)
+    gpus = {k.split("/")[1] for r in lines for k in r if k.startswith("gpu/")}
+    assert gpus == {"1"}
+
+
+def test_beside_training_wandb_rows_on_elapsed_seconds(tmp_path: Path) -> None:
+    from tests.support.wandb_offline import OFFLINE_ENV
+    from tests.support.wandb_reader import (
+        read_history,
+        read_metric_definitions,
+        wait_for_finished_run,
+    )
+
+    wandb_dir = tmp_path / "wandb-dir"
+    wandb_dir.mkdir()
+    rows = tmp_path / "rows.jsonl"
+    proc = start_beside("--interval", "0.2", "--no-console", "--sink", "wandb", "--sink",
+                        f"jsonl:{rows}", extra_env={**OFFLINE_ENV, "WANDB_DIR": str(wandb_dir)},
+                        gpus=1)
+    wait_for_rows(rows, 4)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    path = wait_for_finished_run(wandb_dir)
+    history = [h for h in read_history(path) if "gpu/0/power_w" in h]
+    jsonl = read_rows(rows)
+    assert [h["record/elapsed_s"] for h in history] == [r["record/elapsed_s"] for r in jsonl]
+    assert not any(k in h for h in history for k in ("train/global_step", "gpulens/step",
+                                                      "perf/steps", "perf/step_time_s"))
+    defs = {d.name: d.step_metric for d in read_metric_definitions(path) if d.name}
+    assert defs["gpu/0/power_w"] == "record/elapsed_s"
+
+
+def test_mlflow_rows_of_a_record(tmp_path: Path, mlflow_tracking: Any) -> None:
+    proc = record("--interval", "0.2", "--sink", "mlflow", "--", sys.executable, "-c",
+                  "import time; time.sleep(1.0)")
+    assert proc.returncode == 0, proc.stderr
+    (run,) = mlflow_tracking.runs()
+    client = mlflow_tracking.client()
+    elapsed = client.get_metric_history(run.info.run_id, "record/elapsed_s")
+    power = client.get_metric_history(run.info.run_id, "gpu/0/power_w")
+    assert len(elapsed) == len(power) >= 4
+    assert sorted(m.step for m in power) == list(range(1, len(power) + 1))
+    assert client.get_metric_history(run.info.run_id, "perf/steps") == []
+    assert client.get_metric_history(run.info.run_id, "train/global_step") == []
+
+
+# -- tracker set-up errors: one line, before anything is created -----------------------------
+
+def test_wandb_without_login_is_one_line_and_nothing_is_made(tmp_path: Path,
+                                                             mlflow_tracking: Any) -> None:
+    from tests.support.wandb_offline import OFFLINE_ENV
+
+    rows = tmp_path / "rows.jsonl"
+    e = env(1)
+    e.update({k: v for k, v in OFFLINE_ENV.items() if k != "WANDB_MODE"})
+    e.update(HOME=str(tmp_path / "home"), WANDB_DIR=str(tmp_path / "wandb-dir"),
+             WANDB_MODE="online", WANDB_API_KEY="", WANDB_CONFIG_DIR=str(tmp_path / "cfg"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "wandb-dir").mkdir()
+    proc = subprocess.run([*GPULENS, "record", "--sink", "mlflow", "--sink", f"jsonl:{rows}",
+                           "--sink", "wandb", "--", "true"], capture_output=True, text=True,
+                          env=e, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "wandb login" in proc.stderr and "WANDB_MODE=offline" in proc.stderr
+    assert not rows.exists()
+    assert mlflow_tracking.runs() == []
+    assert not list((tmp_path / "wandb-dir").iterdir())
+
+
+def test_unreachable_mlflow_is_one_line_and_nothing_is_made(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rows = tmp_path / "rows.jsonl"
+    e = env(1)
+    e["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    proc = subprocess.run([*GPULENS, "record", "--sink", f"jsonl:{rows}", "--sink", "mlflow",
+                           "--", "true"], capture_output=True, text=True, env=e, timeout=120)
+    assert time.monotonic() - t0 < 30  # not MLflow's minutes of retries
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"cannot reach the MLflow tracking server at http://127.0.0.1:{port}" in proc.stderr
+    assert not rows.exists()

@@ -153,7 +153,12 @@ def test_rows_reach_every_logger_on_the_module_log_steps(
 
     lines = read_rows(sink)
     assert [r["step"] for r in lines] == [3, 7, 11]
-    assert [r["perf/steps"] for r in lines[1:]] == [4, 4]
+    # the first row too covers the 4 optimizer steps before it (Lightning's step 3 is the 4th)
+    assert [r["perf/steps"] for r in lines] == [4, 4, 4]
+    # the extra sink gets the training keys Lightning gave its loggers at that step
+    logged = {int(r["step"]): float(r["train_loss"]) for r in rows if r.get("train_loss")}
+    assert [r["train/train_loss"] for r in lines] == pytest.approx([logged[s] for s in (3, 7, 11)])
+    assert all(r["train/epoch"] == 0 for r in lines)
 
 
 def test_gradient_accumulation_logs_on_optimizer_steps(pkg: tuple[Any, Any],
@@ -190,7 +195,33 @@ def test_wandb_logger_gets_rows_on_trainer_global_step(tmp_path: Path,
     loss = [h["trainer/global_step"] for h in history if "train_loss" in h]
     gpu = [h["trainer/global_step"] for h in history if GPU_KEY in h]
     assert loss == gpu == [3, 7, 11]
+    assert [h["perf/steps"] for h in history if GPU_KEY in h] == [4, 4, 4]
     assert [h["_step"] for h in history] == list(range(len(history)))
+
+
+def test_resumed_fit_counts_only_its_own_steps(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from gpulens.integrations.lightning import GPUMonitorCallback
+
+    module_cls, data_cls = classes(pl)
+    common: dict[str, Any] = {
+        "log_every_n_steps": 4, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+        "accelerator": "cpu", "devices": 1, "enable_progress_bar": False,
+        "enable_model_summary": False, "default_root_dir": str(tmp_path), "logger": False,
+    }
+    first = pl.Trainer(max_steps=6, enable_checkpointing=False, **common)
+    first.fit(module_cls(), datamodule=data_cls(n=48))  # 6 batches: ends with the epoch
+    ckpt = tmp_path / "at6.ckpt"
+    first.save_checkpoint(str(ckpt))
+    sink = tmp_path / "gpu.jsonl"
+    resumed = pl.Trainer(max_steps=16, enable_checkpointing=False,
+                         callbacks=[GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)],
+                         **common)
+    resumed.fit(module_cls(), datamodule=data_cls(n=48), ckpt_path=str(ckpt))
+    lines = read_rows(sink)
+    # steps 7-8 (Lightning's 6-7), then 9-12 and 13-16
+    assert [(r["step"], r["perf/steps"]) for r in lines] == [(7, 2), (11, 4), (15, 4)]
 
 
 def test_exception_stops_the_monitor(pkg: tuple[Any, Any], tmp_path: Path) -> None:

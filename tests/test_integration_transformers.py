@@ -67,11 +67,16 @@ class Points(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 def make_trainer(tmp_path: Path, callback: GPUMonitorCallback, *, report_to: Any = "none",
                  max_steps: int = 12, logging_steps: int = 4, grad_accum: int = 1,
                  model: nn.Module | None = None, dataset: Any = None,
-                 eval_steps: int | None = None) -> Any:
-    extra: dict[str, Any] = {}
+                 eval_steps: int | None = None, save_steps: int | None = None,
+                 **options: Any) -> Any:
+    extra: dict[str, Any] = dict(options)
     if eval_steps is not None:
-        extra = {"eval_strategy": "steps", "eval_steps": eval_steps,
-                 "per_device_eval_batch_size": 16}
+        extra.update({"eval_strategy": "steps", "eval_steps": eval_steps,
+                      "per_device_eval_batch_size": 16})
+    if save_steps is not None:
+        extra.update({"save_strategy": "steps", "save_steps": save_steps})
+    else:
+        extra["save_strategy"] = "no"
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=max_steps,
@@ -80,7 +85,6 @@ def make_trainer(tmp_path: Path, callback: GPUMonitorCallback, *, report_to: Any
         gradient_accumulation_steps=grad_accum,
         learning_rate=1e-2,
         report_to=report_to,
-        save_strategy="no",
         use_cpu=True,
         disable_tqdm=True,
         **extra,
@@ -182,9 +186,10 @@ def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path,
     loss_rows = [h for h in history if "train/loss" in h]
     gpu_rows = [h for h in history if GPU_KEY in h]
     assert [h["train/global_step"] for h in loss_rows] == loss_steps(trainer) == [4, 8, 12]
-    assert [h["train/global_step"] for h in gpu_rows] == [4, 8, 12]
+    # each row on its own axis: HF's train/global_step in the same record is HF's, not ours
+    assert [h["gpulens/step"] for h in gpu_rows] == [4, 8, 12]
     for row in gpu_rows:
-        assert "train/loss" not in row  # HF logs the loss itself; not written twice
+        assert "train/loss" not in row or row in loss_rows  # HF's loss, not written twice
         assert "perf/data_wait_pct" in row
     # W&B's own step only counts commits: never pushed to the training step
     assert [h["_step"] for h in history] == list(range(len(history)))
@@ -242,3 +247,106 @@ def test_bad_arguments_fail_at_construction() -> None:
         GPUMonitorCallback(backend="cuda")
     with pytest.raises(ValueError, match="unknown sink"):
         GPUMonitorCallback(sinks=["kafka:topic"])
+
+
+def _mlflow_steps(tracking: MlflowTracking, run: Any, key: str) -> list[int]:
+    return sorted(m.step for m in tracking.client().get_metric_history(run.info.run_id, key))
+
+
+def test_every_train_call_writes_into_the_mlflow_run_of_its_loss(
+        tmp_path: Path, mlflow_tracking: MlflowTracking) -> None:
+    """A re-used Trainer (a second train()) and a resume from a checkpoint on it: the GPU rows
+    of each call go into the MLflow run Hugging Face writes that call's loss to."""
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(interval=0.05), report_to="mlflow",
+                           max_steps=8, logging_steps=4, save_steps=4)
+    trainer.train()
+    trainer.train()
+    trainer.args.max_steps = 12
+    trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-8"))
+    runs = mlflow_tracking.runs()
+    assert len(runs) == 3, [r.info.run_name for r in runs]  # one per train(), none of gpulens
+    for run, steps in zip(runs, ([4, 8], [4, 8], [12]), strict=True):
+        assert _mlflow_steps(mlflow_tracking, run, "loss") == steps
+        assert _mlflow_steps(mlflow_tracking, run, GPU_KEY) == steps
+        assert run.data.tags.get("mlflow.source.name") != "gpulens"
+    # the resumed call's first window covers only the steps it ran (9-12)
+    (perf,) = mlflow_tracking.client().get_metric_history(runs[2].info.run_id, "perf/steps")
+    assert perf.value == 4
+
+
+def test_hyper_parameter_trials_each_write_into_their_own_runs(
+        tmp_path: Path, mlflow_tracking: MlflowTracking, wandb_offline: Path) -> None:
+    """As a search backend does: train(trial=...) again and again on one Trainer. Hugging Face
+    starts a W&B run per trial; MLflow's run comes from gpulens for the trials after the first."""
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(interval=0.05),
+                           report_to=["wandb", "mlflow"], max_steps=8, logging_steps=4)
+    for lr in (1e-2, 1e-3):
+        trainer.train(trial={"learning_rate": lr})
+    reset_wandb()
+    runs = mlflow_tracking.runs()
+    assert len(runs) == 2
+    for run in runs:
+        assert _mlflow_steps(mlflow_tracking, run, "loss") == [4, 8]
+        assert _mlflow_steps(mlflow_tracking, run, GPU_KEY) == [4, 8]
+    files = sorted(wandb_offline.rglob("run-*.wandb"))
+    assert len(files) == 2
+    for path in files:
+        history = read_history(path)
+        assert [h["train/global_step"] for h in history if "train/loss" in h] == [4, 8]
+        assert [h["gpulens/step"] for h in history if GPU_KEY in h] == [4, 8]
+
+
+class TokenRegression(Regression):
+    main_input_name = "x"  # what include_num_input_tokens_seen counts
+
+
+@pytest.mark.parametrize("options", [
+    {"include_num_input_tokens_seen": True},
+    {"logging_first_step": True},
+    {"logging_nan_inf_filter": False},
+    {"logging_strategy": "epoch", "num_train_epochs": 2, "max_steps": -1},
+    {"logging_strategy": "no"},
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_logging_options_one_at_a_time(tmp_path: Path, mlflow_tracking: MlflowTracking,
+                                       wandb_offline: Path, options: dict[str, Any]) -> None:
+    """Rows on HF's logging steps, in both trackers, whatever logging option is on; the end of
+    training is HF's on_train_end, not a key some option adds to every log."""
+    kwargs: dict[str, Any] = {"max_steps": 12, "logging_steps": 4, **options}
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+                           report_to=["wandb", "mlflow"], model=TokenRegression(),
+                           dataset=Points(n=48), **kwargs)
+    trainer.train()
+    reset_wandb()
+    final = int(trainer.state.global_step)
+    expected = loss_steps(trainer)
+    if not expected or expected[-1] != final:
+        expected = [*expected, final]  # the tail row written at on_train_end
+    rows = read_jsonl(sink)
+    assert [r["step"] for r in rows] == expected
+    assert sum(r["perf/steps"] for r in rows) == final  # every optimizer step, once
+    (run,) = mlflow_tracking.runs()
+    assert _mlflow_steps(mlflow_tracking, run, GPU_KEY) == expected
+    assert _mlflow_steps(mlflow_tracking, run, "loss") == loss_steps(trainer)
+    history = read_history(find_run_file(wandb_offline))
+    assert [h["gpulens/step"] for h in history if GPU_KEY in h] == expected
+    assert [h["train/global_step"] for h in history if "train/loss" in h] == loss_steps(trainer)
+
+
+def test_unreachable_tracker_is_one_line_before_training(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=["mlflow", f"jsonl:{sink}"],
+                                                        interval=0.05), max_steps=4)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="cannot reach the MLflow tracking server") as err:
+        trainer.train()
+    assert time.monotonic() - t0 < 15
+    assert "\n" not in str(err.value)
+    assert not sink.exists()  # nothing half-made

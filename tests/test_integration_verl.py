@@ -1,7 +1,14 @@
-"""``MergingLogger``: GPU rows merged into a verl-style ``logger.log(data, step)`` call."""
+"""``MergingLogger``: a verl-style ``logger.log(data, step)`` goes through at once, and the GPU
+row of each step follows as a call of its own, at the same step, only to the trackers."""
 
 from __future__ import annotations
 
+import gc
+import json
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +20,7 @@ from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history
 
 ON = {"trainer": {"enable_gpu_monitoring": True, "gpu_monitor_interval": 0.05}}
+GPU_KEY = "gpu/0/util_pct"
 
 
 @pytest.fixture(autouse=True)
@@ -22,28 +30,203 @@ def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Recorder:
-    """A tracking logger that remembers its calls."""
+    """A tracking logger without backends that remembers its calls."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, dict[str, Any]]] = []
 
     def log(self, data: dict[str, Any], step: int) -> None:
-        self.calls.append((step, data))
+        self.calls.append((step, dict(data)))
+
+    def user_calls(self) -> list[tuple[int, dict[str, Any]]]:
+        return [(s, d) for s, d in self.calls if GPU_KEY not in d]
+
+    def gpu_calls(self) -> list[tuple[int, dict[str, Any]]]:
+        return [(s, d) for s, d in self.calls if GPU_KEY in d]
 
 
-def test_each_step_logged_once_in_order_with_its_gpu_row() -> None:
+class BackendTracking:
+    """Like verl's ``Tracking``: named backends in ``logger``, ``log(data, step, backend=None)``
+    sends to every backend, or to those named in ``backend``."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.logger = {name: Recorder() for name in names}
+
+    def log(self, data: dict[str, Any], step: int, backend: Any = None) -> None:
+        for name, rec in self.logger.items():
+            if backend is None or name in backend:
+                rec.log(data=data, step=step)
+
+
+def assert_rows_follow_their_step(calls: list[tuple[int, dict[str, Any]]]) -> None:
+    """A step's GPU row goes out after that step's own call and before any later step's."""
+    for i, (step, data) in enumerate(calls):
+        if GPU_KEY in data:
+            assert any(s == step and GPU_KEY not in d for s, d in calls[:i]), (step, calls)
+            assert not any(s > step for s, _ in calls[:i]), (step, [s for s, _ in calls])
+
+
+def test_calls_go_through_at_once_and_rows_follow_on_their_step() -> None:
     rec = Recorder()
     logger = MergingLogger.from_config(rec, ON)
     for step in range(1, 9):
-        logger.log(data={"actor/loss": float(step), "gpu/0/util_pct": -1.0}, step=step)
+        logger.log(data={"actor/loss": float(step), "gpu/0/util_pct_mine": -1.0}, step=step)
     logger.close()
-    assert [s for s, _ in rec.calls] == list(range(1, 9))
+    assert [s for s, _ in rec.user_calls()] == list(range(1, 9))
+    assert all(d == {"actor/loss": float(s), "gpu/0/util_pct_mine": -1.0}
+               for s, d in rec.user_calls())  # the trainer's call, untouched
+    # the first call starts the first window; every later step gets its row, once
+    assert [s for s, _ in rec.gpu_calls()] == list(range(2, 9))
     assert logger.rows_missing == 0
-    for step, data in rec.calls:
-        assert data["actor/loss"] == float(step)
-        assert data["gpu/0/util_pct"] == -1.0  # the trainer's own key wins on a clash
-        assert "gpu/0/power_w" in data and "perf/step_time_s" in data
+    for _, data in rec.gpu_calls():
+        assert "perf/step_time_s" in data and data["perf/steps"] == 1
         assert not any(k.startswith("train/") for k in data)
+    assert_rows_follow_their_step(rec.calls)
+
+
+def test_nothing_waits_for_a_later_call_when_steps_are_long() -> None:
+    """verl's steps last seconds: each call goes out at once, and the row of a step goes out
+    at the next call (before that step's metrics), not held back any longer."""
+    rec = Recorder()
+    logger = MergingLogger.from_config(rec, ON)
+    for step in range(1, 5):
+        logger.log(data={"actor/loss": 1.0}, step=step)
+        assert rec.calls[-1] == (step, {"actor/loss": 1.0})  # forwarded inside log()
+        if step > 2:
+            assert [s for s, _ in rec.gpu_calls()] == list(range(2, step))
+        time.sleep(1.6)  # longer than a row takes to be finished
+    logger.close()
+    assert [s for s, _ in rec.gpu_calls()] == [2, 3, 4]
+
+
+def test_two_calls_at_one_step_do_not_stall() -> None:
+    """verl's SFT trainer logs training, then validation, at the same step."""
+    rec = Recorder()
+    logger = MergingLogger.from_config(rec, ON)
+    worst = 0.0
+    for step in range(1, 9):
+        time.sleep(0.05)
+        for kind in ("train", "val"):
+            t = time.perf_counter()
+            logger.log(data={f"{kind}/loss": float(step)}, step=step)
+            worst = max(worst, time.perf_counter() - t)
+    logger.close()
+    assert worst < 0.5
+    users = rec.user_calls()
+    assert [(s, next(iter(d))) for s, d in users] == [
+        (s, f"{k}/loss") for s in range(1, 9) for k in ("train", "val")]
+    assert [s for s, _ in rec.gpu_calls()] == list(range(2, 9))  # one row a step, none lost
+    assert logger.rows_missing == 0
+    assert_rows_follow_their_step(rec.calls)
+
+
+def test_start_step_from_the_first_call_or_given() -> None:
+    """A run resumed at step 100: the first row counts only the steps run since."""
+    rec = Recorder()
+    logger = MergingLogger.from_config(rec, ON)
+    for step in range(101, 104):
+        time.sleep(0.05)
+        logger.log(data={"actor/loss": 1.0}, step=step)
+    logger.close()
+    assert [(s, d["perf/steps"]) for s, d in rec.gpu_calls()] == [(102, 1), (103, 1)]
+
+    rec = Recorder()
+    logger = MergingLogger.from_config(rec, ON, start_step=100)
+    for step in range(101, 104):
+        time.sleep(0.05)
+        logger.log(data={"actor/loss": 1.0}, step=step)
+    logger.close()
+    assert [(s, d["perf/steps"]) for s, d in rec.gpu_calls()] == [(101, 1), (102, 1), (103, 1)]
+
+
+def test_gpu_keys_go_to_the_trackers_not_the_console() -> None:
+    tracking = BackendTracking(["console", "wandb", "mlflow"])
+    logger = MergingLogger.from_config(tracking, ON)
+    for step in range(1, 5):
+        time.sleep(0.05)
+        logger.log(data={"actor/loss": float(step)}, step=step)
+    logger.close()
+    console, wandb, mlflow = (tracking.logger[n] for n in ("console", "wandb", "mlflow"))
+    assert console.calls == [(s, {"actor/loss": float(s)}) for s in range(1, 5)]
+    for rec in (wandb, mlflow):
+        assert [s for s, _ in rec.user_calls()] == [1, 2, 3, 4]
+        assert [s for s, _ in rec.gpu_calls()] == [2, 3, 4]
+
+    tracking = BackendTracking(["console", "wandb"])
+    logger = MergingLogger.from_config(tracking, ON, gpu_backends=["console"])
+    for step in (1, 2):
+        time.sleep(0.05)
+        logger.log(data={"actor/loss": 1.0}, step=step)
+    logger.close()
+    assert [s for s, _ in tracking.logger["console"].gpu_calls()] == [2]
+    assert tracking.logger["wandb"].gpu_calls() == []
+    with pytest.raises(ValueError, match="not backends of this logger"):
+        MergingLogger.from_config(BackendTracking(["console"]), ON, gpu_backends=["wandb"])
+
+
+def test_nothing_lost_when_the_logger_is_dropped_without_close() -> None:
+    """verl's fit() keeps its logger in a local variable and just returns."""
+    rec = Recorder()
+
+    def fit() -> None:
+        logger = MergingLogger.from_config(rec, ON)
+        for step in range(1, 7):
+            time.sleep(0.05)
+            logger.log(data={"actor/loss": 1.0}, step=step)
+
+    fit()
+    gc.collect()
+    assert [s for s, _ in rec.user_calls()] == list(range(1, 7))
+    assert [s for s, _ in rec.gpu_calls()] == list(range(2, 7))
+
+
+FIT_THAT_RAISES = textwrap.dedent("""
+    import json, sys, time
+    from gpulens.integrations.verl import MergingLogger
+
+    class FileTracking:  # a file backend and a W&B one, as verl's Tracking would have
+        def __init__(self, path):
+            import wandb
+            self.f = open(path, "a")
+            wandb.init(project="gpulens-test")
+        def log(self, data, step):
+            import wandb
+            self.f.write(json.dumps({"step": step, **data}) + "\\n")
+            self.f.flush()
+            wandb.log(data, step=step)
+
+    def fit(tracking):
+        logger = MergingLogger.from_config(
+            tracking, {"trainer": {"enable_gpu_monitoring": True,
+                                   "gpu_monitor_interval": 0.05}})
+        for step in range(1, 31):
+            time.sleep(0.02)
+            if step == 30:
+                raise RuntimeError("boom at step 30")
+            logger.log(data={"actor/loss": 1.0 / step}, step=step)
+
+    fit(FileTracking(sys.argv[1]))
+""")
+
+
+def test_nothing_lost_when_fit_raises_without_close(tmp_path: Path,
+                                                   wandb_offline: Path) -> None:
+    """The exception keeps the logger alive in its traceback; the calls still waiting go out
+    at interpreter exit, before W&B's own exit hook closes its run."""
+    script, out = tmp_path / "fit.py", tmp_path / "calls.jsonl"
+    script.write_text(FIT_THAT_RAISES)
+    import os
+
+    env = {**os.environ, "GPULENS_BACKEND": "simulated", "GPULENS_SIMULATED_GPUS": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and "boom at step 30" in proc.stderr
+    calls = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [c["step"] for c in calls if GPU_KEY not in c] == list(range(1, 30))
+    assert [c["step"] for c in calls if GPU_KEY in c] == list(range(2, 30))
+    history = read_history(find_run_file(wandb_offline))
+    assert [h["_step"] for h in history] == list(range(1, 30))
+    assert [h["_step"] for h in history if GPU_KEY in h] == list(range(2, 30))
 
 
 def test_off_passes_straight_through() -> None:
@@ -64,7 +247,7 @@ def test_a_row_that_does_not_come_in_time_is_given_up() -> None:
         logger.log(data={"actor/loss": 0.0}, step=step)
     logger.close()
     assert [s for s, _ in rec.calls] == [1, 2, 3, 4]
-    assert logger.rows_missing == 4
+    assert logger.rows_missing == 3
     assert all(set(d) == {"actor/loss"} for _, d in rec.calls)
 
 
@@ -83,9 +266,11 @@ def test_wandb_gets_one_record_per_step_on_the_trainer_step(wandb_offline: Path)
     wandb.init(project="gpulens-test")
     logger = MergingLogger.from_config(Tracking(), ON)
     for step in range(1, 7):
+        time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0 / step}, step=step)
     logger.close()
     reset_wandb()
     history = read_history(find_run_file(wandb_offline))
     assert [h["_step"] for h in history] == [1, 2, 3, 4, 5, 6]
-    assert all("actor/loss" in h and "gpu/0/util_pct" in h for h in history)
+    assert all(h["actor/loss"] == pytest.approx(1.0 / h["_step"]) for h in history)
+    assert [h["_step"] for h in history if GPU_KEY in h] == [2, 3, 4, 5, 6]

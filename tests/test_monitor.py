@@ -71,7 +71,11 @@ def test_one_row_per_log_with_schema_keys(isolation: str) -> None:
     # not available is absent: no torch allocator in this process's CUDA
     assert "gpu/0/torch_allocated_gb" not in row
     assert sink.closed and sink.context is not None and len(sink.context.gpus) == 2
-    assert sink.context.gpus[0].energy_update_s == pytest.approx(0.1, abs=0.04)
+    # the energy counter's update period, probed while sampling began, told in a notice
+    notes = [e for r in sink.rows for e in r.events if e.name == "energy_counter"]
+    assert {tuple(e.data) for e in notes} == {("gpu/0/energy_update_s",),
+                                              ("gpu/1/energy_update_s",)}
+    assert all(e.data[k] == pytest.approx(0.1, abs=0.04) for e in notes for k in e.data)
 
 
 def test_rows_come_soon_after_log(isolation: str) -> None:

@@ -11,7 +11,6 @@ should find the same events in the rows (``Row.events``, JSONL ``event`` lines).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 from gpulens.engine.rules import RuleEngine, RulesConfig
 from gpulens.sinks.base import Event, GpuInfo, RunContext
 from gpulens.testing import MemorySink, SimulatedNVML
+from tests.support.jsonl import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULT_AFTER_S = 3.0
@@ -174,7 +174,7 @@ def test_hf_trainer_with_a_dataset_that_turns_slow_is_input_bound(
         model=Model(), args=args, train_dataset=TurnsSlow(),
         callbacks=[GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)])
     trainer.train()
-    rows = [json.loads(line) for line in sink.read_text().splitlines()]
+    rows = read_rows(sink)
     assert [r["step"] for r in rows] == list(range(1, SLOW_AFTER_STEPS + 31))
     healthy = [r["perf/data_wait_pct"] for r in rows[5:SLOW_AFTER_STEPS]]
     slow = [r["perf/data_wait_pct"] for r in rows[SLOW_AFTER_STEPS + 1:]]
@@ -263,7 +263,7 @@ def test_ddp_rank_slow_in_backward_is_named_chronic(tmp_path: Path) -> None:
             break
         out.unlink(missing_ok=True)
     assert done.returncode == 0, done.stderr[-4000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     # rank/{r}/cpu_busy_s is the basis: the simulated GPUs' GPM figures follow the simulator's
     # load wave, not the training, so distributed=False keeps them out of the comparison

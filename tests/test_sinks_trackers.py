@@ -31,7 +31,11 @@ def _train(mon: gpulens.Monitor, steps: int, dt: float = 0.05) -> None:
         mon.log(step, loss=1.0 / step, learning_rate=0.1, grad_norm=3.0)
 
 
-def test_wandb_rows_on_train_global_step(wandb_offline: Path) -> None:
+def _gpu_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [h for h in history if "gpu/0/power_w" in h]
+
+
+def test_wandb_rows_on_their_own_step_axis(wandb_offline: Path) -> None:
     import wandb
 
     run = wandb.init(project="gpulens-test")
@@ -40,16 +44,105 @@ def test_wandb_rows_on_train_global_step(wandb_offline: Path) -> None:
         _train(mon, 5)
     run_id = run.id
     wandb.finish()
-    history = _history_of(wandb_offline, run_id)
-    rows = [h for h in history if "gpu/0/power_w" in h]
-    assert [h["train/global_step"] for h in rows] == [1, 2, 3, 4, 5]
+    path = wait_for_finished_run(wandb_offline, run_id)
+    history = read_history(path)
+    rows = _gpu_rows(history)
+    assert [h["gpulens/step"] for h in rows] == [1, 2, 3, 4, 5]
     assert all("gpu/1/sm_active_pct" in h and "train/loss" in h for h in rows)
+    assert not any("train/global_step" in h for h in history)  # HF's key, never ours
     assert rows[-1]["train/loss"] == pytest.approx(0.2)
-    # W&B's own step was never passed: it counts the log calls, one each
-    assert [h["_step"] for h in history] == list(range(len(history)))
-    defs = read_metric_definitions(wait_for_finished_run(wandb_offline, run_id))
-    globs = {d.glob: d.step_metric for d in defs if d.glob}
-    assert globs["gpu/*"] == "train/global_step" and globs["train/*"] == "train/global_step"
+    assert history[0]["custom"] == 1.0 and history[0]["_step"] == 0
+    # one row per record, and no more records than rows (+ the user's one)
+    assert len(history) == 6
+    defs = {d.name: d for d in read_metric_definitions(path) if d.name}
+    assert defs["gpulens/step"].hidden
+    for key in ("gpu/0/power_w", "gpu/1/sm_active_pct", "host/cpu_pct", "perf/step_time_s",
+                "train/loss"):
+        assert defs[key].step_metric == "gpulens/step", key
+
+
+def _user_and_gpulens(run: Any, mon: gpulens.Monitor, steps: int, *, user_step: bool,
+                      user_first: bool, dt: float = 0.04) -> None:
+    """A training loop that logs to W&B itself (with or without ``step=``) and to gpulens."""
+    for step in range(1, steps + 1):
+        time.sleep(dt)
+        user = {"user/loss": 1.0 / step, "user/at": float(step)}
+        if user_first:
+            run.log(user, step=step) if user_step else run.log(user)
+        mon.log(step, loss=1.0 / step)
+        if not user_first:
+            run.log(user, step=step) if user_step else run.log(user)
+
+
+@pytest.mark.parametrize("user_first", [True, False], ids=["user-first", "gpulens-first"])
+def test_wandb_user_logging_with_step_loses_nothing(wandb_offline: Path,
+                                                    user_first: bool) -> None:
+    """Issue 10: gpulens's rows must never move W&B's step past a user who passes ``step=``
+    (W&B drops a log for a step below its current one)."""
+    import wandb
+
+    run = wandb.init(project="gpulens-test")
+    steps = 40
+    with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
+        _user_and_gpulens(run, mon, steps, user_step=True, user_first=user_first)
+    run.log({"user/after": 1.0})  # logging goes on after gpulens stopped
+    run_id = run.id
+    wandb.finish()
+    history = read_history(wait_for_finished_run(wandb_offline, run_id))
+    user = [h for h in history if "user/loss" in h]
+    # every one of the user's values, on the step the user gave
+    assert [(h["_step"], h["user/at"]) for h in user] == [(s, s) for s in range(1, steps + 1)]
+    assert all(h["user/loss"] == pytest.approx(1.0 / h["_step"]) for h in user)
+    assert sum("user/after" in h for h in history) == 1
+    # every gpulens row, once, with its true step, beside the loss of that step
+    rows = _gpu_rows(history)
+    assert sorted(h["gpulens/step"] for h in rows) == list(range(1, steps + 1))
+    assert all(h["train/loss"] == pytest.approx(1.0 / h["gpulens/step"]) for h in rows)
+
+
+def test_wandb_user_logging_without_step_loses_nothing(wandb_offline: Path) -> None:
+    import wandb
+
+    run = wandb.init(project="gpulens-test")
+    steps = 40
+    with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
+        _user_and_gpulens(run, mon, steps, user_step=False, user_first=True)
+    run_id = run.id
+    wandb.finish()
+    history = read_history(wait_for_finished_run(wandb_offline, run_id))
+    user = [h for h in history if "user/loss" in h]
+    assert [h["user/at"] for h in user] == list(range(1, steps + 1))  # all, in order
+    # ... on the steps W&B gives them without gpulens: gpulens never committed a record of
+    # its own in between (its rows joined the user's, or waited until the monitor stopped)
+    assert [h["_step"] for h in user] == list(range(steps))
+    assert sorted(h["gpulens/step"] for h in _gpu_rows(history)) == list(range(1, steps + 1))
+
+
+def test_wandb_user_define_metric_keeps_its_axis(wandb_offline: Path) -> None:
+    import wandb
+
+    run = wandb.init(project="gpulens-test")
+    run.define_metric("user/epoch_step")
+    run.define_metric("user/*", step_metric="user/epoch_step")
+    run.define_metric("*", step_metric="user/epoch_step", step_sync=True)
+    steps = 30
+    with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
+        for step in range(1, steps + 1):
+            time.sleep(0.04)
+            run.log({"user/loss": 1.0 / step, "user/epoch_step": float(step)})
+            mon.log(step, loss=1.0 / step)
+    run_id = run.id
+    wandb.finish()
+    path = wait_for_finished_run(wandb_offline, run_id)
+    history = read_history(path)
+    user = [h for h in history if "user/loss" in h]
+    assert [(h["user/epoch_step"], round(1 / h["user/loss"])) for h in user] == [
+        (s, s) for s in range(1, steps + 1)]
+    rows = _gpu_rows(history)
+    assert sorted(h["gpulens/step"] for h in rows) == list(range(1, steps + 1))
+    defs = {d.name: d for d in read_metric_definitions(path) if d.name}
+    assert defs["gpu/0/power_w"].step_metric == "gpulens/step"
+    assert "user/loss" not in defs  # the user's own definitions are left alone
 
 
 def test_wandb_without_a_run_starts_and_finishes_one(wandb_offline: Path) -> None:
@@ -61,7 +154,7 @@ def test_wandb_without_a_run_starts_and_finishes_one(wandb_offline: Path) -> Non
         _train(mon, 3)
     assert wandb.run is None
     history = _history_of(wandb_offline, run_id)
-    assert [h["train/global_step"] for h in history if "gpu/0/power_w" in h] == [1, 2, 3]
+    assert [h["gpulens/step"] for h in _gpu_rows(history)] == [1, 2, 3]
 
 
 def _history(tracking: MlflowTracking, run_id: str, key: str) -> list[Any]:
@@ -133,3 +226,86 @@ def test_mlflow_server_gone_mid_run(
     st = stats["MlflowSink"]
     assert st.written == 2 and st.dropped == 20
     assert any("20 dropped" in r.message for r in caplog.records)
+
+
+# -- set-up errors: one line, before anything is created -------------------------------------
+
+NO_LOGIN_SCRIPT = """
+import sys
+import gpulens
+from gpulens.sinks.wandb import WandbSink
+try:
+    WandbSink().check()
+except ValueError as e:
+    print("check:", e)
+else:
+    print("check: ok")
+if sys.argv[1:] == ["monitor"]:
+    import os
+    try:
+        gpulens.Monitor(interval=0.05, sinks=["mlflow", "jsonl:" + os.environ["ROWS"],
+                                               "wandb"]).start()
+    except ValueError as e:
+        print("start:", e)
+"""
+
+
+def _no_login_env(tmp_path: Path, mode: str) -> dict[str, str]:
+    import os
+
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(home), WANDB_MODE=mode, WANDB_DIR=str(tmp_path),
+               WANDB_CONFIG_DIR=str(home / "cfg"), WANDB_SILENT="true",
+               GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1",
+               ROWS=str(tmp_path / "rows.jsonl"))
+    return env
+
+
+@pytest.mark.parametrize("mode", ["online", "offline"])
+def test_wandb_check_says_how_to_log_in(tmp_path: Path, mode: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", NO_LOGIN_SCRIPT], capture_output=True,
+                          text=True, env=_no_login_env(tmp_path, mode), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    if mode == "offline":
+        assert proc.stdout.strip() == "check: ok"
+    else:
+        (line,) = proc.stdout.strip().splitlines()
+        assert "wandb login" in line and "WANDB_MODE=offline" in line
+    assert not (tmp_path / "wandb").exists()  # nothing made
+
+
+def test_monitor_with_wandb_without_login_leaves_nothing_half_made(
+        tmp_path: Path, mlflow_tracking: MlflowTracking) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", NO_LOGIN_SCRIPT, "monitor"],
+                          capture_output=True, text=True,
+                          env=_no_login_env(tmp_path, "online"), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    start = [x for x in proc.stdout.splitlines() if x.startswith("start:")]
+    assert len(start) == 1 and "wandb login" in start[0], proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "rows.jsonl").exists()
+    assert mlflow_tracking.runs() == []
+
+
+def test_mlflow_check_unreachable_server_is_one_line(mlflow_tracking: MlflowTracking) -> None:
+    import socket
+
+    MlflowSink().check()  # the session's server answers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"cannot reach the MLflow tracking server at "
+                       f"http://127.0.0.1:{port}") as err:
+        MlflowSink(tracking_uri=f"http://127.0.0.1:{port}").check()
+    assert time.monotonic() - t0 < 10
+    assert "\n" not in str(err.value)
+    assert mlflow_tracking.runs() == []

@@ -36,7 +36,7 @@ from gpulens.engine.spec import (
     SinkSpec,
 )
 from gpulens.engine.steplogger import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
-from gpulens.sinks import resolve_sink
+from gpulens.sinks import check_sinks, resolve_sink
 from gpulens.sinks.base import Row, RunContext, Sink
 from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.transport.base import SpawnFailed, Transport
@@ -292,6 +292,7 @@ class Monitor:
         with self._lock:
             if self._started:
                 return self
+            check_sinks(self.sinks)  # a one-line error before any sink opens or run is made
             backend = self._backend()
             gather = self._gather = self._make_gather()  # rank rows may come once started
             sinks = self.sinks if gather is None or gather.is_writer else []

@@ -3,9 +3,11 @@
 Subcommands::
 
     gpulens watch  [--gpus 0,1] [--interval S]          live terminal view
-    gpulens record [--sink SPEC]... -- COMMAND [ARGS]   record GPU windows while a command runs
+    gpulens record [--sink SPEC]... [-- COMMAND [ARGS]] record GPU rows around a command, or
+                                                    beside a training until Ctrl-C
     gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]] [--run last|N|ID|all]
-    gpulens serve  [--port 9400] [--host 127.0.0.1]     Prometheus exporter of live GPU metrics
+    gpulens serve  [--port 9400] [--host 127.0.0.1]     live dashboard (/), Prometheus /metrics,
+                                                    one port
 
 Importing this module is light: each subcommand imports what it needs (rich, prometheus_client,
 the monitor) when it runs.  Bad input prints one line ``gpulens: error: ...`` and exits 2.
@@ -27,6 +29,19 @@ class _Parser(argparse.ArgumentParser):
         """One line on stderr, exit code 2 (argparse prints the whole usage otherwise)."""
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """As argparse's, but an unknown argument after a subcommand is that subcommand's
+        error (pointing to ``gpulens <subcommand> --help``)."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner: argparse.ArgumentParser = self
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    owner = action.choices.get(getattr(ns, "command", None) or "", self)
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
 
 WATCH = """\
 A live view of the GPUs of this machine, one line per GPU: activity (GPM SM active where the
@@ -42,12 +57,14 @@ terminal (or with --plain) it prints one line per interval.
 """
 
 RECORD = """\
-Run COMMAND and write one row of GPU telemetry every --interval seconds for its whole life to
-each --sink; then print a per-GPU summary (activity, peak memory, power, temperature, energy,
-throttling) on stderr, and write it as JSON and Markdown when asked.  Exits with COMMAND's exit
-code.  Rows are wall-clock intervals, not training steps.
+Write one row of GPU telemetry every --interval seconds to each --sink: for the whole life of
+COMMAND (then exit with COMMAND's exit code), or, without a command, beside a training that
+runs elsewhere until Ctrl-C or SIGTERM (exit code 0).  Then print a per-GPU summary (activity,
+peak memory, power, temperature, energy, throttling) on stderr, and write it as JSON and
+Markdown when asked.  Rows are wall-clock intervals on record/elapsed_s, not training steps.
 
   gpulens record --sink jsonl:run.jsonl -- python bench.py
+  gpulens record --gpus 0,1 --interval 1 --no-console --summary-interval 10 --sink wandb
   gpulens record --work 1e6 --unit tokens --summary-md summary.md -- python serve_bench.py
 """
 
@@ -106,15 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "record",
-        help="run a command and record GPU telemetry for its whole life",
-        usage="gpulens record [options] -- COMMAND [ARGS...]",
+        help="record GPU telemetry around a command, or beside a training until Ctrl-C",
+        usage="gpulens record [options] [-- COMMAND [ARGS...]]",
         description=RECORD, formatter_class=raw,
     )
     p.add_argument("--sink", action="append", default=[], metavar="SPEC",
-                   help="where rows go, repeatable: jsonl:PATH, prometheus:PORT, mlflow, wandb")
+                   help="where rows go, repeatable: jsonl:PATH, prometheus:PORT, dashboard:PORT, "
+                        "mlflow, wandb")
     p.add_argument("--interval", type=positive_float, default=1.0,
                    help="seconds per row (1.0); GPUs are sampled more often")
     p.add_argument("--gpus", type=gpu_list, default=None, help="GPU indices (all)")
+    p.add_argument("--no-console", action="store_true",
+                   help="no live line on stderr (without a command)")
+    p.add_argument("--summary-interval", type=positive_float, default=None, metavar="S",
+                   help="also print a summary of the last S seconds every S seconds")
     p.add_argument("--work", type=positive_float, default=None,
                    help="work the command does in total, for efficiency figures")
     p.add_argument("--unit", default="tokens", choices=("tokens", "samples", "requests"),

@@ -1,24 +1,42 @@
-"""``gpulens record [--sink SPEC]... [--interval S] [--work N --unit U] -- COMMAND [ARGS...]``.
+"""``gpulens record [options] [-- COMMAND [ARGS...]]``: GPU rows on a wall-clock axis.
 
-Runs COMMAND as a child process and writes one wall-clock row every ``--interval`` seconds
-(step = 1, 2, ...) to the sinks for the child's whole life, then prints (on stderr) and writes
-(``--summary-json``, ``--summary-md``) a summary per GPU.  Exits with the child's exit code
-(128 + N when the child died of signal N).
+Two ways to run it:
 
-Signals: SIGINT, SIGTERM and SIGHUP sent to gpulens are passed to the child, and gpulens waits
-for the child to end.  A Ctrl-C typed in the terminal already reaches the child (same process
-group), so that one is not sent twice.  To tell the two apart the signals are blocked and taken
-with ``sigtimedwait``: a terminal-generated signal carries ``si_code == SI_KERNEL``.
+* **Around a command** (``-- COMMAND``): runs COMMAND as a child process and records for the
+  child's whole life; exits with the child's exit code (128 + N when the child died of signal
+  N).  SIGINT, SIGTERM and SIGHUP sent to gpulens are passed to the child, and gpulens waits
+  for the child to end.  A Ctrl-C typed in the terminal already reaches the child (same process
+  group), so that one is not sent twice.  To tell the two apart the signals are blocked and
+  taken with ``sigtimedwait``: a terminal-generated signal carries ``si_code == SI_KERNEL``.
+* **Beside a training** (no command): records until Ctrl-C (SIGINT), SIGTERM or SIGHUP, then
+  writes the summary and exits 0.  A live line on stderr shows the newest sample of each GPU
+  every ``--interval`` (rewritten in place on a terminal, one line per interval otherwise);
+  ``--no-console`` silences it.
+
+Either way one row is written every ``--interval`` seconds to every ``--sink``.  These rows
+count wall-clock intervals, not training steps, so they sit on a wall-clock axis:
+``record/elapsed_s`` (seconds from the start of the record to the end of the row's window) is
+in every row, and W&B plots against it; ``train/global_step`` and the per-step figures
+(``perf/steps``, ``perf/step_time_s``, ``perf/energy_per_step_j``, every ``perf/*``) are left
+out.  The row's ``step`` (the JSONL ``step`` field, MLflow's step) counts the intervals: 1, 2,
+... ``--summary-interval S`` prints a summary of the last S seconds every S seconds; at the
+end a summary of the whole record is printed (``--quiet``: not) and written
+(``--summary-json``, ``--summary-md``).
+
+Tracker set-up problems (W&B without a login, an MLflow server that does not answer) are
+reported in one line before anything is created.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +46,96 @@ from gpulens.cli._common import CliError, monitor_interval
 SI_KERNEL = 0x80
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WAITED = {*FORWARDED, signal.SIGCHLD}
+ELAPSED_KEY = "record/elapsed_s"
+"""Seconds from the start of the record to the end of the row's window."""
+STEP_KEY = "train/global_step"
+
+
+class WallClockRows:
+    """Wraps a sink for rows that count wall-clock intervals: leaves out ``train/global_step``
+    and every ``perf/*`` figure (per-step figures mean nothing here); ``record/elapsed_s``
+    comes in the row itself.
+
+    ``inner`` is a sink, or the ``("module:Class", kwargs)`` spec of one: the sampler process
+    rebuilds a wrapped JSONL or MLflow sink from :meth:`remote_spec` and writes it there.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        if isinstance(inner, (tuple, list)):
+            inner = _build(inner)
+        self.inner = inner
+        self.on_training_thread = bool(getattr(inner, "on_training_thread", False))
+
+    def remote_spec(self) -> tuple[str, dict[str, Any]] | None:
+        spec = getattr(self.inner, "remote_spec", None)
+        inner_spec = spec() if spec is not None else None
+        if inner_spec is None:
+            return None
+        return f"{__name__}:WallClockRows", {"inner": inner_spec}
+
+    def check(self) -> None:
+        check = getattr(self.inner, "check", None)
+        if check is not None:
+            check()
+
+    def open(self, context: Any) -> None:
+        self.inner.open(context)
+
+    def write(self, row: Any) -> None:
+        from gpulens.sinks.base import Row
+
+        values = {k: v for k, v in row.values.items()
+                  if k != STEP_KEY and not k.startswith("perf/")}
+        self.inner.write(Row(step=row.step, time=row.time, values=values, events=row.events))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _build(spec: Any) -> Any:
+    target, kwargs = spec
+    module_name, _, cls_name = str(target).partition(":")
+    cls: Any = getattr(importlib.import_module(module_name), cls_name)
+    return cls(**dict(kwargs))
+
+
+class PeriodSummary:
+    """Folds rows into a summary of the current period; :meth:`take` returns it and starts the
+    next (``--summary-interval``)."""
+
+    on_training_thread = False
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._context: Any = None
+        self._builder: Any = None
+
+    def _new(self) -> Any:
+        from gpulens.report.summary import SummaryBuilder
+
+        gpus = self._context.gpus if self._context is not None else ()
+        return SummaryBuilder(gpu_names={str(g.index): g.name for g in gpus},
+                              mem_total_gb={str(g.index): g.mem_total_gb for g in gpus
+                                            if g.mem_total_gb},
+                              start_time=time.time())
+
+    def open(self, context: Any) -> None:
+        with self._lock:
+            self._context = context
+            self._builder = self._new()
+
+    def write(self, row: Any) -> None:
+        with self._lock:
+            if self._builder is not None:
+                self._builder.add(row.step, row.time, row.values)
+
+    def close(self) -> None:
+        pass
+
+    def take(self) -> Any:
+        with self._lock:
+            builder, self._builder = self._builder, self._new()
+        return builder.result() if builder is not None else None
 
 
 def _check_output(path: str | None, what: str) -> None:
@@ -66,29 +174,46 @@ def _forward(info: Any, pid: int) -> None:
         os.kill(pid, info.si_signo)
 
 
+def _sinks(specs: list[str]) -> list[Any]:
+    """The ``--sink`` sinks, wrapped for wall-clock rows."""
+    from gpulens.sinks import resolve_sink
+    from gpulens.sinks.prometheus import PrometheusSink
+    from gpulens.sinks.wandb import WandbSink
+
+    out: list[Any] = []
+    for spec in specs:
+        sink = resolve_sink(spec)
+        if isinstance(sink, PrometheusSink):
+            sink.training = False  # rows count intervals here, not training steps
+        if isinstance(sink, WandbSink):
+            sink.step_metric = ELAPSED_KEY
+        out.append(WallClockRows(sink))
+    return out
+
+
 def run_record(args: argparse.Namespace) -> int:
-    """Run the child under a monitor; returns the child's exit code."""
+    """Record around the command (its exit code) or beside a training (0)."""
     cmd: list[str] = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if not cmd:
-        raise CliError("no command given: gpulens record [options] -- COMMAND [ARGS...]")
     _check_output(args.summary_json, "summary JSON")
     _check_output(args.summary_md, "summary Markdown")
+    if args.summary_interval is not None and args.summary_interval < args.interval:
+        raise CliError(f"--summary-interval ({args.summary_interval:g} s) must be at least "
+                       f"--interval ({args.interval:g} s)")
 
     import gpulens
-    from gpulens.sinks import resolve_sink
-    from gpulens.sinks.prometheus import PrometheusSink
     from gpulens.sinks.summary import SummarySink
 
     summary = SummarySink()
+    period = PeriodSummary() if args.summary_interval else None
     try:
-        sinks = [resolve_sink(spec) for spec in args.sink]
-        for sink in sinks:
-            if isinstance(sink, PrometheusSink):
-                sink.training = False  # rows count intervals here, not training steps
+        sinks = _sinks(args.sink)
+        for sink in sinks:  # before anything is created: one line, nothing half-made
+            sink.check()
+        extra: list[Any] = [summary] if period is None else [summary, period]
         monitor = gpulens.Monitor(gpus=args.gpus, interval=monitor_interval(args.interval),
-                                  sinks=[*sinks, summary])
+                                  sinks=[*sinks, *extra])
     except (ValueError, ImportError) as e:
         raise CliError(str(e)) from None
 
@@ -98,45 +223,144 @@ def run_record(args: argparse.Namespace) -> int:
             monitor.start()  # its threads inherit the blocked mask: signals come to us
         except (ValueError, ImportError, OSError) as e:
             raise CliError(str(e)) from None
+        live = _LiveLine(monitor, enabled=not cmd and not args.no_console)
         try:
             started = time.time()
-            pid = _spawn(cmd, set(old_mask))
-            status = _supervise(pid, monitor, args.interval)
+            pid = _spawn(cmd, set(old_mask)) if cmd else None
+            status = _supervise(pid, monitor, args.interval, live, period,
+                                args.summary_interval)
             ended = time.time()
         finally:
+            live.end()
             monitor.stop()
-        code = os.waitstatus_to_exitcode(status)
-        exit_code = 128 - code if code < 0 else code
+        if pid is None:
+            exit_code = 0
+        else:
+            code = os.waitstatus_to_exitcode(status)
+            exit_code = 128 - code if code < 0 else code
         _report(args, cmd, summary, exit_code, started, ended)
         return exit_code
     finally:
         while signal.sigtimedwait(WAITED, 0) is not None:
-            pass  # drop signals that arrived after the child ended
+            pass  # drop signals that arrived after the end
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
-def _supervise(pid: int, monitor: Any, interval: float) -> int:
-    """Log a row every ``interval`` s, forward signals; returns the child's wait status."""
+def _supervise(pid: int | None, monitor: Any, interval: float, live: _LiveLine,
+               period: PeriodSummary | None, summary_interval: float | None) -> int:
+    """Log a row every ``interval`` s (``record/elapsed_s`` from now) and forward signals to
+    the child; returns the child's wait status, or 0 beside a training once a signal to stop
+    came."""
+    t0 = time.monotonic()
     step = 0
-    next_log = time.monotonic() + interval
-    last_log = time.monotonic()
+    next_log = t0 + interval
+    last_log = t0
+    next_summary = t0 + summary_interval if summary_interval else None
+
+    def mark(now: float) -> None:
+        nonlocal step
+        step += 1
+        monitor.log(step, **{ELAPSED_KEY: round(now - t0, 6)})
+
     while True:
-        info = signal.sigtimedwait(WAITED, max(0.0, min(next_log - time.monotonic(), 1.0)))
-        if info is not None and info.si_signo != signal.SIGCHLD:
-            _forward(info, pid)
-        wpid, status = os.waitpid(pid, os.WNOHANG)
+        wake = next_log if next_summary is None else min(next_log, next_summary)
+        info = signal.sigtimedwait(WAITED, max(0.0, min(wake - time.monotonic(), 1.0)))
         now = time.monotonic()
-        if wpid == pid:
-            if now - last_log > 0.05 * interval or step == 0:
-                monitor.log(step + 1)  # the tail since the last row
-            return status
+        if pid is None:
+            if info is not None and info.si_signo != signal.SIGCHLD:
+                if now - last_log > 0.05 * interval or step == 0:
+                    mark(now)  # the tail since the last row
+                return 0
+        else:
+            if info is not None and info.si_signo != signal.SIGCHLD:
+                _forward(info, pid)
+            wpid, status = os.waitpid(pid, os.WNOHANG)
+            if wpid == pid:
+                if now - last_log > 0.05 * interval or step == 0:
+                    mark(now)  # the tail since the last row
+                return status
         if now >= next_log:
-            step += 1
-            monitor.log(step)
+            mark(now)
+            live.show(now - t0)
             last_log = now
             next_log += interval
             if next_log < now:  # fell behind (suspended): restart the cadence
                 next_log = now + interval
+        if next_summary is not None and period is not None and now >= next_summary:
+            _print_period(period, summary_interval or 0.0, now - t0, live)
+            next_summary += summary_interval or 0.0
+            if next_summary < now:
+                next_summary = now + (summary_interval or 0.0)
+
+
+class _LiveLine:
+    """The live line beside a training: the newest sample of each GPU, on stderr."""
+
+    def __init__(self, monitor: Any, *, enabled: bool) -> None:
+        self.monitor = monitor
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self._open = False
+
+    def show(self, elapsed: float) -> None:
+        if not self.enabled:
+            return
+        line = live_text(self.monitor.latest(), elapsed)
+        if self.tty:
+            sys.stderr.write("\r" + line + "\x1b[K")
+            self._open = True
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        """End a line rewritten in place, so what follows starts on a line of its own."""
+        if self._open:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self._open = False
+
+
+def live_text(latest: dict[str, float], elapsed: float) -> str:
+    """``"[   12 s] gpu0 SM 45% 41.2 GB 320 W 61 C | gpu1 ..."`` from ``Monitor.latest()``;
+    a figure a GPU cannot report is left out."""
+    gpus: dict[str, dict[str, float]] = {}
+    for key, value in latest.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "gpu" and parts[1] != "all":
+            gpus.setdefault(parts[1], {})[parts[2]] = value
+    pieces = []
+    for gpu in sorted(gpus, key=lambda g: (len(g), g)):
+        m = gpus[gpu]
+        cells = [f"gpu{gpu}"]
+        if "sm_active_pct" in m:
+            cells.append(f"SM {m['sm_active_pct']:.0f}%")
+        elif "util_pct" in m:
+            cells.append(f"util {m['util_pct']:.0f}%")
+        if "mem_used_gb" in m:
+            cells.append(f"{m['mem_used_gb']:.1f} GB")
+        if "power_w" in m:
+            cells.append(f"{m['power_w']:.0f} W")
+        if "temp_c" in m:
+            cells.append(f"{m['temp_c']:.0f} C")
+        pieces.append(" ".join(cells))
+    body = " | ".join(pieces) if pieces else "no GPU figures"
+    return f"[{elapsed:6.0f} s] {body}"
+
+
+def _print_period(period: PeriodSummary, seconds: float, elapsed: float,
+                  live: _LiveLine) -> None:
+    from gpulens.report.text import duration, render_text
+
+    result = period.take()
+    if result is None:
+        return
+    result.steps = result.first_step = result.last_step = None
+    result.energy_per_step_j = result.step_time_mean_s = None
+    live.end()
+    sys.stderr.write(render_text(result, f"gpulens record: the last {seconds:g} s "
+                                          f"(after {duration(elapsed)})"))
+    sys.stderr.flush()
 
 
 def _report(args: argparse.Namespace, cmd: list[str], summary: Any, exit_code: int,
@@ -146,10 +370,14 @@ def _report(args: argparse.Namespace, cmd: list[str], summary: Any, exit_code: i
     result = summary.result(work=args.work, unit=args.unit)
     # rows here are wall-clock intervals, not training steps
     result.steps = result.first_step = result.last_step = None
-    result.energy_per_step_j = None
-    title = ("gpulens record: " + " ".join(" ".join(cmd).split()))[:160]
+    result.energy_per_step_j = result.step_time_mean_s = None
+    if cmd:
+        title = ("gpulens record: " + " ".join(" ".join(cmd).split()))[:160]
+        ending = f" (exit code {exit_code})"
+    else:
+        title, ending = "gpulens record (beside a training)", ""
     if not args.quiet:
-        sys.stderr.write(render_text(result, title + f" (exit code {exit_code})"))
+        sys.stderr.write(render_text(result, title + ending))
         sys.stderr.flush()
     if args.summary_json:
         data = {"command": cmd, "exit_code": exit_code, "started": started, "ended": ended,

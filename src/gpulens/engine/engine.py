@@ -30,6 +30,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -39,13 +40,13 @@ from gpulens.engine.sampler import MAX_MARKS, GpuState, Mark, Sampler
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import STALL_S, SinkStats, StepLogger
 from gpulens.errors import NvmlUnavailable
-from gpulens.sinks.base import GpuInfo, Row, RunContext, Sink
+from gpulens.sinks.base import Event, Row, RunContext, Sink
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
 
 ENERGY_PROBE_S = 0.35
-"""How long ``start`` reads each GPU's energy counter back to back to learn how often it
-changes (all GPUs at once, in threads)."""
+"""How long the engine reads each GPU's energy counter back to back, once sampling has begun,
+to learn how often it changes (all GPUs at once, in threads; until then 0.1 s, an H200's)."""
 
 
 RowBack = Callable[[Row, bool], None]
@@ -66,6 +67,9 @@ class Engine:
         self._finisher: Finisher | None = None
         self._merged: queue.SimpleQueue[Row | None] = queue.SimpleQueue()
         self._merged_thread: threading.Thread | None = None
+        self._probe: threading.Thread | None = None
+        self._notes: list[Event] = []
+        self._notes_lock = threading.Lock()
         self.context: RunContext | None = None
         self.torch_indices: list[int] = []
 
@@ -88,12 +92,6 @@ class Engine:
                     states.append(GpuState(key=key, device=device,
                                            info=device.info(key, visible.mig),
                                            torch_index=torch_index))
-            updates = _probe_energy_updates([s.device for s in states]) if spec.energy else {}
-            for state in states:
-                update = updates.get(id(state.device))
-                if update is not None:
-                    state.energy_update_s = update
-                    state.info = _with_update(state.info, update)
             infos = tuple(s.info for s in states)
             finisher = Finisher(spec, infos)
             context = RunContext(
@@ -130,12 +128,14 @@ class Engine:
             driver_samples=spec.driver_samples,
         )
         self._sampler.start(spec.step)
+        if spec.energy and states:
+            self._probe = threading.Thread(target=self._probe_energy, args=(states,),
+                                           name="gpulens-probe", daemon=True)
+            self._probe.start()
         self.torch_indices = [s.torch_index for s in states if s.torch_index is not None]
         logger.info("gpulens: engine sampling %d GPU(s) via %s (%s)", len(states),
-                    context.backend, ", ".join(
-                        f"GPU {s.key}: {s.info.name}"
-                        + (f", energy counter every {s.energy_update_s * 1000:.0f} ms"
-                           if id(s.device) in updates else "") for s in states) or "no GPU")
+                    context.backend,
+                    ", ".join(f"GPU {s.key}: {s.info.name}" for s in states) or "no GPU")
         return context, self.torch_indices
 
     def _open_source(self) -> NvmlSource | None:
@@ -191,8 +191,34 @@ class Engine:
             return
         self._write(row)
 
+    def _probe_energy(self, states: list[GpuState]) -> None:
+        """Learn how often each GPU's energy counter changes (read back to back, all GPUs at
+        once, while sampling goes on) and tell it in the next row (a notice event)."""
+        found = _probe_energy_updates([s.device for s in states])
+        notes: list[Event] = []
+        for state in states:
+            update = found.get(id(state.device))
+            if update is None:
+                continue
+            state.energy_update_s = update
+            if state.energy is not None:
+                state.energy.update_s = update
+            notes.append(Event(
+                kind="notice", name="energy_counter", state="info", step=-1, time=time.time(),
+                severity="info",
+                message=f"GPU {state.key}'s energy counter changes every "
+                        f"{update * 1000:.0f} ms; its reads are placed half that earlier",
+                data={f"gpu/{state.key}/energy_update_s": update}))
+        with self._notes_lock:
+            self._notes.extend(notes)
+
     def _write(self, row: Row) -> None:
         finisher, steplogger = self._finisher, self._steplogger
+        if self._notes:
+            with self._notes_lock:
+                notes, self._notes = self._notes, []
+            row = replace(row, events=row.events + tuple(
+                replace(n, step=row.step) for n in notes))
         if finisher is not None:
             row = finisher.finish(row)
         if steplogger is not None:
@@ -221,6 +247,8 @@ class Engine:
         sampler, self._sampler = self._sampler, None
         if sampler is None:
             return
+        if self._probe is not None:  # it reads the devices about to close
+            self._probe.join(ENERGY_PROBE_S + 5.0)
         sampler.stop(timeout=11.0)
         for state in sampler.gpus:
             state.device.close()
@@ -293,5 +321,3 @@ def _probe_energy_updates(devices: list[NvmlDevice]) -> dict[int, float]:
     return out
 
 
-def _with_update(info: GpuInfo, update_s: float) -> GpuInfo:
-    return replace(info, energy_update_s=update_s)

@@ -8,7 +8,10 @@ stays light:
 * :mod:`gpulens.integrations.pytorch_lightning`: the same callback for the standalone
   ``pytorch_lightning`` package (its ``Callback`` class is a different class).
 * :mod:`gpulens.integrations.hydra`: ``from_config(cfg)`` and the ``gpu_monitor`` structured config.
-* :mod:`gpulens.integrations.verl`: hand finished rows back to a trainer's own tracking logger.
+* :mod:`gpulens.integrations.verl`: ``MergingLogger``, GPU rows beside a trainer's own
+  ``logger.log(data, step)`` calls (verl's ``Tracking``, an ``Accelerator``, ...).
+* :mod:`gpulens.integrations.accelerate`: ``attach(accelerator)``, GPU rows into the trackers an
+  Accelerate ``Accelerator`` started, on the user's ``accelerator.log`` steps.
 
 The callbacks only translate hooks into ``Monitor.start`` / ``log`` / ``stop`` and time the
 phases of a step with :class:`gpulens.integrations.phases.StepPhases`.

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from gpulens._warn import warn_once
 from gpulens.integrations.phases import StepPhases
 from gpulens.monitor import Monitor
 from gpulens.sinks.base import Row, RunContext, Sink
@@ -34,13 +35,21 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
     window covers every batch since the previous row. Each row reaches each logger through
     ``logger.log_metrics(metrics, step=...)`` on the training thread, one log call later than
     it is taken (rows are summarised in a background thread) and at the latest when training
-    ends. Only global rank 0 writes; every rank samples its own GPU and takes part in the row
+    ends. The first window starts when training starts (at a resumed fit, at the restored
+    step), so the first row's ``perf/steps`` counts exactly the optimizer steps it covers.
+    Only global rank 0 writes; every rank samples its own GPU and takes part in the row
     (``Monitor.log`` is then a collective, called on every rank by this callback); the row holds
     every rank's GPU, the ``perf/*`` phase keys are rank 0's.
 
     Keys, besides the per-GPU and host keys of :mod:`gpulens.schema` and the core's
     ``perf/step_time_s`` / ``perf/energy_per_step_j``:
 
+    * ``train/<name>`` for each metric Lightning logs to its loggers at that step
+      (``trainer.logged_metrics``: what the module's ``self.log(..., on_step=True)`` gave, e.g.
+      ``train/loss`` for ``self.log("loss", ...)``; names that hold a ``/`` are kept as they
+      are) and ``train/epoch``, for the extra ``sinks`` (a JSONL record then has the loss, the
+      step count and the step time). The loggers get them from Lightning itself, so rows sent
+      to the loggers leave ``train/*`` out.
     * ``perf/data_wait_pct``, ``perf/data_wait_s``: from the end of this callback's
       ``on_train_batch_end`` (or of ``on_validation_end`` / ``on_train_epoch_start`` after it) to
       its ``on_train_batch_start`` of the next batch: fetching the next batch, moving it to the
@@ -130,7 +139,10 @@ class GPUMonitorHooks:
             sinks.extend(self.sinks)
         monitor = self._settings.with_sinks(sinks)
         self._last_step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
-        monitor.start(step=self._last_step)  # a resumed fit starts its windows there
+        # Rows are stamped with Lightning's logging step, which counts the optimizer steps
+        # *before* the batch (4 after the fifth): a window that starts with training (or at a
+        # resumed fit's restored step) starts one below, so the first row counts every step.
+        monitor.start(step=self._last_step - 1)
         self.monitor = monitor
         self._finalizer = weakref.finalize(self, monitor.stop)
         if self.time_phases:
@@ -182,12 +194,31 @@ class GPUMonitorHooks:
         step, will_log = _lightning_log_step(trainer)
         if not will_log:
             return
-        scalars: dict[str, float] = {}
+        scalars: dict[str, Any] = _logged_metrics(trainer)
         if self._phases is not None:
             # steps in the window: optimizer steps since the previous row, this one included
             scalars.update(self._phases.collect(step + 1 - self._last_step))
         monitor.log(step, **scalars)
         self._last_step = step + 1
+
+
+def _logged_metrics(trainer: Any) -> dict[str, Any]:
+    """What Lightning's logger connector hands the loggers for this step (the module's
+    step-level ``self.log`` values, tensors left as they are: the monitor converts them off the
+    training thread) and the epoch, as Lightning adds it."""
+    out: dict[str, Any] = {}
+    try:
+        metrics = trainer.logged_metrics
+    except Exception as exc:
+        warn_once("lightning-logged-metrics", "gpulens: Lightning's logged metrics cannot be "
+                  "read (%r); rows carry no train/* keys", exc)
+        metrics = {}
+    for name, value in dict(metrics).items():
+        if name in ("epoch", "step"):
+            continue
+        out[name] = value
+    out["epoch"] = int(trainer.current_epoch)
+    return out
 
 
 def _lightning_log_step(trainer: Any) -> tuple[int, bool]:

@@ -25,14 +25,25 @@ What it does, hook by hook:
   steps. ``global_step`` counts optimizer steps, so under gradient accumulation a step is
   ``gradient_accumulation_steps`` micro-batches. Evaluation logs (``eval_*``) make no row: their
   time falls into the next training window.
-* ``on_log`` with the end-of-training summary (``train_runtime``), which Hugging Face emits
-  before ``on_train_end``: writes a last row if optimizer steps ran since the previous training
-  log, then stops the monitor, flushing every row while the MLflow run is still open
-  (``MLflowCallback.on_train_end`` ends it before user callbacks run).
-* ``on_train_end``: stops the monitor (idempotent). Hugging Face has no exception hook: if
-  ``train()`` raises, the monitor is stopped (rows flushed, threads ended) when the callback is
-  garbage-collected or, at the latest, at interpreter exit (``weakref.finalize``); a new
-  ``train()`` call stops a monitor left running by a failed one before starting afresh.
+* ``on_train_end``, Hugging Face's own end-of-training signal (not a key of the logs: other
+  options add ``train_runtime`` to every log): writes a last row if optimizer steps ran since
+  the previous training log (with the numbers of the end-of-training summary, ``train_loss``
+  ...), then stops the monitor, which writes every row still waiting. ``MLflowCallback`` has
+  ended its run by then (it runs first); MLflow still takes metrics into an ended run, so the
+  rows land there. Hugging Face has no exception hook: if ``train()`` raises, the monitor is
+  stopped (rows flushed, threads ended) when the callback is garbage-collected or, at the
+  latest, at interpreter exit (``weakref.finalize``); a new ``train()`` call stops a monitor
+  left running by a failed one before starting afresh.
+
+Every ``train()`` call gets its own monitor, and its rows go into the runs Hugging Face writes
+that call's loss to: a second ``train()`` on the same Trainer, a resume from a checkpoint
+(``resume_from_checkpoint``: the first window starts at the restored ``global_step``, so its
+per-step figures count only the steps run), and hyper-parameter search trials (W&B: the
+trial's own run). ``MLflowCallback`` starts an MLflow run only in its first ``on_train_begin``;
+in a later ``train()`` MLflow would make one at Hugging Face's first log. When ``report_to``
+holds ``"mlflow"`` and no MLflow run is active at ``on_train_begin``, this callback starts it
+then (``mlflow.start_run(run_name=args.run_name)``, in the same experiment), so that Hugging
+Face's loss and the GPU rows share it, and ends it at ``on_train_end`` if it is still active.
 
 Distributed jobs: every rank samples its own GPU and every rank calls ``monitor.log`` (a
 collective); Hugging Face calls ``on_log`` on every rank. Only ``state.is_world_process_zero``
@@ -71,6 +82,7 @@ from typing import Any
 
 from gpulens.integrations.phases import StepPhases
 from gpulens.monitor import Monitor
+from gpulens.sinks import check_sinks
 from gpulens.sinks.base import Sink
 from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
@@ -125,6 +137,8 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.monitor: Monitor | None = None
         self._phases: StepPhases | None = None
         self._last_logged_step = 0
+        self._tail: tuple[int, dict[str, float]] | None = None
+        self._mlflow_run: Any = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -132,7 +146,11 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self._stop()  # a previous train() that raised left it running
         sinks = self._sinks_for(args) if state.is_world_process_zero else []
         monitor = self._settings.with_sinks(sinks)
+        check_sinks(monitor.sinks)  # a one-line error before any run or file is made
+        if state.is_world_process_zero and self._follows(args, "mlflow"):
+            self._mlflow_run = _ensure_mlflow_run(args)
         self._last_logged_step = int(state.global_step)
+        self._tail = None
         monitor.start(step=self._last_logged_step)  # a resumed run starts its windows there
         self.monitor = monitor
         self._finalizer = weakref.finalize(self, monitor.stop)
@@ -142,7 +160,20 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             self._phases.resume()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        monitor = self.monitor
+        step = int(state.global_step)
+        if monitor is not None and step > self._last_logged_step:
+            # the steps since the last training log (or every step, with logging_strategy
+            # "no"): a last row, with the end-of-training summary's numbers if it came now
+            tail = self._tail[1] if self._tail is not None and self._tail[0] == step else {}
+            if self._phases is not None:
+                tail = {**tail, **self._phases.collect(step - self._last_logged_step)}
+            monitor.log(step, **tail)
+            self._last_logged_step = step
         self._stop()
+        run, self._mlflow_run = self._mlflow_run, None
+        if run is not None:
+            _end_mlflow_run(run)
 
     def _stop(self) -> None:
         if self._finalizer is not None:
@@ -150,6 +181,7 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             self._finalizer = None
         self.monitor = None
         self._phases = None
+        self._tail = None
 
     # -- step anatomy ----------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -190,36 +222,58 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         if monitor is None or not logs:
             return
         step = int(state.global_step)
-        final = "train_runtime" in logs
-        if "loss" in logs or (final and step > self._last_logged_step):
-            scalars = {k: float(v) for k, v in logs.items() if _is_number(v)}
+        scalars = {k: float(v) for k, v in logs.items() if _is_number(v)}
+        if "loss" in logs:
             if self._phases is not None:
                 scalars.update(self._phases.collect(step - self._last_logged_step))
             monitor.log(step, **scalars)
             self._last_logged_step = step
-        if final:
-            # Flush now: MLflowCallback.on_train_end (called before ours) ends its run.
-            self._stop()
-        else:
-            self._resume()
+            self._tail = None
+        elif not any(k.startswith("eval_") for k in logs) and step > self._last_logged_step:
+            # another log between training logs, e.g. the end-of-training summary: its numbers
+            # go into the row that on_train_end writes for the steps since the last one
+            self._tail = (step, scalars)
+        self._resume()
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _follows(self, args: Any, tracker: str) -> bool:
+        return self.follow_report_to and tracker in list(getattr(args, "report_to", None) or ())
+
     def _sinks_for(self, args: Any) -> list[str | Sink]:
         sinks: list[str | Sink] = []
-        report_to = list(getattr(args, "report_to", None) or ())
-        if self.follow_report_to:
-            # the runs HF's WandbCallback / MLflowCallback started in on_train_begin (called
-            # before ours); they log HF's loss etc. themselves, so rows skip train/*
-            if "wandb" in report_to:
-                sinks.append(WandbSink(include_train=False))
-            if "mlflow" in report_to:
-                sinks.append(MlflowSink(include_train=False))
+        # the runs HF's WandbCallback / MLflowCallback started in on_train_begin (called
+        # before ours); they log HF's loss etc. themselves, so rows skip train/*
+        if self._follows(args, "wandb"):
+            sinks.append(WandbSink(include_train=False))
+        if self._follows(args, "mlflow"):
+            sinks.append(MlflowSink(include_train=False))
         sinks.extend(self.sinks)
         if not sinks:
             path = os.path.join(str(args.output_dir), "gpulens.jsonl")
             log.info("gpulens: no W&B/MLflow in report_to and no sinks given; rows go to %s", path)
             sinks.append(f"jsonl:{path}")
         return sinks
+
+
+def _ensure_mlflow_run(args: Any) -> Any:
+    """The MLflow run Hugging Face will log this ``train()`` call's loss to, started here when
+    none is active (see the module docstring); ``None`` when one is active already."""
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        return None
+    run = mlflow.start_run(run_name=getattr(args, "run_name", None))
+    log.info("gpulens: started MLflow run %s for this train() call (Hugging Face's "
+             "MLflowCallback starts one only for the first)", run.info.run_id)
+    return run
+
+
+def _end_mlflow_run(run: Any) -> None:
+    import mlflow
+
+    active = mlflow.active_run()
+    if active is not None and active.info.run_id == run.info.run_id:
+        mlflow.end_run()
 
 
 def _is_number(value: Any) -> bool:

@@ -1,26 +1,45 @@
-"""GPU rows merged into a trainer's own tracking call, verl style.
+"""GPU rows beside a trainer's own tracking calls, verl style.
 
 Trainers such as verl's ``RayPPOTrainer`` log once per step through their own tracking object::
 
     logger.log(data=metrics, step=global_step)   # -> wandb.log(data, step=step), mlflow, console
 
-A second writer to the same W&B run would have to log on its own W&B step (W&B's step is the
-trainer's ``global_step`` there) and would push it. :class:`MergingLogger` instead puts the GPU
-keys *into that same call*: it wraps the tracking object, ends the GPU window at each ``log``
-and forwards ``data`` together with the GPU row of the same step::
+:class:`MergingLogger` wraps that object: each ``log`` ends the GPU window of ``step`` and goes
+on to the wrapped logger at once, untouched; the GPU row of that step follows as a call of its
+own, ``logger.log(gpu_row, step=step)``, as soon as it is finished and seen::
 
     from gpulens.integrations.verl import MergingLogger
 
     logger = MergingLogger.from_config(Tracking(...), config)   # off unless the config says so
     for step in ...:
         logger.log(data=metrics, step=step)
-    logger.close()
+    # close() is optional: rows still waiting go out when the logger is dropped or at exit
 
-Rows are finished by the monitor's sampler a little after the step ends (up to about
-``max(1 s, interval) + 0.2 s``: the window needs the data that covers it), so each call reaches
-the wrapped logger once its row is ready, at a later ``log`` call or at ``close``; calls keep their
-order and each step is logged exactly once. A row that has not come after ``max_delay_s`` is
-given up on: the call goes out without GPU keys (counted in ``rows_missing``).
+Rows and calls, in order:
+
+* The trainer's call is forwarded at once, unless a GPU row of an *earlier* step is still on
+  its way: trackers that take ``step=`` (W&B) drop a call for a step below their current one,
+  so the earlier row goes first.  Rows are finished a little after their step ends (up to about
+  ``max(1 s, interval) + 0.2 s``) and are seen at the next ``log`` call; with verl's steps of
+  many seconds each row goes out at the next call, before the next step's metrics, and nothing
+  waits.  With steps shorter than that, a call waits (at most ``max_delay_s``) for the row
+  before it; a row that does not come in time is given up on (``rows_missing``).
+* Both calls of one step reach W&B with the same ``step=`` (one record), MLflow with the same
+  step.  Several calls for one step (verl's SFT trainer logs training, then validation, at
+  the same step) end one GPU window: only the first ends it, the others pass straight through.
+* Nothing is lost when the trainer never calls :meth:`MergingLogger.close`: the rows still
+  waiting are written when the ``MergingLogger`` is garbage-collected (verl's ``fit()`` keeps
+  its logger in a local variable, dropped when ``fit()`` returns) or, at the latest, at
+  interpreter exit (an ``atexit`` hook registered after ``wandb.init`` and the monitor's
+  start, so it runs before W&B's and the monitor's own exit hooks).  An exception in
+  ``fit()`` keeps the logger alive in its traceback until exit; the rows are written then.
+* The first window starts at the first ``log`` call (that call carries no GPU row), so a
+  resumed run's first row counts only the steps it ran; pass ``start_step`` to start the
+  window when the ``MergingLogger`` is made instead (the step the run resumes from).
+* GPU keys go only to the backends named in ``gpu_backends``.  Default: every backend of a
+  verl ``Tracking`` (its ``logger`` dict) except ``"console"``, through ``Tracking.log``'s
+  ``backend=`` argument; a tracking object without backends (an Accelerate ``Accelerator``,
+  your own) gets the GPU calls itself.
 
 In verl the training loop runs in the driver process, which sees every GPU of its node, so the
 driver's monitor (``gpus=None``) watches the node's GPUs while Ray workers train on them.
@@ -28,19 +47,28 @@ driver's monitor (``gpus=None``) watches the node's GPUs while Ray workers train
 
 from __future__ import annotations
 
+import atexit
+import inspect
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gpulens._warn import logger as _log
 from gpulens.schema import STEP_KEY
+from gpulens.sinks import check_sinks
 from gpulens.sinks.base import Row, RunContext, Sink
 
 __all__ = ["MergingLogger", "RowHandoff", "TrackingLogger"]
 
+CONSOLE = "console"
+
 
 class TrackingLogger(Protocol):
-    """What :class:`MergingLogger` wraps: verl's ``Tracking`` and anything alike."""
+    """What :class:`MergingLogger` wraps: verl's ``Tracking`` (``log(data, step, backend=None)``),
+    Accelerate's ``Accelerator`` (``log(values, step=None)``) and anything alike."""
 
     def log(self, data: dict[str, Any], step: int) -> None: ...
 
@@ -81,38 +109,156 @@ class RowHandoff:
             del self._rows[s]
 
 
+@dataclass
+class _Call:
+    step: int
+    data: dict[str, Any] | None = None
+    """The trainer's own call; ``None`` for the GPU row of ``step`` (a placeholder until then)."""
+    since: float = field(default_factory=time.monotonic)
+
+
+class _State:
+    """What the finalizer needs: everything but the :class:`MergingLogger` itself."""
+
+    def __init__(self, logger: Any, monitor: Any, handoff: RowHandoff | None,
+                 gpu_backends: list[str] | None, rest_backends: list[str] | None,
+                 max_delay_s: float) -> None:
+        if monitor is not None and not monitor.running:
+            check_sinks(monitor.sinks)  # a one-line error before any sink opens
+        self.logger = logger
+        self.monitor = monitor
+        self.handoff = handoff
+        self.gpu_backends = gpu_backends
+        self.rest_backends = rest_backends
+        self.max_delay_s = max_delay_s
+        self.queue: deque[_Call] = deque()
+        self.rows_missing = 0
+        self.closed = False
+
+    def send(self, data: dict[str, Any], step: int, backends: list[str] | None) -> None:
+        if backends is None:
+            self.logger.log(data, step=step)
+        elif backends:
+            self.logger.log(data, step=step, backend=backends)
+
+    def forward(self, call: _Call) -> None:
+        """A call of the trainer's own: to every backend, as if unwrapped."""
+        assert call.data is not None
+        self.logger.log(call.data, step=call.step)
+
+    def pump(self, *, final: bool = False) -> None:
+        """Forward what can go, in order (see the module docstring)."""
+        now = time.monotonic()
+        handoff = self.handoff
+        while self.queue:
+            head = self.queue[0]
+            if head.data is not None:
+                self.queue.popleft()
+                self.forward(head)
+                continue
+            row = handoff.take(head.step) if handoff is not None else None
+            if row is None and not final and now - head.since < self.max_delay_s:
+                return  # its row is on its way: later calls wait behind it
+            self.queue.popleft()
+            if row is None:
+                self.rows_missing += 1
+                _log.debug("gpulens: the GPU row of step %d did not come", head.step)
+            elif self.gpu_backends is None or self.gpu_backends:
+                self.send(row, head.step, self.gpu_backends)
+            if handoff is not None:
+                handoff.discard_through(head.step)
+
+    def finish(self) -> None:
+        """Stop the monitor (every row is finished) and forward everything still waiting."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.monitor is not None and self.monitor.running:
+            self.monitor.stop()
+        self.pump(final=True)
+
+
+def _finish_quietly(state: _State) -> None:
+    """At garbage collection or interpreter exit: write what waits, never raise."""
+    try:
+        state.finish()
+    except Exception as exc:
+        _log.warning("gpulens: writing the last GPU rows to the tracking logger failed: %r", exc)
+
+
 class MergingLogger:
-    """Wraps a tracking logger so that each ``log(data, step)`` also carries the GPU keys of
-    that step (see the module docstring).
+    """Wraps a tracking logger: each ``log(data, step)`` reaches it unchanged, and the GPU row
+    of that step follows as a call of its own (see the module docstring).
 
     Args:
         logger: the trainer's tracking object (``log(data, step)``).
-        monitor: a :class:`gpulens.Monitor` (started here if it is not running) whose sinks
-            include ``handoff``; ``None``: calls pass straight through.
+        monitor: a :class:`gpulens.Monitor` whose sinks include ``handoff`` (started here when
+            it is not running: at the first ``log`` call, or now with ``start_step``); ``None``:
+            calls pass straight through.
         handoff: the :class:`RowHandoff` given to ``monitor``.
-        max_delay_s: the longest a call waits for its row before it goes out without one.
+        max_delay_s: the longest a call waits for the GPU row of an earlier step.
+        start_step: start the first GPU window now, after this step (a resumed run passes the
+            step it resumes from); ``None``: at the first ``log`` call.
+        gpu_backends: the backends of a verl ``Tracking`` that get the GPU keys; ``None``:
+            every backend but ``"console"``.  Ignored for a logger without backends.
+
+    Attributes:
+        rows_missing: GPU rows given up on (they did not come within ``max_delay_s``).
     """
 
     def __init__(self, logger: TrackingLogger, monitor: Any, handoff: RowHandoff | None = None,
-                 *, max_delay_s: float = 10.0) -> None:
+                 *, max_delay_s: float = 10.0, start_step: int | None = None,
+                 gpu_backends: Sequence[str] | None = None) -> None:
         if monitor is not None and (handoff is None or not _has_sink(monitor, handoff)):
             raise ValueError("MergingLogger: pass the RowHandoff that is among the monitor's "
                              "sinks (or build both with MergingLogger.from_config)")
         if not max_delay_s > 0:
             raise ValueError(f"max_delay_s must be > 0 seconds, got {max_delay_s!r}")
+        if start_step is not None and (isinstance(start_step, bool)
+                                       or not isinstance(start_step, int)):
+            raise ValueError(f"start_step must be a whole number, got {start_step!r}")
+        if monitor is not None and not monitor.running:
+            check_sinks(monitor.sinks)  # a one-line error before any sink opens
         self.logger = logger
         self.monitor = monitor
         self.handoff = handoff
         self.max_delay_s = float(max_delay_s)
-        self.rows_missing = 0
-        """Calls that went out without GPU keys because their row never came."""
-        self._pending: deque[tuple[int, dict[str, Any], float]] = deque()
-        if monitor is not None and not monitor.running:
-            monitor.start()
+        gpu, rest = _split_backends(logger, gpu_backends)
+        self._state = _State(logger, monitor, handoff, gpu, rest, self.max_delay_s)
+        self._last_step: int | None = None
+        self._window_open = monitor is not None and monitor.running
+        if monitor is not None and start_step is not None and not monitor.running:
+            monitor.start(step=start_step)
+            self._window_open = True
+        self._finalizer = self._make_finalizer()
+
+    def _make_finalizer(self) -> weakref.finalize[Any, Any]:
+        """Write what waits when this logger is garbage-collected, or at interpreter exit.
+
+        The exit hook is registered with ``atexit`` here, after ``wandb.init`` (made with the
+        tracking object, before this logger) and after the monitor started: ``atexit`` runs
+        the newest hook first, so the rows go out while W&B's service and the monitor still
+        run (``weakref.finalize``'s own exit hook may have been registered long before)."""
+        finalizer = weakref.finalize(self, _finish_quietly, self._state)
+        finalizer.atexit = False
+        atexit.register(finalizer)
+        return finalizer
+
+    def _renew_finalizer(self) -> None:
+        old = self._finalizer
+        old.detach()
+        atexit.unregister(old)
+        self._finalizer = self._make_finalizer()
+
+    @property
+    def rows_missing(self) -> int:
+        return self._state.rows_missing
 
     @classmethod
     def from_config(cls, logger: TrackingLogger, cfg: Any, *,
-                    sinks: Sequence[str | Sink] = (), max_delay_s: float = 10.0) -> MergingLogger:
+                    sinks: Sequence[str | Sink] = (), max_delay_s: float = 10.0,
+                    start_step: int | None = None,
+                    gpu_backends: Sequence[str] | None = None) -> MergingLogger:
         """Wrap ``logger``; GPU monitoring as :func:`gpulens.from_config` reads it from ``cfg``
         (off: calls pass straight through)."""
         from gpulens.integrations.hydra import from_config
@@ -120,27 +266,45 @@ class MergingLogger:
         handoff = RowHandoff()
         monitor = from_config(cfg, sinks=[handoff, *sinks])
         return cls(logger, monitor, handoff if monitor is not None else None,
-                   max_delay_s=max_delay_s)
+                   max_delay_s=max_delay_s, start_step=start_step, gpu_backends=gpu_backends)
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
-        """End the GPU window at ``step`` and forward ``data`` (with the GPU keys of ``step``)
-        to the wrapped logger once that row is finished.
+        """Forward ``data`` at ``step`` to the wrapped logger, and end the GPU window at ``step``
+        (the first call for a step only; the first call of all starts the window).
 
         Meant for the single process that owns the tracking logger (verl's driver); in a
         ``torchrun`` job use a framework callback or ``Monitor.log`` on every rank instead."""
-        if self.monitor is None:
-            self.logger.log(data=dict(data), step=step)
+        state = self._state
+        step = int(step)
+        call = _Call(step, dict(data))
+        monitor = self.monitor
+        if monitor is None or state.closed:
+            state.forward(call)
             return
-        self.monitor.log(step)
-        self._pending.append((int(step), dict(data), time.monotonic()))
-        self._forward(final=False)
+        placeholder: _Call | None = None
+        if not self._window_open:
+            monitor.start(step=step)  # the first window starts here, after this step
+            self._window_open = True
+            self._renew_finalizer()  # its exit hook now comes after the monitor's
+        elif self._last_step is None or step > self._last_step:
+            monitor.log(step)
+            placeholder = _Call(step)
+        self._last_step = step if self._last_step is None else max(self._last_step, step)
+        # the call goes before any waiting row of its own step or a later one
+        index = len(state.queue)
+        while index > 0 and state.queue[index - 1].data is None \
+                and state.queue[index - 1].step >= step:
+            index -= 1
+        state.queue.insert(index, call)
+        if placeholder is not None:
+            state.queue.append(placeholder)
+        state.pump()
 
     def close(self) -> None:
-        """Stop the monitor (every row is finished) and forward every call still waiting."""
-        if self.monitor is None:
-            return
-        self.monitor.stop()
-        self._forward(final=True)
+        """Stop the monitor (every row is finished) and forward every row still waiting.
+        Optional (see the module docstring); idempotent."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)
 
     def __enter__(self) -> MergingLogger:
         return self
@@ -148,23 +312,33 @@ class MergingLogger:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _forward(self, *, final: bool) -> None:
-        assert self.handoff is not None
-        now = time.monotonic()
-        while self._pending:
-            step, data, since = self._pending[0]
-            row = self.handoff.take(step)
-            if row is None and not final and now - since < self.max_delay_s:
-                return  # keep the order: later calls wait behind this one
-            self._pending.popleft()
-            if row is None:
-                self.rows_missing += 1
-            else:
-                data = {**row, **data}  # the trainer's own keys win on a clash
-            self.logger.log(data=data, step=step)
-            self.handoff.discard_through(step)
+
+def _split_backends(logger: Any, gpu_backends: Sequence[str] | None
+                    ) -> tuple[list[str] | None, list[str] | None]:
+    """(backends that get GPU rows, the others) for a logger with named backends (verl's
+    ``Tracking``: a ``logger`` dict and ``log(..., backend=)``), else ``(None, None)``."""
+    names = getattr(logger, "logger", None)
+    if not isinstance(names, Mapping) or not _takes_backend(logger):
+        return None, None
+    known = [str(n) for n in names]
+    if gpu_backends is None:
+        gpu = [n for n in known if n != CONSOLE]
+    else:
+        unknown = [b for b in gpu_backends if b not in known]
+        if unknown:
+            raise ValueError(f"gpu_backends {unknown} are not backends of this logger "
+                             f"(it has {known})")
+        gpu = list(gpu_backends)
+    return gpu, [n for n in known if n not in gpu]
+
+
+def _takes_backend(logger: Any) -> bool:
+    try:
+        params = inspect.signature(logger.log).parameters
+    except (TypeError, ValueError):
+        return False
+    return "backend" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _has_sink(monitor: Any, sink: Any) -> bool:
     return any(s is sink for s in getattr(monitor, "sinks", ()))
-

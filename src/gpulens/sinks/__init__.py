@@ -8,6 +8,7 @@ accepted as they are.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from typing import Any
 
 from gpulens.sinks.base import Event, GpuInfo, Row, RunContext, Sink
@@ -20,7 +21,8 @@ SINKS: dict[str, str] = {
     "dashboard": "gpulens.sinks.dashboard:DashboardSink",
 }
 
-__all__ = ["SINKS", "Event", "GpuInfo", "Row", "RunContext", "Sink", "resolve_sink"]
+__all__ = ["SINKS", "Event", "GpuInfo", "Row", "RunContext", "Sink", "check_sinks",
+           "resolve_sink"]
 
 
 def resolve_sink(spec: str | Sink) -> Sink:
@@ -42,3 +44,13 @@ def resolve_sink(spec: str | Sink) -> Sink:
     cls: Any = getattr(importlib.import_module(module_name), cls_name)
     sink: Sink = cls.from_spec(arg or None)
     return sink
+
+
+def check_sinks(sinks: Iterable[Any]) -> None:
+    """Call each sink's optional ``check()``: a sink that cannot work (W&B without a login, an
+    MLflow server that does not answer) raises a one-line ``ValueError`` before any sink opens
+    or any run is made (:meth:`gpulens.Monitor.start` calls this first)."""
+    for sink in sinks:
+        check = getattr(sink, "check", None)
+        if check is not None:
+            check()

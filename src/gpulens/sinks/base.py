@@ -5,10 +5,15 @@ Sinks run in the monitor's writer thread, except those whose ``on_training_threa
 true (W&B, whose ``wandb.log`` is not thread-safe): those are fed from the training thread the
 next time it calls ``log()`` or ``stop()``.
 
-A sink may also have ``remote_spec() -> ("module:Class", kwargs)``: how to rebuild it in
-gpulens's sampler process (``Monitor(isolation="process")``), which then writes it there and
-keeps its work off the training process (JSONL, MLflow).  Sinks without it are written in the
-training process, from rows the sampler process sends back.
+Optional parts of a sink:
+
+* ``remote_spec() -> ("module:Class", kwargs)``: how to rebuild it in gpulens's engine process
+  (``Monitor(isolation="process")``), which then writes it there and keeps its work off the
+  training process (JSONL, MLflow, the dashboard).  Sinks without it are written in the
+  training process, from rows the engine sends back.
+* ``check()``: called by ``Monitor.start()`` before any sink opens or any run is made; raises
+  a one-line ``ValueError`` saying how to fix a set-up that cannot work (W&B without a login,
+  an MLflow server that does not answer).
 """
 
 from __future__ import annotations
@@ -31,9 +36,6 @@ class GpuInfo:
     mig: str | None = None
     """The MIG instance this process uses on this GPU (``"MIG 3g.40gb (MIG-...)"``), if any:
     the metrics are the whole GPU's, which NVML alone gives."""
-    energy_update_s: float | None = None
-    """How often the GPU's energy counter changes (seconds, measured at start; ~0.1 on an
-    H200), ``None`` without a counter."""
     max_sm_clock_mhz: float | None = None
     """The SM clock's maximum (boost), MHz: the clock the datasheet peak assumes."""
     default_power_limit_w: float | None = None

@@ -13,12 +13,18 @@ import os
 import re
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 from gpulens.sinks.base import Row, RunContext
 
 _INVALID = re.compile(r"[^A-Za-z0-9_\-. /]")
 _BATCH = 1000  # MLflow's limit of metrics per log_batch call
+CHECK_TIMEOUT_S = 3.0
+"""How long :meth:`MlflowSink.check` waits for a tracking server to answer."""
 
 
 def mlflow_key(key: str) -> str:
@@ -65,6 +71,20 @@ class MlflowSink:
     def from_spec(cls, arg: str | None) -> MlflowSink:
         return cls(run_id=arg or None)
 
+    def check(self) -> None:
+        """``ValueError`` (one line), before anything is created, if the tracking store cannot
+        be reached: mlflow not installed; an ``http(s)://`` tracking server that does not answer
+        within ``CHECK_TIMEOUT_S`` (any HTTP answer counts, even an error status: only a
+        connection that fails means unreachable); a local store (``sqlite:///``, a path, or
+        ``file:``) in a folder that cannot be written.  Other schemes (``databricks``, ...)
+        are left to MLflow."""
+        try:
+            mlflow = import_mlflow()
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+        uri = self.tracking_uri or mlflow.get_tracking_uri()
+        check_tracking_uri(str(uri))
+
     def remote_spec(self) -> tuple[str, dict[str, Any]]:
         """How the sampler process rebuilds this sink, writing to the same run.
 
@@ -90,6 +110,8 @@ class MlflowSink:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         mlflow = import_mlflow()
+        if self.run_id is None and mlflow.active_run() is None:
+            self.check()  # before a run is made: a one-line error, not MLflow's retries
         from mlflow.tracking import MlflowClient
 
         uri = self.tracking_uri or mlflow.get_tracking_uri()
@@ -146,3 +168,37 @@ class MlflowSink:
         if self._owned and self._client is not None and self.run_id is not None:
             self._client.set_terminated(self.run_id)
         self._client = None
+
+
+def check_tracking_uri(uri: str) -> None:
+    """``ValueError`` (one line) if the MLflow tracking store at ``uri`` cannot be reached or
+    written (see :meth:`MlflowSink.check`)."""
+    parsed = urllib.parse.urlparse(uri)
+    scheme = parsed.scheme.lower()
+    hint = "start it, or point MLFLOW_TRACKING_URI at a server that runs"
+    if scheme in ("http", "https"):
+        url = uri.rstrip("/") + "/health"
+        try:
+            with urllib.request.urlopen(url, timeout=CHECK_TIMEOUT_S):
+                pass
+        except urllib.error.HTTPError:
+            return  # it answered
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ValueError(f"the mlflow sink cannot reach the MLflow tracking server at "
+                             f"{uri} ({reason}); {hint}") from None
+        return
+    if scheme in ("sqlite", "file", ""):
+        if scheme == "sqlite":
+            # sqlite:///relative.db, sqlite:////absolute.db
+            folder = Path(parsed.path[1:]).parent
+        elif scheme == "file":
+            folder = Path(urllib.request.url2pathname(parsed.path))
+        else:
+            folder = Path(uri)
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"the mlflow sink cannot write the MLflow store {uri}: "
+                             f"{str(existing)!r} is not a writable folder")

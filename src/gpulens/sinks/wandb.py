@@ -1,20 +1,76 @@
-"""W&B: rows into a wandb run, on ``train/global_step``.
+"""W&B: rows into a wandb run, beside the user's own logging and never in its way.
 
-``train/global_step`` is declared with ``define_metric`` as the x-axis of every gpulens key
-(``gpu/*``, ``host/*``, ``perf/*``, ``train/*``) and is in every row, so GPU charts sit on the
-same axis as the loss.  ``step=`` is never passed, so W&B's own step is never pushed ahead of
-the training's.  ``wandb.log`` is not thread-safe: this sink is written from the training
-thread (``on_training_thread``), inside ``Monitor.log()``/``stop()``.
+How W&B counts steps (wandb 0.31, ``wandb-core``'s handling of ``run.log``): a run has one
+pending history record at its current step ``S``.  ``run.log(d)`` (no ``step=``) adds ``d`` to
+it and commits it (``S += 1``); ``run.log(d, step=n)`` commits the pending record first if
+``n > S`` and moves ``S`` to ``n``, adds ``d`` and leaves it pending (unless ``commit=True``),
+and **drops** ``d`` with a warning if ``n < S``; ``run.log(d, commit=False)`` only adds ``d`` to
+the pending record.  A key logged twice into one record keeps the second value.
+
+So a second writer that commits records of its own moves ``S`` ahead of a user who passes
+``step=``, and W&B drops the user's next log ("Tried to log to step 11 that is less than the
+current step 12").  This sink never does that while training runs:
+
+* **Attach, don't commit.** A row is added to the pending record with ``commit=False``: it
+  goes out with the user's next ``run.log`` (or with ``run.finish()``), on the user's step,
+  and ``S`` does not move.  The user's values stay on the user's steps, whether they pass
+  ``step=`` or not, use ``define_metric`` or not, log by hand or through Hugging Face,
+  Lightning, Accelerate or verl.
+* **At most one row per record.** A second row while the first still waits in the pending
+  record would overwrite its keys.  It waits in this sink's queue until the user's next log
+  gives it a record of its own, unless a record of its own is known to be safe: then the
+  pending record is committed and the row waits in the next one (``run.log(row,
+  step=S + 1)``).  Safe means ``S + 1`` is at most one past the newest step of the rows
+  written (the user has passed that step: rows are finished a little after their step).
+  When the user does not log to W&B, or logs less often than rows come, every row gets its
+  record at once (the rows vouch for their steps); when the user logs every step, each user
+  record carries one row (the engine finishes a row about a quarter of a second after its
+  ``log()``, so rows come one per step, not in bursts).
+* **Its own x-axis.** A row lands in whichever record is free, usually one or more user logs
+  after its training step, so ``_step`` says nothing about it.  Each row carries its training
+  step as ``gpulens/step`` (hidden) and every key it writes is declared with
+  ``define_metric(key, step_metric="gpulens/step")``, one name at a time (W&B matches a glob
+  such as ``gpu/*`` with ``filepath.Match``, where ``*`` does not cross ``/``, and picks among
+  matching globs in no fixed order). GPU charts therefore show the same step numbers as the
+  loss (when the loop passes the same step to :meth:`gpulens.Monitor.log` as to its own
+  logging).  ``train/global_step`` is never written here: Hugging Face logs that key itself,
+  and a value merged into its record would overwrite it.  Rows of a wall-clock record
+  (``gpulens record``) use ``record/elapsed_s`` instead (:attr:`WandbSink.step_metric`).
+* **At close** every row still queued gets a record (each commit moves ``S`` by one) and the
+  last one stays in the pending record, for ``run.finish()`` or the user's next log.  A run
+  this sink started itself is finished.
+
+Limits.  Rows that wait in the queue reach W&B later (not on a wrong step: ``gpulens/step``
+says where they belong); the queue holds at most ``MAX_QUEUE`` rows, beyond which the oldest
+waiting row is overwritten by the next one in the same record (counted in
+:attr:`WandbSink.rows_overwritten`, with a warning).  That takes rows coming faster than
+the user logs for a long time (an engine starved of CPU that finishes rows in bursts).  After
+``stop()`` W&B's step can be a few steps past the last training step (the rows still
+queued): a later ``wandb.log(..., step=s)`` lands if ``s`` is above it, or if it passes no
+``step=`` (the step it reached is logged at INFO).  A user who passes ``step=`` in a unit
+other than the steps given to ``Monitor.log`` (epochs) should keep GPU rows out of W&B or log
+them the same way.  Rows share records with the user's values, so a key both write (say
+``train/loss`` passed to ``Monitor.log`` and logged by hand) keeps only one of them in that
+record: give such a scalar to one of the two, or use ``include_train=False``.  In W&B's
+"shared" mode (several processes write one run, and W&B numbers
+the steps) rows are simply logged.
+
+``wandb.log`` is not thread-safe: this sink is written from the training thread
+(``on_training_thread``), inside ``Monitor.log()``/``stop()``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
+from gpulens._warn import logger as _log
+from gpulens._warn import warn_once
 from gpulens.schema import STEP_KEY
 from gpulens.sinks.base import Row, RunContext
 
-_PREFIXES = ("gpu/*", "host/*", "perf/*", "train/*")
+AXIS_KEY = "gpulens/step"
+"""The hidden x-axis of every key this sink writes: the row's training step."""
 
 
 def import_wandb() -> Any:
@@ -25,22 +81,81 @@ def import_wandb() -> Any:
     return wandb
 
 
+def check_wandb_login() -> None:
+    """``ValueError`` (one line) when ``wandb.init`` would fail for want of a login: W&B is
+    online and no API key is configured (environment, ``~/.netrc``, W&B's settings).
+
+    Nothing is created.  When W&B's way of finding credentials cannot be asked (another wandb
+    version), nothing is said and ``wandb.init`` decides.
+    """
+    wandb = import_wandb()
+    if wandb.run is not None:
+        return
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate
+
+        settings = wandb_setup.singleton().settings
+        if settings.mode in ("offline", "dryrun", "disabled"):
+            return  # no login needed
+        auth = authenticate.authenticate_session(host=settings.base_url, source="gpulens",
+                                                 prompt=False, update_session=False)
+    except ImportError:
+        return
+    except Exception as exc:  # a malformed key file, ...: W&B's own message, on one line
+        raise ValueError(f"the wandb sink cannot log in to W&B: {_one_line(exc)}") from None
+    if auth is None:
+        raise ValueError(
+            "the wandb sink needs a W&B login, and none is configured: run `wandb login` (or "
+            "set WANDB_API_KEY), or log offline with WANDB_MODE=offline")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+MAX_QUEUE = 10_000
+"""Rows :class:`WandbSink` keeps waiting for a record of their own."""
+
+
 class WandbSink:
     """Logs rows to ``run`` (default: the active ``wandb.run``, else ``wandb.init()`` from W&B's
-    own environment settings, finished again at close).
+    own environment settings, finished again at close). See the module docstring for how rows
+    join the user's steps.
+
+    Keys written: every key of the row (``gpu/*``, ``host/*``, ``perf/*``, ``train/*`` unless
+    ``include_train`` is off, ...) except ``train/global_step``, plus ``gpulens/step`` (the
+    row's step) or, for wall-clock rows, their ``record/elapsed_s``.
 
     Args:
         run: a wandb run to log to.
         include_train: also write the ``train/*`` scalars.  Integrations whose framework logs
-            loss to W&B itself turn this off, so each point is logged once.
+            loss to W&B itself turn this off, so each point is logged once and never lands on
+            the framework's own key in the same record.
     """
 
     on_training_thread = True
+
+    step_metric: str = AXIS_KEY
+    """The x-axis of the keys written: ``"gpulens/step"`` (the row's training step, written
+    into each record) or a key the rows carry themselves (``"record/elapsed_s"``)."""
 
     def __init__(self, run: Any | None = None, *, include_train: bool = True) -> None:
         self._run = run
         self._owned = False
         self.include_train = include_train
+        self.rows_overwritten = 0
+        """Rows overwritten in W&B by a later one (the queue was full)."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self._defined: set[str] = set()
+        self._queue: deque[dict[str, float]] = deque()
+        self._attached_at: int | None = None
+        """W&B step of the pending record that holds a row of ours, if any."""
+        self._newest_step: int | None = None
+        self._shared = False
 
     @classmethod
     def from_spec(cls, arg: str | None) -> WandbSink:
@@ -48,28 +163,118 @@ class WandbSink:
             raise ValueError(f"the wandb sink takes no argument, got 'wandb:{arg}'")
         return cls()
 
+    def check(self) -> None:
+        """``ValueError`` (one line), before anything is created, if ``open()`` would fail:
+        wandb not installed, or no run, no login and not offline."""
+        try:
+            import_wandb()
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+        if self._run is None:
+            check_wandb_login()
+
     def open(self, context: RunContext) -> None:
         wandb = import_wandb()
         if self._run is None:
             self._run = wandb.run
         if self._run is None:
-            self._run = wandb.init()
+            self.check()
+            try:
+                self._run = wandb.init()
+            except Exception as exc:  # W&B's UsageError & co: one line, not its traceback
+                raise ValueError(f"the wandb sink could not start a W&B run: "
+                                 f"{_one_line(exc)}") from None
             self._owned = True
-        self._run.define_metric(STEP_KEY, hidden=False)
-        for prefix in _PREFIXES:
-            self._run.define_metric(prefix, step_metric=STEP_KEY)
+        self._reset()
+        self._shared = getattr(getattr(self._run, "settings", None), "mode", None) == "shared"
+        if self.step_metric == AXIS_KEY:
+            self._run.define_metric(AXIS_KEY, hidden=True)
+            self._defined.add(AXIS_KEY)
 
-    def write(self, row: Row) -> None:
+    def _data(self, row: Row) -> dict[str, float]:
         data: dict[str, float] = {}
         for key, value in row.values.items():
-            if not self.include_train and key.startswith("train/") and key != STEP_KEY:
+            if key == STEP_KEY:
+                continue
+            if not self.include_train and key.startswith("train/"):
                 continue
             data[key] = value
-        data[STEP_KEY] = float(row.step)
+        if self.step_metric == AXIS_KEY:
+            data[AXIS_KEY] = float(row.step)
+        return data
+
+    def _define(self, data: dict[str, float]) -> None:
+        run: Any = self._run
+        for key in data:
+            if key not in self._defined and key != self.step_metric:
+                run.define_metric(key, step_metric=self.step_metric)
+                self._defined.add(key)
+
+    def _wandb_step(self) -> int | None:
+        """W&B's current step ``S``: the step of the pending record."""
+        run: Any = self._run
+        local = getattr(run, "_local_step", None)  # wandb's own mirror of S, read for free
+        if isinstance(local, int):
+            return local
+        try:
+            return int(run.step)  # a round trip to wandb-core
+        except Exception:
+            return None
+
+    def _place(self, *, final: bool = False) -> None:
+        """Give queued rows records (see the module docstring), oldest first."""
+        run: Any = self._run
+        queue = self._queue
+        while queue:
+            step = None if self._shared else self._wandb_step()
+            if step is None:
+                if not self._shared:
+                    warn_once("wandb-step", "gpulens: W&B's step cannot be read; GPU rows are "
+                              "logged as records of their own")
+                run.log(queue.popleft())
+                continue
+            if self._attached_at is None or self._attached_at < step:
+                run.log(queue.popleft(), commit=False)  # the pending record holds none of ours
+                self._attached_at = step
+            elif final or self._may_commit(step):
+                run.log(queue.popleft(), step=step + 1)
+                self._attached_at = step + 1
+            else:
+                break
+        while len(queue) > MAX_QUEUE:
+            run.log(queue.popleft(), commit=False)  # over the row waiting in the record
+            self.rows_overwritten += 1
+            warn_once("wandb-overwritten", "gpulens: GPU rows come faster than W&B records "
+                      "free up for them (%d waiting); some are overwritten in W&B by later "
+                      "ones (the other sinks have them all)", MAX_QUEUE)
+
+    def _may_commit(self, step: int) -> bool:
+        """Whether a record of our own at ``step + 1`` stays at or below the user's next step."""
+        return self._newest_step is not None and step + 1 <= self._newest_step + 1
+
+    def write(self, row: Row) -> None:
         assert self._run is not None, "WandbSink.write before open"
-        self._run.log(data)
+        data = self._data(row)
+        self._define(data)
+        if self._newest_step is None or row.step > self._newest_step:
+            self._newest_step = row.step
+        self._queue.append(data)
+        self._place()
 
     def close(self) -> None:
-        if self._owned and self._run is not None:
-            self._run.finish()
+        run: Any = self._run
+        if run is not None:
+            queued = len(self._queue)
+            try:
+                self._place(final=True)
+            finally:
+                step = None if self._shared else self._wandb_step()
+                if queued > 1 and step is not None and self._newest_step is not None \
+                        and step > self._newest_step + 1:
+                    _log.info("gpulens: the last %d GPU rows took W&B steps of their own; W&B's "
+                              "step is now %d (a later wandb.log(step=s) needs s >= %d)",
+                              queued, step, step)
+                if self._owned:
+                    run.finish()
         self._run = None
+        self._owned = False

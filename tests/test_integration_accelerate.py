@@ -1,0 +1,121 @@
+"""Accelerate: ``attach(accelerator)`` writes GPU rows into the trackers Accelerate started
+(an offline W&B run read back from its file, MLflow on a real loopback server), on the user's
+own ``accelerator.log(..., step=)`` steps; ``MergingLogger`` wraps an ``Accelerator`` too."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.mlflow_server import MlflowTracking
+from tests.support.wandb_offline import reset_wandb
+from tests.support.wandb_reader import find_run_file, read_history, read_metric_definitions
+
+accelerate = pytest.importorskip("accelerate")
+
+from gpulens.integrations.accelerate import GPUTracker, attach  # noqa: E402
+from gpulens.integrations.verl import MergingLogger  # noqa: E402
+from tests.support.jsonl import read_rows  # noqa: E402
+
+GPU_KEY = "gpu/0/power_w"
+
+
+@pytest.fixture(autouse=True)
+def _simulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("GPULENS_BACKEND", "simulated")
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
+    yield
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def accelerator(log_with: list[str]) -> Any:
+    return accelerate.Accelerator(cpu=True, log_with=log_with)
+
+
+def mlflow_steps(tracking: MlflowTracking, run: Any, key: str) -> list[int]:
+    return sorted(m.step for m in tracking.client().get_metric_history(run.info.run_id, key))
+
+
+def test_rows_go_into_the_wandb_and_mlflow_runs_accelerate_started(
+        tmp_path: Path, wandb_offline: Path, mlflow_tracking: MlflowTracking) -> None:
+    acc = accelerator(["wandb", "mlflow"])
+    acc.init_trackers(mlflow_tracking.experiment_name, config={"lr": 0.1})
+    sink = tmp_path / "gpu.jsonl"
+    tracker = attach(acc, interval=0.05, sinks=[f"jsonl:{sink}"])
+    assert isinstance(tracker, GPUTracker) and acc.trackers[0] is tracker
+    steps = 30
+    for step in range(1, steps + 1):
+        time.sleep(0.04)
+        acc.log({"loss": 1.0 / step, "val/acc": float(step)}, step=step)
+    acc.end_training()
+    reset_wandb()
+
+    path = find_run_file(wandb_offline)
+    history = read_history(path)
+    user = [h for h in history if "loss" in h]
+    # every one of the user's values, on the user's step (W&B dropped none)
+    assert [(h["_step"], round(1 / h["loss"])) for h in user] == [
+        (s, s) for s in range(1, steps + 1)]
+    assert all(h["val/acc"] == h["_step"] for h in user)
+    # every GPU row once, on its true step; the first log() starts the first window
+    assert sorted(h["gpulens/step"] for h in history if GPU_KEY in h) == list(range(2, steps + 1))
+    assert not any("train/loss" in h for h in history)  # the user's numbers: Accelerate's own
+    defs = {d.name: d.step_metric for d in read_metric_definitions(path) if d.name}
+    assert defs[GPU_KEY] == "gpulens/step"
+
+    (run,) = mlflow_tracking.runs()  # Accelerate's run, none of gpulens
+    assert mlflow_steps(mlflow_tracking, run, "loss") == list(range(1, steps + 1))
+    assert mlflow_steps(mlflow_tracking, run, GPU_KEY) == list(range(2, steps + 1))
+    perf = mlflow_tracking.client().get_metric_history(run.info.run_id, "perf/steps")
+    assert {m.value for m in perf} == {1.0}
+
+    rows = read_rows(sink)
+    assert [r["step"] for r in rows] == list(range(2, steps + 1))
+    assert all(r["train/loss"] == pytest.approx(1 / r["step"]) for r in rows)
+    assert all(r["train/val/acc"] == r["step"] for r in rows)
+
+
+def test_start_step_and_several_logs_at_one_step(mlflow_tracking: MlflowTracking) -> None:
+    acc = accelerator(["mlflow"])
+    acc.init_trackers(mlflow_tracking.experiment_name)
+    attach(acc, interval=0.05, start_step=100)  # a run resumed at step 100
+    for step in range(101, 106):
+        time.sleep(0.04)
+        acc.log({"loss": 1.0}, step=step)
+        acc.log({"eval/loss": 2.0}, step=step)  # a second log at the same step
+    acc.end_training()
+    (run,) = mlflow_tracking.runs()
+    assert mlflow_steps(mlflow_tracking, run, GPU_KEY) == [101, 102, 103, 104, 105]
+    perf = mlflow_tracking.client().get_metric_history(run.info.run_id, "perf/steps")
+    assert sorted((m.step, m.value) for m in perf) == [(s, 1.0) for s in range(101, 106)]
+
+
+def test_attach_before_init_trackers_is_a_clear_error() -> None:
+    acc = accelerator(["mlflow"])
+    with pytest.raises(ValueError, match=r"after accelerator\.init_trackers"):
+        attach(acc)
+
+
+def test_merging_logger_wraps_an_accelerator(mlflow_tracking: MlflowTracking) -> None:
+    """``MergingLogger.from_config(accelerator, cfg)`` forwards ``accelerator.log(values,
+    step=)`` (Accelerator.log has no ``data=``)."""
+    acc = accelerator(["mlflow"])
+    acc.init_trackers(mlflow_tracking.experiment_name)
+    cfg = {"trainer": {"enable_gpu_monitoring": True, "gpu_monitor_interval": 0.05}}
+    logger = MergingLogger.from_config(acc, cfg)
+    for step in range(1, 7):
+        time.sleep(0.04)
+        logger.log(data={"loss": 1.0 / step}, step=step)
+    logger.close()
+    acc.end_training()
+    (run,) = mlflow_tracking.runs()
+    assert mlflow_steps(mlflow_tracking, run, "loss") == [1, 2, 3, 4, 5, 6]
+    assert mlflow_steps(mlflow_tracking, run, GPU_KEY) == [2, 3, 4, 5, 6]
