@@ -12,10 +12,12 @@ tokens. Without a GPU the monitor samples simulated GPUs (``GPULENS_BACKEND=simu
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 
 import torch
+import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from gpulens.integrations.transformers import GPUMonitorCallback
@@ -80,11 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train()
     if training_args.process_index == 0:
         print(f"gpulens: rows written for {output_dir} (report_to={report_to})")
-    # Under torchrun the Trainer set up torch.distributed; take it down before exit (a gloo
-    # group left to interpreter teardown can abort: "terminate called without an active
-    # exception").
-    import torch.distributed as dist
-
+    # Under torchrun the Trainer set up torch.distributed (gloo on CPU). Take it down in this
+    # order: first free the trainer, whose DDP model holds the process group from C++ (DDP's
+    # Reducer), then destroy the group. Freed the other way round, the Reducer drops the
+    # group's last reference with the GIL held and gloo's destructor joins a worker thread that
+    # may still need the GIL to release the tensors of the last all-gather (the Trainer's own
+    # at the end of train()): the process hangs at exit (docs/design-notes.md, "DDP exit").
+    del trainer, model
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -16,12 +16,14 @@ random tokens in Hugging Face style batches, so rows also carry ``perf/tokens_pe
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import tempfile
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -154,11 +156,13 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(make_module(pl, args.model), make_data(model=args.model))
     if trainer.is_global_zero and args.logger == "csv":
         print(f"gpulens: metrics in {logger.log_dir}/metrics.csv")
-    # Under torchrun Lightning set up torch.distributed and leaves it up; take it down before
-    # exit (a gloo group left to interpreter teardown can abort: "terminate called without an
-    # active exception").
-    import torch.distributed as dist
-
+    # Under torchrun Lightning set up torch.distributed (gloo on CPU) and leaves it up. Take it
+    # down in this order: first free the trainer and what it holds (a DDP model holds the
+    # process group from C++), then destroy the group, so that gloo's worker threads are joined
+    # with the GIL let go; the other way round the process can hang or abort at exit
+    # (docs/design-notes.md, "DDP exit").
+    del trainer, logger
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -13,6 +13,7 @@ Without a GPU the monitor samples simulated GPUs, one per rank.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"gpulens: {args.steps // args.log_every} rows in {out}")
     if distributed:
+        # free the DDP model (its Reducer holds the group from C++) before destroying the
+        # group, so that gloo's threads are joined with the GIL let go (docs/design-notes.md,
+        # "DDP exit")
+        del model
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -1,52 +1,49 @@
 """Distributed jobs: ``torchrun --nproc_per_node 2`` on CPU (gloo) with simulated GPUs, one per
 rank, for the plain loop, the Hugging Face Trainer and Lightning. Rank 0 alone writes; each row
 holds both ranks' GPUs (keyed by global rank) and the job-level ``gpu/all/*`` aggregates, on
-exactly the framework's logging steps."""
+exactly the framework's logging steps. Every run must end by itself: no retry, and no process of
+the job (rank, sampler process) may outlive torchrun; a run that hangs is killed whole at the
+timeout (``tests/support/torchrun.py``).
+
+In-process tests of the gather's gloo group (a one-rank gloo world in this process): it is
+gpulens's own, and ``close()`` takes it down, its worker threads joined."""
 
 from __future__ import annotations
 
 import csv
+import logging
 import os
-import shutil
-import subprocess
-import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.jsonl import read_rows
+from tests.support.torchrun import kill_all_jobs, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 RANK_KEYS = ("gpu/0/util_pct", "gpu/1/util_pct", "gpu/all/util_pct_mean",
              "gpu/all/util_pct_min", "gpu/all/util_pct_max", "gpu/0/power_w", "gpu/1/power_w")
+TORCHRUN_TIMEOUT_S = 240.0
 
 
-# torch's gloo teardown at interpreter exit sometimes aborts a rank after the script has
-# finished ("terminate called without an active exception", SIGABRT): seen about 1 run in 10
-# on this project's 2-core machine, with gpulens's sampler in a thread (commit 41b28a7) as with
-# it in a process.  Such a run is tried once more; any other failure fails the test at once.
-EXIT_ABORT = "terminate called without an active exception"
+@pytest.fixture(autouse=True)
+def _no_job_left() -> Iterator[None]:
+    yield
+    kill_all_jobs()  # whatever a failing test left: every rank's process group
 
 
 def torchrun(args: list[str], cwd: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
     env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1")
-    for attempt in (1, 2):
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-             "2", *args],
-            cwd=cwd, env=env, capture_output=True, text=True, timeout=240,
-        )
-        if done.returncode == 0 or EXIT_ABORT not in done.stderr or attempt == 2:
-            break
-        for leftover in cwd.iterdir():  # the retry starts from nothing (no version_1 logs)
-            if leftover.is_dir():
-                shutil.rmtree(leftover)
-            else:
-                leftover.unlink()
+    done = run_torchrun(args, cwd=cwd, env=env, timeout=TORCHRUN_TIMEOUT_S)
+    assert not done.timed_out, (f"torchrun hung: killed after {TORCHRUN_TIMEOUT_S:.0f} s",
+                                done.stdout[-2000:], done.stderr[-6000:])
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-6000:])
+    assert not done.leftovers, f"processes of the job outlived torchrun: {done.leftovers}"
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
@@ -95,3 +92,107 @@ def test_lightning_ddp(tmp_path: Path, package: str) -> None:
     loss_steps = sorted({int(r["step"]) for r in logged if r["train_loss"]})
     gpu_steps = sorted({int(r["step"]) for r in logged if r.get("gpu/1/util_pct")})
     assert loss_steps == gpu_steps == [3, 7, 11]
+
+
+# -- the gather's own gloo group, in this process ----------------------------------------------
+def _threads() -> set[int]:
+    """The native threads of this process (gloo's worker threads are not Python threads)."""
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def _wait_gone(tids: set[int], timeout: float = 5.0) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while tids & _threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return tids & _threads()
+
+
+@pytest.fixture
+def gloo_world() -> Iterator[Any]:
+    """A one-rank gloo world in this process; destroyed afterwards if still up."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _gather(rows: list[Any]) -> Any:
+    from gpulens.distributed import RankGather
+    from gpulens.sinks.base import GpuInfo, RunContext
+
+    context = RunContext(gpus=(GpuInfo(index=0, name="sim", uuid="GPU-0", pci_bus_id="0"),),
+                         hostname="h", backend="simulated", interval=0.1)
+    return RankGather(context, submit=rows.append)
+
+
+def _row(step: int) -> Any:
+    from gpulens.sinks.base import Row
+
+    return Row(step=step, time=float(step), values={"gpu/0/util_pct": 50.0 + step,
+                                                    "train/loss": 1.0 / step})
+
+
+def test_gather_runs_on_a_group_of_its_own_and_close_joins_its_threads(gloo_world: Any) -> None:
+    dist = gloo_world
+    from torch.distributed import distributed_c10d
+
+    before = _threads()
+    rows: list[Any] = []
+    gather = _gather(rows)
+    # its own group even though training uses gloo: its works never sit in the training's group
+    own = _threads() - before
+    assert own, "the gather made no gloo group (and so no threads) of its own"
+    assert len(distributed_c10d._world.pg_map) == 2
+    gather.local_row(_row(1))
+    gather.local_row(_row(2))
+    gather.exchange()
+    gather.local_row(_row(3))
+    gather.flush()  # the last exchanges, then close()
+    assert [r.step for r in rows] == [1, 2, 3]
+    assert rows[2].values["gpu/0/util_pct"] == 53.0 and "train/loss" in rows[2].values
+    assert gather.closed
+    # released in close(), not whenever the gather is garbage-collected: threads joined (the
+    # destructor's join returns only once they have ended), group unregistered
+    assert not _wait_gone(own)
+    assert list(distributed_c10d._world.pg_map) == [distributed_c10d._get_default_group()]
+    assert gather.exchange() == 0  # after close: nothing, and never on the default group
+    gather.close()  # idempotent
+    assert dist.is_initialized()
+
+
+def test_close_after_the_default_group_was_destroyed(gloo_world: Any,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    dist = gloo_world
+    before = _threads()
+    gather = _gather([])
+    own = _threads() - before
+    assert own
+    dist.destroy_process_group()  # the user's teardown came first: it unregistered ours too
+    assert own & _threads()  # the gather still holds its group
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        gather.close()
+    assert not caplog.records
+    assert not _wait_gone(own)
+
+
+def test_rows_after_the_last_exchange_are_told(gloo_world: Any,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    from gpulens._warn import reset_warnings
+
+    reset_warnings()
+    rows: list[Any] = []
+    gather = _gather(rows)
+    gather.local_row(_row(1))
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        gather.close()  # without the last exchanges (stop() failed half-way): row 1 is lost
+        gather.local_row(_row(2))  # and row 2 came too late
+    assert gather.late_rows == 2 and rows == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("1 row(s) of rank 0 came after the last exchange" in m for m in messages)
+    assert any("a row of rank 0 came after the ranks' last exchange" in m for m in messages)

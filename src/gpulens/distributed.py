@@ -8,6 +8,14 @@ thread, even when training uses NCCL).  Rows are matched by their sequence numbe
 Rank 0 writes the merged row: every GPU of the job keyed by global rank, plus
 ``gpu/all/<metric>_mean|_min|_max``.
 
+The gloo group is gpulens's own even when training uses gloo, and :meth:`RankGather.close`
+(at ``stop()``, and at interpreter exit if ``stop()`` never ran) destroys it: gpulens leaves no
+work of its own in the training's group, and its group is torn down while the interpreter is
+alive, through the Python object whose destructor lets go of the GIL before it joins gloo's
+worker threads. Why that matters (a gloo worker that must take the GIL to drop the last
+collective's tensors, and a process group destroyed by a C++ owner with the GIL held, such as
+DDP's ``Reducer``): ``docs/design-notes.md``, "DDP exit".
+
 Tensor layout, ``(SLOTS + 1) x width`` float64::
 
     row 0:          [rows still pending after this send, 0, ...]
@@ -18,12 +26,15 @@ Tensor layout, ``(SLOTS + 1) x width`` float64::
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from gpulens._warn import logger, warn_once
 from gpulens.engine.window import job_aggregates
 from gpulens.schema import GPU_ROW_KEYS, HOST_KEYS, gpu_key
 from gpulens.sinks.base import Row, RunContext
@@ -58,8 +69,14 @@ class RankGather:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.is_writer = self.rank == 0
-        # gpulens's own gloo group: CPU tensors, never a CUDA copy or sync.
-        self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        # gpulens's own gloo group (a collective: every rank makes it here, in start()): CPU
+        # tensors, never a CUDA copy or sync; never a work of gpulens's in the training's group.
+        self._group: Any = dist.new_group(backend="gloo")
+        self._closed = False
+        self._late_rows = 0
+        # at interpreter exit, if close() never ran: while the interpreter is whole
+        self._finalizer: weakref.finalize[Any, Any] = weakref.finalize(
+            self, _release_group, dist, self._group, os.getpid())
         self._gpu_key = self.rank
         if context is not None:
             self.bind(context)
@@ -76,9 +93,15 @@ class RankGather:
         self._gpu_key = context.gpus[0].index if context.gpus else self.rank
 
     def local_row(self, row: Row) -> None:
-        """Called by the sampler thread with each finished row of this rank, in order."""
+        """Called by the sampler thread with each finished row of this rank, in order.  After
+        :meth:`close` a row can no longer be sent: it is counted and warned about."""
         with self._lock:
-            self._pending.append(row)
+            if not self._closed:
+                self._pending.append(row)
+                return
+            self._late_rows += 1
+        warn_once("gather-late", "gpulens: a row of rank %d came after the ranks' last "
+                  "exchange at stop and is not written (counted in late_rows)", self.rank)
 
     def _pack(self) -> Any:
         torch = self._torch
@@ -101,7 +124,10 @@ class RankGather:
 
     def exchange(self) -> int:
         """One all-gather; rank 0 writes every row that all ranks have sent.  Returns the
-        largest number of rows any rank still holds."""
+        largest number of rows any rank still holds (the same number on every rank).  After
+        :meth:`close` it does nothing and returns 0."""
+        if self._closed:
+            return 0
         buf = self._pack()
         out = [self._torch.empty_like(buf) for _ in range(self.world)]
         self._dist.all_gather(out, buf, group=self._group)
@@ -143,11 +169,58 @@ class RankGather:
             self._submit(Row(step=own.step, time=own.time, values=values))
 
     def flush(self) -> None:
-        """At stop (a collective too): exchange until no rank holds a row."""
-        for _ in range(100_000):
-            if self.exchange() == 0:
-                with self._lock:
-                    if not self._pending:
-                        break
-        self._own.clear()
-        self._parts.clear()
+        """At stop (a collective too): exchange until no rank holds a row, then :meth:`close`.
+
+        Every rank leaves the loop at the same exchange (the one where the largest backlog of
+        any rank is 0), so no rank is left alone in an all-gather.  A row that reaches this rank
+        after that exchange cannot be sent any more: it is counted and warned about."""
+        try:
+            for _ in range(100_000):
+                if self.exchange() == 0:
+                    break
+        finally:
+            self._own.clear()
+            self._parts.clear()
+            self.close()
+
+    def close(self) -> None:
+        """Release gpulens's gloo group: unregister it from ``torch.distributed`` and drop the
+        last reference to it, so its worker threads are joined now (with the GIL let go), not
+        by whichever object happens to be freed last.  Not a collective; idempotent; safe after
+        ``destroy_process_group()`` has already taken the group down with the default one.
+        After it, :meth:`exchange` does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            late = len(self._pending)
+            self._pending.clear()
+        if late:
+            self._late_rows += late
+            logger.warning("gpulens: %d row(s) of rank %d came after the last exchange at "
+                           "stop and were not written", late, self.rank)
+        self._finalizer()  # calls _release_group once
+        self._group = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run (the group is released)."""
+        return self._closed
+
+    @property
+    def late_rows(self) -> int:
+        """Rows of this rank that came after the last exchange at stop (not written)."""
+        return self._late_rows
+
+
+def _release_group(dist: Any, group: Any, pid: int) -> None:
+    """Destroy gpulens's group in the process that made it (a forked child leaves it alone)."""
+    if os.getpid() != pid:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
+    except ValueError:
+        pass  # already gone: destroy_process_group() of the default group took it down
+    except Exception as exc:
+        logger.warning("gpulens: releasing gpulens's gloo group failed: %r", exc)
