@@ -186,3 +186,29 @@ def test_a_real_monitor_run_throughput_mfu_and_the_engines_alert(tmp_path: Path)
     text = md.read_text()
     assert "| input_bound (firing) | input-bound: the GPUs wait for data" in text
     assert f"| {alerts[0]['advice']} |" in text
+
+
+def test_the_gpu_check_script_runs_every_view_quick(tmp_path: Path) -> None:
+    """``benchmarks/views_gpu.py --quick`` (the GPU check the lead runs on hardware): on a CPU
+    with a simulated GPU its rows' MFU agrees with MFU by hand, and every view shows it."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env.update(GPULENS_BACKEND="simulated",
+               PYTHONPATH=os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "views_gpu.py"), "--quick",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = dict(re.findall(r"^\| ([^|]+) \| ([^|]*) \|$", proc.stdout, re.M))
+    assert table["peak (run metadata)"] == "H100 SXM5 80GB, bf16, 989.4 TFLOP/s"
+    assert abs(float(table["rows vs by hand"].removesuffix(" %"))) < 3
+    rows = float(table["MFU, rows (report, time-weighted) %"])
+    assert rows > 1 and float(table["Prometheus gpulens_train_mfu_percent (last row)"]) > 1
+    assert table["report states the denominator"] == "yes"
+    assert table["watch --record line"].startswith("train step 30 loss ")
+    assert {p.name for p in tmp_path.iterdir()} >= {"run.jsonl", "report.html", "report.md",
+                                                    "metrics.txt", "watch.txt"}
