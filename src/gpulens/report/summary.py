@@ -177,6 +177,7 @@ class Throughput:
     windows: int = 0
     """Rows with a throughput or MFU figure."""
 
+
 @dataclass
 class RunSummary:
     """Summary of a whole run: per GPU, plus training and energy figures across GPUs."""
