@@ -113,3 +113,34 @@ def test_the_sampler_process_writes_the_given_run_id(tmp_path: Path) -> None:
         mon.log(1, loss=1.0)
     assert {x["run_id"] for x in read_lines(path)} == {"sweep-3"}
 
+
+
+def test_the_header_carries_the_runs_meta_mfus_denominator(tmp_path: Path) -> None:
+    """The run's metadata (dtype, MFU's peak and its source, how FLOPs are counted) is in the
+    header, so a report read later can say what MFU was divided by."""
+    path = tmp_path / "mfu.jsonl"
+    with gpulens.Monitor(backend="simulated", interval=0.02, sinks=[f"jsonl:{path}"],
+                         dtype="bf16", flops_per_token=7.44e8) as mon:
+        time.sleep(0.03)
+        mon.log(1, loss=1.0, tokens=4096)
+    head = read_lines(path)[0]
+    meta = head["meta"]
+    assert meta["dtype"] == "bf16" and meta["peak_dtype"] == "bf16"
+    assert meta["flops_per_token"] == 7.44e8
+    assert meta["peak_gpu"] == "H100 SXM5 80GB" and meta["peak_tflops"] == 989.4
+    assert "whitepaper" in meta["peak_source"]
+    for g in head["gpus"]:  # what tells the card's variant apart, and the clock of the peak
+        assert g["default_power_limit_w"] == 700.0 and g["max_sm_clock_mhz"] > 1000
+
+
+def test_a_run_without_meta_has_an_empty_one_and_no_nan(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    for meta in ({}, {"dtype": "fp16", "peak_tflops": math.nan, "flops_per_token": 12}):
+        sink = JsonlSink(path)
+        sink.open(RunContext(gpus=CONTEXT.gpus, hostname="n", backend="nvml", interval=0.5,
+                             meta=dict(meta)))
+        sink.close()
+    first, second = (x["meta"] for x in read_lines(path) if x["event"] == "run_start")
+    assert first == {}
+    assert second == {"dtype": "fp16", "peak_tflops": None, "flops_per_token": 12}
+    assert "NaN" not in path.read_text()

@@ -30,7 +30,11 @@ RULES = ROOT / "integrations" / "prometheus" / "gpulens-rules.yml"
 DASHBOARD = ROOT / "integrations" / "grafana" / "gpulens-dashboard.json"
 NAME_RULE = re.compile(r"^gpulens_[a-z0-9_]+$")
 UNIT_SUFFIXES = ("_percent", "_bytes", "_watts", "_celsius", "_hertz", "_seconds", "_joules",
-                 "_total", "_info", "_step", "_loss", "_rate", "_norm", "_gpus")
+                 "_total", "_info", "_step", "_loss", "_rate", "_norm", "_gpus", "_per_second",
+                 "_per_joule", "gpulens_alert")
+"""A unit last (rates as ``_per_second`` / ``_per_joule``, as OpenTelemetry's units become in
+Prometheus); ``gpulens_alert`` is a state (1 firing, 0 not) with no unit, like ``ALERTS``."""
+T0 = 1_700_000_000.0
 
 
 def binary(name: str) -> str:
@@ -70,11 +74,14 @@ def parse(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 class Trainer:
-    """A plain training loop in a thread, with a prometheus sink on a free port."""
+    """A plain training loop in a thread, with a prometheus sink on a free port; it reports
+    its work (tokens, samples) and the run's dtype and FLOPs per token, so its rows carry
+    throughput and MFU."""
 
     def __init__(self) -> None:
         self.sink = PrometheusSink(port=0)
-        self.monitor = gpulens.Monitor(backend="simulated", interval=0.05, sinks=[self.sink])
+        self.monitor = gpulens.Monitor(backend="simulated", interval=0.05, sinks=[self.sink],
+                                       dtype="bf16", flops_per_token=7.44e8)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -83,7 +90,8 @@ class Trainer:
         while not self._stop.wait(0.1):
             step += 1
             self.monitor.log(step, loss=2.0 * math.exp(-step / 50) + 0.1,
-                             learning_rate=3e-4, grad_norm=1.0 + (step % 5) / 10)
+                             learning_rate=3e-4, grad_norm=1.0 + (step % 5) / 10,
+                             tokens=8192, samples=8)
 
     def __enter__(self) -> Trainer:
         self.monitor.start()
@@ -134,6 +142,77 @@ def test_sink_exposition_names_labels_and_own_registry() -> None:
         get(t.sink.url, timeout=2)
 
 
+def exposed(sink: PrometheusSink) -> dict[str, list[tuple[dict[str, str], float]]]:
+    body, _ = sink.exposition()
+    return parse(body.decode())
+
+
+PERF_ROW = {
+    "train/global_step": 7.0, "train/loss": 2.5, "perf/steps": 1.0, "perf/step_time_s": 0.5,
+    "perf/data_wait_pct": 3.0, "perf/tokens_per_s": 16384.0, "perf/samples_per_s": 8.0,
+    "perf/tokens_per_j": 23.4, "perf/samples_per_j": 0.0114, "perf/tflops": 312.5,
+    "perf/tflops_job": 625.0, "perf/mfu_pct": 31.6, "perf/mfu_clock_adjusted_pct": 33.2,
+    "perf/mfu_when_tensor_active_pct": 45.0, "rank/0/cpu_busy_s": 0.21,
+    "rank/1/cpu_busy_s": 0.34, "alerts/input_bound": 1.0, "alerts/thermal": 0.0,
+    "gpu/0/util_pct": 90.0,
+}
+
+
+def test_throughput_mfu_alerts_and_ranks_with_proper_names_and_labels() -> None:
+    from gpulens.sinks.base import GpuInfo, Row, RunContext
+
+    sink = PrometheusSink(port=0, http=False)
+    sink.open(RunContext(gpus=(GpuInfo(0, "NVIDIA H100 80GB HBM3", "GPU-0", "0:1"),),
+                         hostname="n1", backend="nvml", interval=0.5,
+                         meta={"dtype": "bf16", "peak_gpu": "H100 SXM5 80GB",
+                               "peak_dtype": "bf16", "peak_tflops": 989.4}))
+    sink.write(Row(step=7, time=T0, values=dict(PERF_ROW)))
+    m = exposed(sink)
+
+    def one(name: str) -> float:
+        (labels, value), = m[name]
+        assert labels == {"host": "n1"}, (name, labels)
+        return value
+
+    assert one("gpulens_train_tokens_per_second") == 16384.0
+    assert one("gpulens_train_samples_per_second") == 8.0
+    assert one("gpulens_train_tokens_per_joule") == 23.4
+    assert one("gpulens_train_samples_per_joule") == 0.0114
+    assert one("gpulens_train_model_flops_per_gpu_per_second") == pytest.approx(312.5e12)
+    assert one("gpulens_train_model_flops_per_second") == pytest.approx(625e12)
+    assert one("gpulens_train_mfu_percent") == 31.6
+    assert one("gpulens_train_mfu_clock_adjusted_percent") == 33.2
+    assert one("gpulens_train_mfu_when_tensor_active_percent") == 45.0
+    assert one("gpulens_perf_data_wait_percent") == 3.0  # the alert rules' input: unchanged
+    (labels, peak), = m["gpulens_train_mfu_peak_flops_per_second"]
+    assert labels == {"host": "n1", "peak_gpu": "H100 SXM5 80GB", "dtype": "bf16"}
+    assert peak == pytest.approx(989.4e12)
+    assert {lbl["rule"]: v for lbl, v in m["gpulens_alert"]} == {"input_bound": 1.0,
+                                                                 "thermal": 0.0}
+    assert {lbl["rank"]: v for lbl, v in m["gpulens_train_cpu_busy_seconds"]} == {
+        "0": 0.21, "1": 0.34}
+    for name in m:  # no path parts or TFLOP left in a name
+        assert NAME_RULE.match(name) and "tflops" not in name and "perf_tokens" not in name
+        assert name.endswith(UNIT_SUFFIXES), name
+    # the next row lacks MFU, an alert and the ranks: gone, never carried forward
+    later = {k: v for k, v in PERF_ROW.items()
+             if not k.startswith(("perf/mfu", "rank/", "alerts/thermal"))}
+    sink.write(Row(step=8, time=T0 + 1, values={**later, "perf/cpu_busy_s": 0.3}))
+    m = exposed(sink)
+    assert not [n for n in m if "mfu_percent" in n or "mfu_clock" in n]
+    assert [lbl["rule"] for lbl, _ in m["gpulens_alert"]] == ["input_bound"]
+    assert m["gpulens_train_cpu_busy_seconds"] == [({"host": "n1", "rank": ""}, 0.3)]
+    assert one("gpulens_train_loss") == 2.5
+    sink.close()
+    # `gpulens serve` (training=False): its rows are intervals, not training steps
+    serve = PrometheusSink(port=0, training=False, http=False)
+    serve.open(RunContext(gpus=(), hostname="n1", backend="nvml", interval=1.0,
+                          meta={"peak_tflops": 989.4}))
+    serve.write(Row(step=3, time=T0, values=dict(PERF_ROW)))
+    assert sorted(exposed(serve)) == ["gpulens_gpu_info", "gpulens_gpu_utilization_percent"]
+    serve.close()
+
+
 def test_sink_spec_and_port_in_use() -> None:
     assert PrometheusSink.from_spec(None).port == 9400
     s = PrometheusSink.from_spec("0.0.0.0:9500")
@@ -151,6 +230,50 @@ def test_sink_spec_and_port_in_use() -> None:
             mon.start()
         mon.stop()
     # `gpulens serve` on a port in use: tests/test_dashboard_server.py
+
+
+def exported_names() -> set[str]:
+    """Every series name the sink exports, from a row that holds every key the engine and a
+    training loop give (and a context with MFU's peak)."""
+    from gpulens.sinks.base import GpuInfo, Row, RunContext
+    from gpulens.sinks.prometheus import GPU_SERIES, THROTTLE_SERIES
+
+    sink = PrometheusSink(port=0, http=False)
+    sink.open(RunContext(gpus=(GpuInfo(0, "NVIDIA H100 80GB HBM3", "GPU-0", "0:1", 85.9, 700.0),),
+                         hostname="n1", backend="nvml", interval=0.5, meta={"peak_tflops": 989.4}))
+    values = {**PERF_ROW, "perf/cpu_busy_s": 0.2, "perf/energy_per_step_j": 5.0,
+              "train/learning_rate": 1e-4, "train/grad_norm": 1.0, "host/cpu_pct": 5.0,
+              "host/ram_used_gb": 3.0, "gpu/0/energy_j": 10.0}
+    values.update({f"gpu/0/{k}": 1.0 for k in (*GPU_SERIES, *THROTTLE_SERIES)})
+    sink.write(Row(step=7, time=T0, values=values))
+    names = set(exposed(sink))
+    sink.close()
+    return names
+
+
+def test_every_dashboard_and_alert_expression_names_exported_series() -> None:
+    import yaml
+
+    names = exported_names() | {"ALERTS", "up"}
+    exprs = dashboard_queries()
+    exprs += [str(r["expr"]) for g in yaml.safe_load(RULES.read_text())["groups"]
+              for r in g["rules"]]
+    dash = json.loads(DASHBOARD.read_text())
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            exprs.append(v["definition"])
+    missing = {(name, e) for e in exprs
+               for name in re.findall(r"\b(gpulens_[a-z0-9_]+|ALERTS|up)\b\s*(?:\{|\[|\)|$|\s)",
+                                      e + " ")
+               if name not in names}
+    assert not missing, sorted(missing)
+    # every series the engine adds for throughput, MFU and alerts is on the dashboard
+    shown = {n for e in dashboard_queries() for n in re.findall(r"gpulens_[a-z0-9_]+", e)}
+    engine = {n for n in names if n.startswith(("gpulens_train_tokens", "gpulens_train_samples",
+                                                "gpulens_train_model_flops",
+                                                "gpulens_train_mfu", "gpulens_alert",
+                                                "gpulens_train_cpu_busy"))}
+    assert len(engine) == 12 and engine <= shown, sorted(engine - shown)
 
 
 @pytest.fixture
@@ -202,7 +325,9 @@ def test_dashboard_is_well_formed() -> None:
     assert len(ids) == len(set(ids))
     titles = {p["title"] for p in dash["panels"]}
     assert {"GPU activity", "GPU memory used", "GPU power", "GPU temperature", "Loss",
-            "Learning rate", "Gradient norm", "Step time"} <= titles
+            "Learning rate", "Gradient norm", "Step time", "Throughput",
+            "MFU beside tensor-core activity", "Achieved model FLOP/s per GPU",
+            "Work per joule", "Advice rules firing", "Advice rules over time"} <= titles
     for p in dash["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${DS_PROMETHEUS}"
@@ -276,6 +401,13 @@ def test_real_prometheus_scrapes_and_answers_every_dashboard_query(
             # both exporters' GPUs, labelled apart by instance
             assert len(query("gpulens_gpu_utilization_percent")) == 4
             assert len(query("gpulens_train_loss")) == 1
+            # throughput and MFU from the training's exporter only; alerts one per rule
+            (mfu,) = query("gpulens_train_mfu_percent")
+            assert 0 < float(mfu["value"][1]) < 100
+            (peak,) = query("gpulens_train_mfu_peak_flops_per_second")
+            assert peak["metric"]["peak_gpu"] == "H100 SXM5 80GB"
+            assert peak["metric"]["dtype"] == "bf16"
+            assert {r["metric"]["rule"] for r in query("gpulens_alert")} >= {"thermal"}
             # the alert rules loaded and evaluate
             groups = json.loads(get(f"{api}/rules"))["data"]["groups"]
             rules = [r for g in groups for r in g["rules"]]

@@ -2,7 +2,7 @@
 
 Subcommands::
 
-    gpulens watch  [--gpus 0,1] [--interval S]          live terminal view
+    gpulens watch  [--gpus 0,1] [--interval S] [--record RUN.jsonl]   live terminal view
     gpulens record [--sink SPEC]... [-- COMMAND [ARGS]] record GPU rows around a command, or
                                                     beside a training until Ctrl-C
     gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]] [--run last|N|ID|all]
@@ -51,8 +51,12 @@ terminal adds the activity history, memory and power bars, DRAM bandwidth and th
 Memory is in GB of 10^9 bytes (an "80GB" card shows 85.9 GB = 80.0 GiB).  q quits.  Without a
 terminal (or with --plain) it prints one line per interval.
 
+With --record, it also follows a training's JSONL record (the jsonl sink's file) and shows its
+latest step under the GPUs: loss, tokens/s, MFU, and the advice rules firing, with what to try.
+
   gpulens watch
   gpulens watch --gpus 0,1 --interval 0.5
+  gpulens watch --record runs/gpu.jsonl
   gpulens watch --plain --count 10 > gpus.log
 """
 
@@ -120,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one plain text line per interval, also in a terminal (for logs)")
     p.add_argument("--count", type=int, default=None, metavar="N",
                    help="stop after N intervals (default: run until q, Ctrl-C or SIGTERM)")
+    p.add_argument("--record", default=None, metavar="RUN.jsonl",
+                   help="also follow a training's JSONL record (the jsonl sink's file; it may "
+                        "not exist yet): its latest step, loss, tokens/s, MFU and the alerts "
+                        "firing")
 
     p = sub.add_parser(
         "record",

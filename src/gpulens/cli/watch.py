@@ -11,6 +11,15 @@ prints one plain line per interval (and, once, on stderr, what the GPUs are).
 Memory is in GB of 1e9 bytes, as NVML counts it: an "80GB" card shows 85.9 GB (80.0 GiB);
 the view says so.  The figures are the newest samples (``Monitor.latest()``), read every
 ``--interval`` seconds.
+
+``--record PATH`` also follows a training's JSONL record (the ``jsonl`` sink's file, which
+the training's own gpulens writes; the file may not exist yet) and shows, under the GPU
+lines, its latest step: loss, throughput (tokens/s, else samples/s), MFU (else achieved
+TFLOP/s per GPU) and how long ago the row was written, then the advice rules firing in that
+row (``alerts/<rule>``) with the step each started, and what to try for the newest one.  At 80
+columns the lower-priority figures (clock-adjusted MFU, TFLOP/s, tokens per joule) are left
+out before anything is cut.  The watch itself has no training loop: its own rows would have no
+work, so throughput and MFU come only from the record.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from types import FrameType
 from typing import Any
 
 from gpulens.cli._common import CliError, monitor_interval
+from gpulens.report.tail import RecordTail, TrainingStatus
 from gpulens.report.text import gib, sparkline
 from gpulens.sinks.base import GpuInfo
 
@@ -97,6 +107,129 @@ def plain_line(views: list[GpuView]) -> str:
             + f" held {v.held_by()}"
         )
     return " | ".join(parts)
+
+
+def rate(v: float) -> str:
+    """A rate in few characters: ``"9,876"``, ``"163k"``, ``"1.63M"``."""
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.3g}k"
+    if a >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def _ago(status: TrainingStatus, now: float) -> str:
+    if status.ended:
+        return "run ended"
+    if status.time is None:
+        return ""
+    age = max(0.0, now - status.time)
+    return f"{age:.0f} s ago" if age < 120 else f"{age / 60:.0f} min ago"
+
+
+def training_pieces(status: TrainingStatus, now: float) -> list[tuple[int, str]]:
+    """``(priority, text)`` of the training line, in display order; 0 is kept longest."""
+    v = status.values
+    out: list[tuple[int, str]] = [(0, f"step {status.step:,}")]
+    if "train/loss" in v:
+        out.append((1, f"loss {v['train/loss']:.4g}"))
+    if "perf/tokens_per_s" in v:
+        out.append((2, f"{rate(v['perf/tokens_per_s'])} tok/s"))
+    elif "perf/samples_per_s" in v:
+        out.append((2, f"{rate(v['perf/samples_per_s'])} samples/s"))
+    if "perf/mfu_pct" in v:
+        out.append((3, f"MFU {v['perf/mfu_pct']:.1f}%"))
+        if "perf/mfu_clock_adjusted_pct" in v:
+            out.append((6, f"clock-adj. {v['perf/mfu_clock_adjusted_pct']:.1f}%"))
+        if "perf/tflops" in v:
+            out.append((5, f"{v['perf/tflops']:.0f} TFLOP/s/GPU"))
+    elif "perf/tflops" in v:
+        out.append((3, f"{v['perf/tflops']:.0f} TFLOP/s/GPU"))
+    if "perf/tokens_per_j" in v:
+        out.append((7, f"{rate(v['perf/tokens_per_j'])} tok/J"))
+    ago = _ago(status, now)
+    if ago:
+        out.append((4, ago))
+    return out
+
+
+def training_text(status: TrainingStatus, width: int, now: float) -> str:
+    """The training line, at most ``width`` cells: pieces of lower priority leave first."""
+    head = "Training"
+    if status.error or not status.exists:
+        for where in (str(status.path), status.path.name):  # the name alone where too long
+            text = (f"{head}: cannot read {where}: {status.error}" if status.error
+                    else f"{head}: waiting for {where} (not written yet)")
+            if len(text) <= width:
+                break
+        return text
+    if status.step is None:
+        return f"{head}: {'run ' + status.run_id if status.run_id else status.path.name}, " \
+               "no step yet"
+    pieces = training_pieces(status, now)
+    while True:
+        text = head + "  " + " · ".join(t for _, t in pieces)
+        if len(text) <= width or len(pieces) == 1:
+            return text
+        pieces.remove(max(pieces, key=lambda p: p[0]))
+
+
+def alerts_text(status: TrainingStatus, width: int) -> tuple[str, bool]:
+    """``("Alerts firing: input_bound (step 26)", True)``, or ``("Alerts: none firing",
+    False)``, at most ``width`` cells (the steps, then names, leave before it is cut)."""
+    if status.step is None:
+        return "", False
+    firing = status.firing
+    if not firing:
+        judged = any(k.startswith("alerts/") for k in status.values)
+        return ("Alerts: none firing" if judged else "Alerts: no rule has judged yet"), False
+    named = []
+    for rule in firing:
+        at = status.fired_at(rule)
+        named.append((rule, f"{rule} (step {at})" if at is not None and at >= 0 else rule))
+    for with_step in (True, False):
+        shown = [text if with_step else rule for rule, text in named]
+        for n in range(len(shown), 0, -1):
+            more = f", +{len(shown) - n} more" if n < len(shown) else ""
+            text = "Alerts firing: " + ", ".join(shown[:n]) + more
+            if len(text) <= width:
+                return text, True
+    return f"Alerts firing: {len(firing)}", True
+
+
+def advice_text(status: TrainingStatus, width: int) -> str:
+    """What to try for the newest rule that fired and still fires, cut at a word boundary
+    within ``width`` cells; ``""`` when there is none."""
+    firing = set(status.firing)
+    for e in reversed(status.events):
+        if e.state == "firing" and e.name in firing and e.advice:
+            text = f"  try ({e.name}): {e.advice}"
+            if len(text) <= width:
+                return text
+            cut = text.rfind(" ", 0, width)
+            return text[:cut if cut > 0 else width].rstrip(" ,;:")
+    return ""
+
+
+def plain_training(status: TrainingStatus, now: float) -> str:
+    """The record's latest step on one line, for ``--plain``."""
+    if status.error or not status.exists or status.step is None:
+        return training_text(status, 10_000, now).replace("Training: ", "train: ")
+    v = status.values
+    parts = [f"train step {status.step}"]
+    for key, label, fmt in (("train/loss", "loss", ".4g"), ("perf/tokens_per_s", "tok/s", ".0f"),
+                            ("perf/samples_per_s", "samples/s", ".4g"),
+                            ("perf/mfu_pct", "MFU", ".1f"), ("perf/tflops", "TFLOP/s/GPU", ".1f")):
+        if key in v:
+            parts.append(f"{label} {v[key]:{fmt}}" + ("%" if label == "MFU" else ""))
+    firing = status.firing
+    parts.append("alerts " + (",".join(firing) if firing else "-"))
+    if status.ended:
+        parts.append("run ended")
+    return " ".join(parts)
 
 
 def _bar(value: float | None, total: float | None, width: int = 12) -> str:
@@ -218,8 +351,11 @@ def _pad(text: str, width: int, right: bool) -> str:
 
 
 def render_lines(views: list[GpuView], width: int, history: int, interval: float,
-                 hostname: str, backend: str, host: dict[str, float] | None = None) -> list[Any]:
-    """The frame as ``rich.text.Text`` lines, none wider than ``width`` cells."""
+                 hostname: str, backend: str, host: dict[str, float] | None = None,
+                 training: TrainingStatus | None = None,
+                 now: float | None = None) -> list[Any]:
+    """The frame as ``rich.text.Text`` lines, none wider than ``width`` cells; ``training``
+    (``--record``) adds the training's lines under the GPUs."""
     from rich.text import Text
 
     probe = {k: [t for t, _ in (_cells(v, {"history": history})[k] for v in views)]
@@ -244,8 +380,25 @@ def render_lines(views: list[GpuView], width: int, history: int, interval: float
             line.append(_pad(text, widths[k], COLUMNS[k].right), style=style)
         lines.append(line)
     lines.append(Text(""))
+    if training is not None:
+        lines.extend(_training_lines(training, width, time.time() if now is None else now))
     lines.extend(_footer(views, width, host))
     return lines
+
+
+def _training_lines(status: TrainingStatus, width: int, now: float) -> list[Any]:
+    from rich.text import Text
+
+    out = [Text(training_text(status, width, now), style="bold", no_wrap=True, overflow="crop")]
+    alerts, firing = alerts_text(status, width)
+    if alerts:
+        out.append(Text(alerts, style="bold red" if firing else "green", no_wrap=True,
+                        overflow="crop"))
+    advice = advice_text(status, width)
+    if advice:
+        out.append(Text(advice, style="yellow", no_wrap=True, overflow="crop"))
+    out.append(Text(""))
+    return out
 
 
 def _title(views: list[GpuView], models: list[str], width: int, interval: float,
@@ -307,11 +460,13 @@ def _footer(views: list[GpuView], width: int, host: dict[str, float] | None) -> 
 
 
 def render(views: list[GpuView], interval: float, hostname: str, backend: str,
-           width: int = 80, history: int = 30, host: dict[str, float] | None = None) -> Any:
+           width: int = 80, history: int = 30, host: dict[str, float] | None = None,
+           training: TrainingStatus | None = None) -> Any:
     """The rich renderable for one frame, laid out for ``width`` columns."""
     from rich.console import Group
 
-    return Group(*render_lines(views, width, history, interval, hostname, backend, host))
+    return Group(*render_lines(views, width, history, interval, hostname, backend, host,
+                               training))
 
 
 def _level(value: float | None, warn: float, bad: float, reverse: bool = False) -> str:
@@ -342,6 +497,10 @@ def run_watch(args: argparse.Namespace) -> int:
         raise CliError("--history must be at least 2")
     if args.count is not None and args.count < 1:
         raise CliError("--count must be at least 1")
+    record = getattr(args, "record", None)
+    tail = RecordTail(record) if record else None
+    if tail is not None and tail.path.is_dir():
+        raise CliError(f"--record {record} is a directory, not a JSONL record")
     import gpulens
 
     try:
@@ -365,9 +524,9 @@ def run_watch(args: argparse.Namespace) -> int:
         try:
             tty = not args.plain and sys.stdin.isatty() and sys.stdout.isatty()
             if tty:
-                _run_tty(monitor, views, args, ctx.hostname, ctx.backend, stop)
+                _run_tty(monitor, views, args, ctx.hostname, ctx.backend, stop, tail)
             else:
-                _run_plain(monitor, views, args, ctx.backend, stop)
+                _run_plain(monitor, views, args, ctx.backend, stop, tail)
         except KeyboardInterrupt:
             pass
         finally:
@@ -400,13 +559,17 @@ def describe(views: list[GpuView], backend: str) -> str:
 
 
 def _run_plain(monitor: Any, views: list[GpuView], args: argparse.Namespace, backend: str,
-               stop: threading.Event) -> None:
-    print(describe(views, backend), file=sys.stderr, flush=True)
+               stop: threading.Event, tail: RecordTail | None = None) -> None:
+    following = f"; following the training record {tail.path}" if tail is not None else ""
+    print(describe(views, backend) + following, file=sys.stderr, flush=True)
     n = 0
     while not stop.wait(args.interval):
         _update(monitor, views)
+        line = plain_line(views)
+        if tail is not None:
+            line += " | " + plain_training(tail.poll(), time.time())
         try:
-            print(plain_line(views), flush=True)
+            print(line, flush=True)
         except BrokenPipeError:  # `gpulens watch | head`
             with contextlib.suppress(OSError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -417,7 +580,7 @@ def _run_plain(monitor: Any, views: list[GpuView], args: argparse.Namespace, bac
 
 
 def _run_tty(monitor: Any, views: list[GpuView], args: argparse.Namespace, hostname: str,
-             backend: str, stop: threading.Event) -> None:
+             backend: str, stop: threading.Event, tail: RecordTail | None = None) -> None:
     from rich.console import Console
     from rich.live import Live
 
@@ -436,7 +599,8 @@ def _run_tty(monitor: Any, views: list[GpuView], args: argparse.Namespace, hostn
 
     def frame() -> Any:
         return render(views, args.interval, hostname, backend, width=console.size.width,
-                      history=args.history, host=host)
+                      history=args.history, host=host,
+                      training=tail.poll() if tail is not None else None)
 
     n = 0
     with _cbreak(fd), Live(frame(), console=console, screen=True, auto_refresh=False) as live:

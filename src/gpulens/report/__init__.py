@@ -15,8 +15,20 @@ import dataclasses
 
 from gpulens.report.html import SIMULATED_BANNER, backend_text, gpu_models, render_html
 from gpulens.report.load import GpuMeta, Record, ReportError, RunInfo, load_jsonl
-from gpulens.report.summary import Efficiency, GpuSummary, RunSummary, SummaryBuilder
-from gpulens.report.text import render_markdown_summary, render_text, sparkline
+from gpulens.report.summary import (
+    Efficiency,
+    GpuSummary,
+    RunSummary,
+    SummaryBuilder,
+    Throughput,
+)
+from gpulens.report.text import (
+    figure,
+    mfu_notes,
+    render_markdown_summary,
+    render_text,
+    sparkline,
+)
 from gpulens.sinks.base import Row
 
 __all__ = [
@@ -28,6 +40,7 @@ __all__ = [
     "RunInfo",
     "RunSummary",
     "SummaryBuilder",
+    "Throughput",
     "load_jsonl",
     "render_html",
     "render_markdown",
@@ -40,7 +53,7 @@ def summarize(record: Record, work: float | None = None, unit: str = "units") ->
     """Fold all rows of ``record`` into a :class:`RunSummary`, run by run (each run's first
     window starts at its header's time where the file has one)."""
     builder = SummaryBuilder(gpu_names=record.gpu_names, mem_total_gb=record.mem_total_gb,
-                             backend=record.backend)
+                             backend=record.backend, meta=record.meta)
     starts = {r.number: r.start_time for r in record.selected}
     by_run: dict[int, list[Row]] = {}
     for number, row in zip(record.run_of_row or [0] * len(record.rows), record.rows,
@@ -76,14 +89,17 @@ def render_markdown(record: Record, summary: RunSummary, title: str | None = Non
     lines_meta.append(" · ".join(meta))
     text = "\n".join(lines_meta) + "\n" + rest
     lines = []
-    for key, label in (("train/loss", "loss"), ("perf/step_time_s", "step time")):
+    for key, label, unit in (("train/loss", "loss", ""), ("perf/step_time_s", "step time", " s"),
+                             ("perf/tokens_per_s", "tokens/s", ""),
+                             ("perf/samples_per_s", "samples/s", ""),
+                             ("perf/tflops", "TFLOP/s per GPU", ""),
+                             ("perf/mfu_pct", "MFU", " %")):
         if not record.trained:
             break
         vals = [r.values[key] for r in record.rows if key in r.values]
         if vals:
-            lines.append(
-                f"| {label} | `{sparkline(vals)}` | {min(vals):.4g} to {max(vals):.4g} |"
-            )
+            lines.append(f"| {label} | `{sparkline(vals)}` | {_fig(min(vals))} to "
+                         f"{_fig(max(vals))}{unit} |")
     for g in summary.gpus:
         metric = g.activity_metric or "util_pct"
         vals = [r.values[f"gpu/{g.gpu}/{metric}"] for r in record.rows
@@ -95,10 +111,14 @@ def render_markdown(record: Record, summary: RunSummary, title: str | None = Non
             )
     if lines:
         text += "\n| by step | trend | range |\n|---|---|---|\n" + "\n".join(lines) + "\n"
+    if summary.throughput is not None:
+        text += "".join(f"\n_{_md((label + ': ') if label else '')}{_md(note)}_\n"
+                        for label, note in mfu_notes(record, summary.throughput))
     if record.events:
-        text += "\n| step | event | what | message |\n|---|---|---|---|\n" + "".join(
-            f"| {e.step} | {e.kind} · {e.severity} | {_md(e.name)} ({_md(e.state)}) | "
-            f"{_md(e.message)} |\n" for e in record.events)
+        text += ("\n| step | event | what | message | what to try |\n|---|---|---|---|---|\n"
+                 + "".join(f"| {e.step} | {e.kind} · {e.severity} | {_md(e.name)} "
+                           f"({_md(e.state)}) | {_md(e.message)} | {_md(e.advice)} |\n"
+                           for e in record.events))
     text += ("\n_Memory in GB of 10⁹ bytes (an “80GB” card shows 85.9 GB = 80.0 GiB); the mean "
              "step time is the duration divided by the steps._\n")
     if record.skipped:
@@ -108,3 +128,7 @@ def render_markdown(record: Record, summary: RunSummary, title: str | None = Non
 
 def _md(cell: str) -> str:
     return cell.replace("|", "\\|").replace("\n", " ")
+
+
+def _fig(v: float) -> str:
+    return figure(v) if abs(v) >= 1000 else f"{v:.4g}"

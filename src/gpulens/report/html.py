@@ -6,9 +6,16 @@ simulator made the figures); training charts (loss, learning rate, gradient norm
 the left column, beside the GPU charts (activity, memory, power, temperature, clocks held down)
 in the right, all on the same x-axis with one line per GPU: the step, or elapsed seconds for a
 wall-clock record (``gpulens record``: ``record/elapsed_s``, else time since the run's start).
-Every axis is labelled and its tick labels are exact.  Then the per-GPU table, energy and the
-one efficiency figure (work per joule), alerts and notices, and the runs of the file when it
-holds several.  One column below 900 px; no sideways scroll at 700 px.
+Every axis is labelled and its tick labels are exact.  Where the rows carry the engine's work
+figures, a throughput and MFU section follows on the same step axis: tokens/s (or samples/s),
+achieved TFLOP/s per GPU, MFU and the clock-adjusted MFU beside GPM tensor-core activity, and
+the MFU the tensor cores gave while busy; its table states MFU's denominator (the peak GPU,
+dtype, TFLOP/s and the document they come from, from the record's header) and how model FLOPs
+were counted, or why there is no MFU.  Then the per-GPU table, energy and the one efficiency
+figure (work per joule: the engine's tokens per joule where the rows have it, else the
+``--work`` handed in), the alerts and notices the engine wrote (what it saw and what to try),
+and the runs of the file when it holds several.  One column below 900 px; no sideways scroll
+at 700 px.
 """
 
 from __future__ import annotations
@@ -21,9 +28,17 @@ from dataclasses import dataclass
 from html import escape
 
 from gpulens.report.load import Record
-from gpulens.report.summary import RunSummary
+from gpulens.report.summary import RunSummary, Throughput
 from gpulens.report.svg import Series, color, line_chart
-from gpulens.report.text import HEADERS, duration, energy_text, figure, gpu_cells, sparkline
+from gpulens.report.text import (
+    HEADERS,
+    duration,
+    energy_text,
+    figure,
+    gpu_cells,
+    mfu_notes,
+    sparkline,
+)
 
 _GPU_KEY = re.compile(r"^gpu/(\d+)/")
 
@@ -255,6 +270,98 @@ def _charts(record: Record, summary: RunSummary) -> tuple[list[str], list[str]]:
     return [c for c in train if c], [c for c in gpu if c]
 
 
+def tensor_active_mean(values: dict[str, float]) -> float | None:
+    """GPM tensor-pipe activity of one row, mean over its GPUs (%); ``None`` without GPM."""
+    found = [v for k, v in values.items()
+             if k.endswith("/tensor_active_pct") and _GPU_ONE.match(k)]
+    return sum(found) / len(found) if found else None
+
+
+_GPU_ONE = re.compile(r"^gpu/\d+/tensor_active_pct$")
+
+
+def _perf_charts(record: Record) -> list[str]:
+    """Throughput and MFU charts on the rows' axis, leaving out those with no data."""
+    axis = _axis(record)
+    xr = axis.range
+
+    def chart(cid: str, title: str, unit: str, y_label: str, series: list[Series]) -> str | None:
+        series = [s for s in series if s.points]
+        if not series:
+            return None
+        return line_chart(cid, title, unit, series, xr, y_floor=0.0, x_label=axis.label,
+                          y_label=y_label)
+
+    tensor: dict[int, list[tuple[float, float]]] = {}
+    for x, n, r in zip(axis.xs, axis.runs, record.rows, strict=True):
+        if "perf/mfu_pct" in r.values and (t := tensor_active_mean(r.values)) is not None:
+            tensor.setdefault(n, []).append((x, t))
+    tensor_lines = [Series("tensor active (GPM, mean of GPUs)", pts, color(2), "2 3", 1.4,
+                           i == 0) for i, pts in enumerate(tensor.values())]
+    charts = [
+        chart("chart-tokens", "Throughput", "tokens/s, all GPUs (perf/tokens_per_s)",
+              "tokens/s", _lines(record, axis, "perf/tokens_per_s", "tokens/s", color(0))),
+        chart("chart-samples", "Throughput", "samples/s, all GPUs (perf/samples_per_s)",
+              "samples/s", _lines(record, axis, "perf/samples_per_s", "samples/s", color(0))),
+        chart("chart-tflops", "Achieved TFLOP/s per GPU", "model TFLOP/s (perf/tflops)",
+              "TFLOP/s", _lines(record, axis, "perf/tflops", "TFLOP/s per GPU", color(4))),
+        chart("chart-mfu", "MFU beside tensor-core activity",
+              "% (MFU; dashed: clock-adjusted; dotted: GPM tensor active)", "%",
+              _lines(record, axis, "perf/mfu_pct", "MFU", color(1))
+              + _lines(record, axis, "perf/mfu_clock_adjusted_pct", "MFU clock-adjusted",
+                       color(1), "6 3", 1.4)
+              + tensor_lines),
+        chart("chart-mfu-tensor", "MFU while the tensor cores were busy",
+              "% of peak (perf/mfu_when_tensor_active_pct)", "%",
+              _lines(record, axis, "perf/mfu_when_tensor_active_pct", "MFU / tensor active",
+                     color(6))),
+    ]
+    return [c for c in charts if c]
+
+
+def _perf_table(record: Record, t: Throughput) -> str:
+    rows: list[tuple[str, str]] = []
+    unit = t.unit
+    if t.per_s is not None:
+        rows.append(("Throughput", f"{figure(t.per_s)} {unit}/s (all GPUs)"))
+    if t.work is not None:
+        rows.append(("Work", f"{figure(t.work)} {unit}"))
+    if t.tflops is not None:
+        job = f"; {t.tflops_job:.1f} for the job" if t.tflops_job is not None else ""
+        rows.append(("Achieved", f"{t.tflops:.1f} TFLOP/s per GPU{job}"))
+    if t.mfu_pct is not None:
+        rows.append(("MFU", f"{t.mfu_pct:.1f} %"))
+    if t.mfu_clock_adjusted_pct is not None:
+        rows.append(("MFU, clock-adjusted", f"{t.mfu_clock_adjusted_pct:.1f} % (against the "
+                     "peak at the SM clock the GPUs ran)"))
+    if t.tensor_active_pct is not None:
+        rows.append(("Tensor cores active (GPM)", f"{t.tensor_active_pct:.1f} % of the time"))
+    if t.mfu_when_tensor_active_pct is not None:
+        rows.append(("MFU while tensor cores were busy",
+                     f"{t.mfu_when_tensor_active_pct:.1f} % ({_busy_or_idle(t)})"))
+    if t.per_j is not None:
+        rows.append((f"{unit.capitalize()} per joule", f"{figure(t.per_j)} {unit}/J"))
+    body = "".join(f"<tr><th>{escape(a)}</th><td>{escape(b)}</td></tr>" for a, b in rows)
+    notes = ['<p class="note mfu-denominator">'
+             + (f"<b>{escape(label)}</b>: " if label else "") + f"{escape(text)}</p>"
+             for label, text in mfu_notes(record, t)]
+    return f'<table id="perf" class="narrow">{body}</table>' + "".join(notes)
+
+
+def _busy_or_idle(t: Throughput) -> str:
+    """What the comparison of MFU with tensor-core activity says, in words."""
+    busy, when = t.tensor_active_pct, t.mfu_when_tensor_active_pct
+    if busy is None or when is None:
+        return ""
+    if when > 100:
+        return "above 100 %: the FLOP count, the peak or the GPM reading disagree"
+    if busy >= 50 and when < 50:
+        return "the tensor cores were busy but slow: small or badly shaped products, low clock"
+    if busy < 50 and when >= 50:
+        return "the tensor cores were often idle: time went to other work"
+    return "of the peak, while the tensor pipes ran"
+
+
 def _kpis(summary: RunSummary) -> str:
     items: list[tuple[str, str]] = []
     if summary.steps is not None:
@@ -270,6 +377,13 @@ def _kpis(summary: RunSummary) -> str:
                       "mean step time (duration / steps)"))
     if summary.loss_last is not None:
         items.append((f"{summary.loss_last:.4g}", f"final loss (first {summary.loss_first:.4g})"))
+    t = summary.throughput
+    if t is not None and t.per_s is not None:
+        items.append((f"{figure(t.per_s)} {t.unit}/s", f"throughput ({t.unit} per second)"))
+    if t is not None and t.mfu_pct is not None:
+        peak = summary.meta.get("peak_dtype")
+        items.append((f"{t.mfu_pct:.1f} %", f"MFU (of the dense {peak} peak)" if peak
+                      else "MFU"))
     e = summary.efficiency
     if e is not None and e.per_joule is not None:
         items.append((f"{figure(e.per_joule)} {e.unit}/J", f"efficiency ({e.unit} per joule)"))
@@ -308,12 +422,16 @@ def _energy(summary: RunSummary) -> str:
         rows.append(("Energy per training step", f"{summary.energy_per_step_j:.2f} J"))
         rows.append(("Steps per kWh", f"{3.6e6 / summary.energy_per_step_j:,.0f}"))
     e = summary.efficiency
-    if e is not None:
+    if e is not None and e.source == "given":
         rows.append(("Work", f"{e.work:g} {e.unit}"))
         if e.per_joule is not None:
             rows.append(("Efficiency", f"{figure(e.per_joule)} {e.unit}/J"))
         if e.per_second is not None:
             rows.append(("Throughput", f"{figure(e.per_second)} {e.unit}/s"))
+    elif e is not None and e.per_joule is not None:
+        rows.append(("Efficiency", f"{figure(e.per_joule)} {e.unit}/J"))
+        rows.append(("Efficiency from", f"the engine's perf/{e.unit}_per_j: {e.unit} over the "
+                     "GPUs' energy in the same windows"))
     if not rows:
         return "<p>No energy or power readings in this record.</p>"
     body = "".join(f"<tr><th>{escape(a)}</th><td>{escape(b)}</td></tr>" for a, b in rows)
@@ -396,16 +514,17 @@ def render_html(record: Record, summary: RunSummary, title: str | None = None) -
     if not record.trained:  # steps are interval numbers: per-step figures mean nothing
         summary = dataclasses.replace(summary, steps=None, energy_per_step_j=None,
                                       step_time_mean_s=None)
-    if train:
+    perf_charts = _perf_charts(record) if summary.throughput is not None else []
+    if train:  # throughput and MFU below the training charts, beside the GPUs' activity
         charts = (
             '<div class="cols"><div class="col"><div class="colhead">Training</div>'
-            + "".join(train)
+            + "".join(train + perf_charts)
             + '</div><div class="col"><div class="colhead">GPUs</div>'
             + "".join(gpu)
             + "</div></div>"
         )
     else:
-        charts = '<div class="grid2">' + "".join(gpu) + "</div>"
+        charts = '<div class="grid2">' + "".join(gpu + perf_charts) + "</div>"
     models = gpu_models(record, summary)
     host = {r.hostname for r in record.selected if r.hostname}
     sub = " · ".join(part for part in (
@@ -424,6 +543,9 @@ def render_html(record: Record, summary: RunSummary, title: str | None = None) -
     )
     heading = ("Training and GPUs, by step" if train
                else "GPUs, by elapsed time (seconds since the start)")
+    perf = ""
+    if summary.throughput is not None:
+        perf = f"<h2>Throughput and MFU</h2>{_perf_table(record, summary.throughput)}"
     return (
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>"
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
@@ -431,7 +553,7 @@ def render_html(record: Record, summary: RunSummary, title: str | None = None) -
         f"<h1>{escape(title)}</h1>{banner}<div class=sub>{escape(sub)}</div>"
         f'<div class="kpis">{_kpis(summary)}</div>'
         f"<h2>{heading}</h2>{charts}"
-        f"<h2>Per GPU</h2>{_table(record, summary)}"
+        f"<h2>Per GPU</h2>{_table(record, summary)}{perf}"
         f"<h2>Energy and efficiency</h2>{_energy(summary)}"
         f"{_events(record)}{_runs(record)}"
         f"{note}<p class=note>Made by gpulens from {escape(str(record.path))}. Means are "

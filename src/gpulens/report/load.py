@@ -20,6 +20,9 @@ from pathlib import Path
 
 from gpulens.sinks.base import Event, Row
 
+_WORK_KEYS = frozenset(("perf/tokens_per_s", "perf/samples_per_s", "perf/tflops"))
+"""Keys that only the work of training steps (``log(step, tokens=...)``) gives."""
+
 
 class ReportError(Exception):
     """A user error while reading or writing a report (missing file, nothing to report)."""
@@ -35,6 +38,9 @@ class GpuMeta:
     pci_bus_id: str | None = None
     mem_total_gb: float | None = None
     power_limit_w: float | None = None
+    default_power_limit_w: float | None = None
+    max_sm_clock_mhz: float | None = None
+    """The boost clock (MHz) the peak behind MFU assumes."""
 
 
 @dataclass
@@ -53,6 +59,10 @@ class RunInfo:
     interval: float | None = None
     gpulens_version: str | None = None
     gpus: list[GpuMeta] = field(default_factory=list)
+    meta: dict[str, str | float] = field(default_factory=dict)
+    """The header's ``meta``: the compute dtype, MFU's denominator (``peak_gpu``,
+    ``peak_dtype``, ``peak_tflops``, ``peak_source``), how model FLOPs were counted; empty
+    where the header has none."""
     rows: int = 0
     first_step: int | None = None
     last_step: int | None = None
@@ -88,9 +98,10 @@ class Record:
 
     @property
     def trained(self) -> bool:
-        """Whether the rows carry training scalars; if not (``gpulens record``), the steps are
-        wall-clock interval numbers and per-step figures mean nothing."""
-        return any(k.startswith("train/") and k != "train/global_step"
+        """Whether the rows carry training scalars or the work of training steps (tokens or
+        samples per second); if not (``gpulens record``), the steps are wall-clock interval
+        numbers and per-step figures mean nothing."""
+        return any((k.startswith("train/") and k != "train/global_step") or k in _WORK_KEYS
                    for r in self.rows for k in r.values)
 
     @property
@@ -106,6 +117,20 @@ class Record:
     def simulated(self) -> bool:
         """Whether any chosen run sampled simulated GPUs."""
         return any(r.backend == "simulated" for r in self.selected)
+
+    @property
+    def meta(self) -> dict[str, str | float]:
+        """The run metadata of the chosen runs (the header's ``meta``): keys on which every
+        chosen run that has them agrees; a key whose value differs between runs is left out
+        (:attr:`RunInfo.meta` has each run's own)."""
+        out: dict[str, str | float] = {}
+        differs: set[str] = set()
+        for info in self.selected:
+            for key, value in info.meta.items():
+                if key in out and out[key] != value:
+                    differs.add(key)
+                out.setdefault(key, value)
+        return {k: v for k, v in out.items() if k not in differs}
 
 
 def _number(value: object) -> float | None:
@@ -210,6 +235,9 @@ class _Reader:
             gpus = obj.get("gpus")
             if isinstance(gpus, list):
                 _read_gpus(gpus, info)
+            meta = obj.get("meta")
+            if isinstance(meta, dict):
+                info.meta = _read_meta(meta)
             return
         if kind == "run_end":
             self._run_for(run_id).ended = True
@@ -295,6 +323,17 @@ class _Reader:
         raise ReportError(f"{what} in {self.path}; runs: {listing}")
 
 
+def _read_meta(meta: dict[object, object]) -> dict[str, str | float]:
+    """Text and finite numbers of a header's ``meta``; ``null`` and anything else left out."""
+    out: dict[str, str | float] = {}
+    for key, value in meta.items():
+        if isinstance(value, str):
+            out[str(key)] = value
+        elif (f := _number(value)) is not None:
+            out[str(key)] = f
+    return out
+
+
 def _read_gpus(gpus: list[object], info: RunInfo) -> None:
     for g in gpus:
         if not isinstance(g, dict) or "index" not in g:
@@ -303,4 +342,6 @@ def _read_gpus(gpus: list[object], info: RunInfo) -> None:
             index=str(g["index"]), name=_text(g.get("name")), uuid=_text(g.get("uuid")),
             pci_bus_id=_text(g.get("pci_bus_id")), mem_total_gb=_number(g.get("mem_total_gb")),
             power_limit_w=_number(g.get("power_limit_w")),
+            default_power_limit_w=_number(g.get("default_power_limit_w")),
+            max_sm_clock_mhz=_number(g.get("max_sm_clock_mhz")),
         ))

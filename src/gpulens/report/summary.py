@@ -25,6 +25,14 @@ What a summary holds per GPU (absent metrics stay ``None``, never 0):
   add ``power_w`` times their window length (``energy_source`` says which was used),
 * the share of time and the seconds the clocks were held down, in total and by cause
   (power cap, thermal).
+
+For the run, where the rows carry the engine's work figures (``perf/tokens_per_s`` or
+``perf/samples_per_s``, ``perf/tflops``, ``perf/mfu_pct`` ...), :class:`Throughput` holds their
+run-level values: each rate weighted by its window's length (``perf/step_time_s *
+perf/steps``), so it is the run's total work over the time of those windows, not a mean of
+ratios; work per joule is the work over the GPU energy of its windows.  The run's one
+efficiency figure (:class:`Efficiency`) is then the engine's tokens (samples) per joule, unless
+the caller hands in the work done (``gpulens report --work N``).
 """
 
 from __future__ import annotations
@@ -129,6 +137,45 @@ class Efficiency:
     counter where the GPUs have one, else mean power x time)."""
     per_second: float | None
     """Throughput: units of work per second of the run's duration."""
+    source: str = "given"
+    """``"given"``: ``work`` was handed in (``--work``), over the whole run's energy and
+    duration; ``"engine"``: the rows' own ``perf/tokens_per_j`` (``samples_per_j``) and
+    ``perf/tokens_per_s`` figures (:class:`Throughput`), over the windows that have them."""
+
+
+@dataclass
+class Throughput:
+    """The run's throughput and MFU from the engine's per-window ``perf/*`` figures.
+
+    Rates are weighted by window length (seconds), so ``per_s`` is the work of those windows
+    over their time and ``mfu_pct`` the model FLOPs over (time x GPUs x peak); ``None`` where
+    no row has the figure.
+    """
+
+    unit: str
+    """``"tokens"`` (``perf/tokens_per_s``) or ``"samples"`` (``perf/samples_per_s``, where
+    the run reports no tokens)."""
+    work: float | None = None
+    """Tokens (samples) in the windows with a rate."""
+    per_s: float | None = None
+    """Tokens (samples) per second of those windows, all GPUs together."""
+    per_j: float | None = None
+    """Tokens (samples) per joule of the GPUs' energy in the windows with ``perf/*_per_j``."""
+    tflops: float | None = None
+    """Achieved model TFLOP/s per GPU (``perf/tflops``)."""
+    tflops_job: float | None = None
+    """Achieved model TFLOP/s of all the GPUs (``perf/tflops_job``)."""
+    mfu_pct: float | None = None
+    """``perf/mfu_pct``: achieved / the GPU's dense peak in the run's dtype, %."""
+    mfu_clock_adjusted_pct: float | None = None
+    """``perf/mfu_clock_adjusted_pct``: against the peak scaled to the SM clock it ran at, %."""
+    tensor_active_pct: float | None = None
+    """GPM tensor-pipe activity (mean over the GPUs) in the windows with an MFU, %."""
+    mfu_when_tensor_active_pct: float | None = None
+    """``mfu_pct`` / ``tensor_active_pct``: the share of peak the tensor cores gave while
+    they were busy (low: busy but slow; high while ``tensor_active_pct`` is low: idle)."""
+    windows: int = 0
+    """Rows with a throughput or MFU figure."""
 
 
 @dataclass
@@ -156,6 +203,10 @@ class RunSummary:
     """Duration / steps, where the rows are training steps that time themselves
     (``perf/step_time_s`` beside training scalars)."""
     efficiency: Efficiency | None = None
+    throughput: Throughput | None = None
+    """Throughput and MFU, where the rows carry the engine's ``perf/*`` work figures."""
+    meta: dict[str, str | float] = field(default_factory=dict)
+    """The run's metadata (the JSONL header's ``meta``): dtype, MFU's peak and its source."""
     runs: int = 0
     """Runs folded in (each with its own chain of windows)."""
     backend: str | None = None
@@ -174,6 +225,7 @@ class SummaryBuilder:
         mem_total_gb: GPU key -> total memory in GB, where known.
         start_time: Unix time the first window started (the monitor's start), if known.
         backend: what sampled the GPUs (``"nvml"``, ``"simulated"``, ``"none"``), if known.
+        meta: the run's metadata (dtype, MFU's peak ...), copied into the summary.
     """
 
     def __init__(
@@ -182,8 +234,12 @@ class SummaryBuilder:
         mem_total_gb: Mapping[str, float] | None = None,
         start_time: float | None = None,
         backend: str | None = None,
+        meta: Mapping[str, str | float] | None = None,
     ) -> None:
         self._backend = backend
+        self._meta = dict(meta or {})
+        self._perf: dict[str, _Stat] = {}
+        self._per_j = [0.0, 0.0, 0.0, 0.0]  # tokens x J, J, samples x J, J
         self._names = dict(gpu_names or {})
         self._mem_total = dict(mem_total_gb or {})
         self._start = start_time
@@ -255,8 +311,10 @@ class SummaryBuilder:
         if st is not None:
             self._step_time.add(float(st), weight)
         if not self._trained:
-            self._trained = any(k.startswith("train/") and k != "train/global_step"
-                                for k in values)
+            self._trained = any((k.startswith("train/") and k != "train/global_step")
+                                or k in _WORK_RATES for k in values)
+        if any(k in values for k in _PERF_TRIGGER):
+            self._fold_perf(values, weight)
         per_gpu: dict[str, dict[str, float]] = {}
         for key, value in values.items():
             m = _GPU_KEY.match(key)
@@ -282,6 +340,58 @@ class SummaryBuilder:
             elif "power_w" in metrics:
                 self._energy[gpu] = (j + metrics["power_w"] * weight, counted, estimated + 1)
 
+    def _fold_perf(self, values: Mapping[str, float], weight: float) -> None:
+        """The engine's work figures of one row, weighted by its window (the engine's own
+        ``perf/step_time_s * perf/steps`` where the row has them)."""
+        st, n = values.get("perf/step_time_s"), values.get("perf/steps")
+        window = float(st) * float(n) if st is not None and n is not None and st > 0 and n > 0 \
+            else weight
+        for key in _PERF_KEYS:
+            v = values.get(key)
+            if v is not None and math.isfinite(v):
+                self._perf.setdefault(key, _Stat()).add(float(v), window)
+        tensors = [v for k, v in values.items()
+                   if k.endswith("/tensor_active_pct") and _GPU_KEY.match(k) and math.isfinite(v)]
+        mfu = values.get("perf/mfu_pct")
+        if tensors and mfu is not None and math.isfinite(mfu):
+            tensor = sum(tensors) / len(tensors)
+            self._perf.setdefault("tensor", _Stat()).add(tensor, window)
+            self._perf.setdefault("mfu_with_tensor", _Stat()).add(float(mfu), window)
+        energy = sum(v for k, v in values.items()
+                     if k.endswith("/energy_j") and _GPU_KEY.match(k) and math.isfinite(v))
+        if energy > 0:
+            for i, key in ((0, "perf/tokens_per_j"), (2, "perf/samples_per_j")):
+                v = values.get(key)
+                if v is not None and math.isfinite(v):
+                    self._per_j[i] += v * energy
+                    self._per_j[i + 1] += energy
+
+    def _throughput(self) -> Throughput | None:
+        p = self._perf
+        if not p:
+            return None
+
+        def mean(key: str) -> float | None:
+            return p[key].mean if key in p else None
+
+        tokens = "perf/tokens_per_s" in p or self._per_j[1] > 0
+        unit, i = ("tokens", 0) if tokens else ("samples", 2)
+        rate = p.get(f"perf/{unit}_per_s")
+        out = Throughput(unit=unit, windows=max(s.count for s in p.values()))
+        if rate is not None:
+            out.per_s = rate.mean
+            out.work = rate.wsum if rate.weight > 0 else None
+        if self._per_j[i + 1] > 0:
+            out.per_j = self._per_j[i] / self._per_j[i + 1]
+        out.tflops, out.tflops_job = mean("perf/tflops"), mean("perf/tflops_job")
+        out.mfu_pct = mean("perf/mfu_pct")
+        out.mfu_clock_adjusted_pct = mean("perf/mfu_clock_adjusted_pct")
+        out.tensor_active_pct = mean("tensor")
+        both, busy = p.get("mfu_with_tensor"), p.get("tensor")
+        if both is not None and busy is not None and busy.wsum > 0:
+            out.mfu_when_tensor_active_pct = 100.0 * both.wsum / busy.wsum
+        return out
+
     def result(self, work: float | None = None, unit: str = "units") -> RunSummary:
         """The summary of the rows folded so far; ``work`` adds efficiency figures."""
         if self._pending_first:
@@ -291,7 +401,8 @@ class SummaryBuilder:
                 self._fold(step, values, window)
             self._pending_first = []
         out = RunSummary(rows=self._rows, first_step=self._first_step, last_step=self._last_step,
-                         runs=len(self._spans), backend=self._backend)
+                         runs=len(self._spans), backend=self._backend, meta=dict(self._meta),
+                         throughput=self._throughput())
         if self._spans:
             starts = [(first or 0.0) - (window or 0.0) for first, window, _ in self._spans]
             out.start_time = min(starts)
@@ -332,6 +443,9 @@ class SummaryBuilder:
                 per_joule=work / total_j if have_energy and total_j > 0 else None,
                 per_second=per_s,
             )
+        elif (tp := out.throughput) is not None and tp.per_j is not None and tp.work:
+            out.efficiency = Efficiency(work=tp.work, unit=tp.unit, per_joule=tp.per_j,
+                                        per_second=tp.per_s, source="engine")
         return out
 
     def _gpu_summary(self, gpu: str, s: dict[str, _Stat], duration: float | None) -> GpuSummary:
@@ -377,4 +491,14 @@ class SummaryBuilder:
         return g
 
 
-__all__ = ["Efficiency", "GpuSummary", "RunSummary", "SummaryBuilder"]
+_PERF_KEYS = (
+    "perf/tokens_per_s", "perf/samples_per_s", "perf/tflops", "perf/tflops_job", "perf/mfu_pct",
+    "perf/mfu_clock_adjusted_pct",
+)
+"""The engine's work figures that are rates (weighted by window length); the per-joule
+figures are weighted by the window's energy."""
+_PERF_TRIGGER = (*_PERF_KEYS, "perf/tokens_per_j", "perf/samples_per_j")
+_WORK_RATES = frozenset(("perf/tokens_per_s", "perf/samples_per_s", "perf/tflops"))
+"""Keys only the work of training steps gives (rows with them are training steps)."""
+
+__all__ = ["Efficiency", "GpuSummary", "RunSummary", "SummaryBuilder", "Throughput"]

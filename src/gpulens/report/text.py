@@ -4,9 +4,10 @@ and the plain-text and Markdown summary tables."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from gpulens.report.summary import GpuSummary, RunSummary
+from gpulens.report.load import Record
+from gpulens.report.summary import GpuSummary, RunSummary, Throughput
 
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -124,6 +125,93 @@ def gpu_cells(g: GpuSummary) -> tuple[str, ...]:
     )
 
 
+def peak_text(meta: Mapping[str, str | float]) -> str | None:
+    """MFU's denominator in words, from a run's metadata: ``"989.4 TFLOP/s, the dense bf16
+    peak of one H100 SXM5 80GB"``; ``None`` where the run recorded no peak."""
+    tflops = meta.get("peak_tflops")
+    if not isinstance(tflops, int | float):
+        return None
+    dtype = meta.get("peak_dtype") or meta.get("dtype")
+    gpu = meta.get("peak_gpu")
+    return (f"{tflops:g} TFLOP/s, the dense {dtype or '(dtype not recorded)'} peak of one "
+            f"{gpu or 'GPU (model not recorded)'}")
+
+
+def flops_text(meta: Mapping[str, str | float]) -> str | None:
+    """How the run counted model FLOPs: ``"7.44e+08 FLOPs per token (formula)"``."""
+    parts = []
+    for key, what in (("flops_per_token", "per token"), ("flops_per_sample", "per sample")):
+        v = meta.get(key)
+        if isinstance(v, int | float):
+            parts.append(f"{v:.3g} FLOPs {what}")
+    method = meta.get("flops_method")
+    if not parts and not method:
+        return None
+    text = ", ".join(parts) if parts else "model FLOPs"
+    return text + (f" ({method})" if method else "")
+
+
+def mfu_notes(record: Record, t: Throughput) -> list[tuple[str, str]]:
+    """``(run label, sentence)``: what MFU was divided by and how model FLOPs were counted
+    (from the record's header), or why there is no MFU; one per run where the chosen runs'
+    metadata differ (label ``""`` otherwise)."""
+    metas = [(info.label, info.meta) for info in record.selected]
+    distinct = {tuple(sorted(m.items())) for _, m in metas if m}
+    out = []
+    for label, meta in metas if len(distinct) > 1 else [("", record.meta)]:
+        peak = peak_text(meta)
+        if t.mfu_pct is None and not peak:
+            out.append((label, _why_no_mfu(record, meta)))
+            continue
+        if peak is None:
+            text = ("MFU = achieved model TFLOP/s per GPU / the GPU's dense peak in the run's "
+                    "dtype; this record's header does not say which peak (written before "
+                    "gpulens recorded it).")
+        else:
+            text = f"MFU = achieved model TFLOP/s per GPU / {peak}"
+            dtype = meta.get("dtype")
+            if dtype and dtype != meta.get("peak_dtype"):
+                text += f" (the run's dtype: {dtype})"
+            text += "."
+            source = meta.get("peak_source")
+            if source:
+                text += f" Peak from: {source}."
+        flops = flops_text(meta)
+        text += (f" Model FLOPs: {flops}" if flops else " Model FLOPs as the run logged them")
+        text += ("; model FLOPs, not hardware FLOPs: recomputed activations are not counted as "
+                 "work. The clock-adjusted MFU scales the peak by the mean SM clock over the "
+                 "boost clock the peak assumes.")
+        out.append((label, text))
+    return out
+
+
+def _why_no_mfu(record: Record, meta: Mapping[str, str | float]) -> str:
+    """Why rows with throughput have no MFU, in one sentence."""
+    if not any("perf/tflops" in r.values for r in record.rows):
+        return ("No MFU: the rows have no model FLOPs (give Monitor(flops_per_token=...) or "
+                "log(step, flops=...)).")
+    if "dtype" not in meta and "peak_dtype" not in meta:
+        return ("No MFU: the run's compute dtype was not given (Monitor(dtype=\"bf16\")), so "
+                "there is no peak to divide by.")
+    return (f"No MFU: gpulens has no {meta.get('dtype', '')} peak for this GPU, and never "
+            "borrows another card's (the run's log names the GPU).")
+
+
+def throughput_pieces(t: Throughput, rate: bool = True) -> list[str]:
+    """``"throughput: 163,029 tokens/s"``, ``"achieved: 60.6 TFLOP/s per GPU"``,
+    ``"MFU: 6.1% (clock-adjusted 6.4%)"``; ``rate=False`` leaves the throughput out."""
+    out = []
+    if rate and t.per_s is not None:
+        out.append(f"throughput: {figure(t.per_s)} {t.unit}/s")
+    if t.tflops is not None:
+        out.append(f"achieved: {t.tflops:.1f} TFLOP/s per GPU")
+    if t.mfu_pct is not None:
+        clock = (f" (clock-adjusted {t.mfu_clock_adjusted_pct:.1f}%)"
+                 if t.mfu_clock_adjusted_pct is not None else "")
+        out.append(f"MFU: {t.mfu_pct:.1f}%{clock}")
+    return out
+
+
 def headline(s: RunSummary) -> list[str]:
     """Run-level facts as ``"label: value"`` pieces."""
     out = []
@@ -142,11 +230,15 @@ def headline(s: RunSummary) -> list[str]:
     if s.step_time_mean_s is not None:
         out.append(f"mean step time: {s.step_time_mean_s * 1000:.0f} ms")
     e = s.efficiency
+    given = e is not None and e.source == "given"
+    if s.throughput is not None:  # the engine's figures; a throughput handed in wins
+        out.extend(throughput_pieces(s.throughput, rate=not given))
     if e is not None:
-        out.append(f"work: {e.work:g} {e.unit}")
+        if given:
+            out.append(f"work: {e.work:g} {e.unit}")
         if e.per_joule is not None:
             out.append(f"efficiency: {figure(e.per_joule)} {e.unit}/J")
-        if e.per_second is not None:
+        if given and e.per_second is not None:
             out.append(f"throughput: {figure(e.per_second)} {e.unit}/s")
     return out
 

@@ -5,9 +5,16 @@ the sink never overwrites, it appends.  Each run is told apart by its run id:
 
 * ``{"event": "run_start", "run_id": ..., "time": ..., "hostname": ..., "backend": ...,
   "interval": ..., "gpus": [{"index", "name", "uuid", "pci_bus_id", "mem_total_gb",
-  "power_limit_w"}, ...], "gpulens_version": ...}`` opens each run (``backend`` is ``"nvml"``,
-  ``"simulated"`` or ``"none"``; ``time`` in unix seconds; ``interval`` in seconds between
-  samples; ``mem_total_gb`` in GB of 1e9 bytes; ``power_limit_w`` in W);
+  "power_limit_w", "default_power_limit_w", "max_sm_clock_mhz"}, ...], "meta": {...},
+  "gpulens_version": ...}`` opens each run (``backend`` is ``"nvml"``, ``"simulated"`` or
+  ``"none"``; ``time`` in unix seconds; ``interval`` in seconds between samples;
+  ``mem_total_gb`` in GB of 1e9 bytes; ``power_limit_w`` (enforced) and
+  ``default_power_limit_w`` in W; ``max_sm_clock_mhz``, the boost clock MFU's peak assumes, in
+  MHz; a figure the GPU does not give is ``null``).  ``meta`` is the run's
+  :attr:`~gpulens.sinks.base.RunContext.meta`: the compute ``dtype``, MFU's denominator
+  (``peak_gpu``, ``peak_dtype``, ``peak_tflops`` in TFLOP/s of one GPU, ``peak_source``), how
+  model FLOPs are counted (``flops_per_token`` / ``flops_per_sample``, ``flops_method`` ...);
+  ``{}`` when the run has none (no dtype given, an unknown GPU: then rows have no MFU);
 * a row line per :class:`~gpulens.sinks.base.Row`: ``run_id``, ``step``, ``time`` (unix seconds
   at the end of the window) and the row's keys; a value that is not finite (a NaN loss) is
   written as ``null``;
@@ -140,11 +147,31 @@ def header(context: RunContext, run_id: str | None) -> dict[str, object]:
         "interval": _finite(context.interval),
         "gpus": [
             {"index": g.index, "name": g.name, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
-             "mem_total_gb": _finite(g.mem_total_gb), "power_limit_w": _finite(g.power_limit_w)}
+             "mem_total_gb": _finite(g.mem_total_gb), "power_limit_w": _finite(g.power_limit_w),
+             "default_power_limit_w": _finite(g.default_power_limit_w),
+             "max_sm_clock_mhz": _finite(g.max_sm_clock_mhz)}
             for g in context.gpus
         ],
+        "meta": _meta(getattr(context, "meta", None)),
         "gpulens_version": __version__,
     }
+
+
+def _meta(meta: object) -> dict[str, object]:
+    """The run's metadata as JSON: text as it is, numbers finite or ``null``; a value of any
+    other type (a sink handed an odd context) as its text, never a reason not to write the
+    header."""
+    if not isinstance(meta, dict):
+        return {}
+    out: dict[str, object] = {}
+    for key, value in meta.items():
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            out[str(key)] = value
+        elif isinstance(value, int | float):
+            out[str(key)] = _finite(float(value)) if isinstance(value, float) else value
+        else:
+            out[str(key)] = str(value)
+    return out
 
 
 def event_line(event: Event, run_id: str | None) -> dict[str, object]:

@@ -33,12 +33,40 @@ windows' counter differences since the sink opened.
 ``gpulens_train_last_step_timestamp_seconds``           Unix time the step last advanced
 ``gpulens_train_steps_total``                           counter of steps seen (``perf/steps``)
 ``gpulens_train_step_time_seconds``                     ``perf/step_time_s``
+``gpulens_train_tokens_per_second``                     ``perf/tokens_per_s`` (all GPUs)
+``gpulens_train_samples_per_second``                    ``perf/samples_per_s`` (all GPUs)
+``gpulens_train_tokens_per_joule``                      ``perf/tokens_per_j`` (GPU energy)
+``gpulens_train_samples_per_joule``                     ``perf/samples_per_j``
+``gpulens_train_model_flops_per_gpu_per_second``        ``perf/tflops`` x 1e12: achieved model
+                                                        FLOP/s per GPU
+``gpulens_train_model_flops_per_second``                ``perf/tflops_job`` x 1e12: all the GPUs
+``gpulens_train_mfu_percent``                           ``perf/mfu_pct``
+``gpulens_train_mfu_clock_adjusted_percent``            ``perf/mfu_clock_adjusted_pct``
+``gpulens_train_mfu_when_tensor_active_percent``        ``perf/mfu_when_tensor_active_pct``
+``gpulens_train_mfu_peak_flops_per_second``             MFU's denominator: one GPU's dense peak
+                                                        in the run's dtype (FLOP/s), labels
+                                                        ``peak_gpu``, ``dtype`` (the run's meta)
+``gpulens_train_cpu_busy_seconds{rank}``                CPU seconds per step of the training
+                                                        process (``perf/cpu_busy_s``, ``rank``
+                                                        ``""``), or of each rank of a
+                                                        distributed job (``rank/{r}/cpu_busy_s``)
+``gpulens_alert{rule}``                                 ``alerts/<rule>``: 1 while the engine's
+                                                        advice rule fires, 0 while it does not
 ``gpulens_train_loss``, ``..._learning_rate``, ...      every other ``train/*`` and ``perf/*``
                                                         scalar, units spelled out
 ======================================================  ==========================================
 
-Training series are left out with ``training=False`` (``gpulens serve``, where the step counter
-counts intervals, not training steps).
+Names follow Prometheus's rules: base units (FLOP/s, not TFLOP/s; bytes, not GB), the unit
+last (``_per_second``, ``_per_joule`` for rates, as OpenTelemetry's units become in
+Prometheus), labels instead of path parts (``rank``, ``rule``).  The engine's figures
+(``perf/*``, ``alerts/*``, ``rank/*``) are the latest row's: one that a row no longer carries
+is gone from the next scrape, never its last value carried forward.  ``train/*`` scalars keep
+their last logged value (a learning rate logged every 100 steps stays visible).
+
+Training series (everything ``gpulens_train_*``, and ``gpulens_alert``, whose rules judge
+training steps) are left out with ``training=False`` (``gpulens serve``, where the step counter
+counts intervals, not training steps; ``integrations/prometheus/gpulens-rules.yml`` has the
+node-level alerts).
 """
 
 from __future__ import annotations
@@ -83,10 +111,47 @@ _UNITS = (("_pct", "_percent", 1.0), ("_gb", "_bytes", 1e9), ("_mb", "_bytes", 1
           ("_mhz", "_hertz", 1e6), ("_ms", "_seconds", 1e-3), ("_s", "_seconds", 1.0))
 
 
+PERF_SERIES: dict[str, tuple[str, float, str]] = {
+    "perf/tokens_per_s": ("gpulens_train_tokens_per_second", 1.0,
+                          "tokens the job's GPUs processed per second in the latest window"),
+    "perf/samples_per_s": ("gpulens_train_samples_per_second", 1.0,
+                           "samples the job's GPUs processed per second in the latest window"),
+    "perf/tokens_per_j": ("gpulens_train_tokens_per_joule", 1.0,
+                          "tokens per joule of the GPUs' energy in the latest window"),
+    "perf/samples_per_j": ("gpulens_train_samples_per_joule", 1.0,
+                           "samples per joule of the GPUs' energy in the latest window"),
+    "perf/tflops": ("gpulens_train_model_flops_per_gpu_per_second", 1e12,
+                    "achieved model FLOP/s per GPU (job FLOPs / s / GPUs) in the latest window"),
+    "perf/tflops_job": ("gpulens_train_model_flops_per_second", 1e12,
+                        "achieved model FLOP/s of all the job's GPUs in the latest window"),
+    "perf/mfu_pct": ("gpulens_train_mfu_percent", 1.0,
+                     "model FLOPs utilization: achieved FLOP/s per GPU / the GPU's dense peak "
+                     "in the run's dtype (gpulens_train_mfu_peak_flops_per_second)"),
+    "perf/mfu_clock_adjusted_pct": ("gpulens_train_mfu_clock_adjusted_percent", 1.0,
+                                    "MFU against the peak scaled by the mean SM clock over "
+                                    "the boost clock"),
+    "perf/mfu_when_tensor_active_pct": ("gpulens_train_mfu_when_tensor_active_percent", 1.0,
+                                        "MFU / GPM tensor-pipe active share: the share of "
+                                        "peak while the tensor cores were busy"),
+}
+"""The engine's throughput and MFU keys -> (metric name, scale to base unit, help)."""
+CPU_BUSY = ("gpulens_train_cpu_busy_seconds",
+            "CPU seconds the training process (rank) used per step in the latest window")
+ALERT = "gpulens_alert"
+PEAK = "gpulens_train_mfu_peak_flops_per_second"
+_RANK_KEY = re.compile(r"^rank/(\d+)/cpu_busy_s$")
+_ENGINE_PREFIXES = ("perf/", "alerts/", "rank/")
+
+
 def scalar_series_name(key: str) -> tuple[str, float]:
     """``"train/loss"`` -> ``("gpulens_train_loss", 1.0)``; ``"perf/step_time_s"`` ->
     ``("gpulens_train_step_time_seconds", 1.0)``; ``"host/ram_used_gb"`` ->
     ``("gpulens_host_ram_used_bytes", 1e9)``: units spelled out, scaled to base units."""
+    if key in PERF_SERIES:
+        name, scale, _ = PERF_SERIES[key]
+        return name, scale
+    if key == "perf/cpu_busy_s":
+        return CPU_BUSY[0], 1.0
     if key == "perf/step_time_s":
         return "gpulens_train_step_time_seconds", 1.0
     if key == "perf/energy_per_step_j":
@@ -189,7 +254,7 @@ class PrometheusSink:
             if m is not None:
                 gpu.setdefault(m.group(1), {})[m.group(2)] = float(value)
             elif key.startswith("host/") or (
-                self.training and key.startswith(("train/", "perf/"))
+                self.training and key.startswith(("train/", *_ENGINE_PREFIXES))
             ):
                 scalars[key] = float(value)
         with self._lock:
@@ -197,6 +262,9 @@ class PrometheusSink:
                 self._gpu_values[index] = values
                 if "energy_j" in values:
                     self._energy_j[index] = self._energy_j.get(index, 0.0) + values["energy_j"]
+            # the engine's figures are the latest row's: one it no longer gives is gone
+            for key in [k for k in self._scalars if k.startswith(_ENGINE_PREFIXES)]:
+                del self._scalars[key]
             self._scalars.update(scalars)
             if self.training:
                 steps = scalars.get("perf/steps")
@@ -328,15 +396,50 @@ class _Collector:
                                           "training steps seen (perf/steps)", labels=["host"])
             steps_f.add_metric([host], steps_total)
             yield steps_f
+        if self._sink.training:
+            yield from _engine_families(context, scalars, host)
         seen: set[str] = set()
         for key, value in sorted(scalars.items()):
-            if key in ("train/global_step", "perf/steps"):
+            if key in ("train/global_step", "perf/steps", "perf/cpu_busy_s") or key.startswith(
+                    ("alerts/", "rank/")):
                 continue
             name, scale = scalar_series_name(key)
             if name in seen:
                 continue
             seen.add(name)
-            yield _gauge(GaugeMetricFamily, name, f"{key} of the latest row", host, value * scale)
+            text = PERF_SERIES[key][2] if key in PERF_SERIES else f"{key} of the latest row"
+            yield _gauge(GaugeMetricFamily, name, text, host, value * scale)
+
+
+def _engine_families(context: RunContext | None, scalars: dict[str, float],
+                     host: str) -> Iterator[Any]:
+    """The labelled series of the engine's figures: alerts by rule, CPU time by rank, and
+    MFU's denominator from the run's metadata."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    alerts = GaugeMetricFamily(ALERT, "1 while gpulens's advice rule fires (alerts/<rule>), "
+                               "0 while it does not; see the events for what to try",
+                               labels=["host", "rule"])
+    busy = GaugeMetricFamily(CPU_BUSY[0], CPU_BUSY[1], labels=["host", "rank"])
+    for key, value in sorted(scalars.items()):
+        if key.startswith("alerts/"):
+            alerts.add_metric([host, key.removeprefix("alerts/")], value)
+        elif key == "perf/cpu_busy_s":
+            busy.add_metric([host, ""], value)
+        elif (m := _RANK_KEY.match(key)) is not None:
+            busy.add_metric([host, m.group(1)], value)
+    for fam in (alerts, busy):
+        if fam.samples:
+            yield fam
+    meta = context.meta if context is not None else {}
+    peak = meta.get("peak_tflops")
+    if isinstance(peak, int | float) and math.isfinite(peak) and peak > 0:
+        fam = GaugeMetricFamily(PEAK, "MFU's denominator: one GPU's dense peak FLOP/s in the "
+                                "run's dtype (peak_gpu, dtype; source in the run's metadata)",
+                                labels=["host", "peak_gpu", "dtype"])
+        fam.add_metric([host, str(meta.get("peak_gpu", "")),
+                        str(meta.get("peak_dtype") or meta.get("dtype", ""))], peak * 1e12)
+        yield fam
 
 
 def _gauge(cls: Any, name: str, text: str, host: str, value: float) -> Any:
