@@ -5,8 +5,10 @@ up to ``SLOTS`` finished rows into one fixed-size float tensor and the ranks all
 a gloo group of gpulens's own (CPU tensors: no CUDA copy, so no device sync on the training
 thread, even when training uses NCCL).  Rows are matched by their sequence number (the k-th
 ``log()`` call of every rank), so ranks that finish rows at different moments still line up.
-Rank 0 writes the merged row: every GPU of the job keyed by global rank, plus
-``gpu/all/<metric>_mean|_min|_max``.
+Rank 0 hands the merged row to its engine to be finished and written: every GPU of the job
+keyed by global rank, plus ``gpu/all/<metric>_mean|_min|_max``; the work the ranks reported
+(tokens, samples, FLOPs) summed over the job, and each rank's CPU seconds per step as
+``rank/{r}/cpu_busy_s``.
 
 The gloo group is gpulens's own even when training uses gloo, and :meth:`RankGather.close`
 (at ``stop()``, and at interpreter exit if ``stop()`` never ran) destroys it: gpulens leaves no
@@ -19,8 +21,9 @@ DDP's ``Reducer``): ``docs/design-notes.md``, "DDP exit".
 Tensor layout, ``(SLOTS + 1) x width`` float64::
 
     row 0:          [rows still pending after this send, 0, ...]
-    rows 1..SLOTS:  [valid, seq, gpu key, host cpu_pct, host ram_used_gb, *GPU_ROW_KEYS]
-                    (NaN where a metric is not available)
+    rows 1..SLOTS:  [valid, seq, gpu key, host cpu_pct, host ram_used_gb,
+                     work/tokens, work/samples, work/flops, work/cpu_s, *GPU_ROW_KEYS]
+                    (NaN where a figure is not available)
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ from collections.abc import Callable
 from typing import Any
 
 from gpulens._warn import logger, warn_once
+from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS
 from gpulens.engine.window import job_aggregates
 from gpulens.schema import GPU_ROW_KEYS, HOST_KEYS, gpu_key
 from gpulens.sinks.base import Row, RunContext
 
 SLOTS = 4
-_HEAD = 5  # valid, seq, gpu key, host cpu, host ram
+_WORK = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU)
+_HEAD = 5 + len(_WORK)  # valid, seq, gpu key, host cpu, host ram, work
 WIDTH = _HEAD + len(GPU_ROW_KEYS)
+_SUMMED = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS)
 
 
 def torch_distributed_ready() -> bool:
@@ -116,6 +122,7 @@ class RankGather:
             self._seq_out += 1
             values = [1.0, float(seq), float(self._gpu_key)]
             values += [row.values.get(f"host/{k}", math.nan) for k in HOST_KEYS]
+            values += [row.values.get(k, math.nan) for k in _WORK]
             values += [row.values.get(gpu_key(self._gpu_key, s), math.nan) for s in GPU_ROW_KEYS]
             buf[i] = torch.tensor(values, dtype=torch.float64)
             if self.is_writer:
@@ -150,11 +157,21 @@ class RankGather:
             parts = self._parts.pop(seq)
             own = self._own.pop(seq)
             self._next_write += 1
-            values = {k: v for k, v in own.values.items() if not k.startswith("gpu/")}
+            values = {k: v for k, v in own.values.items()
+                      if not k.startswith("gpu/") and k not in _WORK}
+            steps = values.get("perf/steps", 1.0) or 1.0
             per_gpu: list[dict[str, float]] = []
+            work: dict[str, float] = {}
             for rank in sorted(parts):
                 slot = parts[rank]
                 key = int(slot[2])
+                for name, value in zip(_WORK, slot[5:_HEAD], strict=True):
+                    if math.isnan(value):
+                        continue
+                    if name == WORK_CPU:
+                        values[f"rank/{rank}/cpu_busy_s"] = value / steps
+                    else:
+                        work[name] = work.get(name, 0.0) + value
                 gpu = {s: v for s, v in zip(GPU_ROW_KEYS, slot[_HEAD:], strict=True)
                        if not math.isnan(v)}
                 for suffix, value in gpu.items():
@@ -162,8 +179,8 @@ class RankGather:
                 if gpu:
                     per_gpu.append(gpu)
             values.update(job_aggregates(per_gpu))
+            values.update(work)  # the job's work, for the engine to finish into perf/*
             energies = [g["energy_j"] for g in per_gpu if "energy_j" in g]
-            steps = values.get("perf/steps", 1.0) or 1.0
             if energies:
                 values["perf/energy_per_step_j"] = sum(energies) / steps
             self._submit(Row(step=own.step, time=own.time, values=values))

@@ -243,8 +243,10 @@ class Monitor:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # an exception on the way out of one rank: the other ranks may be stuck in training's
+        # own collectives, so the last rows are not gathered (that would wait for them)
+        self.stop(collective=exc_type is None)
 
     @property
     def running(self) -> bool:
@@ -311,10 +313,10 @@ class Monitor:
                     steplogger, spec = self._plan(transport, sinks, names, backend, gather, step)
                     context, torch_indices = transport.start(spec, self._on_row)
                 except BaseException:
-                    self._gather = self._steplogger = None
+                    self._abandon_gather()
                     raise
             except BaseException:
-                self._gather = self._steplogger = None
+                self._abandon_gather()
                 raise
             try:
                 if gather is not None:
@@ -322,6 +324,8 @@ class Monitor:
                 steplogger.open(context)
             except BaseException:
                 transport.stop(2.0, 2.0)
+                if gather is not None:
+                    gather.close()
                 self._gather = self._steplogger = None
                 raise
             relay = MarkRelay(transport.send_mark)
@@ -380,6 +384,12 @@ class Monitor:
         steplogger = self._steplogger
         if steplogger is not None:
             steplogger.submit(row)
+
+    def _abandon_gather(self) -> None:
+        """A start that failed: release the gather's gloo group, forget the plan."""
+        if self._gather is not None:
+            self._gather.close()
+        self._gather = self._steplogger = None
 
     def _make_gather(self) -> Any:
         """The rank gather of a distributed job, or ``None``."""
@@ -463,8 +473,14 @@ class Monitor:
         return out or None
 
     # -- stop ------------------------------------------------------------------------------------
-    def stop(self, timeout: float | None = None) -> dict[str, SinkStats]:
+    def stop(self, timeout: float | None = None, *, collective: bool = True
+             ) -> dict[str, SinkStats]:
         """Close the last windows, write what every sink holds, and stop.  Idempotent.
+
+        In a distributed job ``stop()`` is a collective (the ranks' last rows meet), like
+        :meth:`log`.  ``collective=False`` (an error on the way out of one rank, when the
+        others may never reach ``stop()``) skips that: the last windows not yet gathered are
+        not written (said), and gpulens's gloo group is released at once.
 
         Waits while the sinks make progress: at most ``timeout`` seconds (default
         :data:`~gpulens.engine.steplogger.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and
@@ -491,7 +507,7 @@ class Monitor:
                 return self.sink_stats
             relay.close(min(total, 10.0))
             gather = self._gather
-            if gather is not None:
+            if gather is not None and collective:
                 # the last windows of every rank meet before the engine stops: they come
                 # back raw, the gather merges them, the engine finishes them
                 transport.drain(total)
@@ -499,9 +515,8 @@ class Monitor:
                     gather.flush()
                 except Exception as exc:
                     logger.warning("gpulens: gathering the last rows failed: %r", exc)
-                close = getattr(gather, "close", None)
-                if close is not None:
-                    close()
+            if gather is not None:
+                gather.close()
             engine_stats = transport.stop(total, stall)
             client_dropped = relay.dropped + transport.dropped_marks
             self._dropped_marks = client_dropped + transport.engine_dropped_marks

@@ -160,7 +160,9 @@ class GPUMonitorHooks:
         # resumed fit's restored step) starts one below, so the first row counts every step.
         monitor.start(step=self._last_step - 1)
         self.monitor = monitor
-        self._finalizer = weakref.finalize(self, monitor.stop)
+        # garbage collection or exit without on_train_end: the other ranks may be gone, so the
+        # last rows are not gathered
+        self._finalizer = weakref.finalize(self, monitor.stop, None, collective=False)
         if self.time_phases:
             self._phases = StepPhases(cuda=getattr(pl_module.device, "type", None) == "cuda")
             self._phases.resume()
@@ -169,15 +171,18 @@ class GPUMonitorHooks:
         self._stop()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._stop()
+        # this rank failed; the others may be stuck in training's collectives: no gather
+        self._stop(collective=False)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._stop()
 
-    def _stop(self) -> None:
+    def _stop(self, collective: bool = True) -> None:
         if self._finalizer is not None:
-            self._finalizer()  # monitor.stop(), once
+            self._finalizer.detach()
             self._finalizer = None
+            if self.monitor is not None:
+                self.monitor.stop(collective=collective)
         self.monitor = None
         self._phases = None
         self._work = None

@@ -152,7 +152,7 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._stop()  # a previous train() that raised left it running
+        self._stop(collective=False)  # a previous train() that raised left it running
         sinks = self._sinks_for(args) if state.is_world_process_zero else []
         dtype = self._start_counting(args, kwargs.get("model"))
         monitor = self._settings.with_sinks(sinks, dtype=dtype)
@@ -163,7 +163,9 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self._tail = None
         monitor.start(step=self._last_logged_step)  # a resumed run starts its windows there
         self.monitor = monitor
-        self._finalizer = weakref.finalize(self, monitor.stop)
+        # garbage collection or exit without on_train_end (train() raised): the other ranks may
+        # be gone, so the last rows are not gathered
+        self._finalizer = weakref.finalize(self, monitor.stop, None, collective=False)
         if self.time_phases:
             device = getattr(args, "device", None)
             self._phases = StepPhases(cuda=getattr(device, "type", None) == "cuda")
@@ -214,10 +216,12 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             out["flops"] = work.flops
         return out
 
-    def _stop(self) -> None:
+    def _stop(self, collective: bool = True) -> None:
         if self._finalizer is not None:
-            self._finalizer()  # calls monitor.stop() once; later calls do nothing
+            self._finalizer.detach()
             self._finalizer = None
+            if self.monitor is not None:
+                self.monitor.stop(collective=collective)
         if self._tokens is not None:
             self._tokens.detach()
             self._tokens = None
