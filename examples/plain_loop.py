@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--interval", type=float, default=0.05, help="seconds between GPU samples")
+    p.add_argument("--tokens-per-step", type=int, default=None,
+                   help="tell gpulens this much work per step (rows then carry "
+                        "perf/tokens_per_s and perf/tokens_per_j)")
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -81,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
             phases.step_end()
             if step % args.log_every == 0:
                 # .item() syncs once per log, as any loss print would; every rank calls log()
+                work = ({"tokens": args.tokens_per_step * args.log_every}
+                        if args.tokens_per_step else {})
                 monitor.log(step, loss=loss.item(), learning_rate=sched.get_last_lr()[0],
-                            grad_norm=grad_norm.item(), **phases.collect(args.log_every))
+                            grad_norm=grad_norm.item(), **work, **phases.collect(args.log_every))
                 phases.resume()
     if rank == 0:
         print(f"gpulens: {args.steps // args.log_every} rows in {out}")

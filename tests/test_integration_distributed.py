@@ -94,6 +94,53 @@ def test_lightning_ddp(tmp_path: Path, package: str) -> None:
     assert loss_steps == gpu_steps == [3, 7, 11]
 
 
+RAISING_RANK = """
+import sys, time
+import torch, torch.distributed as dist
+from torch import nn
+import gpulens
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 40):
+        if rank == 1 and step == 5:
+            raise RuntimeError("rank 1 fails at step 5")
+        model(torch.randn(4, 8)).sum().backward()  # rank 0 then waits in DDP's all-reduce
+        mon.log(step, tokens=32)
+        time.sleep(0.02)
+"""
+
+
+def test_a_rank_that_raises_ends_the_job_and_gpulens_does_not_hold_it(tmp_path: Path) -> None:
+    """An exception leaves rank 1's ``with Monitor``: its stop() must not wait in gpulens's
+    gather for rank 0 (stuck in DDP's all-reduce, and torchrun then ends it); the job ends in
+    seconds, not at gloo's 30-minute time-out."""
+    script = tmp_path / "raising.py"
+    script.write_text(RAISING_RANK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT / "src"))
+    done = run_torchrun([str(script), str(tmp_path / "rows.jsonl")], cwd=tmp_path, env=env,
+                        timeout=90.0)
+    assert not done.timed_out, done.stderr[-4000:]
+    assert done.returncode != 0 and "rank 1 fails at step 5" in done.stderr
+    assert not done.leftovers
+
+
+def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    torchrun([str(EXAMPLES / "plain_loop.py"), "--out", str(out), "--steps", "20",
+              "--log-every", "5", "--tokens-per-step", "100"], tmp_path)
+    rows = jsonl(out)
+    for row in rows:  # both ranks' tokens: 2 ranks x 100 tokens x 5 steps a window
+        window = row["perf/step_time_s"] * row["perf/steps"]
+        assert row["perf/tokens_per_s"] * window == pytest.approx(1000.0)
+        assert row["rank/0/cpu_busy_s"] > 0 and row["rank/1/cpu_busy_s"] > 0
+        assert not any(k.startswith("work/") for k in row)
+
+
 # -- the gather's own gloo group, in this process ----------------------------------------------
 def _threads() -> set[int]:
     """The native threads of this process (gloo's worker threads are not Python threads)."""
