@@ -76,6 +76,8 @@ def main() -> int:
     p.add_argument("--example", default="hf",
                    choices=("hf", "lightning", "pytorch_lightning", "plain"))
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--real-gpus", action="store_true",
+                   help="sample the machine's GPUs (NVML) instead of simulated ones")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds before a run is hung")
     p.add_argument("--isolation", choices=("auto", "process", "thread"), default=None)
     p.add_argument("--stacks", type=Path, default=None, help="folder for stacks of hung ranks")
@@ -84,7 +86,9 @@ def main() -> int:
     args = p.parse_args()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
-    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1")
+    env.update(OMP_NUM_THREADS="1")
+    if not args.real_gpus:
+        env["GPULENS_BACKEND"] = "simulated"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"),
                                                     env.get("PYTHONPATH", "")) if p)
     if args.isolation:

@@ -50,7 +50,7 @@ def test_help_pages_show_descriptions_and_option_help() -> None:
     proc = run("record", "--help")
     assert "--summary-json FILE   also write the summary as JSON" in proc.stdout
     assert "--summary-md FILE     also write the summary as Markdown" in proc.stdout
-    assert "Run COMMAND and write one row" in proc.stdout
+    assert "Write one row of GPU telemetry every --interval seconds" in proc.stdout
     proc = run("report", "--help")
     assert "the report shows the last run unless --run chooses" in proc.stdout
     proc = run("watch", "--help")

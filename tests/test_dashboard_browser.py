@@ -167,7 +167,10 @@ def test_the_advice_panel_shows_alerts_and_their_history(browser: Chromium, run:
                                                         tmp_path: Path) -> None:
     page = browser.open(run.sink.url, width=1000, height=900)
     page.wait_for(f"document.body.dataset.rows >= {STEPS}")
-    assert "No advice so far" in page.evaluate("document.getElementById('active').innerText")
+    before = page.evaluate("document.getElementById('active').innerText")
+    # nothing fires yet (the engine's notices, such as the energy counter's period, may be in
+    # the history already)
+    assert "No advice so far" in before or "Nothing is firing now" in before, before
     step = run.rows.rows[-1].step + 1
     firing = Event(kind="alert", name="input_bound", state="firing", step=step, time=time.time(),
                    message="waiting for data 41 % of the step (threshold 20 %)",
