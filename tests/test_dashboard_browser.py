@@ -171,6 +171,7 @@ def test_the_advice_panel_shows_alerts_and_their_history(browser: Chromium, run:
     # nothing fires yet (the engine's notices, such as the energy counter's period, may be in
     # the history already)
     assert "No advice so far" in before or "Nothing is firing now" in before, before
+    count = int(page.evaluate("document.getElementById('nevents').textContent") or 0)
     step = run.rows.rows[-1].step + 1
     firing = Event(kind="alert", name="input_bound", state="firing", step=step, time=time.time(),
                    message="waiting for data 41 % of the step (threshold 20 %)",
@@ -187,7 +188,7 @@ def test_the_advice_panel_shows_alerts_and_their_history(browser: Chromium, run:
     run.sink.write(Row(step + 1, time.time(), {"train/global_step": float(step + 1),
                                                "alerts/input_bound": 0.0},
                        events=(resolved,)))
-    page.wait_for("document.getElementById('nevents').textContent === '2'")
+    page.wait_for(f"document.getElementById('nevents').textContent === '{count + 2}'")
     assert "Nothing is firing now" in page.evaluate("document.getElementById('active').innerText")
     history = page.evaluate("document.getElementById('events').textContent")
     assert history.index("resolved") < history.index("firing")  # newest first
