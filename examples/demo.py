@@ -1,14 +1,15 @@
 """gpulens demo: a short real training with GPU telemetry beside the loss, in three trackers.
 
-Trains a small transformer language model (built in code, random tokens, no downloads) for a
-few seconds and logs every step through ``gpulens.Monitor`` to
+Trains a small GPT-2 (built from a config in code, random tokens, no downloads) for a few
+seconds and logs every step, with the tokens it took, through ``gpulens.Monitor`` to
 
 * an MLflow store on local disk   (demo-output/mlflow.db),
 * an offline W&B run              (demo-output/wandb/offline-run-*),
 * a JSONL record                  (demo-output/gpu.jsonl),
 
 then writes an HTML report.  Real GPUs are used when NVML answers; otherwise the GPUs are
-simulated (and the demo says so): the training itself then runs on the CPU.
+simulated (and the demo says so): the training itself then runs on the CPU, and its MFU is
+against a simulated H100's peak (so tiny).
 
     make demo            # or: .venv/bin/python examples/demo.py [--steps 120] [--out DIR]
 """
@@ -50,9 +51,12 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     real_gpus = _nvml_answers()
+    backend: object = None  # NVML
     if not real_gpus:
-        os.environ["GPULENS_BACKEND"] = "simulated"
-        os.environ.setdefault("GPULENS_SIMULATED_GPUS", "2")
+        from gpulens.testing import SimulatedNVML, Wave
+
+        # busy simulated GPUs (their load does not follow the CPU training)
+        backend = SimulatedNVML(gpus=2, load=Wave(mean=0.8, amplitude=0.15))
         print("No NVIDIA driver answered: using 2 SIMULATED GPUs (the training runs on the CPU).")
     # Trackers on local disk only: an offline W&B run and an MLflow store in a file.
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -70,21 +74,18 @@ def main() -> int:
     for name in ("mlflow", "alembic"):  # their database set-up chatter, not the demo's
         logging.getLogger(name).setLevel(logging.WARNING)
     from torch import nn
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     import gpulens
+    from gpulens.work.hf import model_flops
 
     torch.manual_seed(0)
     device = "cuda" if real_gpus and torch.cuda.is_available() else "cpu"
     vocab, width, seq, batch = 512, 128, 64, 16
-    model = nn.Sequential(
-        nn.Embedding(vocab, width),
-        nn.TransformerEncoder(
-            nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width,
-                                       batch_first=True),
-            num_layers=2,
-        ),
-        nn.Linear(width, vocab),
-    ).to(device)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=width, n_layer=2, n_head=4,
+                                       n_positions=seq)).to(device)
+    formula = model_flops(model)  # analytic, from the config: forward + backward per token
+    flops_per_token = formula.flops_per_token(seq) if formula is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=args.steps)
     # a learnable pattern: each token predicts the next in a fixed random permutation
@@ -97,7 +98,8 @@ def main() -> int:
     run = wandb.init(project="gpulens-demo", config={"steps": args.steps, "device": device})
     started = time.time()
     with mlflow.start_run(run_name="gpulens-demo") as mlrun, gpulens.Monitor(
-        interval=args.interval, sinks=["wandb", "mlflow", f"jsonl:{jsonl}"]
+        interval=args.interval, sinks=["wandb", "mlflow", f"jsonl:{jsonl}"], backend=backend,
+        dtype="fp32", flops_per_token=flops_per_token,
     ) as mon:
         assert mon.context is not None
         gpus = ", ".join(f"{g.index}: {g.name}" for g in mon.context.gpus) or "none"
@@ -105,7 +107,8 @@ def main() -> int:
         for step in range(1, args.steps + 1):
             x = torch.randint(0, vocab, (batch, seq), device=device)
             y = perm[x]
-            loss = nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+            logits = model(input_ids=x).logits
+            loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -113,8 +116,8 @@ def main() -> int:
             sched.step()
             if step % 10 == 0 or step == 1:
                 print(f"  step {step:4d}  loss {loss.item():.3f}")
-            mon.log(step, loss=loss.detach(), learning_rate=sched.get_last_lr()[0],
-                    grad_norm=grad_norm.detach())
+            mon.log(step, tokens=batch * seq, loss=loss.detach(),
+                    learning_rate=sched.get_last_lr()[0], grad_norm=grad_norm.detach())
         stats = mon.stop()
     wandb_run_dir = Path(run.dir).parent
     wandb.finish()
@@ -148,6 +151,16 @@ def main() -> int:
               f"energy {g('energy_j', '.2f')} J  temp {g('temp_c')} C")
     total_j = sum(r.get("perf/energy_per_step_j") or 0.0 for r in rows)
     print(f"  energy for the whole run: {total_j:.0f} J ({total_j / 3600:.3f} Wh)")
+    if "perf/tokens_per_s" in last:
+        mfu = last.get("perf/mfu_pct")
+        print(f"  throughput {last['perf/tokens_per_s']:.0f} tokens/s  "
+              f"{last.get('perf/tflops', float('nan')):.4f} TFLOP/s per GPU  "
+              f"MFU {'n/a' if mfu is None else format(mfu, '.4f')} % of "
+              f"{record.meta.get('peak_tflops', 'n/a')} TFLOP/s "
+              f"({record.meta.get('peak_gpu', 'no peak')}, {record.meta.get('peak_dtype', '?')})")
+    for e in record.events:
+        if e.kind == "alert":
+            print(f"  advice at step {e.step}: {e.name} {e.state}: {e.message}")
     offline = sorted(glob.glob(str(wandb_run_dir)))
     print("\nWhere the results are:")
     print(f"  JSONL record : {jsonl}   (run {record.selected[0].run_id}; "
