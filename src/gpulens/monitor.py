@@ -444,9 +444,10 @@ class Monitor:
         if now >= self._alloc_due and self._torch_indices:
             self._alloc_due = now + self._slow
             alloc = self._read_alloc()
-        cpu = time.process_time()
-        scalars[WORK_CPU] = cpu - self._cpu_at
-        self._cpu_at = cpu
+        if self._gather is not None:  # each rank's CPU time per step, for the slow-rank rule
+            cpu = time.process_time()
+            scalars[WORK_CPU] = cpu - self._cpu_at
+            self._cpu_at = cpu
         if tokens is not None:
             scalars[WORK_TOKENS] = tokens
         if samples is not None:

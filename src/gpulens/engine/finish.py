@@ -9,10 +9,14 @@ What a finished row gains (each absent where its inputs are):
   ``perf/mfu_pct``, ``perf/mfu_clock_adjusted_pct``, ``perf/mfu_when_tensor_active_pct``
   (:func:`gpulens.work.mfu.window_perf`; the peak is the GPU's dense figure in the run's dtype,
   :func:`gpulens.work.peaks.peak_for`, recorded in the run's metadata);
-* ``perf/cpu_busy_s``: CPU seconds the training process used per step (all its threads);
-  in a distributed job ``rank/{r}/cpu_busy_s`` per rank instead;
+* ``rank/{r}/cpu_busy_s`` in a distributed job: CPU seconds each rank's training process used
+  per step (all its threads), which the slow-rank rule compares;
 * ``alerts/<rule>`` (1 firing, 0 not) and the rules' events (:mod:`gpulens.engine.rules`); a
-  rule that fires is also a WARNING through the ``gpulens`` logger, with what to try.
+  rule that fires is also a WARNING through the ``gpulens`` logger, with what to try.  The rules
+  judge at most :data:`RULES_EVERY_S`'s worth of rows: a loop that logs faster than that is
+  judged on the newest row of each such interval (judging a row of 8 GPUs costs ~0.3 ms, which
+  a loop logging a thousand times a second would pay a thousand times); the alert keys of the
+  rows in between say the rules' state.
 
 The work figures a mark carried (``work/*``) are left out of the finished row.
 """
@@ -26,7 +30,6 @@ from collections.abc import Sequence
 from gpulens._warn import logger
 from gpulens.engine.rules import RuleEngine, RulesConfig
 from gpulens.engine.spec import (
-    WORK_CPU,
     WORK_FLOPS,
     WORK_KEYS,
     WORK_SAMPLES,
@@ -35,7 +38,9 @@ from gpulens.engine.spec import (
 )
 from gpulens.sinks.base import Event, GpuInfo, Row
 
-_GPU = re.compile(r"^gpu/(\d+)/(sm_clock_mhz|energy_j|tensor_active_pct|util_pct|power_w)$")
+_GPU = re.compile(r"^gpu/(\d+)/(sm_clock_mhz|energy_j|tensor_active_pct)$")
+RULES_EVERY_S = 0.2
+"""The rules judge a row at most this often (wall-clock seconds between judged rows)."""
 
 
 class Finisher:
@@ -68,6 +73,9 @@ class Finisher:
         clocks = [g.max_sm_clock_mhz for g in gpus if g.max_sm_clock_mhz]
         if clocks:
             self.max_clock_mhz = min(clocks)
+        self._kinds: dict[str, tuple[str, str] | None] = {}
+        """Each row key's (GPU, figure) where the work figures need it; ``None`` otherwise."""
+        self._judged_at = -math.inf
         try:
             self.rules: RuleEngine | None = RuleEngine(RulesConfig(
                 dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather))
@@ -81,19 +89,22 @@ class Finisher:
         work = {k: values.pop(k) for k in WORK_KEYS if k in values}
         steps = values.get("perf/steps", 1.0) or 1.0
         step_time = values.get("perf/step_time_s")
-        if WORK_CPU in work:
-            values["perf/cpu_busy_s"] = work[WORK_CPU] / steps
         clocks: list[float] = []
         tensors: list[float] = []
         energy = 0.0
         have_energy = False
         gpus: set[str] = set()
+        kinds = self._kinds
         for key, value in values.items():
-            m = _GPU.match(key)
-            if m is None or not math.isfinite(value):
+            if key in kinds:
+                found = kinds[key]
+            else:
+                m = _GPU.match(key) if key.startswith("gpu/") else None
+                found = kinds[key] = (m.group(1), m.group(2)) if m is not None else None
+            if found is None or not math.isfinite(value):
                 continue
-            gpus.add(m.group(1))
-            kind = m.group(2)
+            gpus.add(found[0])
+            kind = found[1]
             if kind == "sm_clock_mhz":
                 clocks.append(value)
             elif kind == "tensor_active_pct":
@@ -118,7 +129,9 @@ class Finisher:
             ))
         events: list[Event] = []
         if self.rules is not None:
-            events = self.rules.feed(values, row.step, row.time)
+            if row.time - self._judged_at >= RULES_EVERY_S:
+                self._judged_at = row.time
+                events = self.rules.feed(values, row.step, row.time)
             values.update(self.rules.alert_keys())
             for event in events:
                 _tell(event)
