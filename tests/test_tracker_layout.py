@@ -18,7 +18,6 @@ import pytest
 import gpulens
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
-from gpulens.sinks.layout import TrackerLayout
 from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
 from gpulens.testing import MemorySink, SimulatedNVML
@@ -58,6 +57,8 @@ def _row(gpus: int, step: int = 1, **extra: float) -> dict[str, float]:
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_default_view_is_a_handful_of_keys_beside_the_loss(gpus: int) -> None:
+    from gpulens.sinks.layout import TrackerLayout
+
     values = _row(gpus)
     assert len(values) > 20 * gpus  # the schema's keys: JSONL keeps all of them
     shown, detail = TrackerLayout().split(values)
@@ -80,6 +81,8 @@ def test_default_view_is_a_handful_of_keys_beside_the_loss(gpus: int) -> None:
 
 
 def test_all_keeps_the_schema_and_include_train_drops_train() -> None:
+    from gpulens.sinks.layout import TrackerLayout
+
     values = _row(2)
     shown, detail = TrackerLayout("all").split(values)
     assert shown == values and detail == {}
@@ -93,6 +96,8 @@ def test_all_keeps_the_schema_and_include_train_drops_train() -> None:
 
 
 def test_alert_keys_appear_once_their_rule_fired() -> None:
+    from gpulens.sinks.layout import TrackerLayout
+
     layout = TrackerLayout()
     base = {"train/global_step": 1.0, "alerts/input_bound": 0.0, "alerts/thermal": 0.0}
     assert not any(k.startswith("alerts/") for k in layout.split(base)[0])
@@ -103,6 +108,8 @@ def test_alert_keys_appear_once_their_rule_fired() -> None:
 
 
 def test_user_keys_pass_and_win_a_clash(caplog: pytest.LogCaptureFixture) -> None:
+    from gpulens.sinks.layout import TrackerLayout
+
     values = {"train/global_step": 1.0, "eval/acc": 0.5, "train/mfu_pct": 42.0,
               "perf/mfu_pct": 10.0}
     with caplog.at_level(logging.WARNING, logger="gpulens"):
