@@ -438,3 +438,38 @@ def test_wandb_workspace_save_without_login_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 1
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "wandb login" in line and "Traceback" not in proc.stderr
+
+
+# -- the MLflow UI, in headless Chromium ----------------------------------------------------------
+
+def test_mlflow_ui_shows_the_loss_in_the_first_section_with_8_gpus(
+        mlflow_tracking: MlflowTracking) -> None:
+    """The run page a user opens first: with 8 GPUs the loss and the GPU figures share the one
+    section on top (before: ``alerts``, ``gpu/0`` ... ``gpu/7``, ``gpu/all``, ``host``,
+    ``perf`` came first, about 200 charts)."""
+    import mlflow
+
+    from tests.support.chromium import Chromium, chromium_path
+
+    if chromium_path() is None:
+        pytest.skip("chromium is not installed")
+    with mlflow.start_run() as run, gpulens.Monitor(
+            interval=0.05, sinks=["mlflow"], backend=SimulatedNVML(gpus=8)) as mon:
+        _train(mon, 3)
+    url = (f"{mlflow_tracking.uri}/#/experiments/{run.info.experiment_id}/runs/"
+           f"{run.info.run_id}/model-metrics")
+    titles = ("[...document.querySelectorAll('div')].filter(e => "
+              r"/^[\w\/ .-]+\s*\(\d+\)$/.test((e.innerText || '').trim()))"
+              r".map(e => e.innerText.trim().replace(/\s+/g, ' '))")
+    with Chromium(timeout=60) as browser:
+        page = browser.open(url, width=1280, height=1400)  # 3 rows of charts: no lazy cards
+        sections = page.wait_for(f"(() => {{ const t = {titles}; "
+                                 "return t.length > 1 ? t : null; })()", timeout=90)
+        # chart titles carry the full key; cards are drawn as they come into view
+        charts = page.wait_for(
+            "(() => { const k = [...document.querySelectorAll('h4[title]')].map(e => e.title);"
+            " return k.includes('train/loss') ? k : null; })()", timeout=60)
+    assert sections == ["train (9)", "Model metrics (0)"]  # 6 GPU and job figures + 3 of ours
+    assert {"train/gpu_sm_active_pct_mean", "train/gpu_power_w_mean", "train/loss"} <= set(
+        charts)
+    assert not any(k.startswith(("gpu/", "perf/", "host/")) for k in charts)
