@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	@$(BIN)/python -m pip install --quiet --quiet --upgrade pip
 	@$(call say,[2/3] installing $(TORCH_PIN) (the CPU build; about a minute))
 	@$(BIN)/python -m pip install --quiet --quiet '$(TORCH_PIN)'
-	@$(call say,[3/3] installing gpulens with every extra (transformers accelerate lightning pytorch-lightning mlflow wandb hydra-core rich prometheus-client) and the dev tools (pytest ruff mypy): 2-3 minutes on a fresh machine)
+	@$(call say,[3/3] installing gpulens with every extra (transformers accelerate lightning pytorch-lightning mlflow wandb wandb-workspaces hydra-core rich prometheus-client) and the dev tools (pytest ruff mypy): 2-3 minutes on a fresh machine)
 	@$(BIN)/python -m pip install --quiet --quiet -e '.[all,dev]'
 	@$(BIN)/python -c 'import sys, torch; v = torch.__version__; sys.exit(None if v.split("+")[0] == "2.13.0" else f"torch {v} replaced 2.13.0")'
 	@touch $@

@@ -122,7 +122,8 @@ def test_a_tracker_that_dies_mid_run_is_told_and_counted(
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # the first rows reach the server
             runs = client.search_runs(["0"])
-            if runs and client.get_metric_history(runs[0].info.run_id, "gpu/0/power_w"):
+            if runs and client.get_metric_history(runs[0].info.run_id,
+                                                  "train/gpu_power_w_mean"):
                 break
             time.sleep(0.2)
         server.stop()

@@ -73,17 +73,19 @@ def test_rows_go_into_the_wandb_and_mlflow_runs_accelerate_started(
 
     (run,) = mlflow_tracking.runs()  # Accelerate's run, none of gpulens
     assert mlflow_steps(mlflow_tracking, run, "loss") == list(range(1, steps + 1))
-    assert mlflow_steps(mlflow_tracking, run, GPU_KEY) == list(range(2, steps + 1))
-    perf = mlflow_tracking.client().get_metric_history(run.info.run_id, "perf/steps")
-    assert {m.value for m in perf} == {1.0}
+    # MLflow gets the tracker view: bare keys, beside Accelerate's bare "loss"
+    assert mlflow_steps(mlflow_tracking, run, "gpu_power_w_mean") == list(range(2, steps + 1))
 
     rows = read_rows(sink)
     assert [r["step"] for r in rows] == list(range(2, steps + 1))
+    assert {r["perf/steps"] for r in rows} == {1.0}
     assert all(r["train/loss"] == pytest.approx(1 / r["step"]) for r in rows)
     assert all(r["train/val/acc"] == r["step"] for r in rows)
 
 
-def test_start_step_and_several_logs_at_one_step(mlflow_tracking: MlflowTracking) -> None:
+def test_start_step_and_several_logs_at_one_step(mlflow_tracking: MlflowTracking,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPULENS_TRACKER_KEYS", "all")  # every key, perf/steps included
     acc = accelerator(["mlflow"])
     acc.init_trackers(mlflow_tracking.experiment_name)
     attach(acc, interval=0.05, start_step=100)  # a run resumed at step 100

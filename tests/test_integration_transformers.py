@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from gpulens.integrations.transformers import GPUMonitorCallback  # noqa: E402
 
 GPU_KEY = "gpu/0/util_pct"
+MLFLOW_GPU_KEY = "gpu_util_pct_mean"  # the tracker view's key beside HF's bare "loss"
 
 
 @pytest.fixture(autouse=True)
@@ -204,10 +205,12 @@ def test_mlflow_rows_join_hf_run_on_global_step(tmp_path: Path,
     client = mlflow_tracking.client()
     run_id = runs[0].info.run_id
     loss = client.get_metric_history(run_id, "loss")
-    gpu = client.get_metric_history(run_id, GPU_KEY)
+    # the tracker view: bare keys, in MLflow's "Model metrics" section beside HF's "loss"
+    gpu = client.get_metric_history(run_id, MLFLOW_GPU_KEY)
     assert sorted(m.step for m in loss) == loss_steps(trainer) == [4, 8, 12]
     assert sorted(m.step for m in gpu) == [4, 8, 12]
-    assert client.get_metric_history(run_id, "perf/data_wait_pct")
+    assert client.get_metric_history(run_id, "data_wait_pct")
+    assert client.get_metric_history(run_id, GPU_KEY) == []  # per-GPU detail: JSONL, W&B
     assert client.get_metric_history(run_id, "train/loss") == []
 
 
@@ -254,9 +257,11 @@ def _mlflow_steps(tracking: MlflowTracking, run: Any, key: str) -> list[int]:
 
 
 def test_every_train_call_writes_into_the_mlflow_run_of_its_loss(
-        tmp_path: Path, mlflow_tracking: MlflowTracking) -> None:
+        tmp_path: Path, mlflow_tracking: MlflowTracking,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A re-used Trainer (a second train()) and a resume from a checkpoint on it: the GPU rows
     of each call go into the MLflow run Hugging Face writes that call's loss to."""
+    monkeypatch.setenv("GPULENS_TRACKER_KEYS", "all")  # every key, perf/steps included
     trainer = make_trainer(tmp_path, GPUMonitorCallback(interval=0.05), report_to="mlflow",
                            max_steps=8, logging_steps=4, save_steps=4)
     trainer.train()
@@ -287,7 +292,7 @@ def test_hyper_parameter_trials_each_write_into_their_own_runs(
     assert len(runs) == 2
     for run in runs:
         assert _mlflow_steps(mlflow_tracking, run, "loss") == [4, 8]
-        assert _mlflow_steps(mlflow_tracking, run, GPU_KEY) == [4, 8]
+        assert _mlflow_steps(mlflow_tracking, run, MLFLOW_GPU_KEY) == [4, 8]
     files = sorted(wandb_offline.rglob("run-*.wandb"))
     assert len(files) == 2
     for path in files:

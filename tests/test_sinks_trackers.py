@@ -169,7 +169,7 @@ def test_mlflow_rows_on_training_steps(mlflow_tracking: MlflowTracking) -> None:
     ) as mon:
         _train(mon, 4)
     run_id = run.info.run_id
-    power = _history(mlflow_tracking, run_id, "gpu/1/power_w")
+    power = _history(mlflow_tracking, run_id, "train/gpu_power_w_mean")  # the tracker view
     assert sorted(m.step for m in power) == [1, 2, 3, 4]
     assert all(70 <= m.value <= 700 for m in power)
     loss = _history(mlflow_tracking, run_id, "train/loss")
@@ -185,7 +185,7 @@ def test_mlflow_without_active_run_makes_one(mlflow_tracking: MlflowTracking) ->
     (run,) = mlflow_tracking.runs()
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in _history(mlflow_tracking, run.info.run_id,
-                                           "gpu/0/energy_j")) == [1, 2]
+                                           "train/energy_per_step_j")) == [1, 2]
 
 
 def test_mlflow_key_is_valid() -> None:
@@ -209,7 +209,8 @@ def test_mlflow_server_gone_mid_run(
         time.sleep(0.05)
         mon.log(step)
     time.sleep(1.5)  # rows 1-2 delivered
-    assert sorted(m.step for m in client.get_metric_history(run_id, "gpu/0/power_w")) == [1, 2]
+    assert sorted(m.step for m in client.get_metric_history(
+        run_id, "train/gpu_power_w_mean")) == [1, 2]
     server.stop()
     worst = 0.0
     with caplog.at_level(logging.WARNING, logger="gpulens"):

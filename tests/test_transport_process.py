@@ -277,7 +277,7 @@ def test_mlflow_written_by_the_sampler_process_into_the_active_run(
         assert mon.isolation == "process"
         _train(mon, 4)
     client = mlflow_tracking.client()
-    power = client.get_metric_history(run.info.run_id, "gpu/1/power_w")
+    power = client.get_metric_history(run.info.run_id, "train/gpu_power_w_mean")
     assert sorted(m.step for m in power) == [1, 2, 3, 4]
     loss = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in loss) == [1, 2, 3, 4]

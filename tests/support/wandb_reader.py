@@ -230,6 +230,38 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+@dataclass(frozen=True)
+class Alert:
+    """One ``run.alert`` call as recorded in the run: ``title``, ``text``, ``level`` (``"INFO"``,
+    ``"WARN"`` or ``"ERROR"``) and ``wait_duration_ms`` (W&B holds back an alert of the same
+    title for that long)."""
+
+    title: str
+    text: str
+    level: str
+    wait_duration_ms: int
+
+
+def read_alerts(path: str | Path) -> list[Alert]:
+    """Return the run's alerts (``run.alert`` calls), in order."""
+    return [
+        Alert(title=str(r.alert.title), text=str(r.alert.text), level=str(r.alert.level),
+              wait_duration_ms=int(r.alert.wait_duration))
+        for r in read_records(path)
+        if r.WhichOneof("record_type") == "alert"
+    ]
+
+
+def read_tags(path: str | Path) -> list[str]:
+    """Return the run's tags as they stand after the last run record (``wandb.init(tags=)``,
+    later ``run.tags = ...`` updates)."""
+    tags: list[str] = []
+    for record in read_records(path):
+        if record.WhichOneof("record_type") == "run":
+            tags = [str(t) for t in record.run.tags]
+    return tags
+
+
 def read_metric_definitions(path: str | Path) -> list[MetricDefinition]:
     """Return the ``define_metric`` records of the run, in order."""
     definitions: list[MetricDefinition] = []

@@ -4,11 +4,21 @@ MLflow's active run is thread-local, so the run is found at ``open()`` (on the t
 calls ``Monitor.start()``) and every write names its run id explicitly through
 ``MlflowClient.log_batch``.  Keys are made valid for MLflow (letters, digits, ``_ - . / `` and
 space; anything else becomes ``_``).
+
+What the run gets (:mod:`gpulens.sinks.layout` for the choice of keys):
+
+* metrics: the tracker view (``keys="default"``: a handful of job-level figures in the loss's
+  section, the loop's scalars, ``alerts/<rule>`` once fired) or every key of the schema
+  (``keys="all"``);
+* params ``gpulens.*`` at open: version, backend (``simulated`` said plainly), hostname,
+  interval, the GPUs and the run's metadata (dtype, MFU peak and its source ...).  A param the
+  run already holds with another value (a resumed run) is kept, and said at INFO;
+* a tag per alert rule, ``gpulens.alert.<rule>``: ``"firing at step N: <what was seen> Try:
+  <advice>"``, then ``"resolved at step M (fired at step N: ...)"``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
@@ -19,10 +29,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gpulens.sinks.base import Row, RunContext
+from gpulens._warn import logger as _log
+from gpulens._warn import warn_once
+from gpulens.sinks.base import Event, Row, RunContext
+from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
 
 _INVALID = re.compile(r"[^A-Za-z0-9_\-. /]")
 _BATCH = 1000  # MLflow's limit of metrics per log_batch call
+_PARAM_BATCH = 100  # ... and of params
+_MAX_TEXT = 5000  # longest tag or param value written (MLflow's limits: 8000 and 6000)
 CHECK_TIMEOUT_S = 3.0
 """How long :meth:`MlflowSink.check` waits for a tracking server to answer."""
 
@@ -49,6 +64,11 @@ class MlflowSink:
             default experiment otherwise), ended at close.
         tracking_uri: default: MLflow's own setting (``MLFLOW_TRACKING_URI``, ...).
         include_train: also write the ``train/*`` scalars (off when the framework logs them).
+        keys: ``"default"`` (the tracker view of :mod:`gpulens.sinks.layout`) or ``"all"``
+            (every key of the row); ``None``: ``GPULENS_TRACKER_KEYS``, else default.
+        section: the section of the default view's figures; ``None``: ``train`` for training
+            rows when this sink writes ``train/*``, bare keys (MLflow's "Model metrics", where
+            Hugging Face's ``MLflowCallback`` puts ``loss``) when the framework does.
         fail_fast: give up on an HTTP request after 2 retries (back-off factor 1) and 15 s
             (unless the user set
             ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT``): MLflow's
@@ -59,17 +79,41 @@ class MlflowSink:
     """
 
     def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None,
-                 include_train: bool = True, fail_fast: bool = False) -> None:
+                 include_train: bool = True, fail_fast: bool = False,
+                 keys: str | None = None, section: str | None = None) -> None:
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self.include_train = include_train
         self.fail_fast = fail_fast
+        self.keys = resolve_keys(keys)
+        self.section = check_section(section)
         self._client: Any = None
         self._owned = False
+        self._layout = TrackerLayout(self.keys, section=self._section(),
+                                     include_train=include_train)
+        self._fired: dict[str, str] = {}
+
+    def _section(self) -> str | None:
+        if self.section is not None:
+            return self.section
+        return None if self.include_train else ""
 
     @classmethod
     def from_spec(cls, arg: str | None) -> MlflowSink:
-        return cls(run_id=arg or None)
+        """``"mlflow"``, ``"mlflow:RUN_ID"``, ``"mlflow:all"`` or ``"mlflow:RUN_ID,all"``
+        (``all``/``default``: the tracker key set)."""
+        run_id: str | None = None
+        keys: str | None = None
+        for part in (arg or "").split(","):
+            part = part.strip()
+            if part.lower() in ("all", "default"):
+                keys = part.lower()
+            elif part:
+                if run_id is not None:
+                    raise ValueError(f"the mlflow sink takes a run id and a key set ('all'), "
+                                     f"got 'mlflow:{arg}'")
+                run_id = part
+        return cls(run_id=run_id, keys=keys)
 
     def check(self) -> None:
         """``ValueError`` (one line), before anything is created, if the tracking store cannot
@@ -102,7 +146,7 @@ class MlflowSink:
                     run_id = self.run_id = active.info.run_id
         return "gpulens.sinks.mlflow:MlflowSink", {
             "run_id": run_id, "tracking_uri": uri, "include_train": self.include_train,
-            "fail_fast": True}
+            "fail_fast": True, "keys": self.keys, "section": self.section}
 
     def open(self, context: RunContext) -> None:
         if self.fail_fast:
@@ -125,12 +169,34 @@ class MlflowSink:
                     "mlflow.source.name": "gpulens", "gpulens.host": context.hostname})
                 self.run_id = run.info.run_id
                 self._owned = True
-        if context.gpus:
-            params = {f"gpulens.gpu.{g.index}.name": g.name for g in context.gpus}
-            # a parameter logged before (a resumed run) is no reason to fail
-            with contextlib.suppress(Exception):
-                self._client.log_batch(self.run_id, params=[
-                    mlflow.entities.Param(k, v) for k, v in params.items()])
+        self._layout = TrackerLayout(self.keys, section=self._section(),
+                                     include_train=self.include_train)
+        self._fired = {}
+        self._write_params(context)
+
+    def _write_params(self, context: RunContext) -> None:
+        """The run's metadata as ``gpulens.*`` params (see the module doc); never a reason not
+        to log rows: a failure is a warning, once; a param the run holds already with another
+        value (a resumed run) is kept, and said at INFO."""
+        from mlflow.entities import Param
+
+        params = {mlflow_key(f"gpulens.{k}"): _text(v)
+                  for k, v in run_metadata(context).items()}
+        try:
+            existing: dict[str, str] = dict(self._client.get_run(self.run_id).data.params)
+            new = {k: v for k, v in params.items() if k not in existing}
+            kept = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
+            items = [Param(k, v) for k, v in new.items()]
+            for i in range(0, len(items), _PARAM_BATCH):
+                self._client.log_batch(self.run_id, params=items[i:i + _PARAM_BATCH],
+                                       synchronous=True)
+        except Exception as exc:
+            warn_once("mlflow-params", "gpulens: could not write the run's metadata (GPUs, "
+                      "backend, ...) as MLflow params: %s", _one_line(exc))
+            return
+        if kept:
+            _log.info("gpulens: MLflow run %s already has %s with other values (a resumed "
+                      "run?); they are kept", self.run_id, ", ".join(kept))
 
     def _experiment_id(self) -> str:
         exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
@@ -151,23 +217,57 @@ class MlflowSink:
         GIL long enough to slow the training thread, so rows go one call at a time with a
         yield between them.
         """
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         ms = int(row.time * 1000)
-        metrics = [
-            Metric(mlflow_key(key), value, ms, row.step)
-            for key, value in row.values.items()
-            if self.include_train or not key.startswith("train/")
-        ]
-        for i in range(0, len(metrics), _BATCH):
-            self._client.log_batch(self.run_id, metrics=metrics[i:i + _BATCH],
+        shown, _ = self._layout.split(row.values)
+        metrics = [Metric(mlflow_key(key), value, ms, row.step) for key, value in shown.items()]
+        tags = [RunTag(k, v) for k, v in self._alert_tags(row.events).items()]
+        for i in range(0, max(len(metrics), 1), _BATCH):
+            batch = metrics[i:i + _BATCH]
+            if not batch and not tags:
+                break
+            self._client.log_batch(self.run_id, metrics=batch, tags=tags[:100],
                                    synchronous=True)
+            tags = tags[100:]
             time.sleep(0)
+        if tags:
+            self._client.log_batch(self.run_id, tags=tags, synchronous=True)
+
+    def _alert_tags(self, events: tuple[Event, ...]) -> dict[str, str]:
+        """``gpulens.alert.<rule>`` tags for the alert events of a row."""
+        tags: dict[str, str] = {}
+        for event in events:
+            if event.kind != "alert":
+                continue
+            if event.state == "firing":
+                text = f"firing at step {event.step}: {event.message}".strip()
+                if event.advice:
+                    text += f" Try: {event.advice}"
+                self._fired[event.name] = text
+            else:
+                fired = self._fired.pop(event.name, "")
+                text = f"{event.state} at step {event.step}"
+                if fired:
+                    text += f" ({fired.replace('firing at', 'fired at', 1)})"
+            tags[mlflow_key(f"gpulens.alert.{event.name}")] = text[:_MAX_TEXT]
+        return tags
 
     def close(self) -> None:
         if self._owned and self._client is not None and self.run_id is not None:
             self._client.set_terminated(self.run_id)
         self._client = None
+
+
+def _text(value: object) -> str:
+    """A param's value as MLflow keeps it (text, at most ``_MAX_TEXT`` characters)."""
+    text = f"{value:.6g}" if isinstance(value, float) else str(value)
+    return text[:_MAX_TEXT]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 def check_tracking_uri(uri: str) -> None:

@@ -67,7 +67,8 @@ from typing import Any
 from gpulens._warn import logger as _log
 from gpulens._warn import warn_once
 from gpulens.schema import STEP_KEY
-from gpulens.sinks.base import Row, RunContext
+from gpulens.sinks.base import Event, Row, RunContext
+from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
 
 AXIS_KEY = "gpulens/step"
 """The hidden x-axis of every key this sink writes: the row's training step."""
@@ -115,6 +116,12 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+SIMULATED_TAG = "simulated-gpus"
+"""The W&B run tag of a run whose GPUs were simulated."""
+
+ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
+"""W&B alert level of each :class:`~gpulens.sinks.base.Event` severity."""
+
 MAX_QUEUE = 10_000
 """Rows :class:`WandbSink` keeps waiting for a record of their own."""
 
@@ -124,15 +131,34 @@ class WandbSink:
     own environment settings, finished again at close). See the module docstring for how rows
     join the user's steps.
 
-    Keys written: every key of the row (``gpu/*``, ``host/*``, ``perf/*``, ``train/*`` unless
-    ``include_train`` is off, ...) except ``train/global_step``, plus ``gpulens/step`` (the
-    row's step) or, for wall-clock rows, their ``record/elapsed_s``.
+    Keys written (:mod:`gpulens.sinks.layout`): with ``keys="default"`` the tracker view, a
+    handful of job-level GPU and throughput figures in the loss's section
+    (``train/gpu_sm_active_pct_mean``, ``train/gpu_mem_used_gb_max``, ``train/mfu_pct`` ...),
+    the ``train/*`` scalars unless ``include_train`` is off, any other key of the user's, and
+    ``alerts/<rule>`` once that rule has fired; every other key of the row (``gpu/{i}/*``,
+    ``gpu/all/*``, ``host/*``, ``perf/*`` ...) is logged too, under the schema's name, but
+    hidden from W&B's automatic panels (``define_metric(hidden=True)``: the saved view of
+    :mod:`gpulens.integrations.wandb_workspace` plots it).  With ``keys="all"`` every key of
+    the row, under the schema's names, nothing hidden.  Never ``train/global_step``; always
+    ``gpulens/step`` (the row's step, hidden) or, for wall-clock rows, their
+    ``record/elapsed_s``.
+
+    Also, at open, the run's metadata into the run's config under ``"gpulens"`` (version,
+    backend, hostname, interval, GPUs, dtype and MFU peak ...: :func:`run_metadata`; the user's
+    own keys are never touched; ``"gpulens_run"`` if the user's config has a ``"gpulens"`` key
+    of its own) and, for simulated GPUs, the run tag ``simulated-gpus``; and for each alert
+    that fires, ``run.alert(title="gpulens: <rule>", text=..., level="WARN"|"ERROR")`` (W&B
+    mails or posts it where the user set alerts up; W&B itself holds back an alert of the same
+    title within a minute).  None of these may stop a row: a failure is a warning, once.
 
     Args:
         run: a wandb run to log to.
         include_train: also write the ``train/*`` scalars.  Integrations whose framework logs
             loss to W&B itself turn this off, so each point is logged once and never lands on
             the framework's own key in the same record.
+        keys: ``"default"`` or ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else default.
+        section: the section of the default view's figures (``None``: ``train``, or ``gpu``
+            for wall-clock rows; ``""``: bare keys).
     """
 
     on_training_thread = True
@@ -141,12 +167,17 @@ class WandbSink:
     """The x-axis of the keys written: ``"gpulens/step"`` (the row's training step, written
     into each record) or a key the rows carry themselves (``"record/elapsed_s"``)."""
 
-    def __init__(self, run: Any | None = None, *, include_train: bool = True) -> None:
+    def __init__(self, run: Any | None = None, *, include_train: bool = True,
+                 keys: str | None = None, section: str | None = None) -> None:
         self._run = run
         self._owned = False
         self.include_train = include_train
+        self.keys = resolve_keys(keys)
+        self.section = check_section(section)
         self.rows_overwritten = 0
         """Rows overwritten in W&B by a later one (the queue was full)."""
+        self.alerts_sent = 0
+        """``run.alert`` calls made for firing alerts."""
         self._reset()
 
     def _reset(self) -> None:
@@ -156,11 +187,19 @@ class WandbSink:
         """W&B step of the pending record that holds a row of ours, if any."""
         self._newest_step: int | None = None
         self._shared = False
+        self._hidden: set[str] = set()
+        self._layout = TrackerLayout(self.keys, section=self.section,
+                                     include_train=self.include_train)
 
     @classmethod
     def from_spec(cls, arg: str | None) -> WandbSink:
+        """``"wandb"`` or ``"wandb:all"`` / ``"wandb:default"`` (the tracker key set)."""
         if arg:
-            raise ValueError(f"the wandb sink takes no argument, got 'wandb:{arg}'")
+            try:
+                return cls(keys=arg)
+            except ValueError:
+                raise ValueError(f"the wandb sink takes a key set ('wandb:all' or "
+                                 f"'wandb:default'), got 'wandb:{arg}'") from None
         return cls()
 
     def check(self) -> None:
@@ -190,15 +229,47 @@ class WandbSink:
         if self.step_metric == AXIS_KEY:
             self._run.define_metric(AXIS_KEY, hidden=True)
             self._defined.add(AXIS_KEY)
+        self._write_metadata(context)
+
+    def _write_metadata(self, context: RunContext) -> None:
+        """The run's metadata into the config (under ``"gpulens"``) and, for simulated GPUs, a
+        run tag; never a reason not to log rows."""
+        run: Any = self._run
+        meta = run_metadata(context)
+        try:
+            config = run.config
+            key = "gpulens"
+            existing = config.get(key) if hasattr(config, "get") else None
+            if existing is not None and not (isinstance(existing, dict) and
+                                             existing.get("version") is not None and
+                                             "backend" in existing):
+                key = "gpulens_run"  # the user's own "gpulens" entry stays as it is
+                _log.info("gpulens: the W&B config has a 'gpulens' entry of its own; the run's "
+                          "metadata goes under 'gpulens_run'")
+            # our own entry may change when a run is resumed (another host, other GPUs)
+            config.update({key: meta}, allow_val_change=True)
+        except Exception as exc:
+            warn_once("wandb-config", "gpulens: could not write the run's metadata (GPUs, "
+                      "backend, ...) into the W&B config: %s", _one_line(exc))
+        if context.backend == "simulated":
+            try:
+                tags = tuple(run.tags or ())
+                if SIMULATED_TAG not in tags:
+                    run.tags = (*tags, SIMULATED_TAG)
+            except Exception as exc:
+                warn_once("wandb-tags", "gpulens: could not tag the W&B run %r: %s",
+                          SIMULATED_TAG, _one_line(exc))
 
     def _data(self, row: Row) -> dict[str, float]:
+        shown, detail = self._layout.split(row.values)
         data: dict[str, float] = {}
-        for key, value in row.values.items():
-            if key == STEP_KEY:
-                continue
-            if not self.include_train and key.startswith("train/"):
-                continue
-            data[key] = value
+        for key, value in shown.items():
+            if key != STEP_KEY:
+                data[key] = value
+        for key, value in detail.items():
+            if key not in data:
+                data[key] = value
+                self._hidden.add(key)
         if self.step_metric == AXIS_KEY:
             data[AXIS_KEY] = float(row.step)
         return data
@@ -207,8 +278,27 @@ class WandbSink:
         run: Any = self._run
         for key in data:
             if key not in self._defined and key != self.step_metric:
-                run.define_metric(key, step_metric=self.step_metric)
+                if key in self._hidden:
+                    run.define_metric(key, step_metric=self.step_metric, hidden=True)
+                else:
+                    run.define_metric(key, step_metric=self.step_metric)
                 self._defined.add(key)
+
+    def _alert(self, event: Event) -> None:
+        """``run.alert`` for an alert that fires (W&B sends it where the user set alerts up);
+        a failure is a warning, once, never an exception into training."""
+        run: Any = self._run
+        text = f"Step {event.step}: {event.message}".strip()
+        if event.advice:
+            text += f" Try: {event.advice}"
+        try:
+            run.alert(title=f"gpulens: {event.name}"[:63], text=text,
+                      level=ALERT_LEVELS.get(event.severity, "WARN"))
+            self.alerts_sent += 1
+        except Exception as exc:
+            warn_once("wandb-alert", "gpulens: could not send the W&B alert for %s: %s (the "
+                      "alerts/%s key and the other sinks still have it)", event.name,
+                      _one_line(exc), event.name)
 
     def _wandb_step(self) -> int | None:
         """W&B's current step ``S``: the step of the pending record."""
@@ -254,6 +344,9 @@ class WandbSink:
 
     def write(self, row: Row) -> None:
         assert self._run is not None, "WandbSink.write before open"
+        for event in row.events:
+            if event.kind == "alert" and event.state == "firing":
+                self._alert(event)
         data = self._data(row)
         self._define(data)
         if self._newest_step is None or row.step > self._newest_step:
