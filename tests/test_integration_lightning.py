@@ -33,6 +33,7 @@ PACKAGES = {
     "pytorch_lightning": ("pytorch_lightning", "gpulens.integrations.pytorch_lightning"),
 }
 GPU_KEY = "gpu/0/util_pct"
+VIEW_GPU_KEY = "gpu_util_pct_mean"  # the tracker view's key for W&B's and MLflow's loggers
 
 
 @pytest.fixture(autouse=True)
@@ -145,11 +146,15 @@ def test_rows_reach_every_logger_on_the_module_log_steps(
     assert steps_with(rows, "perf/data_wait_pct") == [3, 7, 11]
     assert not any(k.startswith("train/") for k in rows[0])  # the module's metrics stay its own
 
+    # MLflow's logger gets the tracker view: job-level figures as bare keys beside the
+    # module's own train_loss, no per-GPU charts (the CSV logger above has every key)
     client = mlflow_tracking.client()
     (run,) = mlflow_tracking.runs()
     loss_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss"))
-    gpu_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, GPU_KEY))
+    gpu_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id,
+                                                                  VIEW_GPU_KEY))
     assert loss_steps == gpu_steps == [3, 7, 11]
+    assert not client.get_metric_history(run.info.run_id, GPU_KEY)
 
     lines = read_rows(sink)
     assert [r["step"] for r in lines] == [3, 7, 11]
@@ -193,10 +198,25 @@ def test_wandb_logger_gets_rows_on_trainer_global_step(tmp_path: Path,
     reset_wandb()
     history = read_history(find_run_file(wandb_offline))
     loss = [h["trainer/global_step"] for h in history if "train_loss" in h]
-    gpu = [h["trainer/global_step"] for h in history if GPU_KEY in h]
+    gpu = [h["trainer/global_step"] for h in history if VIEW_GPU_KEY in h]
     assert loss == gpu == [3, 7, 11]
-    assert [h["perf/steps"] for h in history if GPU_KEY in h] == [4, 4, 4]
+    assert not any(GPU_KEY in h for h in history)  # the tracker view, not every key
     assert [h["_step"] for h in history] == list(range(len(history)))
+
+
+def test_tracker_keys_all_gives_the_wandb_logger_every_key(tmp_path: Path,
+                                                           wandb_offline: Path) -> None:
+    import lightning.pytorch as pl
+
+    from gpulens.integrations.lightning import GPUMonitorCallback
+
+    logger = pl.loggers.WandbLogger(save_dir=str(wandb_offline), project="gpulens-test")
+    fit(pl, GPUMonitorCallback(interval=0.05, tracker_keys="all"), [logger], tmp_path,
+        max_steps=12, log_every=4)
+    reset_wandb()
+    history = read_history(find_run_file(wandb_offline))
+    assert [h["trainer/global_step"] for h in history if GPU_KEY in h] == [3, 7, 11]
+    assert [h["perf/steps"] for h in history if GPU_KEY in h] == [4, 4, 4]
 
 
 def test_resumed_fit_counts_only_its_own_steps(tmp_path: Path) -> None:

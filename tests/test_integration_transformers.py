@@ -331,7 +331,7 @@ def test_logging_options_one_at_a_time(tmp_path: Path, mlflow_tracking: MlflowTr
     assert [r["step"] for r in rows] == expected
     assert sum(r["perf/steps"] for r in rows) == final  # every optimizer step, once
     (run,) = mlflow_tracking.runs()
-    assert _mlflow_steps(mlflow_tracking, run, GPU_KEY) == expected
+    assert _mlflow_steps(mlflow_tracking, run, MLFLOW_GPU_KEY) == expected
     assert _mlflow_steps(mlflow_tracking, run, "loss") == loss_steps(trainer)
     history = read_history(find_run_file(wandb_offline))
     assert [h["gpulens/step"] for h in history if GPU_KEY in h] == expected

@@ -71,6 +71,10 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
         backend: ``"nvml"``, ``"simulated"``, ``"auto"`` or ``None`` (automatic, honours
             ``GPULENS_BACKEND``).
         to_loggers: write rows to ``trainer.loggers``.
+        tracker_keys: ``"default"`` (W&B's and MLflow's loggers get a handful of job-level GPU
+            figures, the view of :mod:`gpulens.sinks.layout`; other loggers every key) or
+            ``"all"`` (every key to every logger); ``None``: ``GPULENS_TRACKER_KEYS``, else
+            ``"default"``.
         phases: time the phases of each step.
         work: count each window's work for ``perf/tokens_per_s``, ``perf/tflops``,
             ``perf/mfu_pct`` and ``perf/tokens_per_j``: from the module's
@@ -82,25 +86,42 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
 """
 
 
+TRACKER_LOGGERS = ("WandbLogger", "MLFlowLogger")
+"""Lightning loggers whose UI makes a chart per key: they get the tracker view
+(:mod:`gpulens.sinks.layout`); the others (CSV, TensorBoard, ...) every key."""
+
+
 class LoggersSink:
     """Writes rows to Lightning loggers with ``log_metrics(metrics, step=row.step)``.
 
     Fed from the training thread (Lightning loggers are not thread-safe). ``train/*`` keys are
-    left out: the step goes in ``step=`` and the module logs its own metrics.
+    left out: the step goes in ``step=`` and the module logs its own metrics.  W&B's and
+    MLflow's loggers get the tracker view (a handful of job-level GPU figures as bare keys,
+    beside the module's own, e.g. ``gpu_sm_active_pct_mean``), unless ``keys="all"``
+    (or ``GPULENS_TRACKER_KEYS=all``); the other loggers get every key.
     """
 
     on_training_thread = True
 
-    def __init__(self, loggers: Sequence[Any]) -> None:
+    def __init__(self, loggers: Sequence[Any], keys: str | None = None) -> None:
+        from gpulens.sinks.layout import TrackerLayout
+
         self.loggers = list(loggers)
+        self._layout = TrackerLayout(keys, section="", include_train=False)
 
     def open(self, context: RunContext) -> None:
-        pass
+        self._layout.reset()
 
     def write(self, row: Row) -> None:
         metrics = {k: v for k, v in row.values.items() if not k.startswith("train/")}
+        view: dict[str, float] | None = None
         for logger in self.loggers:
-            logger.log_metrics(metrics, step=row.step)
+            if type(logger).__name__ in TRACKER_LOGGERS and self._layout.keys != "all":
+                if view is None:
+                    view = self._layout.split(row.values)[0]
+                logger.log_metrics(view, step=row.step)
+            else:
+                logger.log_metrics(metrics, step=row.step)
 
     def close(self) -> None:
         for logger in self.loggers:
@@ -119,6 +140,7 @@ class GPUMonitorHooks:
         to_loggers: bool = True,
         phases: bool = True,
         work: bool = True,
+        tracker_keys: str | None = None,
     ) -> None:
         super().__init__()
         self.sinks: list[str | Sink] = list(sinks or ())
@@ -126,6 +148,9 @@ class GPUMonitorHooks:
         # the monitor that runs is made from it with the run's sinks
         self._settings = Monitor(gpus=gpus, interval=interval, sinks=self.sinks,
                                  backend=backend)
+        from gpulens.sinks.layout import resolve_keys
+
+        self.tracker_keys = resolve_keys(tracker_keys)
         self.to_loggers = to_loggers
         self.time_phases = phases
         self.count_work = work
@@ -145,7 +170,7 @@ class GPUMonitorHooks:
         sinks: list[str | Sink] = []
         if trainer.is_global_zero:
             if self.to_loggers and trainer.loggers:
-                sinks.append(LoggersSink(trainer.loggers))
+                sinks.append(LoggersSink(trainer.loggers, self.tracker_keys))
             sinks.extend(self.sinks)
         dtype = None
         if self.count_work:

@@ -121,6 +121,9 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             ``perf/tokens_per_s``, ``perf/tflops``, ``perf/mfu_pct`` and
             ``perf/tokens_per_j``; the dtype comes from ``TrainingArguments`` (``bf16``,
             ``fp16``, ``tf32``) and the model.  See :mod:`gpulens.work`.
+        tracker_keys: what the W&B and MLflow runs of ``report_to`` get: ``"default"`` (a
+            handful of job-level GPU figures beside HF's loss: :mod:`gpulens.sinks.layout`) or
+            ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else ``"default"``.
     """
 
     def __init__(
@@ -133,7 +136,11 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         follow_report_to: bool = True,
         phases: bool = True,
         work: bool = True,
+        tracker_keys: str | None = None,
     ) -> None:
+        from gpulens.sinks.layout import resolve_keys
+
+        self.tracker_keys = resolve_keys(tracker_keys)
         self.sinks: list[str | Sink] = list(sinks or ())
         # the core's own argument checks, now rather than at train begin (nothing starts here);
         # the monitor that runs is made from it with the run's sinks
@@ -290,9 +297,9 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         # the runs HF's WandbCallback / MLflowCallback started in on_train_begin (called
         # before ours); they log HF's loss etc. themselves, so rows skip train/*
         if self._follows(args, "wandb"):
-            sinks.append(WandbSink(include_train=False))
+            sinks.append(WandbSink(include_train=False, keys=self.tracker_keys))
         if self._follows(args, "mlflow"):
-            sinks.append(MlflowSink(include_train=False))
+            sinks.append(MlflowSink(include_train=False, keys=self.tracker_keys))
         sinks.extend(self.sinks)
         if not sinks:
             path = os.path.join(str(args.output_dir), "gpulens.jsonl")
