@@ -15,8 +15,8 @@ rows=[r for r in map(json.loads, open(os.environ["OUT"]+"/plain.jsonl")) if "eve
 r=rows[-1]
 print(len(rows), "rows; last:", {k: round(v,3) for k,v in r.items() if k.startswith("gpu/0/") and any(s in k for s in ("torch_","sm_active","power_w","energy_j","util_pct"))})
 PY
-echo "== HF Trainer, report_to mlflow"
-python3 examples/hf_trainer.py --report-to mlflow --max-steps 40 --logging-steps 10 --output-dir /tmp/hf 2>&1 | grep -v Warning | tail -2
+echo "== HF Trainer, report_to mlflow (every key: GPULENS_TRACKER_KEYS=all)"
+GPULENS_TRACKER_KEYS=all python3 examples/hf_trainer.py --report-to mlflow --max-steps 40 --logging-steps 10 --output-dir /tmp/hf 2>&1 | grep -v Warning | tail -2
 python3 - <<'PY'
 import mlflow
 c=mlflow.MlflowClient()

@@ -24,10 +24,10 @@ step() {  # step NAME LIMIT_S COMMAND...
     echo "   $name exit $? after $((SECONDS - t0)) s" | tee -a "$D/issues.log"
 }
 mkdir -p "$D/mfu_check" "$D/mfu_rows" "$D/views" "$D/rules"
-step mfu_check 120 python3 benchmarks/mfu_check_gpu.py --json "$D/mfu_check/mfu_check.json"
-step mfu_rows 180 python3 benchmarks/mfu_rows_gpu.py --json "$D/mfu_rows/mfu_rows.json"
-step views 90 python3 benchmarks/views_gpu.py --out "$D/views"
-step rules 200 python3 benchmarks/rules_gpu.py --out "$D/rules"
+step mfu_check 100 python3 benchmarks/mfu_check_gpu.py --json "$D/mfu_check/mfu_check.json"
+step mfu_rows 150 python3 benchmarks/mfu_rows_gpu.py --json "$D/mfu_rows/mfu_rows.json"
+step views 75 python3 benchmarks/views_gpu.py --out "$D/views"
+step rules 180 python3 benchmarks/rules_gpu.py --out "$D/rules"
 echo "== record beside a training (issue 10)" | tee -a "$D/issues.log"
 ( gpulens_record() { python3 -m gpulens.cli record "$@"; }
   gpulens_record --gpus 0 --interval 1 --no-console --summary-interval 5 \

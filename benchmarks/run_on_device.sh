@@ -76,7 +76,7 @@ main() {
         overhead 545 470 --suite peers --steps 30 --warmup 4
         ;;
     paths)
-        overhead 545 470 --suite wandb,hf --steps 30 --warmup 4
+        overhead 545 470 --suite "${GPULENS_BENCH_SUITES:-wandb,hf}" --steps 30 --warmup 4
         ;;
     lightning)
         overhead 380 300 --suite lightning --steps 30 --warmup 4
