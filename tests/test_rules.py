@@ -738,3 +738,65 @@ def test_the_gpu_check_script_runs_on_a_cpu_with_a_simulated_gpu(tmp_path: Path)
     assert len(table) == 2 and all(" | 22 | " in line for line in table), out
     assert (tmp_path / "bf16.rows.jsonl").exists() and (tmp_path / "fp32_mm.events.jsonl").exists()
     assert len(json.loads((tmp_path / "rules_gpu.json").read_text())) == 2
+
+
+class _Clocks:
+    """Stands in for ``time`` in :mod:`gpulens.engine.finish`: wall and CPU clocks the test
+    moves by hand (each judged row costs ``cost`` CPU seconds)."""
+
+    def __init__(self, cost: float) -> None:
+        self.wall = 100.0
+        self.cpu = 0.0
+        self.cost = cost
+
+    def perf_counter(self) -> float:
+        return self.wall
+
+    def thread_time(self) -> float:
+        return self.cpu
+
+
+def test_rules_judge_every_row_within_their_cpu_share_and_thin_out_beyond_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpulens.engine import finish
+    from gpulens.engine.spec import EngineSpec
+    from gpulens.sinks.base import Row
+
+    clocks = _Clocks(cost=300e-6)  # a row of 8 GPUs, as benchmarks/rules_cost.py measures it
+    monkeypatch.setattr(finish, "time", clocks)
+    finisher = finish.Finisher(EngineSpec(interval=0.1, dtype="bf16"), GPUS[:1])
+    assert finisher.rules is not None
+    judged: list[int] = []
+    real_feed = finisher.rules.feed
+
+    def feed(values: dict[str, float], step: int, t: float) -> list[Event]:
+        judged.append(step)
+        clocks.cpu += clocks.cost
+        return real_feed(values, step, t)
+
+    monkeypatch.setattr(finisher.rules, "feed", feed)
+
+    def run(steps: range, every_s: float) -> list[int]:
+        judged.clear()
+        for step in steps:
+            clocks.wall += every_s
+            finisher.finish(Row(step=step, time=clocks.wall, values={
+                "perf/step_time_s": every_s, "gpu/0/util_pct": 90.0}))
+        return list(judged)
+
+    # 20 rows a second cost 0.6 % of a core: every row is judged, for as long as it goes on
+    assert run(range(1, 2001), 0.05) == list(range(1, 2001))
+    # 1000 rows a second would cost 30 %: the bucket's burst (0.1 s of CPU) first, then the
+    # share, 2 % of wall-clock time: 20 ms of CPU a second, ~67 rows of 0.3 ms
+    fast = run(range(2001, 12001), 0.001)
+    burst = round(finish.RULES_BURST_S / clocks.cost)
+    assert fast[:burst] == list(range(2001, 2001 + burst))
+    steady = len(fast) - burst
+    seconds = 10_000 * 0.001
+    assert abs(steady - seconds * finish.RULES_CPU_SHARE / clocks.cost) <= 3, steady
+    # rows in between still carry the rules' state
+    row = finisher.finish(Row(step=12001, time=clocks.wall, values={"gpu/0/util_pct": 90.0}))
+    assert "alerts/under_used" in row.values
+    # back to a slow loop: every row again, once the bucket has refilled
+    clocks.wall += 10.0
+    assert run(range(12002, 12102), 0.05) == list(range(12002, 12102))

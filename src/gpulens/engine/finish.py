@@ -13,10 +13,13 @@ What a finished row gains (each absent where its inputs are):
   per step (all its threads), which the slow-rank rule compares;
 * ``alerts/<rule>`` (1 firing, 0 not) and the rules' events (:mod:`gpulens.engine.rules`); a
   rule that fires is also a WARNING through the ``gpulens`` logger, with what to try.  The rules
-  judge at most :data:`RULES_EVERY_S`'s worth of rows: a loop that logs faster than that is
-  judged on the newest row of each such interval (judging a row of 8 GPUs costs ~0.3 ms, which
-  a loop logging a thousand times a second would pay a thousand times); the alert keys of the
-  rows in between say the rules' state.
+  judge every row while judging stays within :data:`RULES_CPU_SHARE` of one core (a token
+  bucket: the CPU time judging took is measured, credit accrues at that share of wall-clock
+  time and holds at most :data:`RULES_BURST_S`).  Judging a row costs ~80 us of CPU for 1 GPU
+  and ~0.3 ms for 8 (``python benchmarks/rules_cost.py``), so a loop logging up to ~250 rows/s
+  of 1 GPU, or ~75 of 8, is judged on every row; a loop logging a thousand times a second is
+  judged on as many rows as the share pays for, and the alert keys of the rows in between say
+  the rules' state.
 
 The work figures a mark carried (``work/*``) are left out of the finished row.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Sequence
 
 from gpulens._warn import logger
@@ -39,8 +43,10 @@ from gpulens.engine.spec import (
 from gpulens.sinks.base import Event, GpuInfo, Row
 
 _GPU = re.compile(r"^gpu/(\d+)/(sm_clock_mhz|energy_j|tensor_active_pct)$")
-RULES_EVERY_S = 0.2
-"""The rules judge a row at most this often (wall-clock seconds between judged rows)."""
+RULES_CPU_SHARE = 0.02
+"""Share of one CPU core the advice rules may spend judging rows, over the run."""
+RULES_BURST_S = 0.1
+"""CPU seconds of judging the rules may spend ahead of their share (the bucket's depth)."""
 
 
 class Finisher:
@@ -75,7 +81,9 @@ class Finisher:
             self.max_clock_mhz = min(clocks)
         self._kinds: dict[str, tuple[str, str] | None] = {}
         """Each row key's (GPU, figure) where the work figures need it; ``None`` otherwise."""
-        self._judged_at = -math.inf
+        self._credit_s = RULES_BURST_S
+        """CPU seconds the rules may spend now (see :data:`RULES_CPU_SHARE`)."""
+        self._credit_at = time.perf_counter()
         try:
             self.rules: RuleEngine | None = RuleEngine(RulesConfig(
                 dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather))
@@ -129,9 +137,14 @@ class Finisher:
             ))
         events: list[Event] = []
         if self.rules is not None:
-            if row.time - self._judged_at >= RULES_EVERY_S:
-                self._judged_at = row.time
+            now = time.perf_counter()
+            self._credit_s = min(RULES_BURST_S,
+                                 self._credit_s + (now - self._credit_at) * RULES_CPU_SHARE)
+            self._credit_at = now
+            if self._credit_s > 0.0:
+                cpu = time.thread_time()
                 events = self.rules.feed(values, row.step, row.time)
+                self._credit_s -= time.thread_time() - cpu
             values.update(self.rules.alert_keys())
             for event in events:
                 _tell(event)

@@ -46,10 +46,9 @@ windows' counter differences since the sink opened.
 ``gpulens_train_mfu_peak_flops_per_second``             MFU's denominator: one GPU's dense peak
                                                         in the run's dtype (FLOP/s), labels
                                                         ``peak_gpu``, ``dtype`` (the run's meta)
-``gpulens_train_cpu_busy_seconds{rank}``                CPU seconds per step of the training
-                                                        process (``perf/cpu_busy_s``, ``rank``
-                                                        ``""``), or of each rank of a
-                                                        distributed job (``rank/{r}/cpu_busy_s``)
+``gpulens_train_cpu_busy_seconds{rank}``                distributed jobs: CPU seconds per step
+                                                        of each rank's training process
+                                                        (``rank/{r}/cpu_busy_s``)
 ``gpulens_alert{rule}``                                 ``alerts/<rule>``: 1 while the engine's
                                                         advice rule fires, 0 while it does not
 ``gpulens_train_loss``, ``..._learning_rate``, ...      every other ``train/*`` and ``perf/*``
@@ -136,7 +135,8 @@ PERF_SERIES: dict[str, tuple[str, float, str]] = {
 }
 """The engine's throughput and MFU keys -> (metric name, scale to base unit, help)."""
 CPU_BUSY = ("gpulens_train_cpu_busy_seconds",
-            "CPU seconds the training process (rank) used per step in the latest window")
+            "CPU seconds each rank's training process used per step in the latest window "
+            "(distributed jobs)")
 ALERT = "gpulens_alert"
 PEAK = "gpulens_train_mfu_peak_flops_per_second"
 _RANK_KEY = re.compile(r"^rank/(\d+)/cpu_busy_s$")
@@ -150,8 +150,6 @@ def scalar_series_name(key: str) -> tuple[str, float]:
     if key in PERF_SERIES:
         name, scale, _ = PERF_SERIES[key]
         return name, scale
-    if key == "perf/cpu_busy_s":
-        return CPU_BUSY[0], 1.0
     if key == "perf/step_time_s":
         return "gpulens_train_step_time_seconds", 1.0
     if key == "perf/energy_per_step_j":
@@ -400,7 +398,7 @@ class _Collector:
             yield from _engine_families(context, scalars, host)
         seen: set[str] = set()
         for key, value in sorted(scalars.items()):
-            if key in ("train/global_step", "perf/steps", "perf/cpu_busy_s") or key.startswith(
+            if key in ("train/global_step", "perf/steps") or key.startswith(
                     ("alerts/", "rank/")):
                 continue
             name, scale = scalar_series_name(key)
@@ -424,8 +422,6 @@ def _engine_families(context: RunContext | None, scalars: dict[str, float],
     for key, value in sorted(scalars.items()):
         if key.startswith("alerts/"):
             alerts.add_metric([host, key.removeprefix("alerts/")], value)
-        elif key == "perf/cpu_busy_s":
-            busy.add_metric([host, ""], value)
         elif (m := _RANK_KEY.match(key)) is not None:
             busy.add_metric([host, m.group(1)], value)
     for fam in (alerts, busy):
