@@ -118,6 +118,45 @@ def test_wandb_user_logging_without_step_loses_nothing(wandb_offline: Path) -> N
     assert sorted(h["gpulens/step"] for h in _gpu_rows(history)) == list(range(1, steps + 1))
 
 
+@pytest.mark.parametrize("user_step", [True, False], ids=["step", "no-step"])
+def test_wandb_rows_written_off_the_training_thread_beside_fast_user_logging(
+        wandb_offline: Path, user_step: bool) -> None:
+    """The W&B sink writes from its own thread (``run.log`` costs ~1 ms of the GIL per row);
+    a user logging every ~3 ms on the training thread still loses nothing and every row keeps
+    a record of its own."""
+    import threading
+
+    import wandb
+
+    run = wandb.init(project="gpulens-test")
+    ours: list[str] = []  # the thread of each row's run.log while the loop runs
+    training = False
+    real_log = run.log
+
+    def spy(data: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if "gpulens/step" in data and training:
+            ours.append(threading.current_thread().name)
+        return real_log(data, *args, **kwargs)
+
+    run.log = spy  # type: ignore[method-assign]
+    steps = 250
+    with gpulens.Monitor(interval=0.02, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
+        training = True
+        _user_and_gpulens(run, mon, steps, user_step=user_step, user_first=True, dt=0.003)
+        training = False  # stop() may write the last rows from the caller's thread
+    run_id = run.id
+    wandb.finish()
+    assert ours and threading.main_thread().name not in ours, set(ours)
+    history = read_history(wait_for_finished_run(wandb_offline, run_id))
+    user = [h for h in history if "user/loss" in h]
+    assert [h["user/at"] for h in user] == list(range(1, steps + 1))
+    expected = list(range(1, steps + 1)) if user_step else list(range(steps))
+    assert [h["_step"] for h in user] == expected
+    rows = _gpu_rows(history)
+    assert sorted(h["gpulens/step"] for h in rows) == list(range(1, steps + 1))
+    assert all(h["train/loss"] == pytest.approx(1.0 / h["gpulens/step"]) for h in rows)
+
+
 def test_wandb_user_define_metric_keeps_its_axis(wandb_offline: Path) -> None:
     import wandb
 

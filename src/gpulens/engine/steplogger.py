@@ -3,8 +3,9 @@
 Each sink gets its own worker thread and a bounded buffer, so a slow or unreachable tracker
 (an MLflow server that went away) holds up nobody else.  A failed write is retried with
 back-off (0.5 s doubling to 10 s); when the buffer is full the oldest row is dropped and
-counted.  Sinks whose ``on_training_thread`` attribute is true (W&B: ``wandb.log`` is not
-thread-safe) are written from the training thread, inside the next ``log()`` or ``stop()``.
+counted.  Sinks whose ``on_training_thread`` attribute is true (a framework's own loggers,
+which are not made for a second thread) are written from the training thread, inside the next
+``log()`` or ``stop()``.
 
 What users hear (WARNING, through the ``gpulens`` logger, once per cause): a sink whose writes
 fail (rows are kept and retried), a sink more than :data:`SLOW_BACKLOG_ROWS` rows or

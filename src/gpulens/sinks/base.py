@@ -2,8 +2,9 @@
 
 A sink receives :class:`Row` objects, one per :meth:`gpulens.Monitor.log` call, in step order.
 Sinks run in the monitor's writer thread, except those whose ``on_training_thread`` attribute is
-true (W&B, whose ``wandb.log`` is not thread-safe): those are fed from the training thread the
-next time it calls ``log()`` or ``stop()``.
+true (the Lightning, Accelerate and verl adapters, whose framework loggers are not made for a
+second thread): those are fed from the training thread the next time it calls ``log()`` or
+``stop()``.
 
 Optional parts of a sink:
 

@@ -55,8 +55,19 @@ record: give such a scalar to one of the two, or use ``include_train=False``.  I
 "shared" mode (several processes write one run, and W&B numbers
 the steps) rows are simply logged.
 
-``wandb.log`` is not thread-safe: this sink is written from the training thread
-(``on_training_thread``), inside ``Monitor.log()``/``stop()``.
+**Off the training thread.** The sink writes from its own thread: ``run.log`` costs about a
+millisecond of the GIL per row (W&B's encoding of ~40 keys; measured: a Hugging Face run that
+logged every step was 1.35 % slower on an H200, 2.4 % under DDP, while this sink wrote on the
+training thread).  Each ``run.log`` goes to ``wandb-core`` whole, in the order it was made, so
+the only question a second thread raises is which record a row joined.  ``run._local_step``
+(W&B's mirror of ``S``, free to read) may lag the user's thread by a commit; it is only ever
+read to decide *whether* to place a row, never to record where one went: after every
+placement the sink asks ``wandb-core`` for ``S`` (``run.step``, a round trip on this thread)
+and treats the row as held by that record, which is the record it joined or a later one.
+Either error only makes a row wait for one more user log, never shares a record.  The one
+race left: in the "record of its own" case (``run.log(row, step=S + 1)``), a user who logs
+two steps within the millisecond between the sink's reading of ``S`` and its write makes W&B
+drop that row with its warning ("Tried to log to step ...").
 """
 
 from __future__ import annotations
@@ -161,7 +172,7 @@ class WandbSink:
             for wall-clock rows; ``""``: bare keys).
     """
 
-    on_training_thread = True
+    on_training_thread = False
 
     step_metric: str = AXIS_KEY
     """The x-axis of the keys written: ``"gpulens/step"`` (the row's training step, written
@@ -301,15 +312,30 @@ class WandbSink:
                       _one_line(exc), event.name)
 
     def _wandb_step(self) -> int | None:
-        """W&B's current step ``S``: the step of the pending record."""
+        """W&B's step ``S`` as this process's wandb mirrors it (free; may lag a commit the
+        user's thread is making)."""
         run: Any = self._run
-        local = getattr(run, "_local_step", None)  # wandb's own mirror of S, read for free
+        local = getattr(run, "_local_step", None)
         if isinstance(local, int):
             return local
+        return self._core_step()
+
+    def _core_step(self) -> int | None:
+        """``S`` as ``wandb-core`` has it, after every ``run.log`` this thread made (a round
+        trip)."""
+        run: Any = self._run
         try:
-            return int(run.step)  # a round trip to wandb-core
+            return int(run.step)
         except Exception:
             return None
+
+    def _held_by(self, guess: int) -> int:
+        """The record that holds the row just placed, or a later one (see the docstring)."""
+        core = self._core_step()
+        if core is None:
+            local = self._wandb_step()
+            return max(guess, local if local is not None else guess)
+        return max(guess, core)
 
     def _place(self, *, final: bool = False) -> None:
         """Give queued rows records (see the module docstring), oldest first."""
@@ -323,12 +349,18 @@ class WandbSink:
                               "logged as records of their own")
                 run.log(queue.popleft())
                 continue
+            if self._attached_at is not None and self._attached_at >= step and (
+                    final or self._may_commit(step)):
+                # the mirror may lag: ask wandb-core before committing a record of our own
+                step = self._core_step() if not final else step
+                if step is None:
+                    break
             if self._attached_at is None or self._attached_at < step:
                 run.log(queue.popleft(), commit=False)  # the pending record holds none of ours
-                self._attached_at = step
+                self._attached_at = self._held_by(step)
             elif final or self._may_commit(step):
                 run.log(queue.popleft(), step=step + 1)
-                self._attached_at = step + 1
+                self._attached_at = self._held_by(step + 1)
             else:
                 break
         while len(queue) > MAX_QUEUE:
