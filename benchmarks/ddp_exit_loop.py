@@ -95,8 +95,10 @@ def main() -> int:
         env["GPULENS_ISOLATION"] = args.isolation
     import torch
 
-    print(f"# {args.runs} torchrun runs of the {args.example} example, 2 ranks (gloo, CPU), "
-          f"timeout {args.timeout:.0f} s, isolation={args.isolation or 'default'}")
+    gpus = "real GPUs sampled (NVML)" if args.real_gpus else "simulated GPUs sampled"
+    print(f"# {args.runs} torchrun runs of the {args.example} example, 2 ranks (gloo, training "
+          f"on CPU; {gpus}), timeout {args.timeout:.0f} s, "
+          f"isolation={args.isolation or 'default'}")
     print(f"# python {platform.python_version()}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at start, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")

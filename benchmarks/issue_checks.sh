@@ -29,8 +29,9 @@ step mfu_rows 150 python3 benchmarks/mfu_rows_gpu.py --json "$D/mfu_rows/mfu_row
 step views 75 python3 benchmarks/views_gpu.py --out "$D/views"
 step rules 180 python3 benchmarks/rules_gpu.py --out "$D/rules"
 echo "== record beside a training (issue 10)" | tee -a "$D/issues.log"
-( gpulens_record() { python3 -m gpulens.cli record "$@"; }
-  gpulens_record --gpus 0 --interval 1 --no-console --summary-interval 5 \
+# python itself in the background ($! of a backgrounded shell function is a subshell: the
+# TERM would go to bash, exit 143, and leave gpulens running without its summary)
+( python3 -m gpulens.cli record --gpus 0 --interval 1 --no-console --summary-interval 5 \
       --sink "jsonl:$D/record.jsonl" > "$D/record.out" 2> "$D/record.err" & p=$!
   sleep 12; kill -TERM $p; wait $p; echo "rc=$?" >> "$D/record.out"
   python3 -c "import json,sys; print([round(json.loads(l)['record/elapsed_s'],2) for l in open(sys.argv[1]) if 'record/elapsed_s' in l])" "$D/record.jsonl" >> "$D/record.out" 2>&1 )
