@@ -141,6 +141,59 @@ def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(tmp_path: Path) ->
         assert not any(k.startswith("work/") for k in row)
 
 
+LATE_RANK = """
+import json, sys, threading, time
+import torch.distributed as dist
+import gpulens
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+gathers = []
+real = dist.all_gather
+def spy(*args, **kwargs):  # which thread runs gpulens's all-gathers (its group's only)
+    gathers.append(threading.current_thread().name)
+    return real(*args, **kwargs)
+dist.all_gather = spy
+waits = []
+with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 7):
+        if rank == 1 and step == 3:
+            time.sleep(1.5)  # rank 1 comes late to step 3's log()
+        t0 = time.perf_counter()
+        mon.log(step, loss=1.0 / step)
+        waits.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+dist.barrier()
+print("RESULT", json.dumps({"rank": rank, "waits": waits, "gathers": gathers}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_log_never_waits_for_another_rank(tmp_path: Path) -> None:
+    """``log()`` is a collective, but the exchange of rows runs in gpulens's gather thread:
+    a rank that reaches ``log()`` while another is 1.5 s late goes on at once, and every row
+    still holds both ranks' GPUs."""
+    import json
+
+    script = tmp_path / "late.py"
+    script.write_text(LATE_RANK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT / "src"))
+    out = tmp_path / "rows.jsonl"
+    done = run_torchrun([str(script), str(out)], cwd=tmp_path, env=env,
+                        timeout=TORCHRUN_TIMEOUT_S)
+    assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
+    results = {r["rank"]: r for r in (json.loads(line.split("RESULT ", 1)[1])
+                                      for line in done.stdout.splitlines() if "RESULT " in line)}
+    assert set(results) == {0, 1}, done.stdout[-2000:]
+    # rank 0's log() at step 3 and after: no wait for rank 1 (it would be ~1.5 s inside log())
+    assert max(results[0]["waits"]) < 0.5, results[0]["waits"]
+    for r in results.values():
+        assert r["gathers"] and set(r["gathers"]) == {"gpulens-gather"}, r["gathers"]
+    check_rows(jsonl(out), [1, 2, 3, 4, 5, 6])
+
+
 # -- the gather's own gloo group, in this process ----------------------------------------------
 def _threads() -> set[int]:
     """The native threads of this process (gloo's worker threads are not Python threads)."""

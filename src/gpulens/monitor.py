@@ -458,7 +458,7 @@ class Monitor:
         assert relay is not None
         relay.put(Mark(step, now, time.time(), scalars, alloc))
         if self._gather is not None:
-            self._gather.exchange()
+            self._gather.request()  # the exchange itself runs in the gather thread
         steplogger = self._steplogger
         if steplogger is not None:
             steplogger.drain_training_thread()
@@ -513,7 +513,7 @@ class Monitor:
                 # back raw, the gather merges them, the engine finishes them
                 transport.drain(total)
                 try:
-                    gather.flush()
+                    gather.flush(total)
                 except Exception as exc:
                     logger.warning("gpulens: gathering the last rows failed: %r", exc)
             if gather is not None:
