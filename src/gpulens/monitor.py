@@ -216,7 +216,8 @@ class Monitor:
         self._torch_indices: list[int] = []
         self._slow = max(1.0, self.interval)
         self._last_step: int | None = None
-        self._cpu_at = 0.0
+        self._cpu_at: tuple[int, float] | None = None
+        """(thread, its CPU seconds) at the previous ``log()`` or ``start()``."""
         self._started = False
         self._stopped = False
         self._dropped_marks = 0
@@ -333,7 +334,7 @@ class Monitor:
             self.context, self._torch_indices = context, torch_indices
             self.isolation = transport.isolation
             self._alloc_due = -math.inf
-            self._cpu_at = time.process_time()
+            self._cpu_at = (threading.get_ident(), time.thread_time())
             self._last_step = None
             self._dropped_marks = 0
             self._started, self._stopped = True, False
@@ -444,9 +445,13 @@ class Monitor:
         if now >= self._alloc_due and self._torch_indices:
             self._alloc_due = now + self._slow
             alloc = self._read_alloc()
-        if self._gather is not None:  # each rank's CPU time per step, for the slow-rank rule
-            cpu = time.process_time()
-            scalars[WORK_CPU] = cpu - self._cpu_at
+        if self._gather is not None:
+            # the training thread's CPU time since the previous log(), for the slow-rank rule:
+            # this thread's alone, so that gpulens's own threads (the gather's merging on rank
+            # 0, a sink's) never make a rank look slow; none where start() ran on another thread
+            cpu = (threading.get_ident(), time.thread_time())
+            if self._cpu_at is not None and self._cpu_at[0] == cpu[0]:
+                scalars[WORK_CPU] = cpu[1] - self._cpu_at[1]
             self._cpu_at = cpu
         if tokens is not None:
             scalars[WORK_TOKENS] = tokens

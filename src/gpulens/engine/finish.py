@@ -9,8 +9,8 @@ What a finished row gains (each absent where its inputs are):
   ``perf/mfu_pct``, ``perf/mfu_clock_adjusted_pct``, ``perf/mfu_when_tensor_active_pct``
   (:func:`gpulens.work.mfu.window_perf`; the peak is the GPU's dense figure in the run's dtype,
   :func:`gpulens.work.peaks.peak_for`, recorded in the run's metadata);
-* ``rank/{r}/cpu_busy_s`` in a distributed job: CPU seconds each rank's training process used
-  per step (all its threads), which the slow-rank rule compares;
+* ``rank/{r}/cpu_busy_s`` in a distributed job: CPU seconds each rank's training thread (the
+  one that calls ``log()``) used per step, which the slow-rank rule compares;
 * ``alerts/<rule>`` (1 firing, 0 not) and the rules' events (:mod:`gpulens.engine.rules`); a
   rule that fires is also a WARNING through the ``gpulens`` logger, with what to try.  The rules
   judge every row while judging stays within :data:`RULES_CPU_SHARE` of one core (a token

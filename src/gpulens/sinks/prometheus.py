@@ -47,7 +47,7 @@ windows' counter differences since the sink opened.
                                                         in the run's dtype (FLOP/s), labels
                                                         ``peak_gpu``, ``dtype`` (the run's meta)
 ``gpulens_train_cpu_busy_seconds{rank}``                distributed jobs: CPU seconds per step
-                                                        of each rank's training process
+                                                        of each rank's training thread
                                                         (``rank/{r}/cpu_busy_s``)
 ``gpulens_alert{rule}``                                 ``alerts/<rule>``: 1 while the engine's
                                                         advice rule fires, 0 while it does not
@@ -135,7 +135,7 @@ PERF_SERIES: dict[str, tuple[str, float, str]] = {
 }
 """The engine's throughput and MFU keys -> (metric name, scale to base unit, help)."""
 CPU_BUSY = ("gpulens_train_cpu_busy_seconds",
-            "CPU seconds each rank's training process used per step in the latest window "
+            "CPU seconds each rank's training thread used per step in the latest window "
             "(distributed jobs)")
 ALERT = "gpulens_alert"
 PEAK = "gpulens_train_mfu_peak_flops_per_second"
