@@ -83,7 +83,8 @@ def main() -> int:
     device = "cuda" if real_gpus and torch.cuda.is_available() else "cpu"
     vocab, width, seq, batch = 512, 128, 64, 16
     model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=width, n_layer=2, n_head=4,
-                                       n_positions=seq)).to(device)
+                                       n_positions=seq, bos_token_id=vocab - 1,
+                                       eos_token_id=vocab - 1)).to(device)
     formula = model_flops(model)  # analytic, from the config: forward + backward per token
     flops_per_token = formula.flops_per_token(seq) if formula is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
