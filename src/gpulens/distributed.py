@@ -7,8 +7,9 @@ puts up to ``SLOTS`` finished rows into one fixed-size float tensor and the rank
 over a gloo group of gpulens's own (CPU tensors: no CUDA copy, so no device sync, even when
 training uses NCCL).  The training thread never waits on that network: a rank that reaches its
 ``log()`` early goes on training, and its exchange waits for the others in the gather thread
-(measured before this: rank 0 of an HF DDP run on 2 H200s logging every step was 2.4 % slower
-while the all-gather ran inside ``log()``).  Rows are matched by their sequence number (the k-th
+(measured: an HF DDP run on 2 H200s logging every step was +2.46 pp slower with gpulens while
+the all-gather ran inside ``log()``, +1.03 pp and not separable from the A/A arm after;
+``benchmarks/results/2026-11-26-h200x2-*``).  Rows are matched by their sequence number (the k-th
 row of every rank, one per ``log()``), so ranks that finish rows at different moments still
 line up.
 Rank 0 hands the merged row to its engine to be finished and written: every GPU of the job

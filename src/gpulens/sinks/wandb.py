@@ -55,11 +55,11 @@ record: give such a scalar to one of the two, or use ``include_train=False``.  I
 "shared" mode (several processes write one run, and W&B numbers
 the steps) rows are simply logged.
 
-**Off the training thread.** The sink writes from its own thread: ``run.log`` costs about a
-millisecond of the GIL per row (W&B's encoding of ~40 keys; measured: a Hugging Face run that
-logged every step was 1.35 % slower on an H200, 2.4 % under DDP, while this sink wrote on the
-training thread).  Each ``run.log`` goes to ``wandb-core`` whole, in the order it was made, so
-the only question a second thread raises is which record a row joined.  ``run._local_step``
+**Off the training thread.** The sink writes from its own thread: while it wrote on the
+training thread, a Hugging Face run that logged every step paid +1.47 ms of training-thread CPU
+a step on an H200 (``benchmarks/results/2026-11-26-h200-paths-aa``: 88.85 vs 87.38 ms).
+Each ``run.log`` goes to ``wandb-core`` whole, in the order it was made, so the only question
+a second thread raises is which record a row joined.  ``run._local_step``
 (W&B's mirror of ``S``, free to read) may lag the user's thread by a commit; it is only ever
 read to decide *whether* to place a row, never to record where one went: after every
 placement the sink asks ``wandb-core`` for ``S`` (``run.step``, a round trip on this thread)
