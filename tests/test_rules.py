@@ -251,7 +251,7 @@ def slow_rank1_gpm(step: int, v: dict[str, float], rng: random.Random) -> None:
 def slow_rank1_cpu(step: int, v: dict[str, float], rng: random.Random) -> None:
     st = v["perf/step_time_s"]
     v["rank/1/cpu_busy_s"] = st * rng.uniform(0.95, 1.0)
-    v["rank/0/cpu_busy_s"] = st * rng.uniform(0.70, 0.76)
+    v["rank/0/cpu_busy_s"] = st * rng.uniform(0.55, 0.60)  # CPU basis: fires at a 50 % lag
 
 
 ONSET = 40

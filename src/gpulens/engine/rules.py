@@ -69,8 +69,9 @@ memory_creep           gpu      over the last 20 new ``torch_allocated_gb`` read
                                 (Theil-Sen) growth >= 0.5 % of total memory (< 0.1 %) and
                                 >= 70 % of reading pairs rising (< 55 %)
 slow_rank              rank     busy time per step >= 20 % above the median of the other
-                                ranks (< 10 %); a single window >= 50 % above it, with the
-                                next 3 windows < 20 %, is told once as a one-off notice
+                                ranks (< 10 %); from CPU time (no GPM) >= 50 % (< 25 %); a
+                                single window >= 50 % above it, with the next 3 windows
+                                < 20 %, is told once as a one-off notice
 =====================  =======  ==============================================================
 
 Keys read, per GPU ``i`` (``gpu/{i}/<suffix>``): ``util_pct``, ``sm_active_pct``,
@@ -233,6 +234,10 @@ RULES: dict[str, RuleSpec] = {
         RuleSpec("slow_rank", "rank", "warning", "a slow rank sets the pace of the job", (
             _t("lag", "busy_s of rank r / median busy_s of the other ranks - 1, in %", ">=",
                20.0, 10.0, "%", "how much longer this rank is busy per step"),
+            _t("lag_cpu", "the same lag where busy_s is the training thread's CPU time (ranks "
+               "without GPM)", ">=", 50.0, 25.0, "%",
+               "CPU time is a noisier signal: two healthy ranks doing the same work were seen "
+               "~30 % apart for ten steps on a loaded host"),
             _t("one_off", "lag in a single window (told once as a notice)", ">=", 50.0, 20.0,
                "%", "a spike that the following windows do not repeat"),
         )),
@@ -866,7 +871,7 @@ class _SlowRank(_Rule):
         if got is None:
             return {}
         busy, self.basis = got
-        lag_t = self.spec.threshold("lag")
+        lag_t = self.spec.threshold("lag" if self.sampled else "lag_cpu")
         out: dict[str, _Obs] = {}
         for r, b in busy.items():
             others = [v for k, v in busy.items() if k != r]
