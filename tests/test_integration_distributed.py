@@ -296,3 +296,34 @@ def test_rows_after_the_last_exchange_are_told(gloo_world: Any,
     messages = [r.getMessage() for r in caplog.records]
     assert any("1 row(s) of rank 0 came after the last exchange" in m for m in messages)
     assert any("a row of rank 0 came after the ranks' last exchange" in m for m in messages)
+
+
+def test_a_failed_exchange_is_told_and_never_reaches_training(
+        gloo_world: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gather thread's all-gather fails (a rank gone, the group torn down): one WARNING
+    through the ``gpulens`` logger in this (the training) process, ``request()`` keeps
+    returning, and ``flush()`` still releases the group."""
+    from gpulens._warn import reset_warnings
+
+    reset_warnings()
+    rows: list[Any] = []
+    gather = _gather(rows)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(gather._dist, "all_gather", broken)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        gather.local_row(_row(1))
+        gather.request()
+        deadline = time.monotonic() + 5
+        while not any("exchange of rows" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "no warning for the failed exchange"
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        gather.request()  # after the failure: counted nowhere, never waits
+        assert time.perf_counter() - t0 < 0.05
+        gather.flush(5.0)
+    failed = [r for r in caplog.records if "exchange of rows" in r.getMessage()]
+    assert len(failed) == 1 and "Connection closed by peer" in failed[0].getMessage()
+    assert rows == [] and gather.closed

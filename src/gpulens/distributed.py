@@ -105,8 +105,11 @@ class RankGather:
         """Exchanges asked for (one per ``log()``); :attr:`_done` of them made."""
         self._done = 0
         self._finishing = False
-        self._worker: threading.Thread | None = None
         self._broken = False
+        # started here, in start(), so that no log() pays for a thread start
+        self._worker = threading.Thread(
+            target=self._work, name="gpulens-gather", daemon=True)
+        self._worker.start()
 
     def bind(self, context: RunContext) -> None:
         """Learn this rank's GPU key (when the context comes after the gather is made)."""
@@ -150,10 +153,6 @@ class RankGather:
             if self._closed or self._broken:
                 return
             self._asked += 1
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="gpulens-gather",
-                                                daemon=True)
-                self._worker.start()
             self._wake.notify()
 
     def _work(self) -> None:
@@ -253,20 +252,15 @@ class RankGather:
         after that exchange cannot be sent any more: it is counted and warned about."""
         try:
             with self._wake:
-                worker = self._worker
                 self._finishing = True
                 self._wake.notify()
-            if worker is None:
-                if not self._broken:
-                    self._last_exchanges()
-            else:
-                worker.join(timeout)
-                if worker.is_alive():
-                    logger.warning("gpulens: rank %d's last rows did not meet the other ranks' "
-                                   "within %.0f s (a rank that never reached stop()?); they "
-                                   "are not written", self.rank, timeout or 0.0)
+            self._worker.join(timeout)
+            if self._worker.is_alive():
+                logger.warning("gpulens: rank %d's last rows did not meet the other ranks' "
+                               "within %.0f s (a rank that never reached stop()?); they are "
+                               "not written", self.rank, timeout or 0.0)
         finally:
-            if self._worker is None or not self._worker.is_alive():
+            if not self._worker.is_alive():
                 self._own.clear()
                 self._parts.clear()
             self.close()
@@ -287,12 +281,12 @@ class RankGather:
             self._pending.clear()
         with self._wake:
             self._wake.notify()
-            worker = self._worker
+        worker = self._worker
         if late:
             self._late_rows += late
             logger.warning("gpulens: %d row(s) of rank %d came after the last exchange at "
                            "stop and were not written", late, self.rank)
-        if worker is not None and worker is not threading.current_thread():
+        if worker is not threading.current_thread():
             worker.join(1.0)  # an idle gather thread ends at once
             if worker.is_alive():
                 # inside an all-gather that waits for a rank that will not come: tearing the
