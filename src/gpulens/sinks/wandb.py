@@ -331,11 +331,11 @@ class WandbSink:
 
     def _held_by(self, guess: int) -> int:
         """The record that holds the row just placed, or a later one (see the docstring)."""
-        core = self._core_step()
-        if core is None:
-            local = self._wandb_step()
-            return max(guess, local if local is not None else guess)
-        return max(guess, core)
+        held = self._core_step()
+        if held is None:  # wandb-core did not answer: its mirror, read for free
+            local = getattr(self._run, "_local_step", None)
+            held = local if isinstance(local, int) else None
+        return guess if held is None else max(guess, held)
 
     def _place(self, *, final: bool = False) -> None:
         """Give queued rows records (see the module docstring), oldest first."""
