@@ -55,6 +55,7 @@ def test_help_pages_show_descriptions_and_option_help() -> None:
     assert "the report shows the last run unless --run chooses" in proc.stdout
     proc = run("watch", "--help")
     assert "85.9 GB = 80.0 GiB" in proc.stdout and "It fits 80 columns" in proc.stdout
+    assert "from 100 columns the processes on the GPUs" in proc.stdout
     proc = run("serve", "--help")
     assert "Binds 127.0.0.1 unless --host" in proc.stdout
     assert "gpulens COMMAND --help" in run("--help").stdout

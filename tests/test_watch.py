@@ -117,6 +117,10 @@ GPU_LINE = re.compile(
 )
 
 
+PROCESS_LINE = re.compile(r"^ +(\d+) +(\d+) +\S+ +\d+\.\d GB  python\S* -m gpulens\.cli watch "
+                          r"--interval 0\.25 --history \d+$", re.M)
+
+
 def gpu_lines(screen: str) -> list[re.Match[str]]:
     found = [m for line in screen.splitlines() if (m := GPU_LINE.match(line))]
     for m in found:
@@ -204,10 +208,16 @@ def test_every_gpu_on_a_line_at_each_width(tmux: list[str], tmp_path: Path, cols
         assert f"{gpus} x Simulated H100 80GB HBM3" in screen.splitlines()[0]
         if cols == 80:
             assert not any(m["history"] or m["name"] or m["membar"] for m in found)
+            assert "Processes" not in screen
         if cols >= 120:  # wider: the history sparkline, then memory and power bars
             for m in found:
                 assert m["history"] and len(m["history"]) >= 6, m.group(0)
                 assert m["membar"] and m["powerbar"], m.group(0)
+            # and the processes on the GPUs: the simulated GPUs' one is the watch itself
+            assert re.search(r"^Processes ─+$", screen, re.M)
+            procs = PROCESS_LINE.findall(screen)
+            assert [g for g, _ in procs] == [str(g) for g in range(gpus)], screen
+            assert len({pid for _, pid in procs}) == 1
         if cols == 200:  # wider still: DRAM bandwidth and the model; history to --history
             for m in found:
                 assert m["dram"] is not None and m["name"], m.group(0)

@@ -38,6 +38,7 @@ from gpulens.engine.spec import (
 from gpulens.engine.steplogger import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
 from gpulens.sinks import check_sinks, resolve_sink
 from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.transport.base import SpawnFailed, Transport
 from gpulens.transport.inproc import InprocTransport
@@ -545,6 +546,15 @@ class Monitor:
         running or when the engine does not answer within 2 s."""
         transport = self._transport
         return transport.latest(2.0) if transport is not None and self._started else {}
+
+    def processes(self) -> list[GpuProcess]:
+        """The processes on the watched GPUs, by GPU then process id (for live views such as
+        ``gpulens watch``): process id, GPU, GPU memory held (GB of 1e9 bytes, ``None`` where
+        the driver does not say), and, for processes this one can see, name, user and command
+        line.  Read by the engine at the call from NVML's running-process lists; ``[]`` when
+        not running or when the engine does not answer within 2 s."""
+        transport = self._transport
+        return transport.processes(2.0) if transport is not None and self._started else []
 
     @property
     def dropped_marks(self) -> int:

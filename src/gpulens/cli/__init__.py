@@ -47,7 +47,8 @@ WATCH = """\
 A live view of the GPUs of this machine, one line per GPU: activity (GPM SM active where the
 GPU has GPM, else NVML utilization), tensor-core activity, memory used/total, power against
 its limit, temperature, SM clock, and what holds the clocks down.  It fits 80 columns; a wider
-terminal adds the activity history, memory and power bars, DRAM bandwidth and the GPU model.
+terminal adds the activity history, memory and power bars, DRAM bandwidth and the GPU model,
+and from 100 columns the processes on the GPUs (process id, user, GPU memory, command).
 Memory is in GB of 10^9 bytes (an "80GB" card shows 85.9 GB = 80.0 GiB).  q quits.  Without a
 terminal (or with --plain) it prints one line per interval.
 

@@ -4,9 +4,11 @@ One line per GPU, readable in an 80x24 terminal: activity (GPM SM active where t
 GPM, else NVML utilization), tensor-core activity, memory used/total, power against its limit,
 temperature, SM clock, and what holds the clocks down (power cap, thermal).  As the terminal
 widens, more columns join: the activity history (a sparkline of the last ``--history``
-intervals), the GPU model, memory and power bars, DRAM bandwidth.  The view follows the
-terminal's size while it runs.  ``q`` quits.  Without a terminal (or with ``--plain``) it
-prints one plain line per interval (and, once, on stderr, what the GPUs are).
+intervals), the GPU model, memory and power bars, DRAM bandwidth; from 100 columns on, a table
+of the processes on the GPUs (GPU, process id, user, GPU memory held, command line), as many
+rows as the terminal's height leaves.  The view follows the terminal's size while it runs.
+``q`` quits.  Without a terminal (or with ``--plain``) it prints one plain line per interval
+(and, once, on stderr, what the GPUs are).
 
 Memory is in GB of 1e9 bytes, as NVML counts it: an "80GB" card shows 85.9 GB (80.0 GiB);
 the view says so.  The figures are the newest samples (``Monitor.latest()``), read every
@@ -42,6 +44,7 @@ from gpulens.cli._common import CliError, monitor_interval
 from gpulens.report.tail import RecordTail, TrainingStatus
 from gpulens.report.text import gib, sparkline
 from gpulens.sinks.base import GpuInfo
+from gpulens.sources.processes import GpuProcess
 
 
 @dataclass
@@ -350,12 +353,66 @@ def _pad(text: str, width: int, right: bool) -> str:
     return text.rjust(width) if right else text.ljust(width)
 
 
+PROCESS_MIN_WIDTH = 100
+"""From this many columns the view has a process table (and only then asks for processes)."""
+
+
+def _command(p: GpuProcess) -> str:
+    """The command line with its program's directory left out (``python train.py``)."""
+    if p.command:
+        head, _, rest = p.command.partition(" ")
+        return f"{os.path.basename(head)} {rest}".rstrip()
+    if p.name:
+        return p.name
+    return "(not visible from here: another PID namespace)"
+
+
+def process_lines(processes: list[GpuProcess], width: int, rows: int,
+                  rule_width: int | None = None) -> list[Any]:
+    """The process table in at most ``rows`` lines of ``width`` cells (``[]`` if fewer than
+    three fit): a rule, a header, one line per process by GPU and then GPU memory (largest
+    first), and ``+N more`` when they do not all fit.  Only the command line is ever cut."""
+    from rich.text import Text
+
+    if rows < 3:
+        return []
+    rule = Text(no_wrap=True, overflow="crop")
+    rule.append("Processes ", style="bold")
+    rule.append("─" * max(0, min(width, rule_width or width) - len("Processes ")), style="dim")
+    if not processes:
+        return [rule, Text("none on these GPUs", style="dim", no_wrap=True, overflow="crop")]
+    ordered = sorted(processes, key=lambda p: (p.gpu, -(p.gpu_mem_gb or 0.0), p.pid))
+    user_w = max(4, min(10, max(len(p.user or "?") for p in ordered)))
+    pid_w = max(3, max(len(str(p.pid)) for p in ordered))
+    head = f"{'GPU':>3}  {'PID':>{pid_w}}  {'User':<{user_w}}  {'GPU mem':>9}  Command"
+    out = [rule, Text(head[:width], style="bold", no_wrap=True, overflow="crop")]
+    room = rows - 2
+    shown = ordered if len(ordered) <= room else ordered[:room - 1]
+    for p in shown:
+        user = (p.user or "?")[:user_w]
+        mem = _f(p.gpu_mem_gb, ".1f", " GB")
+        left = f"{p.gpu:>3}  {p.pid:>{pid_w}}  {user:<{user_w}}  {mem:>9}  "
+        command = _command(p)
+        if len(left) + len(command) > width:
+            command = command[:max(0, width - len(left) - 1)] + "…"
+        line = Text(no_wrap=True, overflow="crop")
+        line.append(left)
+        line.append(command, style="cyan" if p.command else "dim")
+        out.append(line)
+    if len(shown) < len(ordered):
+        out.append(Text(f"+{len(ordered) - len(shown)} more processes (a taller terminal shows "
+                        "them)", style="dim", no_wrap=True, overflow="crop"))
+    return out
+
+
 def render_lines(views: list[GpuView], width: int, history: int, interval: float,
                  hostname: str, backend: str, host: dict[str, float] | None = None,
                  training: TrainingStatus | None = None,
-                 now: float | None = None) -> list[Any]:
+                 now: float | None = None, processes: list[GpuProcess] | None = None,
+                 height: int | None = None) -> list[Any]:
     """The frame as ``rich.text.Text`` lines, none wider than ``width`` cells; ``training``
-    (``--record``) adds the training's lines under the GPUs."""
+    (``--record``) adds the training's lines under the GPUs, and ``processes`` (at least
+    :data:`PROCESS_MIN_WIDTH` wide) the process table, in what ``height`` lines leave."""
     from rich.text import Text
 
     probe = {k: [t for t, _ in (_cells(v, {"history": history})[k] for v in views)]
@@ -368,8 +425,8 @@ def render_lines(views: list[GpuView], width: int, history: int, interval: float
     header.append((" " * GAP).join(_pad(COLUMNS[k].header, widths[k], COLUMNS[k].right)
                                    for k in keys))
     lines.append(header)
-    lines.append(Text("─" * min(width, sum(widths[k] for k in keys) + GAP * (len(keys) - 1)),
-                      style="dim"))
+    rule_width = min(width, sum(widths[k] for k in keys) + GAP * (len(keys) - 1))
+    lines.append(Text("─" * rule_width, style="dim"))
     for v in views:
         line = Text(no_wrap=True, overflow="crop")
         cells = _cells(v, widths)
@@ -382,7 +439,15 @@ def render_lines(views: list[GpuView], width: int, history: int, interval: float
     lines.append(Text(""))
     if training is not None:
         lines.extend(_training_lines(training, width, time.time() if now is None else now))
-    lines.extend(_footer(views, width, host))
+    footer = _footer(views, width, host)
+    if processes is not None and width >= PROCESS_MIN_WIDTH:
+        rows = (height - len(lines) - len(footer) - 1 if height is not None
+                else len(processes) + 3)
+        table = process_lines(processes, width, rows, rule_width)
+        if table:
+            lines.extend(table)
+            lines.append(Text(""))
+    lines.extend(footer)
     return lines
 
 
@@ -461,12 +526,14 @@ def _footer(views: list[GpuView], width: int, host: dict[str, float] | None) -> 
 
 def render(views: list[GpuView], interval: float, hostname: str, backend: str,
            width: int = 80, history: int = 30, host: dict[str, float] | None = None,
-           training: TrainingStatus | None = None) -> Any:
-    """The rich renderable for one frame, laid out for ``width`` columns."""
+           training: TrainingStatus | None = None, processes: list[GpuProcess] | None = None,
+           height: int | None = None) -> Any:
+    """The rich renderable for one frame, laid out for ``width`` columns (and ``height``
+    lines, which bound the process table)."""
     from rich.console import Group
 
     return Group(*render_lines(views, width, history, interval, hostname, backend, host,
-                               training))
+                               training, processes=processes, height=height))
 
 
 def _level(value: float | None, warn: float, bad: float, reverse: bool = False) -> str:
@@ -598,9 +665,13 @@ def _run_tty(monitor: Any, views: list[GpuView], args: argparse.Namespace, hostn
     fit()
 
     def frame() -> Any:
+        # the process table needs the width; narrower, the engine is not asked
+        wide = console.size.width >= PROCESS_MIN_WIDTH
+        processes = monitor.processes() if wide else None
         return render(views, args.interval, hostname, backend, width=console.size.width,
                       history=args.history, host=host,
-                      training=tail.poll() if tail is not None else None)
+                      training=tail.poll() if tail is not None else None,
+                      processes=processes, height=console.size.height)
 
     n = 0
     with _cbreak(fd), Live(frame(), console=console, screen=True, auto_refresh=False) as live:

@@ -43,6 +43,7 @@ from gpulens.errors import NvmlUnavailable
 from gpulens.sinks.base import Event, Row, RunContext, Sink
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
+from gpulens.sources.processes import GpuProcess
 
 ENERGY_PROBE_S = 0.35
 """How long the engine reads each GPU's energy counter back to back, once sampling has begun,
@@ -270,6 +271,11 @@ class Engine:
         """The newest sample of each metric, keyed like rows."""
         sampler = self._sampler
         return sampler.latest() if sampler is not None else {}
+
+    def processes(self) -> list[GpuProcess]:
+        """The processes on the watched GPUs (see :meth:`Sampler.processes`)."""
+        sampler = self._sampler
+        return sampler.processes() if sampler is not None else []
 
     def stats(self) -> dict[str, SinkStats]:
         """Figures of the engine's sinks so far."""

@@ -56,6 +56,7 @@ from gpulens.sources.nvml import (
     UTIL_SAMPLES,
     NvmlDevice,
 )
+from gpulens.sources.processes import GpuProcess, describe
 
 GPM_KEYS = frozenset(GPM_IDS.values())
 READY_LAG_S = 0.2
@@ -430,6 +431,22 @@ class Sampler:
         for key, series in self.host_series.items():
             if series.v and now - (series.last_time or -math.inf) <= stale:
                 out[f"host/{key}"] = series.v[-1]
+        return out
+
+    def processes(self) -> list[GpuProcess]:
+        """The processes on the watched GPUs, by GPU then process id: NVML's running
+        processes (about 0.1-1 ms a GPU), named by psutil.  Read at the call, on the caller's
+        thread (the engine's, never training's); a GPU that is lost or cannot list its
+        processes gives none."""
+        out: list[GpuProcess] = []
+        for gpu in self.gpus:
+            if gpu.lost:
+                continue
+            try:
+                listed = gpu.device.read_processes()
+            except GpuLost:
+                continue
+            out.extend(describe(gpu.key, pid, used) for pid, used in listed)
         return out
 
     # -- windows -----------------------------------------------------------------------------

@@ -309,6 +309,25 @@ class NvmlDevice:
         self._gpm_spare, self._gpm_prev, self._gpm_prev_t = self._gpm_prev, current, now
         return start - GPM_DELAY_S, now - GPM_DELAY_S, values
 
+    # -- on demand ----------------------------------------------------------------------
+    def read_processes(self) -> list[tuple[int, int | None]]:
+        """The processes running on this GPU, compute and graphics, as (pid, GPU memory in
+        bytes or ``None`` where the driver does not say); a process in both lists once."""
+        from gpulens.sources.processes import used_bytes
+
+        out: dict[int, int | None] = {}
+        for what, name in (("compute_processes", "nvmlDeviceGetComputeRunningProcesses"),
+                           ("graphics_processes", "nvmlDeviceGetGraphicsRunningProcesses")):
+            fn = getattr(self._lib, name, None)
+            if fn is None:
+                continue
+            for p in self._call(what, fn, self._handle) or ():
+                used = used_bytes(getattr(p, "usedGpuMemory", None))
+                pid = int(p.pid)
+                if pid not in out or (out[pid] is None and used is not None):
+                    out[pid] = used
+        return sorted(out.items())
+
     def close(self) -> None:
         """Free the GPM samples."""
         for sample in (self._gpm_prev, self._gpm_spare):

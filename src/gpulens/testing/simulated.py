@@ -15,7 +15,9 @@ Faults can be injected: ``not_supported`` (per GPU, a set of pynvml function nam
 NotSupported), ``fail_after`` (per GPU, function names that start failing with an unknown
 error after some seconds: a metric that stops reading mid-run), ``lose_gpu_after`` (per GPU,
 seconds after which every call raises GPU_IS_LOST) and ``driver_loaded=False`` (``nvmlInit``
-fails like a machine without a driver).  ``mig`` gives GPUs MIG instances.
+fails like a machine without a driver).  ``mig`` gives GPUs MIG instances.  ``processes``
+says which processes run on each GPU; by default the process that made the simulator runs on
+every GPU and holds all its used memory but the driver's 0.5 GiB.
 
 A simulator is picklable when its load is (see :mod:`gpulens.testing.loads`): it then crosses
 into gpulens's sampler process, so tests run the very path users run.  Time is counted from
@@ -35,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -90,6 +93,12 @@ class _Util:
 @dataclass
 class _Pci:
     busId: str
+
+
+@dataclass
+class _ProcessInfo:
+    pid: int
+    usedGpuMemory: int | None
 
 
 @dataclass
@@ -158,6 +167,9 @@ class SimulatedNVML:
             an H200 showed ~0.09 s).
         clock: the time source (``time.monotonic``); tests may pass their own (a clock that
             does not pickle keeps the simulator in the training process).
+        processes: per GPU index, ``(pid, GPU memory bytes or None)`` of the processes NVML
+            lists on it (compute processes); ``None``: the process that made the simulator,
+            on every GPU, holding the used memory less 0.5 GiB.
 
     Like the hardware, and unlike what gpulens assumes: power samples are averages over their
     20 ms period; the energy counter changes every 100 ms at its own phase; GPM refreshes every
@@ -193,6 +205,7 @@ class SimulatedNVML:
         energy_latency_s: tuple[float, float] = (0.003, 0.015),
         gpm_delay_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        processes: Mapping[int, Sequence[tuple[int, int | None]]] | None = None,
     ) -> None:
         if gpus < 0:
             raise ValueError(f"gpus must be >= 0, got {gpus}")
@@ -205,6 +218,10 @@ class SimulatedNVML:
         self.gpm = gpm
         self.mig = {int(k): list(v) for k, v in (mig or {}).items()}
         self.clock = clock
+        self.processes = ({int(k): list(v) for k, v in processes.items()}
+                          if processes is not None else None)
+        self.owner_pid = os.getpid()
+        """The process that made the simulator (it runs on every GPU unless ``processes``)."""
         self.epoch = clock()
         """The simulator's time zero (a reading of ``clock``), taken when it is made."""
         rng = random.Random(seed)
@@ -248,6 +265,10 @@ class SimulatedNVML:
         start += n * step
         self._energy_cache[gpu] = (start, total)
         return total + self.power_w(gpu, start) * (t - start)
+
+    def _mem_used(self, gpu: int) -> int:
+        """Memory in use on ``gpu`` now, in bytes."""
+        return int(min(self.MEM_TOTAL, (4 + 60 * self.activity(gpu, self._now())) * _GIB))
 
     def mig_uuid(self, gpu: int, instance: int) -> str:
         """The UUID of MIG instance ``instance`` of ``gpu``."""
@@ -346,9 +367,18 @@ class SimulatedNVML:
         return _Pci(busId=f"00000000:{0x18 + h.index:02X}:00.0")
     def nvmlDeviceGetMemoryInfo(self, h: _Handle) -> _Memory:
         self._check("nvmlDeviceGetMemoryInfo", h)
-        t = self._now()
-        used = int(min(self.MEM_TOTAL, (4 + 60 * self.activity(h.index, t)) * _GIB))
+        used = self._mem_used(h.index)
         return _Memory(total=self.MEM_TOTAL, used=used, free=self.MEM_TOTAL - used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: _Handle) -> list[_ProcessInfo]:
+        self._check("nvmlDeviceGetComputeRunningProcesses", h)
+        if self.processes is not None:
+            return [_ProcessInfo(pid, used) for pid, used in self.processes.get(h.index, ())]
+        return [_ProcessInfo(self.owner_pid, max(0, self._mem_used(h.index) - _GIB // 2))]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h: _Handle) -> list[_ProcessInfo]:
+        self._check("nvmlDeviceGetGraphicsRunningProcesses", h)
+        return []
 
     def nvmlDeviceGetUtilizationRates(self, h: _Handle) -> _Util:
         self._check("nvmlDeviceGetUtilizationRates", h)

@@ -9,6 +9,7 @@ from gpulens.engine.sampler import Mark
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
+from gpulens.sources.processes import GpuProcess
 
 
 class SpawnFailed(Exception):
@@ -39,6 +40,9 @@ class Transport(Protocol):
 
     def latest(self, timeout: float) -> dict[str, float]:
         """The engine's newest sample of each metric (``{}`` if it cannot answer)."""
+
+    def processes(self, timeout: float) -> list[GpuProcess]:
+        """The processes on the engine's GPUs (``[]`` if it cannot answer)."""
 
     def stop(self, timeout: float, stall: float) -> dict[str, SinkStats]:
         """Stop the engine; the figures of the sinks it wrote."""

@@ -16,6 +16,7 @@ from gpulens.engine.sampler import Mark
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
+from gpulens.sources.processes import GpuProcess
 
 
 class InprocTransport:
@@ -55,6 +56,10 @@ class InprocTransport:
     def latest(self, timeout: float) -> dict[str, float]:
         engine = self._engine
         return engine.latest() if engine is not None else {}
+
+    def processes(self, timeout: float) -> list[GpuProcess]:
+        engine = self._engine
+        return engine.processes() if engine is not None else []
 
     def stop(self, timeout: float, stall: float) -> dict[str, SinkStats]:
         engine, self._engine = self._engine, None

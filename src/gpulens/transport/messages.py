@@ -1,14 +1,14 @@
 """The one message protocol between the client (training process) and the engine.
 
 Client -> engine: :class:`Start` (first, once), :class:`~gpulens.engine.sampler.Mark` (each
-``log()``), :class:`LatestAsk`, :class:`Finish` (a distributed job's merged row, rank 0),
-:class:`Drain` (a distributed job's stop: last windows first), :class:`Stop`.
+``log()``), :class:`LatestAsk`, :class:`ProcessesAsk`, :class:`Finish` (a distributed job's
+merged row, rank 0), :class:`Drain` (a distributed job's stop: last windows first), :class:`Stop`.
 
 Engine -> client: :class:`Ready` or :class:`Failed` (answer to ``Start``), :class:`RowOut`
 (finished rows for the client's own sinks, or raw rows for the rank gather), :class:`LogOut`
 (every record of the engine's ``gpulens`` loggers, re-emitted in the client at its level),
-:class:`LatestReply`, :class:`StatsOut` (the engine's sink figures, every second),
-:class:`Drained`, :class:`Stopped` (last).
+:class:`LatestReply`, :class:`ProcessesReply`, :class:`StatsOut` (the engine's sink figures,
+every second), :class:`Drained`, :class:`Stopped` (last).
 
 Messages are named tuples.  A mark, which crosses at every ``log()``, goes down the pipe as the
 plain tuple of its fields and is made a :class:`~gpulens.engine.sampler.Mark` again on arrival:
@@ -25,9 +25,11 @@ from gpulens.engine.sampler import Mark
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
+from gpulens.sources.processes import GpuProcess
 
 __all__ = ["Drain", "Drained", "Failed", "Finish", "LatestAsk", "LatestReply", "LogOut", "Mark",
-           "Ready", "RowOut", "Start", "Stats", "StatsOut", "Stop", "Stopped"]
+           "ProcessesAsk", "ProcessesReply", "Ready", "RowOut", "Start", "Stats", "StatsOut",
+           "Stop", "Stopped"]
 
 Stats = dict[str, SinkStats]
 
@@ -37,6 +39,10 @@ class Start(NamedTuple):
 
 
 class LatestAsk(NamedTuple):
+    seq: int
+
+
+class ProcessesAsk(NamedTuple):
     seq: int
 
 
@@ -84,6 +90,11 @@ class LogOut(NamedTuple):
 class LatestReply(NamedTuple):
     seq: int
     values: dict[str, float]
+
+
+class ProcessesReply(NamedTuple):
+    seq: int
+    processes: list[GpuProcess]
 
 
 class StatsOut(NamedTuple):

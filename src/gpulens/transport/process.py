@@ -47,6 +47,7 @@ from gpulens.engine.sampler import Mark
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
+from gpulens.sources.processes import GpuProcess
 from gpulens.transport.base import SpawnFailed
 from gpulens.transport.messages import (
     Drain,
@@ -56,6 +57,8 @@ from gpulens.transport.messages import (
     LatestAsk,
     LatestReply,
     LogOut,
+    ProcessesAsk,
+    ProcessesReply,
     Ready,
     RowOut,
     Start,
@@ -103,7 +106,8 @@ class ProcessTransport:
         self._rx: Receiver | None = None
         self._reader: threading.Thread | None = None
         self._startup: queue.Queue[Any] = queue.Queue()
-        self._replies: dict[int, dict[str, float]] = {}
+        self._replies: dict[int, Any] = {}
+        """Answers to :meth:`latest` and :meth:`processes`, by their ask's number."""
         self._awaited: set[int] = set()
         self._reply_ready = threading.Condition()
         self._latest_seq = 0
@@ -206,10 +210,10 @@ class ProcessTransport:
                     reemit(msg.record)
                 elif isinstance(msg, StatsOut):
                     self._last_stats = msg
-                elif isinstance(msg, LatestReply):
+                elif isinstance(msg, (LatestReply, ProcessesReply)):
                     with self._reply_ready:
                         if msg.seq in self._awaited:  # else its asker gave up: drop it
-                            self._replies[msg.seq] = msg.values
+                            self._replies[msg.seq] = msg[1]
                             self._reply_ready.notify_all()
                 elif isinstance(msg, Stopped):
                     self._final = msg
@@ -314,25 +318,36 @@ class ProcessTransport:
     def latest(self, timeout: float) -> dict[str, float]:
         """The engine's newest sample of each metric (``{}`` if it does not answer in
         ``timeout`` seconds, at once if it is gone or stopping)."""
+        got: dict[str, float] | None = self._ask(LatestAsk, timeout)
+        return got if got is not None else {}
+
+    def processes(self, timeout: float) -> list[GpuProcess]:
+        """The processes on the engine's GPUs (``[]`` if it does not answer in ``timeout``
+        seconds, at once if it is gone or stopping)."""
+        got: list[GpuProcess] | None = self._ask(ProcessesAsk, timeout)
+        return got if got is not None else []
+
+    def _ask(self, make: Callable[[int], Any], timeout: float) -> Any:
+        """Send ``make(seq)`` and wait for the reply with that number; ``None`` without one."""
         if self.forked:
             self.forget()
-            return {}
+            return None
         tx = self._tx
         if tx is None or tx.closed or self._stopped.is_set() or self._stopping:
-            return {}
+            return None
         with self._reply_ready:
             self._latest_seq += 1
             seq = self._latest_seq
             self._awaited.add(seq)
         try:
-            if not tx.send(LatestAsk(seq), force=True):
-                return {}
+            if not tx.send(make(seq), force=True):
+                return None
             deadline = time.monotonic() + timeout
             with self._reply_ready:
                 while seq not in self._replies:
                     left = deadline - time.monotonic()
                     if left <= 0 or self._stopped.is_set() or self._stopping:
-                        return {}
+                        return None
                     self._reply_ready.wait(left)
                 return self._replies.pop(seq)
         finally:
@@ -490,6 +505,8 @@ def main(argv: list[str]) -> int:
                 engine.mark(Mark(*msg))
             elif isinstance(msg, LatestAsk):
                 tx.send(LatestReply(msg.seq, engine.latest()))
+            elif isinstance(msg, ProcessesAsk):
+                tx.send(ProcessesReply(msg.seq, engine.processes()))
             elif isinstance(msg, Finish):
                 engine.finish(msg.row)
             elif isinstance(msg, Drain):
