@@ -359,3 +359,24 @@ def test_pipe_wake_prints_both_readers(tmp_path: Path) -> None:
     assert set(rows) == {"sleeps in read", "polls"}
     for cells in rows.values():
         assert re.fullmatch(NUMBER, cells[0]) and re.fullmatch(NUMBER, cells[1])
+
+
+def test_log_ab_pairs_rounds_and_judges_against_its_aa_arm(tmp_path: Path) -> None:
+    """Two rounds of tiny arms, both arms on this tree: every figure is printed, and the
+    verdict is read against the A/A arm (one of its three words)."""
+    src = str(ROOT / "src")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "log_ab.py"), "--a", src, "--b", src, "--rounds", "2",
+         "--calls", "50", "--gap-us", "200", "--json", str(tmp_path / "ab.json")],
+        cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = table_rows(proc.stdout, "figure")
+    assert {"log() median, A", "log() median, B", "B - A (paired by round)",
+            "B - B' (A/A: the method's own noise)"} <= set(rows)
+    import json
+
+    got = json.loads((tmp_path / "ab.json").read_text())
+    assert len(got["rounds"]) == 2 and all(set(r) == {"A", "B", "B'"} for r in got["rounds"])
+    assert all(v > 0 for r in got["rounds"] for v in r.values())
+    assert got["verdict"] in {"higher", "lower", "not separable"}
+    assert f"verdict: B against A is {got['verdict']}" in proc.stdout
