@@ -26,7 +26,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpulens._warn import effective_level, logger, warn_once
-from gpulens.engine.sampler import Mark
 from gpulens.engine.spec import (
     WORK_CPU,
     WORK_FLOPS,
@@ -462,7 +461,7 @@ class Monitor:
             scalars[WORK_FLOPS] = flops
         relay = self._relay
         assert relay is not None
-        relay.put(Mark(step, now, time.time(), scalars, alloc))
+        relay.put((step, now, time.time(), scalars, alloc))  # a Mark's fields, as they cross
         if self._gather is not None:
             self._gather.request()  # the exchange itself runs in the gather thread
         steplogger = self._steplogger

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from gpulens.engine.sampler import Mark
+from gpulens.engine.sampler import MarkFields
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
@@ -35,8 +35,9 @@ class Transport(Protocol):
         """A distributed job's stop, first half: the engine closes its last windows (their raw
         rows come back) and keeps its sinks open for the merged rows still to come."""
 
-    def send_mark(self, mark: Mark) -> bool:
-        """Hand a step mark on without blocking; False if it was dropped (counted)."""
+    def send_mark(self, mark: MarkFields) -> bool:
+        """Hand a step mark (its fields) on without blocking; False if it was dropped
+        (counted)."""
 
     def latest(self, timeout: float) -> dict[str, float]:
         """The engine's newest sample of each metric (``{}`` if it cannot answer)."""

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 
 from gpulens.engine.engine import Engine
-from gpulens.engine.sampler import Mark
+from gpulens.engine.sampler import Mark, MarkFields
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
@@ -36,11 +36,11 @@ class InprocTransport:
         self._engine = engine
         return started
 
-    def send_mark(self, mark: Mark) -> bool:
+    def send_mark(self, mark: MarkFields) -> bool:
         engine = self._engine
         if engine is None:
             return False
-        engine.mark(mark)
+        engine.mark(Mark(*mark))
         return True
 
     def finish(self, row: Row) -> None:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from gpulens._warn import forward_records, logger, reemit, warn_once
-from gpulens.engine.sampler import Mark
+from gpulens.engine.sampler import Mark, MarkFields
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
 from gpulens.sinks.base import Row, RunContext
@@ -269,13 +269,13 @@ class ProcessTransport:
             rx.abandon()
 
     # -- training thread ---------------------------------------------------------------------
-    def send_mark(self, mark: Mark) -> bool:
+    def send_mark(self, mark: MarkFields) -> bool:
         """Send a step mark (training thread; never blocks).  False if it was dropped because
         the engine did not keep up (counted by the pipe) or the engine is gone."""
         tx = self._tx
         if tx is None:  # not started, stopped, or a forked child (see forget)
             return False
-        if tx.send(tuple(mark)):  # a plain tuple: see gpulens.transport.messages
+        if tx.send(mark):  # a plain tuple: see gpulens.transport.messages
             self.marks_sent += 1
             return True
         if not tx.closed:

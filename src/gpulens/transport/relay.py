@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpulens._warn import warn_once
-from gpulens.engine.sampler import Mark
+from gpulens.engine.sampler import MarkFields
 
 RELAY_MAX = 10_000
 """Marks with tensors that may wait for conversion before new ones are dropped (counted)."""
@@ -44,7 +44,8 @@ def to_float(name: str, value: Any) -> float | None:
 
 def _plain(scalars: dict[str, Any]) -> bool:
     for value in scalars.values():
-        if type(value) is not float and type(value) is not int:
+        kind = type(value)
+        if kind is not float and kind is not int:
             return False
     return True
 
@@ -53,18 +54,19 @@ class MarkRelay:
     """Sends marks through ``send`` (see the module doc).  ``send`` returns False when it
     could not take the mark (counted by its owner)."""
 
-    def __init__(self, send: Callable[[Mark], bool]) -> None:
+    def __init__(self, send: Callable[[MarkFields], bool]) -> None:
         self._send = send
-        self._queue: queue.SimpleQueue[Mark | None] | None = None
+        self._queue: queue.SimpleQueue[MarkFields | None] | None = None
         self._thread: threading.Thread | None = None
         self.dropped = 0
         """Marks dropped because the relay's queue was full."""
 
-    def put(self, mark: Mark) -> None:
-        """From ``log()``: send now, or queue for the relay thread.  Never blocks."""
+    def put(self, mark: MarkFields) -> None:
+        """From ``log()``: send a mark's fields now, or queue them for the relay thread.
+        Never blocks."""
         relay = self._queue
         if relay is None:
-            if _plain(mark.scalars):
+            if _plain(mark[3]):
                 self._send(mark)
                 return
             relay = self._start()
@@ -77,8 +79,8 @@ class MarkRelay:
             return
         relay.put(mark)
 
-    def _start(self) -> queue.SimpleQueue[Mark | None] | None:
-        relay: queue.SimpleQueue[Mark | None] = queue.SimpleQueue()
+    def _start(self) -> queue.SimpleQueue[MarkFields | None] | None:
+        relay: queue.SimpleQueue[MarkFields | None] = queue.SimpleQueue()
         thread = threading.Thread(target=self._loop, args=(relay,), name="gpulens-relay",
                                   daemon=True)
         try:
@@ -90,18 +92,18 @@ class MarkRelay:
         self._queue, self._thread = relay, thread
         return relay
 
-    def _loop(self, relay: queue.SimpleQueue[Mark | None]) -> None:
+    def _loop(self, relay: queue.SimpleQueue[MarkFields | None]) -> None:
         while True:
             mark = relay.get()
             if mark is None:
                 return
             try:
                 scalars: dict[str, float] = {}
-                for name, value in mark.scalars.items():
+                for name, value in mark[3].items():
                     number = value if type(value) is float else to_float(name, value)
                     if number is not None:
                         scalars[name] = number
-                self._send(mark._replace(scalars=scalars))
+                self._send((mark[0], mark[1], mark[2], scalars, mark[4]))
             except Exception as exc:  # this thread must outlive any one mark
                 warn_once("relay-mark", "gpulens: could not send a step mark: %r", exc)
 
