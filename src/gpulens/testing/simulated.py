@@ -123,6 +123,8 @@ class _GpmSample:
     """Which refresh of the GPU's GPM counters the sample saw."""
     gpu: int = -1
     integral: float = 0.0
+    t: float = 0.0
+    """Up to when (seconds after the epoch) ``integral`` holds the activity; never before 0."""
 
 
 @dataclass
@@ -482,7 +484,7 @@ class SimulatedNVML:
         self._check("nvmlGpmSampleGet", h)
         refresh = math.floor((self._now() - self.gpm_phase_s) / self.GPM_PERIOD)
         t = max(0.0, refresh * self.GPM_PERIOD + self.gpm_phase_s - self.gpm_delay_s)
-        sample.refresh, sample.gpu = refresh, h.index
+        sample.refresh, sample.gpu, sample.t = refresh, h.index, t
         # integral of activity from init: the energy integral is its affine image
         sample.integral = (self.energy_j(h.index, t) - self.IDLE_W * t) / (
             self.MAX_W - self.IDLE_W
@@ -492,8 +494,11 @@ class SimulatedNVML:
     def nvmlGpmMetricsGet(self, request: GpmMetricsGet) -> GpmMetricsGet:
         self.calls["nvmlGpmMetricsGet"] = self.calls.get("nvmlGpmMetricsGet", 0) + 1
         s1, s2 = request.sample1, request.sample2
-        span = (s2.refresh - s1.refresh) * self.GPM_PERIOD
-        if span <= 0:  # no refresh between the samples: 0s, and 0/0 for DRAM bandwidth
+        # the span the two refreshes hold: refresh periods, less what lies before the epoch
+        # (a sample taken less than gpm_delay_s after it holds activity from the epoch on)
+        span = s2.t - s1.t
+        if s2.refresh <= s1.refresh or span <= 0:
+            # no refresh between the samples: 0s, and 0/0 for DRAM bandwidth
             per_metric = {2: 0.0, 3: 0.0, 5: 0.0, 10: math.nan}
         else:
             mean = min(1.0, max(0.0, (s2.integral - s1.integral) / span))
