@@ -94,8 +94,9 @@ def test_gpm_right_after_the_epoch_over_many_phases_and_delays() -> None:
     by whole refresh periods there: under 79 % for 80 % in 73 of seeds 0-2999, and
     ``test_gpm_between_two_refreshes``, whose seed is drawn afresh, failed in a ``make test``
     run on one.)"""
+    now = [0.0]
     for seed in range(400):
-        now = [0.0]
+        now[0] = 0.0
         sim = SimulatedNVML(gpus=1, load=lambda g, t: 0.8, clock=lambda: now[0], seed=seed)
         dev = _open(sim).device(0)
         now[0] = sim.gpm_phase_s + 0.15
