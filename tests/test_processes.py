@@ -4,6 +4,7 @@ engine (in its own process by default) and drawn by ``watch``'s process table.""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -128,8 +129,8 @@ def test_the_frame_has_the_table_only_from_its_width_and_within_its_height() -> 
 
     assert not any("Processes" in line for line in frame(PROCESS_MIN_WIDTH - 1, 40))
     full = frame(PROCESS_MIN_WIDTH, 40)
-    assert sum(bool(line[:5].strip()) and line.split()[1].startswith("10")
-               for line in full if line.startswith("  ") and "alice" in line) == 8
+    rows = [line.split()[:2] for line in full if re.match(r"^ +\d +10\d +alice ", line)]
+    assert rows == [[str(g), str(100 + g)] for g in range(8)]
     short = frame(PROCESS_MIN_WIDTH, 20)
     assert len(short) == 20 and any(line.startswith("+") for line in short)  # fills it
     assert not any("Processes" in line for line in frame(PROCESS_MIN_WIDTH, 15))

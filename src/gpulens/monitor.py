@@ -550,8 +550,9 @@ class Monitor:
         """The processes on the watched GPUs, by GPU then process id (for live views such as
         ``gpulens watch``): process id, GPU, GPU memory held (GB of 1e9 bytes, ``None`` where
         the driver does not say), and, for processes this one can see, name, user and command
-        line.  Read by the engine at the call from NVML's running-process lists; ``[]`` when
-        not running or when the engine does not answer within 2 s."""
+        line.  Read by the engine at the call from NVML's running-process lists (in the sampler
+        process; with ``isolation="thread"``, on the calling thread: do not call it from the
+        training loop); ``[]`` when not running or when the engine does not answer within 2 s."""
         transport = self._transport
         return transport.processes(2.0) if transport is not None and self._started else []
 

@@ -442,9 +442,9 @@ class Sampler:
 
     def processes(self) -> list[GpuProcess]:
         """The processes on the watched GPUs, by GPU then process id: NVML's running
-        processes (about 0.1-1 ms a GPU), named by psutil.  Read at the call, on the caller's
-        thread (the engine's, never training's); a GPU that is lost or cannot list its
-        processes gives none."""
+        processes, named by psutil.  Read at the call, on the caller's thread (the sampler
+        process's main loop by default); a GPU that is lost or cannot list its processes gives
+        none."""
         out: list[GpuProcess] = []
         for gpu in self.gpus:
             if gpu.lost:

@@ -313,12 +313,14 @@ class WandbSink:
 
     def _wandb_step(self) -> int | None:
         """W&B's step ``S`` as this process's wandb mirrors it (free; may lag a commit the
-        user's thread is making)."""
-        run: Any = self._run
-        local = getattr(run, "_local_step", None)
-        if isinstance(local, int):
-            return local
-        return self._core_step()
+        user's thread is making), else as ``wandb-core`` has it."""
+        local = self._mirror_step()
+        return local if local is not None else self._core_step()
+
+    def _mirror_step(self) -> int | None:
+        """``S`` as this process's wandb mirrors it (read for free), if it does."""
+        local = getattr(self._run, "_local_step", None)
+        return local if isinstance(local, int) else None
 
     def _core_step(self) -> int | None:
         """``S`` as ``wandb-core`` has it, after every ``run.log`` this thread made (a round
@@ -333,8 +335,7 @@ class WandbSink:
         """The record that holds the row just placed, or a later one (see the docstring)."""
         held = self._core_step()
         if held is None:  # wandb-core did not answer: its mirror, read for free
-            local = getattr(self._run, "_local_step", None)
-            held = local if isinstance(local, int) else None
+            held = self._mirror_step()
         return guess if held is None else max(guess, held)
 
     def _place(self, *, final: bool = False) -> None:

@@ -211,9 +211,10 @@ class ProcessTransport:
                 elif isinstance(msg, StatsOut):
                     self._last_stats = msg
                 elif isinstance(msg, (LatestReply, ProcessesReply)):
+                    answer = msg.values if isinstance(msg, LatestReply) else msg.processes
                     with self._reply_ready:
                         if msg.seq in self._awaited:  # else its asker gave up: drop it
-                            self._replies[msg.seq] = msg[1]
+                            self._replies[msg.seq] = answer
                             self._reply_ready.notify_all()
                 elif isinstance(msg, Stopped):
                     self._final = msg
