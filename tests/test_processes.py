@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from rich.console import Console
@@ -143,3 +144,28 @@ def test_the_simulator_says_which_process_made_it() -> None:
     src.open()
     [(pid, used)] = src.device(0).read_processes()
     assert pid == os.getpid() and used is not None and 0 < used < sim.MEM_TOTAL
+
+
+def test_a_gpu_whose_process_list_fails_is_one_warning_in_the_training_process(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """On the default path (the sampler process): GPU 0's list fails with an unknown NVML
+    error, so GPU 0 lists no process, GPU 1 still does, and the training process's ``gpulens``
+    logger says so once."""
+    from gpulens._warn import reset_warnings
+
+    reset_warnings()
+    sim = SimulatedNVML(gpus=2, load=Constant(0.5),
+                        fail_after={0: {"nvmlDeviceGetComputeRunningProcesses": 0.0}})
+    with caplog.at_level("WARNING", logger="gpulens"), \
+            gpulens.Monitor(backend=sim, interval=0.05) as mon:
+        assert mon.isolation == "process"
+        first, second = mon.processes(), mon.processes()
+        deadline = time.monotonic() + 5
+        while not any("compute_processes" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.05)
+    assert [(p.gpu, p.pid) for p in first] == [(1, os.getpid())] == [(p.gpu, p.pid)
+                                                                     for p in second]
+    told = [r for r in caplog.records if "compute_processes" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelname == "WARNING"
+    assert "GPU 0" in told[0].getMessage()
