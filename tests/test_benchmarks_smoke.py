@@ -380,3 +380,21 @@ def test_log_ab_pairs_rounds_and_judges_against_its_aa_arm(tmp_path: Path) -> No
     assert all(v > 0 for r in got["rounds"] for v in r.values())
     assert got["verdict"] in {"higher", "lower", "not separable"}
     assert f"verdict: B against A is {got['verdict']}" in proc.stdout
+
+
+def test_unit_timings_quick_prints_every_figure_with_its_reference(tmp_path: Path) -> None:
+    """The figures moved out of unit tests (issue 20): each with its side-by-side reference,
+    ratio, bound and check; --quick runs one short round and never fails on a figure."""
+    out = run_script("unit_timings.py", tmp_path, timeout=300)
+    rows = table_rows(out, "figure")
+    for name in ("log() worst, engine process killed", "stop() after the engine process died",
+                 "log() worst, MLflow server gone", "stop(timeout=3), MLflow server gone",
+                 "forked child's exit, a monitor running",
+                 "latest() when the engine process dies 0.3 s in",
+                 "verl log() worst, two calls a step",
+                 "record tail, first poll of a 20000-row record",
+                 "W&B sink write() worst, rows with alerts (offline)"):
+        value, reference, ratio, bound, check = rows[name]
+        assert re.fullmatch(rf"{NUMBER} ms", value) and re.fullmatch(rf"{NUMBER} ms", reference)
+        assert re.fullmatch(NUMBER, ratio) and re.fullmatch(rf"{NUMBER} ms", bound)
+        assert check in ("ok", "FAILED"), name

@@ -22,6 +22,7 @@ from gpulens._warn import reset_warnings
 from gpulens.schema import GPU_ROW_KEYS
 from gpulens.testing import Constant, MemorySink, SimulatedNVML, Square, Steps
 from tests.support.jsonl import read_rows
+from tests.support.wait import wait_until
 
 
 @pytest.fixture(params=["process", "thread"])
@@ -503,9 +504,10 @@ def test_failing_sink_is_retried_then_counted(
         mon.start()
         for step in range(1, 7):
             mon.log(step)
-            time.sleep(0.4)  # each row is finished before the next log
+            # each row is finished (and the flaky sink has tried it) before the next log
+            wait_until(lambda s=step: len(good.rows) == s, what=f"row {step} written")
         flaky.fail = False  # the tracker comes back: the buffered rows are delivered
-        time.sleep(1.5)
+        wait_until(lambda: len(flaky.rows) == 4, what="the 4 buffered rows delivered late")
         stats = mon.stop(timeout=2)
     assert [r.step for r in good.rows] == [1, 2, 3, 4, 5, 6]
     st = stats["MemorySink"]

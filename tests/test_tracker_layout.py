@@ -238,15 +238,11 @@ def test_wandb_alerts_are_sent_and_charted(wandb_offline: Path) -> None:
     run = wandb.init(project="gpulens-test")
     sink = WandbSink()
     sink.open(_context())
-    worst = 0.0
     for row in _alert_rows():
-        t = time.perf_counter()
-        sink.write(row)
-        worst = max(worst, time.perf_counter() - t)
+        sink.write(row)  # its cost beside rows without alerts: benchmarks/unit_timings.py
     sink.close()
     run_id = run.id
     wandb.finish()
-    assert worst < 0.5  # offline, run.alert is a message to wandb-core: no wait on a network
     path = wait_for_finished_run(wandb_offline, run_id)
     alerts = read_alerts(path)
     assert [(a.title, a.level) for a in alerts] == [("gpulens: input_bound", "WARN"),

@@ -83,12 +83,9 @@ def test_the_first_read_is_bounded_to_the_end_of_a_long_record(tmp_path: Path) -
     size = path.stat().st_size
     assert size > 2 << 20
     tail = RecordTail(path, initial_bytes=64 << 10)
-    started = time.perf_counter()
-    st = tail.poll()
-    took = time.perf_counter() - started
+    st = tail.poll()  # 64 KiB read, one row parsed (its time: benchmarks/unit_timings.py)
     assert st.step == 20_000 and st.run_id == "a"
     assert st.meta == {}  # the header lies before the part read: unknown, never guessed
-    assert took < 0.5, took  # 64 KiB read, one row parsed
     append(path, row("a", 20_001))
     assert tail.poll().step == 20_001
 
