@@ -321,9 +321,9 @@ def test_a_failed_exchange_is_told_and_never_reaches_training(
         while not any("exchange of rows" in r.getMessage() for r in caplog.records):
             assert time.monotonic() < deadline, "no warning for the failed exchange"
             time.sleep(0.01)
-        t0 = time.perf_counter()
-        gather.request()  # after the failure: counted nowhere, never waits
-        assert time.perf_counter() - t0 < 0.05
+        asked = gather._asked
+        gather.request()  # after the failure: counted nowhere, so nothing waits on it
+        assert gather._asked == asked
         gather.flush(5.0)
     failed = [r for r in caplog.records if "exchange of rows" in r.getMessage()]
     assert len(failed) == 1 and "Connection closed by peer" in failed[0].getMessage()

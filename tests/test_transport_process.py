@@ -295,7 +295,7 @@ def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=240)
     assert done.returncode == 3, done.stderr
     child = int(done.stdout.split()[0])
     deadline = time.monotonic() + 15
@@ -436,7 +436,7 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     out = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert json.loads(out["child"]) == [True, True]
@@ -605,6 +605,6 @@ def test_the_sampler_process_ignores_sigint_before_it_imports_gpulens(tmp_path: 
     """))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
-                          text=True, timeout=60, cwd=tmp_path)
+                          text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ignored True"
