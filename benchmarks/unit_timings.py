@@ -26,6 +26,10 @@ exits 1 when a check fails. Scenarios (the test each came from):
 - ``W&B sink write() with alerts`` (tests/test_tracker_layout.py,
   ``test_wandb_alerts_are_sent_and_charted``): worst ``write()`` of rows carrying alerts
   (``run.alert``, offline: a message to wandb-core), beside rows without; bound 0.5 s.
+- ``row finished after its log()`` (tests/test_monitor.py,
+  ``test_rows_come_soon_after_log``): the median time from ``log()`` to its row in a sink,
+  interval 0.5 s, both isolations, beside the interval (the next once-a-second read would
+  take longer); bound 0.6 s.
 - ``record tail, first read`` (tests/test_watch_record.py,
   ``test_the_first_read_is_bounded_to_the_end_of_a_long_record``): the first poll of a 2 MiB
   record (64 KiB read), beside the first poll of a one-row record; bound 0.5 s.
@@ -232,6 +236,24 @@ def verl_two_calls(steps: int) -> list[Figure]:
                    worst(("train",)), 0.5)]
 
 
+def row_lag(steps: int) -> list[Figure]:
+    """How long after ``log()`` its row is finished, interval 0.5 s: the driver's buffers are
+    read early for a mark, not at the next once-a-second read."""
+    lags = []
+    for isolation in ("process", "thread"):
+        sink = MemorySink()
+        with gpulens.Monitor(interval=0.5, sinks=[sink], backend=SimulatedNVML(gpus=1),
+                             isolation=isolation) as mon:
+            for step in range(1, steps + 1):
+                time.sleep(0.35)
+                mon.log(step)
+                t = time.monotonic()
+                _wait(lambda s=step, k=sink: len(k.rows) >= s, timeout=10)
+                lags.append(time.monotonic() - t)
+    return [Figure("row finished after its log(), interval 0.5 s (median)",
+                   statistics.median(lags), 0.5, 0.6)]
+
+
 def record_tail() -> list[Figure]:
     from gpulens.report.tail import RecordTail
 
@@ -309,7 +331,7 @@ def main() -> int:
     for _ in range(rounds):
         for scenario in (lambda: engine_killed(steps), lambda: mlflow_down(steps), fork_exit,
                          latest_on_death, lambda: verl_two_calls(steps // 2), record_tail,
-                         wandb_alerts):
+                         wandb_alerts, lambda: row_lag(max(3, steps // 8))):
             for fig in scenario():
                 figures.setdefault(fig.name, []).append(fig)
     print(f"unit_timings: {rounds} round(s), {os.cpu_count()} cores, "
