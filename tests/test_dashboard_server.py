@@ -85,7 +85,7 @@ def test_late_page_gets_context_and_history_then_live_rows(server: DashboardServ
 
 
 def test_a_stalled_page_never_holds_up_the_writer_or_other_pages() -> None:
-    server = DashboardServer(port=0, send_timeout_s=2.0)
+    server = DashboardServer(port=0, send_timeout_s=10.0)
     server.start(CONTEXT)
     stalled = socket.socket()
     try:
@@ -110,11 +110,12 @@ def test_a_stalled_page_never_holds_up_the_writer_or_other_pages() -> None:
                 slowest = max(slowest, time.perf_counter() - t0)
             reader.join(60)
             assert done, "the reading page did not get every row"
-            # publish never waited on the stalled page (a send to it blocks for 2 s)
-            assert slowest < 0.5, slowest
+            # publish never waited on the stalled page (a send to it blocks for 10 s; the
+            # bound leaves a loaded machine room)
+            assert slowest < 5.0, slowest
             assert [r["step"] for r in page.rows] == list(range(1, 3001))
             # the stalled page is disconnected after the send timeout, and counted
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60  # bounds a hang
             while server.stats.clients_dropped_slow < 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
             stats = server.stats
