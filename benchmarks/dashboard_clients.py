@@ -94,7 +94,7 @@ def make_template(gpus: int) -> dict[str, Any]:
 
 
 def context_of(template: dict[str, Any]) -> Any:
-    from gpulens.sinks.base import GpuInfo, RunContext
+    from gpulens.model import GpuInfo, RunContext
 
     c = template["context"]
     return RunContext(gpus=tuple(GpuInfo(**g) for g in c["gpus"]), hostname=c["hostname"],
@@ -103,7 +103,7 @@ def context_of(template: dict[str, Any]) -> Any:
 
 def row_at(template: dict[str, Any], step: int) -> Any:
     """The template's row at ``step``, stamped now, with the training figures moving."""
-    from gpulens.sinks.base import Row
+    from gpulens.model import Row
 
     values = dict(template["values"])
     values["train/global_step"] = float(step)

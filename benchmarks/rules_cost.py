@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from gpulens.engine.rules import RuleEngine, RulesConfig
-from gpulens.sinks.base import GpuInfo
+from gpulens.model import GpuInfo
 
 TOTAL_GB = 85.9
 

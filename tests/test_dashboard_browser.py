@@ -23,7 +23,7 @@ import pytest
 
 import gpulens
 from gpulens.dashboard import DashboardServer
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
+from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks.dashboard import DashboardSink
 from gpulens.testing import MemorySink, SimulatedNVML
 from tests.support.chromium import Chromium, Page, chromium_path

@@ -25,8 +25,8 @@ import pytest
 import gpulens
 from gpulens._warn import reset_warnings
 from gpulens.dashboard import DashboardServer, PortInUse
+from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks import resolve_sink
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
 from gpulens.sinks.dashboard import DashboardSink
 from tests.support.sse import DashboardReader, StreamEnded
 

@@ -225,7 +225,7 @@ def gloo_world() -> Iterator[Any]:
 
 def _gather(rows: list[Any]) -> Any:
     from gpulens.distributed import RankGather
-    from gpulens.sinks.base import GpuInfo, RunContext
+    from gpulens.model import GpuInfo, RunContext
 
     context = RunContext(gpus=(GpuInfo(index=0, name="sim", uuid="GPU-0", pci_bus_id="0"),),
                          hostname="h", backend="simulated", interval=0.1)
@@ -233,7 +233,7 @@ def _gather(rows: list[Any]) -> Any:
 
 
 def _row(step: int) -> Any:
-    from gpulens.sinks.base import Row
+    from gpulens.model import Row
 
     return Row(step=step, time=float(step), values={"gpu/0/util_pct": 50.0 + step,
                                                     "train/loss": 1.0 / step})

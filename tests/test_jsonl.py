@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import gpulens
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
+from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks.jsonl import JsonlSink
 from tests.support.jsonl import read_lines, read_rows
 

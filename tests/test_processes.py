@@ -117,7 +117,7 @@ def test_the_frame_has_the_table_only_from_its_width_and_within_its_height() -> 
     from collections import deque
 
     from gpulens.cli.watch import GpuView
-    from gpulens.sinks.base import GpuInfo
+    from gpulens.model import GpuInfo
 
     views = [GpuView(GpuInfo(index=g, name="NVIDIA H100", uuid="", pci_bus_id="",
                              mem_total_gb=85.9, power_limit_w=700.0), deque(maxlen=10))

@@ -32,7 +32,7 @@ from gpulens.engine.rules import (
     rules_table,
     theil_sen,
 )
-from gpulens.sinks.base import Event, GpuInfo
+from gpulens.model import Event, GpuInfo
 
 TOTAL_GB = 85.89934592  # 80 GiB, as a simulated H100 reports it
 GPUS = tuple(
@@ -760,7 +760,7 @@ def test_rules_judge_every_row_within_their_cpu_share_and_thin_out_beyond_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from gpulens.engine import finish
     from gpulens.engine.spec import EngineSpec
-    from gpulens.sinks.base import Row
+    from gpulens.model import Row
 
     clocks = _Clocks(cost=300e-6)  # a row of 8 GPUs, as benchmarks/rules_cost.py measures it
     monkeypatch.setattr(finish, "time", clocks)

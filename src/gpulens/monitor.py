@@ -35,8 +35,9 @@ from gpulens.engine.spec import (
     SinkSpec,
 )
 from gpulens.engine.steplogger import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
+from gpulens.model import Row, RunContext
 from gpulens.sinks import check_sinks, resolve_sink
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sinks.base import Sink
 from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.transport.base import SpawnFailed, Transport

@@ -41,9 +41,9 @@ from types import FrameType
 from typing import Any
 
 from gpulens.cli._common import CliError, monitor_interval
+from gpulens.model import GpuInfo
 from gpulens.report.tail import RecordTail, TrainingStatus
 from gpulens.report.text import gib, sparkline
-from gpulens.sinks.base import GpuInfo
 from gpulens.sources.processes import GpuProcess
 
 

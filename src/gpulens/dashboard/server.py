@@ -36,7 +36,7 @@ The stream (``/events``), one ``event:`` type per message, data in JSON:
 ``keys``   names appended to the key list: a row's values are positional on that list.
 ``rows``   ``[[step, unix_time, v0, v1, ...], ...]``; ``null`` (or a short row) = absent.
 ``events`` ``[{"kind", "name", "state", "step", "time", "severity", "message", "advice",
-           "data"}, ...]`` (:class:`gpulens.sinks.base.Event`).  A change of an
+           "data"}, ...]`` (:class:`gpulens.model.Event`).  A change of an
            ``alerts/<rule>`` key that comes without an alert event of that rule is told as
            one too (message: only the key's value).
 ``end``    the server is closing (the run ended).
@@ -62,7 +62,7 @@ from importlib import resources
 from typing import Any
 
 from gpulens._warn import logger, warn_once
-from gpulens.sinks.base import Event, Row, RunContext
+from gpulens.model import Event, Row, RunContext
 
 DEFAULT_PORT = 8765
 DEFAULT_HISTORY_ROWS = 8192

@@ -40,7 +40,7 @@ from gpulens.engine.spec import (
     WORK_TOKENS,
     EngineSpec,
 )
-from gpulens.sinks.base import Event, GpuInfo, Row
+from gpulens.model import Event, GpuInfo, Row
 
 _GPU = re.compile(r"^gpu/(\d+)/(sm_clock_mhz|energy_j|tensor_active_pct)$")
 RULES_CPU_SHARE = 0.02

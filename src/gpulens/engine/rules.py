@@ -113,7 +113,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from gpulens._warn import warn_once
-from gpulens.sinks.base import Event, GpuInfo
+from gpulens.model import Event, GpuInfo
 
 __all__ = [
     "RULES",

@@ -23,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from gpulens._warn import logger, warn_once
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.model import Row, RunContext
+from gpulens.sinks.base import Sink
 
 TRAINING_THREAD_ROWS_PER_LOG = 2
 STOP_TIMEOUT_S = 120.0

@@ -42,9 +42,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpulens._warn import logger as _log
+from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
 from gpulens.sinks import check_sinks
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sinks.base import Sink
 from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
 

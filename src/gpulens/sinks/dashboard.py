@@ -35,7 +35,7 @@ from gpulens.dashboard.server import (
     MetricsProvider,
     PortInUse,
 )
-from gpulens.sinks.base import Row, RunContext
+from gpulens.model import Row, RunContext
 
 
 class DashboardSink:

@@ -31,7 +31,7 @@ from typing import Any
 
 from gpulens._warn import logger as _log
 from gpulens._warn import warn_once
-from gpulens.sinks.base import Event, Row, RunContext
+from gpulens.model import Event, Row, RunContext
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
 
 _INVALID = re.compile(r"[^A-Za-z0-9_\-. /]")

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from gpulens._warn import logger, warn_once
 from gpulens.errors import GpuLost, NvmlUnavailable
-from gpulens.sinks.base import GpuInfo
+from gpulens.model import GpuInfo
 
 T = TypeVar("T")
 

@@ -43,10 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from gpulens._warn import forward_records, logger, reemit, warn_once
-from gpulens.engine.sampler import Mark, MarkFields
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
-from gpulens.sinks.base import Row, RunContext
+from gpulens.model import Mark, MarkFields, Row, RunContext
 from gpulens.sources.processes import GpuProcess
 from gpulens.transport.base import SpawnFailed
 from gpulens.transport.messages import (
