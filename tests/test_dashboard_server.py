@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 import gpulens
-from gpulens._warn import reset_warnings
 from gpulens.dashboard import DashboardServer, PortInUse
+from gpulens.log import reset_warnings
 from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.dashboard import DashboardSink

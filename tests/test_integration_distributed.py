@@ -284,7 +284,7 @@ def test_close_after_the_default_group_was_destroyed(gloo_world: Any,
 
 def test_rows_after_the_last_exchange_are_told(gloo_world: Any,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     rows: list[Any] = []
@@ -304,7 +304,7 @@ def test_a_failed_exchange_is_told_and_never_reaches_training(
     """The gather thread's all-gather fails (a rank gone, the group torn down): one WARNING
     through the ``gpulens`` logger in this (the training) process, ``request()`` keeps
     returning, and ``flush()`` still releases the group."""
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     rows: list[Any] = []

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import gpulens
-from gpulens._warn import reset_warnings
+from gpulens.log import reset_warnings
 from gpulens.schema import GPU_ROW_KEYS
 from gpulens.testing import Constant, MemorySink, SimulatedNVML, Square, Steps
 from tests.support.jsonl import read_rows

@@ -151,7 +151,7 @@ def test_a_gpu_whose_process_list_fails_is_one_warning_in_the_training_process(
     """On the default path (the sampler process): GPU 0's list fails with an unknown NVML
     error, so GPU 0 lists no process, GPU 1 still does, and the training process's ``gpulens``
     logger says so once."""
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     sim = SimulatedNVML(gpus=2, load=Constant(0.5),

@@ -586,8 +586,8 @@ def test_idle_gpus_the_job_does_not_use_are_not_under_used() -> None:
 def test_a_failing_rule_is_switched_off_with_one_warning(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture
                                                          ) -> None:
-    from gpulens._warn import reset_warnings
     from gpulens.engine import rules
+    from gpulens.log import reset_warnings
 
     def broken(self: object, view: object) -> dict[str, object]:
         raise ZeroDivisionError("boom")
@@ -606,7 +606,7 @@ def test_a_failing_rule_is_switched_off_with_one_warning(monkeypatch: pytest.Mon
 
 def test_a_row_the_rules_cannot_read_is_skipped_with_one_warning(
         caplog: pytest.LogCaptureFixture) -> None:
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     caplog.set_level(logging.WARNING, logger="gpulens")

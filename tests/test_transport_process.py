@@ -451,7 +451,7 @@ def test_a_value_that_cannot_be_read_is_left_out_and_the_relay_goes_on(
 ) -> None:
     """Only the value is lost, never the row (the relay converts it, whatever the engine's
     isolation)."""
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     sink = MemorySink()

@@ -44,9 +44,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from gpulens._warn import logger, warn_once
 from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS
 from gpulens.engine.window import job_aggregates
+from gpulens.log import logger, warn_once
 from gpulens.model import Row, RunContext
 from gpulens.schema import GPU_ROW_KEYS, HOST_KEYS, gpu_key
 

@@ -25,7 +25,6 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from gpulens._warn import effective_level, logger, warn_once
 from gpulens.engine.spec import (
     WORK_CPU,
     WORK_FLOPS,
@@ -35,6 +34,7 @@ from gpulens.engine.spec import (
     SinkSpec,
 )
 from gpulens.engine.steplogger import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
+from gpulens.log import effective_level, logger, warn_once
 from gpulens.model import Row, RunContext
 from gpulens.sinks import check_sinks, resolve_sink
 from gpulens.sinks.base import Sink

@@ -61,7 +61,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 
-from gpulens._warn import logger, warn_once
+from gpulens.log import logger, warn_once
 from gpulens.model import Event, Row, RunContext
 
 DEFAULT_PORT = 8765

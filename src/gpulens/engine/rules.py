@@ -112,7 +112,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gpulens._warn import warn_once
+from gpulens.log import warn_once
 from gpulens.model import Event, GpuInfo
 
 __all__ = [

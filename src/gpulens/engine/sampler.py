@@ -31,7 +31,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gpulens._warn import logger, warn_once
 from gpulens.engine.window import (
     CalibratedEnergy,
     IntervalSeries,
@@ -41,6 +40,7 @@ from gpulens.engine.window import (
     job_aggregates,
 )
 from gpulens.errors import GpuLost
+from gpulens.log import logger, warn_once
 from gpulens.model import GpuInfo, Mark, Row
 from gpulens.schema import GPU_METRICS, Agg, gpu_key, train_key
 from gpulens.sources.host import HostReader

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from gpulens._warn import logger, warn_once
+from gpulens.log import logger, warn_once
 from gpulens.model import Row, RunContext
 from gpulens.sinks.base import Sink
 

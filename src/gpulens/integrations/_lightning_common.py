@@ -12,8 +12,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpulens._warn import warn_once
 from gpulens.integrations.phases import StepPhases
+from gpulens.log import warn_once
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
 from gpulens.sinks.base import Sink

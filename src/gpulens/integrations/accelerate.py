@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpulens._warn import logger as _log
+from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
 from gpulens.sinks import check_sinks

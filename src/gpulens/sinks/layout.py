@@ -64,7 +64,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpulens._warn import warn_once
+from gpulens.log import warn_once
 from gpulens.model import RunContext
 from gpulens.schema import STEP_KEY
 

@@ -75,8 +75,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from gpulens._warn import logger as _log
-from gpulens._warn import warn_once
+from gpulens.log import logger as _log
+from gpulens.log import warn_once
 from gpulens.model import Event, Row, RunContext
 from gpulens.schema import STEP_KEY
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata

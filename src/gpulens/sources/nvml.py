@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gpulens._warn import logger, warn_once
 from gpulens.errors import GpuLost, NvmlUnavailable
+from gpulens.log import logger, warn_once
 from gpulens.model import GpuInfo
 
 T = TypeVar("T")

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from gpulens._warn import LogPayload
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
+from gpulens.log import LogPayload
 from gpulens.model import Mark, Row, RunContext
 from gpulens.sources.processes import GpuProcess
 

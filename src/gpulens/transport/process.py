@@ -42,9 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpulens._warn import forward_records, logger, reemit, warn_once
 from gpulens.engine.spec import EngineSpec
 from gpulens.engine.steplogger import SinkStats
+from gpulens.log import forward_records, logger, reemit, warn_once
 from gpulens.model import Mark, MarkFields, Row, RunContext
 from gpulens.sources.processes import GpuProcess
 from gpulens.transport.base import SpawnFailed

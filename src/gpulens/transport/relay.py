@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gpulens._warn import warn_once
+from gpulens.log import warn_once
 from gpulens.model import MarkFields
 
 RELAY_MAX = 10_000
