@@ -33,11 +33,11 @@ from gpulens.engine.spec import (
     EngineSpec,
     SinkSpec,
 )
-from gpulens.engine.steplogger import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
 from gpulens.log import effective_level, logger, warn_once
 from gpulens.model import Row, RunContext
 from gpulens.sinks import check_sinks, resolve_sink
 from gpulens.sinks.base import Sink
+from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
 from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.transport.base import SpawnFailed, Transport
@@ -490,7 +490,7 @@ class Monitor:
         not written (said), and gpulens's gloo group is released at once.
 
         Waits while the sinks make progress: at most ``timeout`` seconds (default
-        :data:`~gpulens.engine.steplogger.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and
+        :data:`~gpulens.sinks.writer.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and
         as long again for this process's, giving up on a sink that wrote nothing for 20 s
         (say a tracker that is down).  After 3 s it says what it waits for.  Every row it had
         to drop is told: a WARNING naming the sink and the count.

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gpulens.engine.spec import EngineSpec
-from gpulens.engine.steplogger import SinkStats
 from gpulens.model import MarkFields, Row, RunContext
+from gpulens.sinks.writer import SinkStats
 from gpulens.sources.processes import GpuProcess
 
 

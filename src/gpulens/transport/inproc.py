@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from gpulens.engine.engine import Engine
 from gpulens.engine.spec import EngineSpec
-from gpulens.engine.steplogger import SinkStats
 from gpulens.model import Mark, MarkFields, Row, RunContext
+from gpulens.sinks.writer import SinkStats
 from gpulens.sources.processes import GpuProcess
 
 

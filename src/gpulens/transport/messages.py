@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from gpulens.engine.spec import EngineSpec
-from gpulens.engine.steplogger import SinkStats
 from gpulens.log import LogPayload
 from gpulens.model import Mark, Row, RunContext
+from gpulens.sinks.writer import SinkStats
 from gpulens.sources.processes import GpuProcess
 
 __all__ = ["Drain", "Drained", "Failed", "Finish", "LatestAsk", "LatestReply", "LogOut", "Mark",
