@@ -59,7 +59,7 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str | None:
 
 
 def _simulated_from_env() -> Any:
-    from gpulens.testing.simulated import SimulatedNVML
+    from gpulens.sources.simulated import SimulatedNVML
 
     raw = os.environ.get("GPULENS_SIMULATED_GPUS", "2")
     try:
@@ -280,8 +280,8 @@ class Monitor:
                 if choice == "process":
                     raise ValueError(
                         f"isolation='process' needs a backend that pickles ({exc}); give a "
-                        "simulator a load from gpulens.testing.loads or a module-level "
-                        "function, or use isolation='thread'") from None
+                        "simulator a load from gpulens.testing (Square, Steps ...) or a "
+                        "module-level function, or use isolation='thread'") from None
                 logger.info("gpulens: the backend object does not pickle (%s); sampling in a "
                             "thread of this process", exc)
                 return InprocTransport()

@@ -39,7 +39,7 @@ class SinkSpec:
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the engine needs; every field pickles (a simulator backend does when its
-    load does: see :mod:`gpulens.testing.loads`)."""
+    load does: see :mod:`gpulens.sources.loads`)."""
 
     interval: float
     """Seconds between cheap samples."""
