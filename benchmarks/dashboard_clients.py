@@ -1,7 +1,7 @@
 """CPU cost of the live dashboard's server with pages connected, and the bounds of its history.
 
 The server (``gpulens.dashboard.DashboardServer``, what the ``dashboard:PORT`` sink runs) lives
-in a process of its own here, as it does in the sampler process, and gets rows at ``--rate``
+in a process of its own here, as it does in the engine process, and gets rows at ``--rate``
 rows per second: rows shaped like a real monitor's (taken from a ``gpulens.Monitor`` run on
 ``--gpus`` simulated GPUs, with loss, learning rate and gradient norm), one step after another.
 Then:

@@ -296,7 +296,7 @@ def test_sink_on_a_port_in_use_says_which_and_what_to_do() -> None:
             f"dashboard sink: port {port} on 127.0.0.1 is already in use (another dashboard "
             f"or program holds it); choose another port ('dashboard:PORT'), or 'dashboard:0' "
             f"for any free one")
-        # through a monitor whose sampler process hosts the sink: the same words
+        # through a monitor whose engine process hosts the sink: the same words
         mon = gpulens.Monitor(backend="simulated", sinks=[f"dashboard:{port}"])
         with pytest.raises(ValueError, match=f"port {port} on 127.0.0.1 is already in use"):
             mon.start()
@@ -312,14 +312,14 @@ def test_remote_spec_resolves_port_zero_and_stays_home_with_metrics() -> None:
     assert DashboardSink(server=DashboardServer(port=0)).remote_spec() is None
 
 
-def test_sink_serves_from_the_sampler_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sink_serves_from_the_engine_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "2")
     sink = DashboardSink(port=0)
     mon = gpulens.Monitor(backend="simulated", interval=0.05, sinks=[sink])
     mon.start()
     try:
         assert mon.isolation == "process" and sink.port > 0
-        # the server runs in the sampler process: no dashboard thread here
+        # the server runs in the engine process: no dashboard thread here
         assert not [t for t in threading.enumerate() if t.name == "gpulens-dashboard"]
         page = DashboardReader(sink.url)
         page.until(lambda p: p.hello is not None)

@@ -74,7 +74,7 @@ def test_monitor_processes_come_from_the_engine_and_stop_with_it(isolation: str)
     assert mon.processes() == []  # not started
     with mon:
         procs = mon.processes()
-        if isolation == "process":  # read in the sampler process, about this one
+        if isolation == "process":  # read in the engine process, about this one
             assert mon.isolation == "process"
         assert [(p.gpu, p.pid) for p in procs] == [(0, os.getpid()), (1, os.getpid())]
         expected_gb = ((4 + 60 * 0.5) * GIB - GIB // 2) / 1e9
@@ -148,7 +148,7 @@ def test_the_simulator_says_which_process_made_it() -> None:
 
 def test_a_gpu_whose_process_list_fails_is_one_warning_in_the_training_process(
         caplog: pytest.LogCaptureFixture) -> None:
-    """On the default path (the sampler process): GPU 0's list fails with an unknown NVML
+    """On the default path (the engine process): GPU 0's list fails with an unknown NVML
     error, so GPU 0 lists no process, GPU 1 still does, and the training process's ``gpulens``
     logger says so once."""
     from gpulens.log import reset_warnings

@@ -534,7 +534,7 @@ class Monitor:
             self.sink_stats.update({n: s for n, s in stats.items() if n not in self.sink_stats})
             if client_dropped:
                 logger.warning("gpulens: %d step mark(s) were dropped on their way to the "
-                               "sampler (it did not keep up); their steps have no rows of "
+                               "engine (it did not keep up); their steps have no rows of "
                                "their own", client_dropped)
             self._transport = self._relay = self._steplogger = None
             self._gather = None
@@ -551,7 +551,7 @@ class Monitor:
         """The processes on the watched GPUs, by GPU then process id (for live views such as
         ``gpulens watch``): process id, GPU, GPU memory held (GB of 1e9 bytes, ``None`` where
         the driver does not say), and, for processes this one can see, name, user and command
-        line.  Read by the engine at the call from NVML's running-process lists (in the sampler
+        line.  Read by the engine at the call from NVML's running-process lists (in the engine
         process; with ``isolation="thread"``, on the calling thread: do not call it from the
         training loop); ``[]`` when not running or when the engine does not answer within 2 s."""
         transport = self._transport

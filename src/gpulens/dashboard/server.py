@@ -3,7 +3,7 @@
 Why the standard library (``http.server.ThreadingHTTPServer``) and not Starlette +
 sse-starlette: server-sent events are a plain HTTP response that never ends, which the standard
 library writes as well as any framework; Starlette would add an ASGI server (uvicorn), anyio
-and an event loop thread to the process that hosts the sink (the sampler process, see
+and an event loop thread to the process that hosts the sink (the engine process, see
 :mod:`gpulens.sinks.dashboard`), for nothing this page needs.  The cost of the threading server
 is a thread per connected page, so connections are capped (``max_clients``, 32 by default);
 a dashboard has a handful of viewers.

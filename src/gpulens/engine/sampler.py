@@ -418,7 +418,7 @@ class Sampler:
 
     def processes(self) -> list[GpuProcess]:
         """The processes on the watched GPUs, by GPU then process id: NVML's running
-        processes, named by psutil.  Read at the call, on the caller's thread (the sampler
+        processes, named by psutil.  Read at the call, on the caller's thread (the engine
         process's main loop by default); a GPU that is lost or cannot list its processes gives
         none."""
         out: list[GpuProcess] = []

@@ -1,4 +1,4 @@
-"""What the client tells the engine at start: a picklable spec (it crosses to the sampler
+"""What the client tells the engine at start: a picklable spec (it crosses to the engine
 process), from which :class:`gpulens.engine.engine.Engine` builds everything."""
 
 from __future__ import annotations

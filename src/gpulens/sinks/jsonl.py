@@ -75,7 +75,7 @@ class JsonlSink:
         return cls(arg)
 
     def remote_spec(self) -> tuple[str, dict[str, Any]]:
-        """How the sampler process rebuilds this sink (it then writes the file)."""
+        """How the engine process rebuilds this sink (it then writes the file)."""
         kwargs: dict[str, Any] = {"path": str(self.path.absolute())}
         if self.run_id is not None:
             kwargs["run_id"] = self.run_id

@@ -130,7 +130,7 @@ class MlflowSink:
         check_tracking_uri(str(uri))
 
     def remote_spec(self) -> tuple[str, dict[str, Any]]:
-        """How the sampler process rebuilds this sink, writing to the same run.
+        """How the engine process rebuilds this sink, writing to the same run.
 
         The run active here and the tracking URI set here (``mlflow.set_tracking_uri``) are
         resolved now, in this process: the other process cannot see them.

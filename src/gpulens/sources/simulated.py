@@ -21,9 +21,9 @@ says which processes run on each GPU; by default the process that made the simul
 every GPU and holds all its used memory but the driver's 0.5 GiB.
 
 A simulator is picklable when its load is (see :mod:`gpulens.sources.loads`): it then crosses
-into gpulens's sampler process, so tests run the very path users run.  Time is counted from
+into gpulens's engine process, so tests run the very path users run.  Time is counted from
 :attr:`SimulatedNVML.epoch`, a ``time.monotonic()`` reading taken when the simulator is made,
-so the test (in the training process) and the sampler process agree on what happens when.
+so the test (in the training process) and the engine process agree on what happens when.
 
 Example::
 

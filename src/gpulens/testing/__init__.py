@@ -6,7 +6,7 @@ Use them to test your own training code with gpulens on a machine without a GPU:
 
 The simulated GPUs are the backend ``GPULENS_BACKEND=simulated`` runs on
 (:mod:`gpulens.sources.simulated`, its loads in :mod:`gpulens.sources.loads`); with a load from
-here (or a module-level function) they pickle, so they run in gpulens's sampler process exactly
+here (or a module-level function) they pickle, so they run in gpulens's engine process exactly
 like real GPUs do.
 """
 
