@@ -212,13 +212,19 @@ def test_close_ends_every_stream_and_frees_the_port(server: DashboardServer) -> 
     again.close()
 
 
-def test_the_page_is_self_contained_and_other_routes(server: DashboardServer) -> None:
+def test_the_page_fetches_only_its_own_files_and_other_routes(server: DashboardServer) -> None:
     status, ctype, html = get(server.url)
     assert status == 200 and ctype.startswith("text/html")
-    assert "<script>" in html and "<style>" in html
-    # nothing is fetched from elsewhere: no URL with a host, no external script or sheet
+    # nothing is fetched from elsewhere: no URL with a host; the page's sheet and scripts are
+    # the server's own files, each served with its type
     assert not re.search(r"https?://", html)
-    assert not re.search(r"<(script|link|img)[^>]+(src|href)=\"(?!data:)", html)
+    fetched = re.findall(r"<(?:script|link|img)[^>]+(?:src|href)=\"(?!data:)([^\"]+)\"", html)
+    assert sorted(fetched) == ["chart.js", "page.css", "page.js"]
+    for name, kind in (("page.css", "text/css"), ("chart.js", "text/javascript"),
+                       ("page.js", "text/javascript")):
+        status, ctype, text = get(server.url + name)
+        assert status == 200 and ctype.startswith(kind) and text.strip()
+        assert not re.search(r"https?://", text), name
     status, _, text = get(server.url + "metrics")
     assert status == 404 and "gpulens serve" in text
     status, _, _ = get(server.url + "nothing-here")

@@ -13,7 +13,8 @@ import pytest
 from rich.console import Console
 
 import gpulens
-from gpulens.cli.watch import PROCESS_MIN_WIDTH, process_lines, render_lines
+from gpulens.cli.watch.layout import render_lines
+from gpulens.cli.watch.processes import PROCESS_MIN_WIDTH, process_lines
 from gpulens.sources.nvml import NvmlSource
 from gpulens.sources.processes import GpuProcess, describe, used_bytes
 from gpulens.testing import Constant, SimulatedNVML
@@ -116,7 +117,7 @@ def test_the_table_fits_the_rows_it_is_given() -> None:
 def test_the_frame_has_the_table_only_from_its_width_and_within_its_height() -> None:
     from collections import deque
 
-    from gpulens.cli.watch import GpuView
+    from gpulens.cli.watch.view import GpuView
     from gpulens.model import GpuInfo
 
     views = [GpuView(GpuInfo(index=g, name="NVIDIA H100", uuid="", pci_bus_id="",

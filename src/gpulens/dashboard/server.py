@@ -206,15 +206,24 @@ class _History:
         return new, encoded, events
 
 
-_PAGE: bytes | None = None
+ASSETS: dict[str, tuple[str, str]] = {
+    "/": ("page.html", "text/html; charset=utf-8"),
+    "/index.html": ("page.html", "text/html; charset=utf-8"),
+    "/page.css": ("page.css", "text/css; charset=utf-8"),
+    "/chart.js": ("chart.js", "text/javascript; charset=utf-8"),
+    "/page.js": ("page.js", "text/javascript; charset=utf-8"),
+}
+"""The page's files, by path: (file of this package, content type)."""
+_FILES: dict[str, bytes] = {}
 
 
-def page() -> bytes:
-    """The page's HTML (read once from the package)."""
-    global _PAGE
-    if _PAGE is None:
-        _PAGE = resources.files("gpulens.dashboard").joinpath("page.html").read_bytes()
-    return _PAGE
+def asset(name: str) -> bytes:
+    """A file of the page (``page.html``, ``page.css``, ``chart.js``, ``page.js``), read once
+    from the package."""
+    body = _FILES.get(name)
+    if body is None:
+        body = _FILES[name] = resources.files("gpulens.dashboard").joinpath(name).read_bytes()
+    return body
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -260,8 +269,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         dash = self.server.dashboard
         try:
-            if path in ("/", "/index.html"):
-                self._reply(200, page(), "text/html; charset=utf-8")
+            if path in ASSETS:
+                name, content_type = ASSETS[path]
+                self._reply(200, asset(name), content_type)
             elif path == "/events":
                 dash._stream(self)
             elif path == "/metrics":
