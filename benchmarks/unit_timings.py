@@ -281,7 +281,7 @@ def wandb_alerts() -> list[Figure]:
     except ImportError:
         print("wandb is not installed: its scenario is skipped")
         return []
-    from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
+    from gpulens.model import Event, GpuInfo, Row, RunContext
     from gpulens.sinks.wandb import WandbSink
 
     context = RunContext(gpus=(GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", uuid="GPU-0",

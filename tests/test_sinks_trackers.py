@@ -259,7 +259,7 @@ def test_mlflow_server_gone_mid_run(
             time.sleep(0.02)
             mon.log(step)
         stats = mon.stop(timeout=3)
-    # log()'s cost with the server down, beside it up: benchmarks/log_when_down.py
+    # log()'s cost with the server down, beside it up: benchmarks/unit_timings.py
     assert "did not stop in" not in caplog.text  # stop() kept to its timeout
     st = stats["MlflowSink"]
     assert st.written == 2 and st.dropped == 20
