@@ -7,7 +7,7 @@ the bound the unit test used to assert (``check`` column: ``ok`` / ``FAILED``); 
 exits 1 when a check fails. Scenarios (the test each came from):
 
 - ``log() with the engine process killed`` (tests/test_transport_process.py,
-  ``test_sampler_process_killed_mid_run_training_goes_on``): worst ``log()`` after the engine
+  ``test_engine_process_killed_mid_run_training_goes_on``): worst ``log()`` after the engine
   process was killed, beside ``log()`` while it lives; bound 50 ms. Also ``stop()`` after the
   death, beside a normal ``stop()``; bound 5 s.
 - ``log() with the MLflow server gone`` (tests/test_sinks_trackers.py,
