@@ -30,6 +30,10 @@ exits 1 when a check fails. Scenarios (the test each came from):
   ``test_rows_come_soon_after_log``): the median time from ``log()`` to its row in a sink,
   interval 0.5 s, both isolations, beside the interval (the next once-a-second read would
   take longer); bound 0.6 s.
+- ``dashboard row until drawn`` (tests/test_dashboard_browser.py,
+  ``test_charts_have_data_and_a_new_row_is_on_the_page_within_1s``): a row written into a
+  dashboard sink until headless Chromium has drawn it, beside a row until a stream reader in
+  this process decoded it; bound 1 s. Skipped without Chromium.
 - ``record tail, first read`` (tests/test_watch_record.py,
   ``test_the_first_read_is_bounded_to_the_end_of_a_long_record``): the first poll of a 2 MiB
   record (64 KiB read), beside the first poll of a one-row record; bound 0.5 s.
@@ -254,6 +258,55 @@ def row_lag(steps: int) -> list[Figure]:
                    statistics.median(lags), 0.5, 0.6)]
 
 
+def dashboard_page() -> list[Figure]:
+    """A row written into a dashboard sink until the page in headless Chromium has drawn it,
+    beside the same kind of row until a stream reader in this process decoded it."""
+    from tests.support.chromium import Chromium, chromium_path
+    from tests.support.sse import DashboardReader
+
+    if chromium_path() is None:
+        print("chromium is not installed: the dashboard page scenario is skipped")
+        return []
+    from gpulens.model import Row
+    from gpulens.sinks.dashboard import DashboardSink
+
+    sink, rows = DashboardSink(port=0), MemorySink()
+    mon = gpulens.Monitor(backend=SimulatedNVML(gpus=2), interval=0.05, sinks=[sink, rows],
+                          isolation="thread").start()
+    try:
+        for step in range(1, 6):
+            time.sleep(0.04)
+            mon.log(step, loss=1.0)
+        _wait(lambda: len(rows.rows) == 5)
+        last = rows.rows[-1]
+
+        def row(step: int, loss: float) -> Row:
+            return Row(step, time.time(), {**last.values, "train/loss": loss,
+                                           "train/global_step": float(step)})
+
+        with DashboardReader(sink.url) as reader:
+            reader.until(lambda r: len(r.rows) >= 5, timeout=60)
+            t0 = time.monotonic()
+            sink.write(row(6, 0.5))
+            reader.until(lambda r: r.rows[-1]["step"] == 6, timeout=60)
+            decoded = time.monotonic() - t0
+        with Chromium(timeout=120) as browser:
+            page = browser.open(sink.url)
+            page.wait_for("document.body.dataset.lastStep === '6'", timeout=120)
+            waiting = page.evaluate_async(
+                "new Promise((resolve) => { const check = () => {"
+                "  if (document.body.dataset.lastStep === '7' && document.querySelector("
+                "     '[data-chart=loss] .now').textContent === '0.123') resolve(true);"
+                "  else setTimeout(check, 5); }; check(); })")
+            t0 = time.monotonic()
+            sink.write(row(7, 0.123))
+            page.evaluated(waiting, timeout=120)
+            drawn = time.monotonic() - t0
+    finally:
+        mon.stop()
+    return [Figure("dashboard row until drawn in Chromium", drawn, decoded, 1.0)]
+
+
 def record_tail() -> list[Figure]:
     from gpulens.report.tail import RecordTail
 
@@ -331,7 +384,8 @@ def main() -> int:
     for _ in range(rounds):
         for scenario in (lambda: engine_killed(steps), lambda: mlflow_down(steps), fork_exit,
                          latest_on_death, lambda: verl_two_calls(steps // 2), record_tail,
-                         wandb_alerts, lambda: row_lag(max(3, steps // 8))):
+                         wandb_alerts, lambda: row_lag(max(3, steps // 8)),
+                         dashboard_page):
             for fig in scenario():
                 figures.setdefault(fig.name, []).append(fig)
     print(f"unit_timings: {rounds} round(s), {os.cpu_count()} cores, "
