@@ -30,7 +30,7 @@ UV := $(UV_DIR)/bin/uv
 LINT_PATHS := $(wildcard src tests examples benchmarks integrations)
 PYTEST_ARGS ?=
 # pytest-xdist workers. The suite mostly waits (engine processes, servers, subprocesses that
-# import torch), so more workers than this machine's 2 cores pay; see tests/README.md.
+# import torch), so more workers than this machine's 2 cores pay (docs/design-notes.md).
 PYTEST_WORKERS ?= 4
 
 .PHONY: venv $(VENV) test lint pytest demo clean distclean

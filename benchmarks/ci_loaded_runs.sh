@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `.ci/run` on a loaded machine, several times in a row, each in a fresh clone:
 #   bash benchmarks/ci_loaded_runs.sh RESULTS_DIR [RUNS] [BUSY] [FIRST]
-# For k = FIRST .. FIRST+RUNS-1: clones this repository's HEAD into a fresh folder, starts BUSY
+# For k = FIRST .. FIRST+RUNS-1: clones this repository's HEAD (as it is then) into a fresh folder, starts BUSY
 # busy processes (`python3 -c 'while True: pass'`, default 2), runs `CI=true bash .ci/run` there
 # with no standard input, kills the busy processes, and writes RESULTS_DIR/run<k>.log: a first
 # line (commit, start time, load average, the busy processes' ids), the whole output, a last
@@ -14,13 +14,13 @@ runs=${2:-10}
 busy_n=${3:-2}
 first=${4:-1}
 repo=$(git rev-parse --show-toplevel)
-commit=$(git -C "$repo" rev-parse --short HEAD)
 mkdir -p "$results"
 failed=0
 for ((k = first; k < first + runs; k++)); do
     clone=$(mktemp -d /tmp/gpulens-ci-run${k}-XXXX)
     log="$results/run$k.log"
     cd / && git clone -q "$repo" "$clone/repo"
+    commit=$(git -C "$clone/repo" rev-parse --short HEAD)  # what this run tests
     busy=()
     for ((b = 0; b < busy_n; b++)); do
         python3 -c 'while True: pass' &
