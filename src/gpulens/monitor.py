@@ -300,7 +300,8 @@ class Monitor:
             check_sinks(self.sinks)  # a one-line error before any sink opens or run is made
             backend = self._backend()
             gather = self._gather = self._make_gather()  # rank rows may come once started
-            sinks = self.sinks if gather is None or gather.is_writer else []
+            # rank 0: every sink; another node's leader: its node's (JSONL, Prometheus)
+            sinks = self.sinks if gather is None else gather.sinks_for(self.sinks)
             names = unique_names(sinks)
             transport = self._choose_transport(backend)
             try:
@@ -368,7 +369,9 @@ class Monitor:
             gpus=tuple(self.gpus) if self.gpus is not None else None,
             backend=backend, buffer_rows=self._buffer_rows, step=int(step),
             sinks=tuple(engine_sinks), rows_back=bool(local), gather=gather is not None,
-            rank=distributed_env(), log_level=effective_level(), dtype=self._dtype,
+            rank=gather.placement if gather is not None else distributed_env(),
+            job=gather.shape_before_engine() if gather is not None else None,
+            log_level=effective_level(), dtype=self._dtype,
             flops_per_token=self._flops_per_token, flops_per_sample=self._flops_per_sample,
             **self._reads,
         )
@@ -396,14 +399,16 @@ class Monitor:
         """The rank gather of a distributed job, or ``None``."""
         if self._distributed_arg is False:
             return None
-        from gpulens.distributed import RankGather, torch_distributed_ready
+        from gpulens.distributed import torch_distributed_ready
 
         if not torch_distributed_ready():
             if self._distributed_arg:
                 raise ValueError("distributed=True, but torch.distributed is not initialised "
                                  "with more than one rank")
             return None
-        return RankGather(None, submit=self._finish_merged)
+        from gpulens.distributed.gather import JobGather
+
+        return JobGather(submit=self._finish_merged)
 
     def _finish_merged(self, row: Row) -> None:
         """Rank 0: a row that met every rank's goes to the engine to be finished (work,

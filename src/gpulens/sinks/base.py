@@ -20,7 +20,10 @@ Optional parts of a sink:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from gpulens.distributed.topology import JobShape
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class RunContext:
     """What else a record of the run should say: the compute dtype, each GPU's peak and its
     source (``peak_tflops``, ``peak_source``), how model FLOPs were counted ... (sinks that
     keep run metadata write it: the JSONL header, MLflow params, W&B config)."""
+    job: JobShape | None = None
+    """A distributed job's shape (every rank's node and GPU: rank 0's view; a node leader's:
+    its node's), or ``None`` for a job of one process."""
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,11 @@ class PrometheusSink:
             ) from None
         return cls(port=port, host=host.strip("[]") if sep and host else "127.0.0.1")
 
+    def for_node(self, node: int) -> PrometheusSink:
+        """The exporter a distributed job's node ``node`` serves (on its own host: the same
+        address and port), with its node's GPUs labelled by node and rank."""
+        return PrometheusSink(self.port, self.host, self.training, http=self.http)
+
     def open(self, context: RunContext) -> None:
         """Start the HTTP server thread; ``ValueError`` if the port cannot be bound."""
         try:
