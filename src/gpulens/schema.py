@@ -97,6 +97,15 @@ fixed-size tensor that distributed jobs gather)."""
 
 HOST_KEYS: tuple[str, ...] = ("cpu_pct", "ram_used_gb")
 
+FULL_GPUS = 8
+"""Distributed jobs of up to this many GPUs (one per rank) keep every GPU's figures in rank 0's
+row and in the trackers; larger ones give the trackers job figures, per-node figures of the
+worst nodes and the worst GPUs in fixed slots (the tracker view's key budget)."""
+
+BOOKKEEPING_SUFFIXES = frozenset({"samples", "energy_err_j", "energy_short_window"})
+"""Per-GPU keys about the measurement rather than the GPU: JSONL and Prometheus keep them, the
+trackers do not (they would be three more charts a GPU)."""
+
 STEP_KEY = "train/global_step"
 
 

@@ -40,14 +40,13 @@ from dataclasses import dataclass, field
 
 from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS
 from gpulens.engine.window import JOB_SUFFIXES
-from gpulens.schema import GPU_ROW_KEYS, gpu_key
+from gpulens.schema import FULL_GPUS, GPU_ROW_KEYS, gpu_key
 
-FULL_GPUS = 8
-"""Up to this many GPUs in the job, rank 0's row holds every GPU's figures (as on one node);
-above it, aggregates, per-node figures and the worst few (the tracker view's budget)."""
 K_WORST = 3
 """The least active GPUs each node sends up, and the job row names (``gpu/worst{j}``)."""
 K_SLOW = 2
+K_WORST_NODES = 2
+"""The least active nodes the job row names (``node/worst{j}``)."""
 """The busiest ranks (by GPU time, and by CPU time) each node sends up."""
 MISSING_SLOTS = 8
 """Missing ranks a node summary names (the count is exact beyond it)."""
@@ -203,6 +202,11 @@ class NodeSummary:
             v += [*entry, ig, ic]
         v += [nan] * ((RANK_WIDTH + 2) * (slots - min(slots, len(self.featured))))
         return array.array("d", v).tobytes()
+
+    @classmethod
+    def done(cls, node: int) -> bytes:
+        """The message a leader sends last, at stop (``expected`` -1)."""
+        return cls(node=node, seq=0, step=0, time=0.0, ranks=0, expected=-1).encode(0)
 
     @classmethod
     def decode(cls, raw: bytes) -> NodeSummary:
@@ -415,6 +419,7 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int) -> dict[str,
         for suffix in WORST_KEYS:
             if suffix in figures:
                 out[f"gpu/worst{j}/{suffix}"] = figures[suffix]
+    _worst_nodes(summaries, out)
     slow = sorted(((_score(g_best, busy(e)[0]), int(e[_F["rank"]]), node, e)
                    for e, _, _, node in featured if _finite(busy(e)[0])),
                   key=lambda t: t[0])
@@ -430,6 +435,26 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int) -> dict[str,
         out[f"rank/slowest{j}/gpu_relative_score"] = score
         out[f"rank/slowest{j}/gpu_busy_s"] = busy(e)[0]
     return out
+
+
+def _worst_nodes(summaries: list[NodeSummary], out: dict[str, float]) -> None:
+    """``node/worst{j}/*``: the :data:`K_WORST_NODES` least active nodes (mean SM activity,
+    else mean utilization), each as its index and a few figures."""
+    scored = []
+    for s in summaries:
+        a = s.aggs.get("sm_active_pct") or s.aggs.get("util_pct")
+        if a is not None and a.n > 0:
+            scored.append((a.total / a.n, s.node, s))
+    for j, (_, node, s) in enumerate(sorted(scored)[:K_WORST_NODES], start=1):
+        out[f"node/worst{j}/node"] = float(node)
+        out[f"node/worst{j}/ranks"] = float(s.ranks)
+        for suffix in ("sm_active_pct", "util_pct", "power_w"):
+            a = s.aggs.get(suffix)
+            if a is not None and a.n > 0:
+                out[f"node/worst{j}/{suffix}_mean"] = a.total / a.n
+        power = s.aggs.get("power_w")
+        if power is not None and power.n > 0:
+            out[f"node/worst{j}/power_w_sum"] = power.total
 
 
 def _rank_keys(e: Entry, ig: float, ic: float, g_best: float, c_best: float,

@@ -4,7 +4,7 @@ and no other rank ever waits on it.
 
 Layout (float64 cells, native byte order; all ranks of a node run on one host)::
 
-    header       [MAGIC, VERSION, slots, ring, width, 0, 0, 0]
+    header       [MAGIC, VERSION, slots, ring, width, creator pid, 0, 0]
     slot i       [state, rank, pid, written, beat, final, 0, 0]          (SLOT_HEAD cells)
                  ring x [seq, value_0 .. value_{width-1}, seq]            (width + 2 cells each)
 
@@ -51,6 +51,39 @@ def ring_dir() -> Path:
     return Path(tempfile.gettempdir())
 
 
+def sweep_stale(folder: Path) -> int:
+    """Remove this user's node files whose leader process is gone (a job killed before its
+    leader could remove its file); returns how many."""
+    removed = 0
+    uid = os.getuid()
+    for path in folder.glob("gpulens-*-n*"):
+        try:
+            if path.stat().st_uid != uid or path.stat().st_size < 8 * HEADER:
+                continue
+            with path.open("rb") as f:
+                head = memoryview(f.read(8 * HEADER)).cast("d")
+            if head[0] != MAGIC or pid_alive(int(head[5])):
+                continue
+            path.unlink()
+            removed += 1
+        except OSError:
+            continue
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts: its parent has not seen it end)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class NodeRing:
     """One node's shared file (module doc).  Make it with :meth:`create` (the leader) or
     :meth:`attach` (the other ranks of the node)."""
@@ -74,7 +107,9 @@ class NodeRing:
 
     @classmethod
     def create(cls, path: Path, slots: int, ring: int, width: int) -> NodeRing:
-        """Make the file (it must not exist: its name is unique to the job) and its header."""
+        """Make the file (it must not exist: its name is unique to the job) and its header;
+        first remove stale node files of this user (:func:`sweep_stale`)."""
+        sweep_stale(path.parent)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, cls.size(slots, ring, width))
@@ -86,6 +121,7 @@ class NodeRing:
         made = cls(path, fd, slots, ring, width, owner=True)
         cells = made._cells
         cells[1], cells[2], cells[3], cells[4] = VERSION, float(slots), float(ring), float(width)
+        cells[5] = float(os.getpid())
         cells[0] = MAGIC  # last: an attaching rank checks it
         return made
 

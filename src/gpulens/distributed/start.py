@@ -83,11 +83,14 @@ class Membership:
 
     @property
     def leader(self) -> int:
-        return self.members[0]
+        """The node's leader: its second-lowest rank where it has two or more (so that rank 0,
+        which merges the nodes, never also reduces its node: its work stays O(nodes)), else
+        its one rank."""
+        return self.members[1] if len(self.members) > 1 else self.members[0]
 
     @property
     def is_leader(self) -> bool:
-        return self.rank == self.members[0]
+        return self.rank == self.leader
 
     @property
     def slot(self) -> int:
@@ -171,12 +174,15 @@ def publish_rank(store: Any, m: Membership, gpus: tuple[GpuInfo, ...]) -> None:
 def node_shape(store: Any, m: Membership, deadline: float) -> JobShape:
     """A leader's view of its node (before its own engine starts: its own GPUs are filled in
     by the engine): the other members' identities, waited for until ``deadline``
-    (``time.monotonic()``)."""
-    others = [r for r in m.members if r != m.rank]
+    (``time.monotonic()``).  Rank 0's is not waited for (it starts its engine only once it has
+    every node's list): rank 0 fills in its own."""
+    others = [r for r in m.members if r not in (m.rank, 0)]
     keys = [m.prefix + f"id/{r}" for r in others]
     missing = _wait(store, keys, deadline - time.monotonic())
     have = [k for k in keys if k not in missing]
     infos = [own_info(m)]
+    if 0 in m.members and m.rank != 0:
+        infos.append(RankInfo(rank=0, local_rank=0, node=m.node, node_name=m.node_name))
     for raw in store.multi_get(have) if have else []:
         infos.extend(_decode(raw))
     lost = tuple(int(k.rsplit("/", 1)[1]) for k in missing)
@@ -194,13 +200,14 @@ def publish_node(store: Any, m: Membership, shape: JobShape) -> None:
     store.set(m.prefix + f"nodeinfo/{m.node}", _encode(list(shape.ranks)))
 
 
-def job_shape(store: Any, m: Membership, own: JobShape, deadline: float) -> JobShape:
-    """Rank 0's view: its own node's (``own``) and every other node's list, waited for until
-    ``deadline``."""
-    keys = [m.prefix + f"nodeinfo/{n}" for n in range(m.nodes) if n != m.node]
+def job_shape(store: Any, m: Membership, own: JobShape | None, deadline: float) -> JobShape:
+    """Rank 0's view: every node's list (its own node's is ``own`` where rank 0 leads it),
+    waited for until ``deadline``."""
+    keys = [m.prefix + f"nodeinfo/{n}" for n in range(m.nodes)
+            if own is None or n != m.node]
     missing = _wait(store, keys, deadline - time.monotonic())
     have = [k for k in keys if k not in missing]
-    infos = list(own.ranks)
+    infos = list(own.ranks) if own is not None else []
     for raw in store.multi_get(have) if have else []:
         infos.extend(_decode(raw))
     if missing:

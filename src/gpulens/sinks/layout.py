@@ -39,7 +39,8 @@ same keys from that GPU, so runs of any size compare.  Beside them: the loop's o
 (``train/loss`` ...) and any key outside gpulens's own prefixes, as given; ``alerts/<rule>``
 from the first row where that rule fired on (a healthy run shows no alert chart, a run with an
 alert shows it in the ``alerts`` section, first in MLflow's order).  Everything else
-(``gpu/{i}/*``, ``gpu/all/*``, ``host/*``, the other ``perf/*``, ``rank/*``) is *detail*: W&B
+(``gpu/{i}/*``, ``gpu/all/*``, ``host/*``, the other ``perf/*``, ``rank/*``, ``job/*``,
+``node/*``) is *detail*: W&B
 logs it under the schema's names hidden from the automatic panels, MLflow leaves it out (an
 alert key before its rule first fires is neither: a W&B key defined hidden stays hidden).
 ``train/global_step`` is left out (both trackers have the step).
@@ -51,10 +52,24 @@ where Hugging Face's ``WandbCallback`` writes its loss), ``gpu`` for the wall-cl
 ``MLflowCallback`` and Lightning's ``MLFlowLogger`` put ``loss`` (the MLflow sink picks it
 when it does not write the ``train/*`` keys itself).
 
-``keys="all"`` writes every key under the schema's names, nothing hidden (as before this
-layout).  Spellings: ``WandbSink(keys="all")``, ``MlflowSink(keys="all")``, the sink names
-``"wandb:all"`` and ``"mlflow:all"`` (``"mlflow:RUN_ID,all"``), and for integrations that make
-their own tracker sinks the environment variable ``GPULENS_TRACKER_KEYS=all``.
+**The key budget of a distributed job.**  Both trackers keep every distinct key of a run (W&B
+asks for fewer than 10,000 in a whole project; MLflow makes a chart for each), so the number of
+keys must not grow with the job.  Per-unit keys (``gpu/{i}/*``, ``node/{n}/*``, ``rank/{r}/*``)
+reach the trackers only while the job has at most :data:`~gpulens.schema.FULL_GPUS` ranks
+(``job/world`` in the row), and then only ``gpu/{i}/*`` without the bookkeeping suffixes
+(:data:`~gpulens.schema.BOOKKEEPING_SUFFIXES`) and ``rank/{r}/cpu_busy_s``.  Above it, the
+trackers get the job's aggregates (``gpu/all/*``), how many ranks and nodes each row holds
+(``job/*``), the least active GPUs and nodes and the slowest ranks in fixed slots
+(``gpu/worst{j}/*``, ``node/worst{j}/*``, ``rank/slowest{j}/*``: which GPU, node or rank as a
+value, never as a new key), so the count is the same at 16 GPUs as at 4,096.  Every GPU's
+figures stay in each node's JSONL record and Prometheus endpoint, labelled by node, rank and
+GPU (:mod:`gpulens.distributed`).
+
+``keys="all"`` writes every key within that budget under the schema's names, nothing hidden
+(as before this layout).  Spellings: ``WandbSink(keys="all")``, ``MlflowSink(keys="all")``,
+the sink names ``"wandb:all"`` and ``"mlflow:all"`` (``"mlflow:RUN_ID,all"``), and for
+integrations that make their own tracker sinks the environment variable
+``GPULENS_TRACKER_KEYS=all``.
 """
 
 from __future__ import annotations
@@ -65,7 +80,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpulens._warn import warn_once
-from gpulens.schema import STEP_KEY
+from gpulens.schema import BOOKKEEPING_SUFFIXES, FULL_GPUS, STEP_KEY
 from gpulens.sinks.base import RunContext
 
 KEY_SETS = ("default", "all")
@@ -74,12 +89,32 @@ KEY_SETS = ("default", "all")
 KEYS_ENV = "GPULENS_TRACKER_KEYS"
 """Environment variable giving the key set of tracker sinks made without ``keys=``."""
 
-OWN_PREFIXES = ("gpu/", "host/", "perf/", "rank/", "alerts/")
+OWN_PREFIXES = ("gpu/", "host/", "perf/", "rank/", "alerts/", "job/", "node/")
 """Prefixes of the keys gpulens computes; any other key is the user's and passes as given."""
 
 ALERT_PREFIX = "alerts/"
 
 _GPU_INDEX = re.compile(r"^gpu/(\d+)/")
+_UNIT_KEY = re.compile(r"^(gpu|node|rank)/\d+/(.+)$")
+
+
+def within_budget(key: str, scaled: bool) -> bool:
+    """Whether a tracker gets ``key`` at all (module doc, "the key budget"): ``scaled`` for a
+    job of more than :data:`~gpulens.schema.FULL_GPUS` ranks."""
+    m = _UNIT_KEY.match(key)
+    if m is None:
+        return True
+    if scaled:
+        return False
+    kind, suffix = m.group(1), m.group(2)
+    if kind == "gpu":
+        return suffix not in BOOKKEEPING_SUFFIXES
+    return kind == "rank" and suffix == "cpu_busy_s"
+
+
+def is_scaled(values: Mapping[str, float]) -> bool:
+    """Whether a row is of a job above the budget's threshold (``job/world``)."""
+    return values.get("job/world", 0.0) > FULL_GPUS
 
 
 @dataclass(frozen=True)
@@ -171,14 +206,15 @@ class TrackerLayout:
         rest of gpulens's keys under the schema's names (W&B logs them hidden; MLflow drops
         them).  ``keys="all"``: every key shown, no detail."""
         train = self.include_train
+        scaled = is_scaled(values)
         if self.keys == "all":
             return ({k: v for k, v in values.items()
-                     if train or not k.startswith("train/")}, {})
+                     if (train or not k.startswith("train/")) and within_budget(k, scaled)}, {})
         shown: dict[str, float] = {}
         detail: dict[str, float] = {}
         gpus: set[str] = set()
         for key, value in values.items():
-            if key == STEP_KEY:
+            if key == STEP_KEY or not within_budget(key, scaled):
                 continue
             if key.startswith("train/"):
                 if train:
