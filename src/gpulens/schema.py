@@ -101,6 +101,25 @@ FULL_GPUS = 8
 """Distributed jobs of up to this many GPUs (one per rank) keep every GPU's figures in rank 0's
 row and in the trackers; larger ones give the trackers job figures, per-node figures of the
 worst nodes and the worst GPUs in fixed slots (the tracker view's key budget)."""
+FULL_GPUS_ENV = "GPULENS_FULL_GPUS"
+
+
+def full_gpus() -> int:
+    """:data:`FULL_GPUS`, or lower where ``GPULENS_FULL_GPUS`` says (1 to 8: a smaller job
+    then gets the view of a large one; never higher, which would break the key budget)."""
+    import os
+
+    raw = os.environ.get(FULL_GPUS_ENV, "").strip()
+    if not raw:
+        return FULL_GPUS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= FULL_GPUS:
+        raise ValueError(f"{FULL_GPUS_ENV}={raw!r}: expected a whole number from 1 to "
+                         f"{FULL_GPUS}")
+    return value
 
 BOOKKEEPING_SUFFIXES = frozenset({"samples", "energy_err_j", "energy_short_window"})
 """Per-GPU keys about the measurement rather than the GPU: JSONL and Prometheus keep them, the

@@ -154,9 +154,10 @@ class Agg:
             out[f"{prefix}/{suffix}_sum"] = self.total
 
 
-def featured_slots(world: int) -> int:
-    """Entries a node summary carries: every rank's in a job of at most :data:`FULL_GPUS`."""
-    return FULL_GPUS if world <= FULL_GPUS else K_WORST + 2 * K_SLOW
+def featured_slots(world: int, full: int = FULL_GPUS) -> int:
+    """Entries a node summary carries: every rank's in a job of at most ``full`` ranks
+    (:func:`~gpulens.schema.full_gpus`), else the worst few."""
+    return full if world <= full else K_WORST + 2 * K_SLOW
 
 
 @dataclass
@@ -273,8 +274,8 @@ def _score(best: float, value: float) -> float:
 
 
 def reduce_node(node: int, seq: int, entries: Mapping[int, Entry], expected: int,
-                missing: Iterable[int], lost: int, world: int, best: BestSoFar
-                ) -> tuple[NodeSummary, dict[str, float]]:
+                missing: Iterable[int], lost: int, world: int, best: BestSoFar,
+                full: int = FULL_GPUS) -> tuple[NodeSummary, dict[str, float]]:
     """A node's entries of one row (by rank) -> its summary for rank 0 and the figures of its
     own row (module doc)."""
     ranks = sorted(entries)
@@ -321,8 +322,8 @@ def reduce_node(node: int, seq: int, entries: Mapping[int, Entry], expected: int
         ranks=len(ranks), expected=expected, missing=missing_t, lost=lost, work=work,
         aggs=aggs,
         busy=(g_min, _median(list(gpu_busy.values())), c_min, _median(list(cpu_busy.values()))),
-        featured=[(entries[r], *scores[r]) for r in _featured(entries, gpu_busy, cpu_busy,
-                                                               featured_slots(world), world)])
+        featured=[(entries[r], *scores[r]) for r in _featured(
+            entries, gpu_busy, cpu_busy, featured_slots(world, full), world <= full)])
     summary.missing_count = len(missing_t)
     worst = _worst(entries)
     if worst:
@@ -340,8 +341,8 @@ def _worst(entries: Mapping[int, Entry]) -> list[int]:
 
 
 def _featured(entries: Mapping[int, Entry], gpu_busy: Mapping[int, float],
-              cpu_busy: Mapping[int, float], slots: int, world: int) -> list[int]:
-    if world <= FULL_GPUS:
+              cpu_busy: Mapping[int, float], slots: int, every: bool) -> list[int]:
+    if every:
         return sorted(entries)[:slots]
     chosen: list[int] = []
     for group in (_worst(entries)[:K_WORST],
@@ -351,7 +352,8 @@ def _featured(entries: Mapping[int, Entry], gpu_busy: Mapping[int, float],
     return chosen[:slots]
 
 
-def merge_job(summaries: list[NodeSummary], world: int, nodes: int) -> dict[str, float]:
+def merge_job(summaries: list[NodeSummary], world: int, nodes: int,
+              full: int = FULL_GPUS) -> dict[str, float]:
     """Rank 0: the nodes' summaries of one row -> the job's figures (module doc).  The GPU
     figures of rank 0's own node come from its own node row, not from here."""
     out: dict[str, float] = {}
@@ -396,7 +398,7 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int) -> dict[str,
     gpus = int(aggs["util_pct"].n) if "util_pct" in aggs else 0
     if gpus:
         out["job/gpus"] = float(gpus)
-    if world <= FULL_GPUS:
+    if world <= full:
         for e, ig, ic, _ in featured:
             _rank_keys(e, ig, ic, g_best, c_best, out)
             for suffix, value in gpu_figures(e).items():

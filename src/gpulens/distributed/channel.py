@@ -1,7 +1,8 @@
 """The job level of the gather: node leaders -> rank 0 through the launcher's store.
 
 Each leader pushes one node summary a row (:class:`~gpulens.distributed.aggregate.NodeSummary`,
-a few kB) to one queue; rank 0 pops what is there, never waiting.  Torch's store queues
+a few kB) to one queue; a thread of rank 0's waits on it (a blocking pop on a store connection
+of its own: no polling) and hands what comes to the gather thread.  Torch's store queues
 (``queue_push`` / ``queue_pop``, torch 2.8 on TCPStore with libuv and HashStore) are used where
 the store has them; elsewhere each leader writes numbered keys and rank 0 reads them
 (``up/<node>/<n>``: one ``check`` per node a poll).  Either way no rank opens a connection of
@@ -15,9 +16,12 @@ training uses too, never grows without bound.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 MAX_QUEUED_PER_NODE = 64
+POLL_KEYS_S = 0.1
+"""How often rank 0 looks for new keys on a store without queues."""
 
 
 class UpChannel:
@@ -66,6 +70,32 @@ class UpChannel:
         self.ops += 1
         self.bytes_out += len(payload)
         return True
+
+    def pop_wait(self) -> list[bytes]:
+        """Rank 0's receiving thread: wait for the next summary, then take every one waiting
+        (a store without queues: look every :data:`POLL_KEYS_S`).  An empty message is the
+        wake-up :meth:`wake` sends at stop."""
+        if self._queue:
+            try:
+                first = self._store.queue_pop(self._key, True)
+            except (NotImplementedError, RuntimeError) as exc:
+                if "not implemented" not in str(exc).lower() and not isinstance(
+                        exc, NotImplementedError):
+                    raise
+                self._queue = False
+            else:
+                self.ops += 1
+                self.bytes_in += len(first)
+                return [first, *self.pop_all()]
+        got = self.pop_all()
+        if not got:
+            time.sleep(POLL_KEYS_S)
+        return got
+
+    def wake(self) -> None:
+        """Wake a thread waiting in :meth:`pop_wait` (an empty message)."""
+        if self._queue:
+            self._store.queue_push(self._key, b"")
 
     def pop_all(self, limit: int = 100_000) -> list[bytes]:
         """Rank 0: every summary waiting now, oldest first (never waits)."""

@@ -35,6 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ from gpulens.distributed.start import (
     publish_rank,
 )
 from gpulens.distributed.topology import JobShape, Placement, placement_from_env
-from gpulens.schema import FULL_GPUS
+from gpulens.schema import full_gpus
 from gpulens.sinks.base import Row, RunContext, Sink
 
 __all__ = ["JOB_WAIT_S", "NODE_WAIT_S", "RING", "JobGather"]
@@ -89,8 +90,10 @@ class JobGather:
         self.is_writer = self.rank == 0
         self.is_leader = self.m.is_leader
         self.node = self.m.node
-        self.scaled = self.world > FULL_GPUS
-        """Above :data:`~gpulens.schema.FULL_GPUS` ranks: node rows go to each node's sinks."""
+        self.full = full_gpus()
+        self.scaled = self.world > self.full
+        """Above :func:`~gpulens.schema.full_gpus` ranks: node rows go to each node's sinks,
+        rank 0's row holds aggregates and the worst few GPUs, not every GPU."""
         self.shape: JobShape | None = None
         self._shaped = False
         self._gpu = self.rank
@@ -110,16 +113,22 @@ class JobGather:
         """For benchmarks: rows written (node rows on a leader, job rows on rank 0), partial
         ones, entries lost; the gather thread's wall and CPU seconds at work."""
         self._channel: UpChannel | None = None
+        self._rx_channel: UpChannel | None = None
+        self._rx: deque[bytes] = deque()
+        """Summaries rank 0's receiving thread took, for the gather thread."""
         self._thread: threading.Thread | None = None
+        self._rx_thread: threading.Thread | None = None
         if self.is_leader:
             path = ring_dir() / f"gpulens-{self.m.token}-n{self.node}"
             self._ring = NodeRing.create(path, len(self.m.members), RING, agg.RANK_WIDTH)
             store.set(self.m.prefix + f"ring/{self.node}", str(path))
         if self.is_leader or self.is_writer:
-            thread_store = store
-            with contextlib.suppress(Exception):  # a connection of its own, where it can
-                thread_store = store.clone()
-            self._channel = UpChannel(thread_store, self.m.prefix, self.m.nodes)
+            self._channel = UpChannel(_clone(store), self.m.prefix, self.m.nodes)
+        if self.is_writer:
+            rx_store = _clone(store)
+            with contextlib.suppress(Exception):  # its pops wait: no time-out while it runs
+                rx_store.set_timeout(timedelta(days=1))
+            self._rx_channel = UpChannel(rx_store, self.m.prefix, self.m.nodes)
 
     # -- start -------------------------------------------------------------------------------
     @property
@@ -129,7 +138,7 @@ class JobGather:
 
     def sinks_for(self, sinks: list[Sink]) -> list[Sink]:
         """The sinks this rank writes: rank 0 all of them; in a job of more than
-        :data:`~gpulens.schema.FULL_GPUS` ranks, each node's leader each sink's node copy
+        :func:`~gpulens.schema.full_gpus` ranks, each node's leader each sink's node copy
         (``sink.for_node(node)``: JSONL, Prometheus); the others none."""
         if self.is_writer:
             return list(sinks)
@@ -176,12 +185,14 @@ class JobGather:
             self._thread = threading.Thread(target=self._work, name="gpulens-gather",
                                             daemon=True)
             self._thread.start()
+        if self._rx_channel is not None:
+            self._rx_thread = threading.Thread(target=self._receive, name="gpulens-gather-rx",
+                                               daemon=True)
+            self._rx_thread.start()
 
     def _attach(self) -> None:
         key = self.m.prefix + f"ring/{self.node}"
         try:
-            from datetime import timedelta
-
             wait = max(0.001, self._deadline - time.monotonic())
             self._store.wait([key], timedelta(seconds=wait))
             path = Path(self._store.get(key).decode())
@@ -223,6 +234,13 @@ class JobGather:
             with self._wake:
                 self._wake.notify()
 
+    def take_rx(self) -> list[bytes]:
+        """The node summaries rank 0's receiving thread took since the last call."""
+        with self._lock:
+            got = list(self._rx)
+            self._rx.clear()
+        return got
+
     def take_own(self, job: bool) -> list[Row]:
         """The rows that came since the last call (the thread's side of :meth:`local_row`)."""
         with self._lock:
@@ -231,7 +249,25 @@ class JobGather:
             queue.clear()
         return rows
 
-    # -- the thread ----------------------------------------------------------------------------
+    # -- the threads ---------------------------------------------------------------------------
+    def _receive(self) -> None:
+        """Rank 0: wait for node summaries on the store (a connection of its own)."""
+        channel = self._rx_channel
+        assert channel is not None
+        while not self._closed:
+            try:
+                got = [raw for raw in channel.pop_wait() if raw]
+            except Exception as exc:
+                if not self._closed:
+                    logger.warning("gpulens: rank 0 can no longer read the nodes' figures from "
+                                   "the job's store (%r); rows go on with its own node's", exc)
+                return
+            if got:
+                with self._lock:
+                    self._rx.extend(got)
+                with self._wake:
+                    self._wake.notify()
+
     def _work(self) -> None:
         node = NodeLevel(self) if self.is_leader else None
         job = JobLevel(self) if self.is_writer else None
@@ -240,9 +276,7 @@ class JobGather:
                 with self._wake:
                     if self._closed:
                         return
-                    waiting = (node is not None and node.waiting()) or (
-                        job is not None and job.waiting())
-                    self._wake.wait(POLL_S if waiting or self._finishing else None)
+                    self._wake.wait(self._sleep(node, job))
                     finishing = self._finishing
                 t1, c1 = time.perf_counter(), time.thread_time()
                 if node is not None:
@@ -262,6 +296,15 @@ class JobGather:
                 logger.warning("gpulens: rank %d's gather failed (%r); the rows it gathers are "
                                "no longer written", self.rank, exc)
 
+    def _sleep(self, node: NodeLevel | None, job: JobLevel | None) -> float | None:
+        """How long the thread may sleep: a leader with a row waiting for its ranks looks at
+        the node's file every :data:`POLL_S`; rank 0 sleeps until a summary or its own row
+        comes, or its oldest row's wait runs out."""
+        if self._finishing or (node is not None and node.waiting()):
+            return POLL_S
+        due = job.due() if job is not None else None
+        return None if due is None else max(0.0, due)
+
     def _hand_up(self, summary: agg.NodeSummary, node_out: dict[str, float],
                  job: JobLevel | None) -> None:
         if job is not None:  # rank 0 leads its node (a node of one rank)
@@ -269,7 +312,7 @@ class JobGather:
             return
         channel = self._channel
         if channel is not None and not channel.push(
-                self.node, summary.encode(agg.featured_slots(self.world))):
+                self.node, summary.encode(agg.featured_slots(self.world, self.full))):
             warn_once("gather-full", "gpulens: node %d's figures wait in the store for rank 0 "
                       "(more than %d rows behind); later ones are dropped until it catches up",
                       self.node, MAX_QUEUED_PER_NODE)
@@ -313,6 +356,10 @@ class JobGather:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(2.0)
+        if self._rx_thread is not None and self._channel is not None:
+            with contextlib.suppress(Exception):
+                self._channel.wake()  # its waiting pop returns
+            self._rx_thread.join(2.0)
         if ring is not None:
             if not self.is_leader:
                 ring.finish(self.m.slot, self._written)
@@ -329,3 +376,11 @@ class JobGather:
     @property
     def channel(self) -> UpChannel | None:
         return self._channel
+
+
+def _clone(store: Any) -> Any:
+    """A connection of its own to the store, where the store can make one (TCPStore)."""
+    try:
+        return store.clone()
+    except Exception:
+        return store

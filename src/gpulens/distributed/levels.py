@@ -216,7 +216,7 @@ class NodeLevel:
         g = self.g
         assert p.own is not None
         summary, node_out = agg.reduce_node(g.node, key[1], p.entries, len(g.m.members),
-                                            missing, self.lost, g.world, self.best)
+                                            missing, self.lost, g.world, self.best, g.full)
         if not g.is_writer:
             self.teller.tell(missing, [], p.own.step, set())
         if g.scaled and not g.is_writer:  # the node's row, for its own sinks
@@ -267,6 +267,12 @@ class JobLevel:
     def waiting(self) -> bool:
         return bool(self.order)
 
+    def due(self) -> float | None:
+        """Seconds until the oldest row's wait for the nodes runs out (``None``: no row)."""
+        if not self.order:
+            return None
+        return self.pending[self.order[0]].since + JOB_WAIT_S - time.monotonic()
+
     def add(self, summary: agg.NodeSummary, node_out: dict[str, float]) -> None:
         """A node summary from this rank's own node level (rank 0 leads a node of one)."""
         p = self.pending.setdefault((summary.step, summary.seq), _Pending())
@@ -281,8 +287,7 @@ class JobLevel:
             p = self.pending.setdefault(key, _Pending())
             p.own, p.since = row, now
             self.order.append(key)
-        channel = g.channel
-        for raw in channel.pop_all() if channel is not None else ():
+        for raw in g.take_rx():
             s = agg.NodeSummary.decode(raw)
             if s.expected < 0:
                 self.done.add(s.node)
@@ -315,7 +320,7 @@ class JobLevel:
         summaries = list(p.summaries.values())
         values = base_values(p.own)
         values.update({k: v for k, v in p.node_out.items() if not k.startswith("rank/")})
-        values.update(agg.merge_job(summaries, g.world, g.m.nodes))
+        values.update(agg.merge_job(summaries, g.world, g.m.nodes, g.full))
         energy_per_step(values, "gpu/all/energy_j_sum")
         ranks = sorted({r for s in summaries for r in s.missing})
         self.teller.tell(ranks, lacking, p.own.step, self.done)

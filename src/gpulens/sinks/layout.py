@@ -56,8 +56,9 @@ when it does not write the ``train/*`` keys itself).
 asks for fewer than 10,000 in a whole project; MLflow makes a chart for each), so the number of
 keys must not grow with the job.  Per-unit keys (``gpu/{i}/*``, ``node/{n}/*``, ``rank/{r}/*``)
 reach the trackers only while the job has at most :data:`~gpulens.schema.FULL_GPUS` ranks
-(``job/world`` in the row), and then only ``gpu/{i}/*`` without the bookkeeping suffixes
-(:data:`~gpulens.schema.BOOKKEEPING_SUFFIXES`) and ``rank/{r}/cpu_busy_s``.  Above it, the
+(``job/world`` in the row; ``GPULENS_FULL_GPUS`` can lower it), and then only ``gpu/{i}/*``
+without the bookkeeping suffixes (:data:`~gpulens.schema.BOOKKEEPING_SUFFIXES`) and
+``rank/{r}/cpu_busy_s``.  Above it, the
 trackers get the job's aggregates (``gpu/all/*``), how many ranks and nodes each row holds
 (``job/*``), the least active GPUs and nodes and the slowest ranks in fixed slots
 (``gpu/worst{j}/*``, ``node/worst{j}/*``, ``rank/slowest{j}/*``: which GPU, node or rank as a
@@ -80,7 +81,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpulens._warn import warn_once
-from gpulens.schema import BOOKKEEPING_SUFFIXES, FULL_GPUS, STEP_KEY
+from gpulens.schema import BOOKKEEPING_SUFFIXES, FULL_GPUS, STEP_KEY, full_gpus
 from gpulens.sinks.base import RunContext
 
 KEY_SETS = ("default", "all")
@@ -112,9 +113,10 @@ def within_budget(key: str, scaled: bool) -> bool:
     return kind == "rank" and suffix == "cpu_busy_s"
 
 
-def is_scaled(values: Mapping[str, float]) -> bool:
-    """Whether a row is of a job above the budget's threshold (``job/world``)."""
-    return values.get("job/world", 0.0) > FULL_GPUS
+def is_scaled(values: Mapping[str, float], full: int = FULL_GPUS) -> bool:
+    """Whether a row is of a job above the budget's threshold (``job/world``, ranks, against
+    :func:`~gpulens.schema.full_gpus`)."""
+    return values.get("job/world", 0.0) > full
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,7 @@ class TrackerLayout:
         self.section = check_section(section)
         self.include_train = include_train
         self._fired: set[str] = set()
+        self._full = full_gpus()
 
     def reset(self) -> None:
         """Forget the alerts seen (a new run)."""
@@ -206,7 +209,7 @@ class TrackerLayout:
         rest of gpulens's keys under the schema's names (W&B logs them hidden; MLflow drops
         them).  ``keys="all"``: every key shown, no detail."""
         train = self.include_train
-        scaled = is_scaled(values)
+        scaled = is_scaled(values, self._full)
         if self.keys == "all":
             return ({k: v for k, v in values.items()
                      if (train or not k.startswith("train/")) and within_budget(k, scaled)}, {})
