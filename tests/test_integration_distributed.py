@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,111 @@ def test_two_nodes_shape_and_a_rank_that_dies(tmp_path: Path) -> None:
     told = [line for line in done.stderr.splitlines() if "WARNING" in line and "rank 2 " in line]
     assert len(told) == 1, told
     assert "node 1" in told[0] and "marked partial" in told[0]
+
+
+SERVING_NODE = """
+import os, sys, time
+import torch.distributed as dist
+import gpulens
+
+dist.init_process_group("gloo")
+node = int(os.environ["GROUP_RANK"])
+port = sys.argv[2].split(",")[node]
+done = sys.argv[3]
+with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}", f"prometheus:{port}"]) as mon:
+    step, stop_at = 0, 4000
+    while step < stop_at:
+        step += 1
+        mon.log(step, loss=1.0 / step)
+        if stop_at == 4000 and os.path.exists(done):
+            stop_at = (step // 40 + 2) * 40  # both nodes stop at the same step
+        time.sleep(0.05)
+"""
+
+
+def test_each_node_serves_its_gpus_to_a_real_prometheus(tmp_path: Path) -> None:
+    """A job of two one-rank nodes with the large-job view (``GPULENS_FULL_GPUS=1``): each
+    node's leader serves its own GPU, labelled by node, rank and host (the node's name), and
+    writes its own record; rank 0 also serves the job's figures.  A real Prometheus scrapes
+    both endpoints."""
+    import json
+    import shutil
+    import subprocess
+    import threading
+    import urllib.parse
+    import urllib.request
+
+    exe = shutil.which("prometheus")
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("prometheus is missing in CI (apt-get install -y prometheus)")
+        pytest.skip("prometheus is not installed (apt-get install -y prometheus)")
+    script = tmp_path / "serving.py"
+    script.write_text(SERVING_NODE)
+    ports = [_free_port(), _free_port()]
+    done_flag = tmp_path / "scraped"
+    env, nodes = _nodes_env(GPULENS_SIMULATED_GPUS="1", GPULENS_FULL_GPUS="1")
+    result: dict[str, Any] = {}
+    job = threading.Thread(target=lambda: result.update(done=run_torchrun(
+        [str(script), str(tmp_path / "rows.jsonl"), ",".join(map(str, ports)),
+         str(done_flag)], cwd=tmp_path, env=env, nproc=1, nodes=nodes,
+        timeout=TORCHRUN_TIMEOUT_S)))
+    job.start()
+    prom_port = _free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: gpulens\n"
+        "    static_configs:\n      - targets: ["
+        + ", ".join(f"'127.0.0.1:{p}'" for p in ports) + "]\n")
+    log = (tmp_path / "prometheus.log").open("w")
+    prom = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+    def query(expr: str) -> list[Any]:
+        url = (f"http://127.0.0.1:{prom_port}/api/v1/query?"
+               + urllib.parse.urlencode({"query": expr}))
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return list(json.loads(r.read())["data"]["result"])
+
+    try:
+        deadline = time.time() + TORCHRUN_TIMEOUT_S
+        gpus: list[Any] = []
+        while time.time() < deadline and job.is_alive():
+            try:
+                gpus = query("gpulens_gpu_utilization_percent")
+                if len(gpus) == 2 and query("gpulens_job_ranks") and query("gpulens_node_ranks"):
+                    break
+            except OSError:
+                pass  # still starting
+            time.sleep(0.5)
+        labels = sorted((g["metric"]["node"], g["metric"]["rank"], g["metric"]["gpu"],
+                         g["metric"]["host"]) for g in gpus)
+        assert [x[:3] for x in labels] == [("0", "0", "0"), ("1", "1", "1")], (
+            gpus, (tmp_path / "prometheus.log").read_text()[-2000:])
+        assert sorted(x[3] for x in labels) == sorted(NODE_NAMES)
+        (ranks,) = query("gpulens_job_ranks")
+        assert float(ranks["value"][1]) == 2.0
+        assert ranks["metric"]["instance"] == f"127.0.0.1:{ports[0]}"  # rank 0's endpoint
+        # node 1's own endpoint says how many of its ranks its row holds (rank 0's, every node)
+        (node1,) = query(f'gpulens_node_ranks{{instance="127.0.0.1:{ports[1]}"}}')
+        assert node1["metric"]["node"] == "1" and float(node1["value"][1]) == 1.0
+    finally:
+        done_flag.write_text("1")
+        prom.terminate()
+        prom.wait(timeout=30)
+        log.close()
+        job.join(TORCHRUN_TIMEOUT_S + 30)
+    done = result["done"]
+    assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
+    node1_rows = read_rows(tmp_path / "rows.node1.jsonl")
+    assert node1_rows and all("gpu/1/util_pct" in r and "gpu/0/util_pct" not in r
+                              for r in node1_rows)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
