@@ -18,12 +18,13 @@ Arms, interleaved in each repetition (order alternating):
 * ``two``: this tree's ``src`` (the two-level gather).
 
 Measured on every rank (``rank<r>.json`` in the run's folder): each ``log()``'s latency; the
-gather thread's CPU seconds (``/proc/self/task/<tid>/stat``, read before ``stop()``); on rank 0
+gather threads' CPU seconds (``gpulens-gather`` and rank 0's ``gpulens-gather-rx``,
+``/proc/self/task/<tid>/schedstat``, read before ``stop()``); on rank 0
 also the gather's time and bytes per row (flat: each all-gather's wall time and its ring bytes,
-``2 (W-1) x tensor``; two-level: the leader thread's time per poll and the bytes it popped from
-the store), TCP connections the monitor opened (``psutil``, after ``start()`` less before), peak
-RSS, and the rows in its JSONL and how many were complete (flat: every rank's GPU in the row;
-two-level: ``job/ranks == W``).
+``2 (W-1) x tensor``; two-level: its gather thread's time at work per row and the bytes its
+threads popped from the store), TCP connections the monitor opened (``psutil``, after
+``start()`` less before), peak RSS, and the rows in its JSONL and how many were complete
+(flat: every rank's GPU in the row; two-level: ``job/ranks == W``).
 
 Writes ``DIR/<arm>-w<W>-r<rep>/rank<r>.json``, the launches' output, ``summary.csv`` and
 ``summary.md`` (medians over repetitions).
@@ -96,7 +97,9 @@ def rank_main(args: argparse.Namespace) -> None:
         mon.log(step, loss=1.0 / step)
         lat.append(time.perf_counter() - t0)
     gather = mon._gather
-    thread_cpu = _thread_cpu("gpulens-gather")
+    cpus = [c for c in (_thread_cpu("gpulens-gather"), _thread_cpu("gpulens-gather-rx"))
+            if c is not None]
+    thread_cpu = sum(cpus) if cpus else None
     rss = proc.memory_info().rss
     t_stop = time.perf_counter()
     mon.stop()
@@ -114,13 +117,12 @@ def rank_main(args: argparse.Namespace) -> None:
         result["exchange_bytes"] = sum(b for _, b in exchange)
     elif gather is not None:
         stats = dict(gather.stats)
-        channel = gather._channel
         result["gather_stats"] = stats
         result["is_leader"] = gather.is_leader
-        if channel is not None:
-            result["store_bytes_in"] = channel.bytes_in
-            result["store_bytes_out"] = channel.bytes_out
-            result["store_ops"] = channel.ops
+        channels = [c for c in (gather._channel, getattr(gather, "_rx_channel", None)) if c]
+        result["store_bytes_in"] = sum(c.bytes_in for c in channels)
+        result["store_bytes_out"] = sum(c.bytes_out for c in channels)
+        result["store_ops"] = sum(c.ops for c in channels)
     if rank == 0:
         rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()
                 if '"event"' not in line]

@@ -56,10 +56,14 @@ AGG_SUFFIXES: tuple[str, ...] = tuple(sorted(JOB_SUFFIXES))
 (``gpu/all/*``) of a job on one node."""
 SUMMED = ("power_w", "energy_j")
 """Aggregates that are also given as sums (``..._sum``): the job's power and energy."""
-NODE_KEYS: tuple[str, ...] = ("util_pct", "sm_active_pct", "tensor_active_pct", "power_w",
-                              "mem_used_gb", "temp_c", "sm_clock_mhz", "throttle_pct")
-"""Figures of each node in rank 0's row (``node/{n}/<suffix>_mean|_min|_max``); a node's own
-row has every aggregate."""
+NODE_KEYS: tuple[tuple[str, str], ...] = (
+    ("util_pct", "mean"), ("util_pct", "min"), ("sm_active_pct", "mean"), ("sm_active_pct", "min"),
+    ("tensor_active_pct", "mean"), ("power_w", "sum"), ("energy_j", "sum"), ("mem_used_gb", "max"),
+    ("temp_c", "max"), ("throttle_pct", "max"),
+)
+"""Each node's figures in rank 0's row (``node/{n}/<suffix>_<stat>``), about a dozen with the
+node's ranks, worst GPU and busy times: O(nodes) keys a row; a node's own row has every
+aggregate."""
 WORST_KEYS: tuple[str, ...] = ("util_pct", "sm_active_pct", "tensor_active_pct", "power_w",
                                "temp_c", "mem_used_gb", "sm_clock_mhz", "throttle_pct")
 """Figures of each of the job's worst GPUs in its slot (``gpu/worst{j}/<suffix>``)."""
@@ -332,6 +336,9 @@ def reduce_node(node: int, seq: int, entries: Mapping[int, Entry], expected: int
 
 
 _AGG_SET = frozenset(AGG_SUFFIXES)
+_NODE_STATS: dict[str, list[str]] = {}
+for _suffix, _stat in NODE_KEYS:
+    _NODE_STATS.setdefault(_suffix, []).append(_stat)
 
 
 def _worst(entries: Mapping[int, Entry]) -> list[int]:
@@ -369,18 +376,17 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int,
         prefix = f"node/{s.node}"
         for suffix, a in s.aggs.items():
             aggs.setdefault(suffix, Agg()).merge(a.n, a.total, a.lo, a.hi)
-            if suffix in NODE_KEYS:
-                a.keys(prefix, suffix, out)
-            elif suffix in SUMMED:
-                out[f"{prefix}/{suffix}_sum"] = a.total
+            if a.n > 0:
+                stats = {"mean": a.total / a.n, "min": a.lo, "max": a.hi, "sum": a.total}
+                for stat in _NODE_STATS.get(suffix, ()):
+                    out[f"{prefix}/{suffix}_{stat}"] = stats[stat]
         out[f"{prefix}/ranks"] = float(s.ranks)
         out[f"{prefix}/partial"] = 1.0 if s.ranks < s.expected else 0.0
         least = _worst({int(e[_F["rank"]]): e for e, _, _ in s.featured})
         if least:
             worst_entry = next(e for e, _, _ in s.featured if int(e[_F["rank"]]) == least[0])
             out[f"{prefix}/worst_gpu"] = worst_entry[_F["gpu"]]
-        for name, value in (("gpu_busy_s_min", s.busy[0]), ("gpu_busy_s_median", s.busy[1]),
-                            ("cpu_busy_s_min", s.busy[2]), ("cpu_busy_s_median", s.busy[3])):
+        for name, value in (("gpu_busy_s_median", s.busy[1]), ("cpu_busy_s_median", s.busy[3])):
             if _finite(value):
                 out[f"{prefix}/{name}"] = value
         if _finite(s.busy[0]):
@@ -404,8 +410,6 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int,
             for suffix, value in gpu_figures(e).items():
                 out[gpu_key(int(e[_F["gpu"]]), suffix)] = value
         return out
-    for e, ig, ic, _ in featured:
-        _rank_keys(e, ig, ic, g_best, c_best, out)
     seen: set[int] = set()
     ordered = sorted((activity(e), int(e[_F["rank"]]), e, node) for e, _, _, node in featured
                      if _finite(activity(e)))
@@ -436,6 +440,14 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int,
         out[f"rank/slowest{j}/node"] = float(node)
         out[f"rank/slowest{j}/gpu_relative_score"] = score
         out[f"rank/slowest{j}/gpu_busy_s"] = busy(e)[0]
+    # per-rank figures of the job's slowest few by GPU and by CPU time (the slow-rank rule's
+    # candidates): O(1) keys a row, not O(ranks)
+    by_cpu = sorted((e for e, _, _, _ in featured if _finite(busy(e)[1])),
+                    key=lambda e: -busy(e)[1])[:K_SLOW]
+    chosen = seen | {int(e[_F["rank"]]) for e in by_cpu}
+    for e, ig, ic, _ in featured:
+        if int(e[_F["rank"]]) in chosen:
+            _rank_keys(e, ig, ic, g_best, c_best, out)
     return out
 
 
