@@ -68,6 +68,16 @@ GPU_METRICS: tuple[GpuMetric, ...] = (
               "its energy rests on the power samples alone"),
     GpuMetric("temp_c", "Celsius", Agg.MEAN, "GPU core temperature", with_max=True),
     GpuMetric("sm_clock_mhz", "MHz", Agg.MEAN, "SM clock"),
+    GpuMetric("mem_clock_mhz", "MHz", Agg.MEAN, "memory clock"),
+    GpuMetric("nvlink_rx_gb_per_s", "GB/s", Agg.MEAN,
+              "NVLink data received, all links (GPM where the GPU has it, else NVML's NVLink "
+              "data counters), 1 GB = 1e9 bytes"),
+    GpuMetric("nvlink_tx_gb_per_s", "GB/s", Agg.MEAN,
+              "NVLink data sent, all links (GPM, else NVML's counters)"),
+    GpuMetric("pcie_rx_gb_per_s", "GB/s", Agg.MEAN,
+              "PCIe traffic to the GPU (GPM, else NVML's PCIe byte counters)"),
+    GpuMetric("pcie_tx_gb_per_s", "GB/s", Agg.MEAN,
+              "PCIe traffic from the GPU (GPM, else NVML's PCIe byte counters)"),
     GpuMetric("throttle_pct", "percent", Agg.MEAN,
               "share of the window with clocks held down (power cap, thermal, HW slowdown)"),
     GpuMetric("throttle_power_pct", "percent", Agg.MEAN,
@@ -121,9 +131,12 @@ def full_gpus() -> int:
                          f"{FULL_GPUS}")
     return value
 
-BOOKKEEPING_SUFFIXES = frozenset({"samples", "energy_err_j", "energy_short_window"})
-"""Per-GPU keys about the measurement rather than the GPU: JSONL and Prometheus keep them, the
-trackers do not (they would be three more charts a GPU)."""
+BOOKKEEPING_SUFFIXES = frozenset({"samples", "energy_err_j", "energy_short_window",
+                                  "power_limit_w", "torch_alloc_retries", "torch_ooms"})
+"""Per-GPU keys the trackers do not get (JSONL and Prometheus keep them): about the measurement
+rather than the GPU (samples, the energy's error bound), static (the power limit: in the run's
+config), or cumulative counts that an advice rule watches (allocator retries and OOMs).  Six
+charts a GPU fewer keep a job of 8 GPUs under the key budget."""
 
 STEP_KEY = "train/global_step"
 

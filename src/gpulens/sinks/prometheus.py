@@ -28,6 +28,11 @@ counter is the sum of the windows' counter differences since the sink opened.
 ``gpulens_gpu_energy_joules_total``                      counter
 ``gpulens_gpu_temperature_celsius`` / ``_max_celsius``  core temperature (mean / peak)
 ``gpulens_gpu_sm_clock_hertz``                          SM clock
+``gpulens_gpu_memory_clock_hertz``                      memory clock
+``gpulens_gpu_nvlink_receive_bytes_per_second``,        NVLink data, all links (GPM, else NVML's
+``..._transmit_bytes_per_second``                       counters): mean rate over the window
+``gpulens_gpu_pcie_receive_bytes_per_second``,          PCIe traffic to / from the GPU
+``..._transmit_bytes_per_second``
 ``gpulens_gpu_clocks_throttled_percent{reason}``        share of time clocks were held down;
                                                         ``reason`` = any, power, thermal
 ``gpulens_gpu_torch_allocated_bytes`` / ``_peak_bytes`` torch allocator (training process)
@@ -104,6 +109,11 @@ GPU_SERIES: dict[str, tuple[str, float]] = {
     "temp_c": ("gpulens_gpu_temperature_celsius", 1.0),
     "temp_c_max": ("gpulens_gpu_temperature_max_celsius", 1.0),
     "sm_clock_mhz": ("gpulens_gpu_sm_clock_hertz", 1e6),
+    "mem_clock_mhz": ("gpulens_gpu_memory_clock_hertz", 1e6),
+    "nvlink_rx_gb_per_s": ("gpulens_gpu_nvlink_receive_bytes_per_second", 1e9),
+    "nvlink_tx_gb_per_s": ("gpulens_gpu_nvlink_transmit_bytes_per_second", 1e9),
+    "pcie_rx_gb_per_s": ("gpulens_gpu_pcie_receive_bytes_per_second", 1e9),
+    "pcie_tx_gb_per_s": ("gpulens_gpu_pcie_transmit_bytes_per_second", 1e9),
     "torch_allocated_gb": ("gpulens_gpu_torch_allocated_bytes", 1e9),
     "torch_peak_gb": ("gpulens_gpu_torch_peak_bytes", 1e9),
 }
