@@ -19,14 +19,14 @@ import pytest
 
 dist = pytest.importorskip("torch.distributed")
 
-from gpulens._warn import reset_warnings  # noqa: E402
 from gpulens.distributed import aggregate as agg  # noqa: E402
 from gpulens.distributed import levels  # noqa: E402
 from gpulens.distributed.channel import UpChannel  # noqa: E402
 from gpulens.distributed.gather import JobGather  # noqa: E402
 from gpulens.distributed.nodering import LOST, NodeRing, sweep_stale  # noqa: E402
 from gpulens.distributed.topology import Placement, placement_from_env  # noqa: E402
-from gpulens.sinks.base import GpuInfo, Row, RunContext  # noqa: E402
+from gpulens.log import reset_warnings  # noqa: E402
+from gpulens.model import GpuInfo, Row, RunContext  # noqa: E402
 
 WAIT_S = 30.0
 """Bounds a hang only."""

@@ -2,7 +2,7 @@
 rank, for the plain loop, the Hugging Face Trainer and Lightning. Rank 0 alone writes; each row
 holds both ranks' GPUs (keyed by global rank) and the job-level ``gpu/all/*`` aggregates, on
 exactly the framework's logging steps. Every run must end by itself: no retry, and no process of
-the job (rank, sampler process) may outlive torchrun; a run that hangs is killed whole at the
+the job (rank, engine process) may outlive torchrun; a run that hangs is killed whole at the
 timeout (``tests/support/torchrun.py``).
 
 Two "nodes" on this host: two ``torchrun --nnodes 2`` launches meeting at a c10d rendezvous

@@ -39,7 +39,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from gpulens._warn import logger, warn_once
 from gpulens.distributed import aggregate as agg
 from gpulens.distributed.channel import MAX_QUEUED_PER_NODE, UpChannel
 from gpulens.distributed.levels import JOB_WAIT_S, NODE_WAIT_S, POLL_S, JobLevel, NodeLevel
@@ -56,8 +55,10 @@ from gpulens.distributed.start import (
     publish_rank,
 )
 from gpulens.distributed.topology import JobShape, Placement, placement_from_env
+from gpulens.log import logger, warn_once
+from gpulens.model import Row, RunContext
 from gpulens.schema import full_gpus
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sinks.base import Sink
 
 __all__ = ["JOB_WAIT_S", "NODE_WAIT_S", "RING", "JobGather"]
 

@@ -13,11 +13,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gpulens._warn import logger
 from gpulens.distributed import aggregate as agg
 from gpulens.distributed.nodering import LOST, NodeRing, pid_alive
 from gpulens.engine.spec import WORK_KEYS
-from gpulens.sinks.base import Row
+from gpulens.log import logger
+from gpulens.model import Row
 
 if TYPE_CHECKING:
     from gpulens.distributed.gather import JobGather

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from gpulens._warn import logger
 from gpulens.distributed.topology import JobShape, Placement, RankInfo
-from gpulens.sinks.base import GpuInfo
+from gpulens.log import logger
+from gpulens.model import GpuInfo
 
 START_TIMEOUT_S = 120.0
 """How long a rank waits at ``start()`` for the others to join the exchange."""

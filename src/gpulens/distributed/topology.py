@@ -25,9 +25,10 @@ Two parts:
   by name and numbered in name order.  The global rank and world size are always
   ``torch.distributed``'s own.
 
-* :class:`RankInfo` and :class:`JobShape`: the result of the start exchange, every rank of
-  the job with its node and GPU.  They cross to the engine in its spec and reach the sinks in
-  the run's context (the JSONL ``run_start`` line, the trackers' run config).
+* :class:`~gpulens.model.RankInfo` and :class:`~gpulens.model.JobShape` (shared types, in
+  :mod:`gpulens.model`): the result of the start exchange, every rank of the job with its node
+  and GPU.  They cross to the engine in its spec and reach the sinks in the run's context (the
+  JSONL ``run_start`` line, the trackers' run config).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ import os
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from gpulens.sinks.base import GpuInfo
+from gpulens.model import JobShape, RankInfo
+
+__all__ = ["JobShape", "Placement", "RankInfo", "placement_from_env", "torch_distributed_ready"]
 
 NODE_NAME_ENV = "GPULENS_NODE_NAME"
 NODE_INDEX_ENV = "GPULENS_NODE_INDEX"
@@ -131,58 +134,3 @@ def placement_from_env(rank: int, world: int, env: Mapping[str, str] | None = No
                  or socket.gethostname())
     return Placement(rank=rank, world=world, local_rank=local_rank, node_index=node_index,
                      node_name=node_name, launcher=launcher)
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """One rank of the job: where it runs and the GPU it trains on."""
-
-    rank: int
-    local_rank: int
-    node: int
-    """The node's index in the job."""
-    node_name: str
-    gpus: tuple[GpuInfo, ...] = ()
-    """The GPU(s) this rank samples (one per rank in DDP-like jobs); their ``index`` is the
-    key of their figures in rows (``gpu/{index}/...``: the global rank)."""
-
-
-@dataclass(frozen=True)
-class JobShape:
-    """Every rank of a distributed job, as far as the start exchange found them."""
-
-    world: int
-    """Ranks in the job."""
-    nodes: int
-    """Nodes in the job."""
-    launcher: str
-    ranks: tuple[RankInfo, ...] = ()
-    """By global rank; a rank that did not answer the start exchange is absent."""
-    view: str = "job"
-    """``"job"``: rank 0's view (every node); ``"node"``: a node leader's (its node only)."""
-    missing: tuple[int, ...] = field(default=())
-    """Ranks that did not answer the start exchange in time."""
-
-    def node_names(self) -> dict[int, str]:
-        """Node index -> node name."""
-        return {r.node: r.node_name for r in self.ranks}
-
-    def with_gpus(self, rank: int, gpus: tuple[GpuInfo, ...]) -> JobShape:
-        """A copy with ``rank``'s GPUs filled in (the engine knows its own)."""
-        ranks = tuple(RankInfo(r.rank, r.local_rank, r.node, r.node_name, gpus)
-                      if r.rank == rank and not r.gpus else r for r in self.ranks)
-        return JobShape(self.world, self.nodes, self.launcher, ranks, self.view, self.missing)
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready: ``{"world", "nodes", "launcher", "view", "missing", "ranks": [{"rank",
-        "local_rank", "node", "node_name", "gpus": [{"index", "name", "uuid",
-        "pci_bus_id"}]}]}``."""
-        return {
-            "world": self.world, "nodes": self.nodes, "launcher": self.launcher,
-            "view": self.view, "missing": list(self.missing),
-            "ranks": [{"rank": r.rank, "local_rank": r.local_rank, "node": r.node,
-                       "node_name": r.node_name,
-                       "gpus": [{"index": g.index, "name": g.name, "uuid": g.uuid,
-                                 "pci_bus_id": g.pci_bus_id} for g in r.gpus]}
-                      for r in self.ranks],
-        }

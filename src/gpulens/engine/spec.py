@@ -1,4 +1,4 @@
-"""What the client tells the engine at start: a picklable spec (it crosses to the sampler
+"""What the client tells the engine at start: a picklable spec (it crosses to the engine
 process), from which :class:`gpulens.engine.engine.Engine` builds everything."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpulens.distributed.topology import JobShape
+from gpulens.model import JobShape
 from gpulens.sinks.base import Sink
 
 WORK_TOKENS = "work/tokens"
@@ -40,7 +40,7 @@ class SinkSpec:
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the engine needs; every field pickles (a simulator backend does when its
-    load does: see :mod:`gpulens.testing.loads`)."""
+    load does: see :mod:`gpulens.sources.loads`)."""
 
     interval: float
     """Seconds between cheap samples."""

@@ -84,8 +84,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from gpulens.model import GpuInfo, Row, RunContext
 from gpulens.schema import GPU_METRIC_BY_KEY
-from gpulens.sinks.base import GpuInfo, Row, RunContext
 from gpulens.sinks.prometheus_job import job_families
 
 DEFAULT_PORT = 9400
