@@ -70,7 +70,7 @@ def job_row(world: int, per_node: int, step: int, rng: random.Random,
         entries = {}
         for r in ranks:
             raw = {**values, **gpu_values(r, rng), "work/cpu_s": rng.uniform(0.5, 1.0)}
-            entries[r] = agg.pack_rank(step, 0.0, raw, r, r)
+            entries[r] = agg.pack_rank(step, 0.0, raw, r, r, node)
         summary, node_out = agg.reduce_node(node, 0, entries, len(ranks), (), 0, world, best)
         summaries.append(agg.NodeSummary.decode(summary.encode(agg.featured_slots(world))))
         if node == 0:

@@ -361,3 +361,47 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+SLOW_GPU = """
+import os, sys, time
+import torch.distributed as dist
+import gpulens
+from gpulens.testing import Constant, PerGpu, SimulatedNVML
+
+dist.init_process_group("gloo")
+slow = sys.argv[2] != "none" and os.environ["GPULENS_NODE_NAME"] == sys.argv[2]
+# the node's 2 simulated GPUs: every GPU 60 % busy, GPU 1 of the slow node 95 %
+load = PerGpu({1: Constant(0.95)} if slow else {}, default=Constant(0.6))
+backend = SimulatedNVML(gpus=2, load=load)
+with gpulens.Monitor(interval=0.05, backend=backend, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 41):
+        time.sleep(0.15)
+        mon.log(step, loss=1.0 / step)
+"""
+
+
+@pytest.mark.parametrize("slow_node", ["fake-b", "none"])
+def test_a_slow_gpu_on_one_node_is_named_by_node_and_gpu(tmp_path: Path,
+                                                         slow_node: str) -> None:
+    """A GPU busy longer per step (GPM) on one of two nodes, from the start: slow_rank names
+    that GPU, its rank and its node within 20 steps, once; a healthy job fires nothing."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_GPU)
+    out = tmp_path / "rows.jsonl"
+    env, nodes = _nodes_env()
+    done = run_torchrun([str(script), str(out), slow_node], cwd=tmp_path, env=env,
+                        nodes=nodes, timeout=TORCHRUN_TIMEOUT_S)
+    assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
+    lines = read_lines(out)
+    start = next(x for x in lines if x.get("event") == "run_start")
+    fired = [x for x in lines if x.get("event") == "alert" and x["name"] == "slow_rank"
+             and x["state"] == "firing"]
+    if slow_node == "none":
+        assert not fired, fired
+        return
+    (gpu,) = [g for g in start["gpus"] if g["node_name"] == slow_node and g["local_rank"] == 1]
+    assert len(fired) == 1, fired
+    message = fired[0]["message"]
+    assert f"GPU {gpu['index']} (rank {gpu['rank']}, node {gpu['node']} {slow_node})" in message
+    assert fired[0]["step"] <= 20 + 1 and fired[0]["data"]["rank"] == gpu["rank"]

@@ -69,7 +69,7 @@ WORST_KEYS: tuple[str, ...] = ("util_pct", "sm_active_pct", "tensor_active_pct",
 """Figures of each of the job's worst GPUs in its slot (``gpu/worst{j}/<suffix>``)."""
 
 RANK_FIELDS: tuple[str, ...] = (
-    "step", "time", "rank", "gpu", "perf/steps", "perf/step_time_s", "host/cpu_pct",
+    "step", "time", "rank", "gpu", "node", "perf/steps", "perf/step_time_s", "host/cpu_pct",
     "host/ram_used_gb", WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU, "perf/data_wait_s",
     "perf/forward_backward_s", "perf/optimizer_s",
 )
@@ -87,12 +87,13 @@ def _finite(v: float) -> bool:
 
 
 def pack_rank(step: int, time: float, values: Mapping[str, float], rank: int,
-              gpu: int) -> Entry:
+              gpu: int, node: int | None = None) -> Entry:
     """A rank's raw row as its entry: :data:`RANK_FIELDS`, then ``gpu/{gpu}/<suffix>`` for
     each of the schema's GPU suffixes (NaN where absent)."""
     nan = math.nan
-    out = [float(step), float(time), float(rank), float(gpu)]
-    out += [float(values.get(k, nan)) for k in RANK_FIELDS[4:]]
+    out = [float(step), float(time), float(rank), float(gpu),
+           float(node) if node is not None else nan]
+    out += [float(values.get(k, nan)) for k in RANK_FIELDS[5:]]
     out += [float(values.get(gpu_key(gpu, s), nan)) for s in GPU_ROW_KEYS]
     return out
 
@@ -386,7 +387,8 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int,
         if least:
             worst_entry = next(e for e, _, _ in s.featured if int(e[_F["rank"]]) == least[0])
             out[f"{prefix}/worst_gpu"] = worst_entry[_F["gpu"]]
-        for name, value in (("gpu_busy_s_median", s.busy[1]), ("cpu_busy_s_median", s.busy[3])):
+        for name, value in (("gpu_busy_s_min", s.busy[0]), ("gpu_busy_s_median", s.busy[1]),
+                            ("cpu_busy_s_min", s.busy[2]), ("cpu_busy_s_median", s.busy[3])):
             if _finite(value):
                 out[f"{prefix}/{name}"] = value
         if _finite(s.busy[0]):
@@ -475,6 +477,9 @@ def _rank_keys(e: Entry, ig: float, ic: float, g_best: float, c_best: float,
                out: dict[str, float]) -> None:
     r = int(e[_F["rank"]])
     g, c = busy(e)
+    node = e[_F["node"]]
+    if _finite(node):
+        out[f"rank/{r}/node"] = node
     for name, value, best, own in (("gpu", g, g_best, ig), ("cpu", c, c_best, ic)):
         if not _finite(value):
             continue

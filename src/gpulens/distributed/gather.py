@@ -216,7 +216,8 @@ class JobGather:
                 if self.is_leader:
                     self._own.append(row)
                 elif self._ring is not None:
-                    entry = agg.pack_rank(row.step, row.time, row.values, self.rank, self._gpu)
+                    entry = agg.pack_rank(row.step, row.time, row.values, self.rank,
+                                          self._gpu, self.node)
                     self._ring.write(self.m.slot, self._written, entry)
                     self._written += 1
                 if self.is_writer:

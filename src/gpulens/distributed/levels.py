@@ -154,7 +154,8 @@ class NodeLevel:
             key = self.own_keys.next(row.step)
             p = self.pending.setdefault(key, _Pending())
             p.own, p.since = row, now
-            p.entries[g.rank] = agg.pack_rank(row.step, row.time, row.values, g.rank, g._gpu)
+            p.entries[g.rank] = agg.pack_rank(row.step, row.time, row.values, g.rank, g._gpu,
+                                              g.node)
             self.order.append(key)
         ring = g.ring
         if ring is not None:

@@ -86,7 +86,7 @@ class Finisher:
         self._credit_at = time.perf_counter()
         try:
             self.rules: RuleEngine | None = RuleEngine(RulesConfig(
-                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather))
+                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather, job=spec.job))
         except Exception as exc:  # the rules are advice: never a reason not to monitor
             logger.warning("gpulens: the advice rules could not start (%r); rows go on "
                            "without them", exc)
