@@ -245,6 +245,7 @@ def test_two_nodes_shape_and_a_rank_that_dies(tmp_path: Path) -> None:
         (0, 0, start["job"]["node_names"]["0"]), (1, 0, start["job"]["node_names"]["0"]),
         (2, 1, start["job"]["node_names"]["1"]), (3, 1, start["job"]["node_names"]["1"])]
     assert sorted(start["job"]["node_names"].values()) == sorted(NODE_NAMES)
+    assert len({g["uuid"] for g in start["gpus"]}) == 4  # each simulated node's GPUs its own
     rows = [x for x in lines if "event" not in x]
     assert [r["step"] for r in rows] == list(range(1, 13))  # one writer, every step
     assert all(r["job/nodes"] == 2 for r in rows)

@@ -79,6 +79,8 @@ class GpmLinked(SimulatedNVML):
         for m in request.metrics[: request.numMetrics]:
             if m.metricId == 60:  # NVLink RX, MiB/s
                 m.value, m.nvmlReturn = 1000.0, 0
+            elif m.metricId == 21:  # PCIe RX: this GPU does not answer it
+                m.nvmlReturn = 3
         return request
 
 
@@ -96,3 +98,11 @@ def test_gpm_rates_in_gb_per_s() -> None:
     values = got[2]
     assert abs(values["nvlink_rx_gb_per_s"] - 1000 * 1.048576e-3) < 1e-9
     assert "pcie_rx_gb_per_s" not in values  # not answered: absent, never 0
+    # the plain simulator: NVLink a measured 0 (no peers), PCIe a little while busy
+    plain = _device(SimulatedNVML(gpus=1))
+    got = None
+    while got is None:
+        assert time.monotonic() < deadline
+        got = plain.read_gpm()
+        time.sleep(0.02)
+    assert got[2]["nvlink_rx_gb_per_s"] == 0.0 and got[2]["pcie_rx_gb_per_s"] >= 0.0

@@ -68,7 +68,8 @@ def _simulated_from_env() -> Any:
         raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
     if count < 1:
         raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be at least 1")
-    return SimulatedNVML(gpus=count)
+    # a node name of its own (GPULENS_NODE_NAME): two simulated "nodes" on one host
+    return SimulatedNVML(gpus=count, node=os.environ.get("GPULENS_NODE_NAME", ""))
 
 
 def _lightning_or_plain_dtype(dtype: Any) -> str | None:
