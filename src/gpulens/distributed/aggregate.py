@@ -33,6 +33,7 @@ the pace of the best; a rank at 0.8 is busy 25 % longer.
 from __future__ import annotations
 
 import array
+import heapq
 import math
 import statistics
 from collections.abc import Iterable, Mapping
@@ -82,8 +83,7 @@ _SUMS = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS)
 Entry = list[float]
 
 
-def _finite(v: float) -> bool:
-    return not math.isnan(v) and not math.isinf(v)
+_finite = math.isfinite
 
 
 def pack_rank(step: int, time: float, values: Mapping[str, float], rank: int,
@@ -412,15 +412,17 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int,
             for suffix, value in gpu_figures(e).items():
                 out[gpu_key(int(e[_F["gpu"]]), suffix)] = value
         return out
+    # each featured entry's figures once: (activity, GPU busy, CPU busy, rank, node, entry)
+    figs: list[tuple[float, float, float, int, int, Entry]] = [
+        (activity(e), *busy(e), int(e[_F["rank"]]), node, e) for e, _, _, node in featured]
+    quietest = heapq.nsmallest(K_WORST * 2, (f for f in figs if _finite(f[0])),
+                               key=lambda f: f[0])
     seen: set[int] = set()
-    ordered = sorted((activity(e), int(e[_F["rank"]]), e, node) for e, _, _, node in featured
-                     if _finite(activity(e)))
-    j = 0
-    for _, r, e, node in ordered:
-        if r in seen or j >= K_WORST:
+    for _, _, _, r, node, e in quietest:
+        if r in seen or len(seen) >= K_WORST:
             continue
         seen.add(r)
-        j += 1
+        j = len(seen)
         figures = gpu_figures(e)
         out[f"gpu/worst{j}/gpu"] = e[_F["gpu"]]
         out[f"gpu/worst{j}/node"] = float(node)
@@ -428,25 +430,21 @@ def merge_job(summaries: list[NodeSummary], world: int, nodes: int,
             if suffix in figures:
                 out[f"gpu/worst{j}/{suffix}"] = figures[suffix]
     _worst_nodes(summaries, out)
-    slow = sorted(((_score(g_best, busy(e)[0]), int(e[_F["rank"]]), node, e)
-                   for e, _, _, node in featured if _finite(busy(e)[0])),
-                  key=lambda t: t[0])
-    j = 0
+    slow = heapq.nlargest(K_SLOW * 2, (f for f in figs if _finite(f[1])), key=lambda f: f[1])
     seen.clear()
-    for score, r, node, e in slow:
-        if r in seen or j >= K_SLOW:
+    for _, g, _, r, node, _ in slow:
+        if r in seen or len(seen) >= K_SLOW:
             continue
         seen.add(r)
-        j += 1
+        j = len(seen)
         out[f"rank/slowest{j}/rank"] = float(r)
         out[f"rank/slowest{j}/node"] = float(node)
-        out[f"rank/slowest{j}/gpu_relative_score"] = score
-        out[f"rank/slowest{j}/gpu_busy_s"] = busy(e)[0]
+        out[f"rank/slowest{j}/gpu_relative_score"] = _score(g_best, g)
+        out[f"rank/slowest{j}/gpu_busy_s"] = g
     # per-rank figures of the job's slowest few by GPU and by CPU time (the slow-rank rule's
     # candidates): O(1) keys a row, not O(ranks)
-    by_cpu = sorted((e for e, _, _, _ in featured if _finite(busy(e)[1])),
-                    key=lambda e: -busy(e)[1])[:K_SLOW]
-    chosen = seen | {int(e[_F["rank"]]) for e in by_cpu}
+    by_cpu = heapq.nlargest(K_SLOW, (f for f in figs if _finite(f[2])), key=lambda f: f[2])
+    chosen = seen | {f[3] for f in by_cpu}
     for e, ig, ic, _ in featured:
         if int(e[_F["rank"]]) in chosen:
             _rank_keys(e, ig, ic, g_best, c_best, out)
