@@ -261,7 +261,10 @@ class TrackerLayout:
 def run_metadata(context: RunContext) -> dict[str, str | float | int]:
     """What the trackers record about a run: gpulens's version, the backend (``"simulated"``
     for simulated GPUs, said so plainly), hostname, sampling interval (s), the GPUs (count,
-    ``"2 x NAME"`` summary, each GPU's name as ``gpu.{i}.name``) and the run's
+    ``"2 x NAME"`` summary, each GPU's name as ``gpu.{i}.name``), a distributed job's shape
+    (``job.world``, ``job.nodes``, ``job.launcher``, ``node.{n}`` = ``"NAME: ranks 0-7, 8 x
+    GPU"``, and up to :data:`~gpulens.schema.FULL_GPUS` GPUs each GPU's ``gpu.{i}.node`` and
+    ``gpu.{i}.uuid``; every GPU's identity is in the JSONL ``run_start``) and the run's
     :attr:`~gpulens.model.RunContext.meta` (dtype, MFU peak and its source, FLOPs ...)."""
     from gpulens import __version__
 
@@ -282,8 +285,42 @@ def run_metadata(context: RunContext) -> dict[str, str | float | int]:
         out["gpus"] = ", ".join(f"{n} x {name}" for name, n in names.items())
         for g in context.gpus:
             out[f"gpu.{g.index}.name"] = g.name
+    job = getattr(context, "job", None)
+    if job is not None:  # the job's shape: a few keys a node, never one a GPU beyond 8
+        out["job.world"] = job.world
+        out["job.nodes"] = job.nodes
+        out["job.launcher"] = job.launcher
+        by_node: dict[int, list[int]] = {}
+        for r in job.ranks:
+            by_node.setdefault(r.node, []).append(r.rank)
+        node_names = job.node_names()
+        for n, ranks in sorted(by_node.items()):
+            gpus = [g for r in job.ranks if r.node == n for g in r.gpus]
+            kinds = sorted({g.name for g in gpus})
+            out[f"node.{n}"] = (f"{node_names.get(n, '?')}: ranks {_spans(sorted(ranks))}, "
+                                f"{len(gpus)} x {', '.join(kinds) or '?'}")
+        if job.world <= FULL_GPUS:
+            for r in job.ranks:
+                for g in r.gpus:
+                    out[f"gpu.{g.index}.node"] = r.node
+                    out[f"gpu.{g.index}.uuid"] = g.uuid
+        if job.missing:
+            out["job.missing_ranks"] = _spans(list(job.missing))
     for key, value in (context.meta or {}).items():
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             value = str(value)
         out.setdefault(str(key), value)
     return out
+
+
+def _spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts: list[str] = []
+    for v in values:
+        if parts and "-" not in parts[-1].split(", ")[-1] and int(parts[-1]) == v - 1:
+            parts[-1] = f"{parts[-1]}-{v}"
+        elif parts and "-" in parts[-1] and int(parts[-1].split("-")[1]) == v - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{v}"
+        else:
+            parts.append(str(v))
+    return ", ".join(parts)
