@@ -3,7 +3,7 @@
 Each leader pushes one node summary a row (:class:`~gpulens.distributed.aggregate.NodeSummary`,
 a few kB) to one queue; a thread of rank 0's waits on it (a blocking pop on a store connection
 of its own: no polling) and hands what comes to the gather thread.  Torch's store queues
-(``queue_push`` / ``queue_pop``, torch 2.8 on TCPStore with libuv and HashStore) are used where
+(``queue_push`` / ``queue_pop``: TCPStore with libuv and HashStore in recent torch) are used where
 the store has them; elsewhere each leader writes numbered keys and rank 0 reads them
 (``up/<node>/<n>``: one ``check`` per node a poll).  Either way no rank opens a connection of
 its own to another rank, and no rank waits for another: a node that stops sending is simply
