@@ -392,7 +392,7 @@ class Monitor:
             steplogger.submit(row)
 
     def _abandon_gather(self) -> None:
-        """A start that failed: release the gather's gloo group, forget the plan."""
+        """A start that failed: release the gather (its node file), forget the plan."""
         if self._gather is not None:
             self._gather.close()
         self._gather = self._steplogger = None
@@ -490,10 +490,10 @@ class Monitor:
              ) -> dict[str, SinkStats]:
         """Close the last windows, write what every sink holds, and stop.  Idempotent.
 
-        In a distributed job ``stop()`` is a collective (the ranks' last rows meet), like
-        :meth:`log`.  ``collective=False`` (an error on the way out of one rank, when the
-        others may never reach ``stop()``) skips that: the last windows not yet gathered are
-        not written (said), and gpulens's gloo group is released at once.
+        In a distributed job every rank calls ``stop()`` (the ranks' last rows meet; nothing
+        waits for a rank that does not come longer than the gather's bounded wait).
+        ``collective=False`` (an error on the way out of one rank) skips this rank's last
+        exchange: its last windows not yet gathered are not written (said).
 
         Waits while the sinks make progress: at most ``timeout`` seconds (default
         :data:`~gpulens.sinks.writer.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and
