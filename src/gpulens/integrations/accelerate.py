@@ -43,9 +43,8 @@ from typing import Any
 
 from gpulens._warn import logger as _log
 from gpulens.monitor import Monitor
-from gpulens.sinks import check_sinks
+from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Row, RunContext, Sink
-from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
 
 try:
@@ -170,7 +169,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
     if not trackers and not sinks:
         raise ValueError("no tracker has started: call attach(accelerator) after "
                          "accelerator.init_trackers(...), or pass sinks=")
-    own: list[str | Sink] = []
+    own: list[str | SinkSpec | Sink] = []
     for tracker in trackers:
         own.append(_sink_for(tracker))
     if gpus is None and int(getattr(accelerator, "num_processes", 1)) > 1:
@@ -183,7 +182,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
     return gpu_tracker
 
 
-def _sink_for(tracker: Any) -> Sink:
+def _sink_for(tracker: Any) -> SinkSpec | Sink:
     name = getattr(tracker, "name", "")
     if name == "wandb":
         return WandbSink(run=tracker.tracker, include_train=False)
@@ -191,8 +190,8 @@ def _sink_for(tracker: Any) -> Sink:
         import mlflow
 
         run = tracker.tracker
-        return MlflowSink(run_id=run.info.run_id, tracking_uri=mlflow.get_tracking_uri(),
-                          include_train=False)
+        return sink_spec("mlflow", run_id=run.info.run_id,
+                         tracking_uri=mlflow.get_tracking_uri(), include_train=False)
     _log.info("gpulens: GPU rows go to Accelerate's %r tracker through its log()", name)
     return TrackerSink(tracker)
 
