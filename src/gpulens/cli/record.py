@@ -206,6 +206,12 @@ def run_record(args: argparse.Namespace) -> int:
         settings = Settings(gpus=tuple(args.gpus) if args.gpus else None,
                             interval=monitor_interval(args.interval),
                             sinks=(*_sinks(args.sink), *extra))
+        if any(text.strip().lower().startswith("wandb") for text in args.sink):
+            # a command of its own can afford importing wandb (a second) to check the login
+            # now; a training process's start() leaves that to the sink's opening
+            from gpulens.sinks.wandb import check_wandb_login
+
+            check_wandb_login()
     except (ValueError, ImportError) as e:
         raise CliError(str(e)) from None
     monitor = gpulens.Monitor.from_settings(settings)

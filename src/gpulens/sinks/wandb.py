@@ -250,10 +250,19 @@ class WandbSink:
         return cls(**cls.check_options(cls.spec_options(arg)))
 
     def check(self) -> None:
-        """``ValueError`` (one line), before anything is created, if ``open()`` is known to
-        fail: wandb not installed, or no run and no login while W&B is online
-        (:func:`check_wandb_ready`: cheap; what it cannot tell without importing wandb,
-        ``open()`` finds, off the training thread)."""
+        """``ValueError`` (one line), before anything is created, if ``open()`` would fail:
+        wandb not installed, or no run, no login and not offline.  Imports wandb (about a
+        second): ``Monitor.start()`` calls the cheap :meth:`prepare` instead."""
+        try:
+            import_wandb()
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+        if self._run is None:
+            check_wandb_login()
+
+    def prepare(self) -> None:
+        """What ``Monitor.start()`` checks, cheaply (:func:`check_wandb_ready`); what it cannot
+        tell without importing wandb, ``open()`` finds, off the training thread."""
         if self._run is None:
             check_wandb_ready()
 
