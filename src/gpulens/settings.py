@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gpulens._warn import warn_once
+from gpulens.log import warn_once
 from gpulens.sinks import SinkSpec, as_sink
 from gpulens.sinks.base import Sink
 

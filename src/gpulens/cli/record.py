@@ -74,7 +74,7 @@ class WallClockRows:
         self.inner.open(context)
 
     def write(self, row: Any) -> None:
-        from gpulens.sinks.base import Row
+        from gpulens.model import Row
 
         values = {k: v for k, v in row.values.items()
                   if k != STEP_KEY and not k.startswith("perf/")}

@@ -1,4 +1,4 @@
-"""What the client tells the engine at start: a picklable spec (it crosses to the sampler
+"""What the client tells the engine at start: a picklable spec (it crosses to the engine
 process), from which :class:`gpulens.engine.engine.Engine` builds everything."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ WORK_KEYS = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU)
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the engine needs; every field pickles (a simulator backend does when its
-    load does: see :mod:`gpulens.testing.loads`)."""
+    load does: see :mod:`gpulens.sources.loads`)."""
 
     interval: float
     """Seconds between cheap samples."""

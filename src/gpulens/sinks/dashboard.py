@@ -35,8 +35,8 @@ from gpulens.dashboard.server import (
     PortInUse,
     bind_error,
 )
+from gpulens.model import Row, RunContext
 from gpulens.sinks import port_taken
-from gpulens.sinks.base import Row, RunContext
 
 
 class DashboardSink:

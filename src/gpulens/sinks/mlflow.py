@@ -33,9 +33,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gpulens._warn import logger as _log
-from gpulens._warn import warn_once
-from gpulens.sinks.base import Event, Row, RunContext
+from gpulens.log import logger as _log
+from gpulens.log import warn_once
+from gpulens.model import Event, Row, RunContext
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
 
 _INVALID = re.compile(r"[^A-Za-z0-9_\-. /]")
