@@ -29,7 +29,15 @@ from typing import Any
 from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS, EngineSpec
 from gpulens.log import effective_level, logger, warn_once
 from gpulens.model import Row, RunContext
-from gpulens.settings import BACKENDS, ISOLATIONS, Settings, normalize_run_dtype
+from gpulens.settings import (
+    BACKENDS,
+    ISOLATIONS,
+    Settings,
+    distributed_env,
+    env_choice,
+    normalize_run_dtype,
+    simulated_from_env,
+)
 from gpulens.sinks import ENGINE, SinkSpec, as_sink, prepare_sinks, unique_names
 from gpulens.sinks.base import Sink
 from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger
@@ -39,39 +47,6 @@ from gpulens.transport.base import SpawnFailed, Transport
 from gpulens.transport.inproc import InprocTransport
 from gpulens.transport.process import ProcessTransport
 from gpulens.transport.relay import MarkRelay
-
-
-def _env_choice(name: str, choices: tuple[str, ...]) -> str | None:
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return None
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value
-
-
-def _simulated_from_env() -> Any:
-    from gpulens.sources.simulated import SimulatedNVML
-
-    raw = os.environ.get("GPULENS_SIMULATED_GPUS", "2")
-    try:
-        count = int(raw)
-    except ValueError:
-        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
-    if count < 1:
-        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be at least 1")
-    return SimulatedNVML(gpus=count)
-
-
-def distributed_env() -> tuple[int, int, int] | None:
-    """(global rank, local rank, world size) from torchrun's variables, or None if single."""
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return None
-        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world
-    except (KeyError, ValueError):
-        return None
 
 
 class _Link:
@@ -272,15 +247,15 @@ class Monitor:
         """The backend to hand the engine: ``"auto"``, ``"nvml"`` or an NVML-like object."""
         backend = self._settings.backend
         if backend is None:
-            backend = _env_choice("GPULENS_BACKEND", BACKENDS) or "auto"
+            backend = env_choice("GPULENS_BACKEND", BACKENDS) or "auto"
         if backend == "simulated":
-            return _simulated_from_env()
+            return simulated_from_env()
         return backend
 
     def _choose_transport(self, backend: Any) -> Transport:
         choice = self._settings.isolation
         if choice == "auto":
-            choice = _env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+            choice = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
         if choice == "thread":
             return InprocTransport()
         if os.name != "posix":

@@ -20,6 +20,7 @@ What the environment chooses (``GPULENS_BACKEND``, ``GPULENS_SIMULATED_GPUS``,
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -129,3 +130,40 @@ class Settings:
                     or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
             put(self, name, float(value))
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """The choice an environment variable makes (``GPULENS_BACKEND``, ``GPULENS_ISOLATION``),
+    lower-cased; ``None`` if unset; ``ValueError`` (one line) if not one of ``choices``."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return None
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
+def simulated_from_env() -> Any:
+    """The simulated GPUs ``GPULENS_BACKEND=simulated`` asks for (``GPULENS_SIMULATED_GPUS``,
+    default 2)."""
+    from gpulens.sources.simulated import SimulatedNVML
+
+    raw = os.environ.get("GPULENS_SIMULATED_GPUS", "2")
+    try:
+        count = int(raw)
+    except ValueError:
+        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
+    if count < 1:
+        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be at least 1")
+    return SimulatedNVML(gpus=count)
+
+
+def distributed_env() -> tuple[int, int, int] | None:
+    """(global rank, local rank, world size) from torchrun's variables, or None if single."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world
+    except (KeyError, ValueError):
+        return None

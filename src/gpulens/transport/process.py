@@ -12,9 +12,9 @@ Here the training process keeps only this:
   which another process cannot see (the mark carries them);
 * a link thread that sleeps in ``os.read`` and wakes only for what must happen here: rows for
   the sinks that live in this process (W&B, whose run object is here; a framework's loggers;
-  Prometheus; sink objects, and sinks chosen by name that run in the client) and for the distributed gather; the engine's
-  log records, re-emitted through this process's ``gpulens`` logger at their level; the
-  engine's sink figures (every second, so they are known even if it dies).
+  every sink given as an object) and for the distributed gather; the engine's log records,
+  re-emitted through this process's ``gpulens`` logger at their level; the engine's sink
+  figures (every second, so they are known even if it dies).
 
 The engine process (``python -c "...process.main(...)"``) builds an
 :class:`~gpulens.engine.engine.Engine` from the :class:`~gpulens.engine.spec.EngineSpec` it
