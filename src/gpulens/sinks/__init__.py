@@ -76,7 +76,8 @@ SINKS: dict[str, SinkKind] = {
 """Every sink that can be chosen by name."""
 
 __all__ = ["CLIENT", "ENGINE", "SINKS", "Sink", "SinkKind", "SinkSpec", "as_sink",
-           "check_sinks", "parse_sink", "port_taken", "prepare_sinks", "resolve_sink",
+           "check_port", "check_sinks", "host_port_options", "parse_sink", "port_taken",
+           "prepare_sinks", "resolve_sink",
            "sink_label", "sink_spec", "unique_names"]
 
 
@@ -243,3 +244,24 @@ def port_taken(host: str, port: int) -> OSError | None:
     except OSError as exc:
         return exc
     return None
+
+
+def host_port_options(kind: str, arg: str | None, syntax: str) -> dict[str, Any]:
+    """The options of ``"kind:PORT"`` or ``"kind:HOST:PORT"`` (``[::1]:PORT`` for IPv6;
+    127.0.0.1 when no host is given): ``{"port", "host"}``, ``{}`` for ``"kind"``;
+    ``ValueError`` naming ``syntax`` otherwise."""
+    if arg is None or not arg.strip():
+        return {}
+    host, sep, port_text = arg.strip().rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{kind} sink: expected {syntax}, got '{kind}:{arg}'") from None
+    return {"port": port, "host": host.strip("[]") if sep and host else "127.0.0.1"}
+
+
+def check_port(kind: str, port: object) -> None:
+    """``ValueError`` (one line) unless ``port`` is a TCP port number (0: any free one)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"{kind} sink: port must be 0-65535, not {port!r}")
+

@@ -36,7 +36,7 @@ from gpulens.dashboard.server import (
     bind_error,
 )
 from gpulens.model import Row, RunContext
-from gpulens.sinks import port_taken
+from gpulens.sinks import check_port, host_port_options, port_taken
 
 
 class DashboardSink:
@@ -62,8 +62,7 @@ class DashboardSink:
         if server is not None:
             port, host, title, metrics = server.port, server.host, server.title, server.metrics
             history_rows = server.history_rows
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"dashboard sink: port must be 0-65535, not {port!r}")
+        check_port("dashboard", port)
         if history_rows < 16:
             raise ValueError(f"dashboard sink: history_rows must be >= 16, not {history_rows}")
         self.port = port
@@ -77,24 +76,13 @@ class DashboardSink:
     @staticmethod
     def spec_options(arg: str | None) -> dict[str, Any]:
         """``"8765"``, ``"0"`` (a free port), ``"HOST:PORT"``; ``None`` -> 8765 on 127.0.0.1."""
-        if arg is None or not arg.strip():
-            return {}
-        host, sep, port_text = arg.strip().rpartition(":")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise ValueError(
-                f"dashboard sink: expected 'dashboard', 'dashboard:PORT' or "
-                f"'dashboard:HOST:PORT', got 'dashboard:{arg}'"
-            ) from None
-        return {"port": port, "host": host.strip("[]") if sep and host else "127.0.0.1"}
+        return host_port_options(
+            "dashboard", arg, "'dashboard', 'dashboard:PORT' or 'dashboard:HOST:PORT'")
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> dict[str, Any]:
         """``ValueError`` (one line) for a port outside 0-65535 or too short a history."""
-        port = options.get("port", DEFAULT_PORT)
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"dashboard sink: port must be 0-65535, not {port!r}")
+        check_port("dashboard", options.get("port", DEFAULT_PORT))
         history = options.get("history_rows", DEFAULT_HISTORY_ROWS)
         if not isinstance(history, int) or history < 16:
             raise ValueError(f"dashboard sink: history_rows must be >= 16, not {history!r}")

@@ -79,7 +79,7 @@ from typing import Any
 
 from gpulens.model import GpuInfo, Row, RunContext
 from gpulens.schema import GPU_METRIC_BY_KEY
-from gpulens.sinks import port_taken
+from gpulens.sinks import check_port, host_port_options, port_taken
 
 DEFAULT_PORT = 9400
 
@@ -190,8 +190,7 @@ class PrometheusSink:
 
     def __init__(self, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
                  training: bool = True, *, http: bool = True) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"prometheus sink: port must be 0-65535, not {port}")
+        check_port("prometheus", port)
         self.port = port
         self.host = host
         self.training = training
@@ -211,24 +210,13 @@ class PrometheusSink:
     @staticmethod
     def spec_options(arg: str | None) -> dict[str, Any]:
         """``"9400"``, ``"0"`` (free port) or ``"HOST:PORT"``; ``None`` -> 9400 on 127.0.0.1."""
-        if arg is None or not arg.strip():
-            return {}
-        host, sep, port_text = arg.strip().rpartition(":")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise ValueError(
-                f"prometheus sink: expected 'prometheus:PORT' or 'prometheus:HOST:PORT', "
-                f"got 'prometheus:{arg}'"
-            ) from None
-        return {"port": port, "host": host.strip("[]") if sep and host else "127.0.0.1"}
+        return host_port_options("prometheus", arg,
+                                 "'prometheus:PORT' or 'prometheus:HOST:PORT'")
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> dict[str, Any]:
         """``ValueError`` (one line) for a port outside 0-65535."""
-        port = options.get("port", DEFAULT_PORT)
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"prometheus sink: port must be 0-65535, not {port!r}")
+        check_port("prometheus", options.get("port", DEFAULT_PORT))
         return options
 
     @staticmethod
