@@ -105,8 +105,12 @@ COUNTER = Meter()
 
 
 def wrap_token_counter() -> None:
-    """Time ``TokenCounter.observe`` (HF's forward pre-hook, Lightning's batch hook)."""
-    from gpulens.work import hf
+    """Time ``TokenCounter.observe`` (HF's forward pre-hook, Lightning's batch hook), where
+    the tree counts work at all (older trees do not)."""
+    try:
+        from gpulens.work import hf
+    except ImportError:
+        return
 
     hf.TokenCounter.observe = COUNTER.timed(  # type: ignore[method-assign]
         "TokenCounter.observe", hf.TokenCounter.observe)

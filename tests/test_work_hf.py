@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from gpulens._warn import reset_warnings  # noqa: E402
+from gpulens.log import reset_warnings  # noqa: E402
 from gpulens.work.flops import formula_from_config  # noqa: E402
 from gpulens.work.hf import (  # noqa: E402
     TokenCounter,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpulens._warn import warn_once
+from gpulens.log import warn_once
 
 CHECKED_WITH = ("lightning 2.6.6", "pytorch_lightning 2.6.6")
 
