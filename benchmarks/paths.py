@@ -104,9 +104,24 @@ class Block:
 
 
 def kind_of(arm: str) -> str:
-    """``"gpulens"`` for an arm that runs gpulens, else ``"base"`` (the baseline and its A/A
-    arm run the same code)."""
-    return "gpulens" if arm.endswith("gpulens") else "base"
+    """``"gpulens"`` for an arm that runs gpulens, ``"dsm"`` for Lightning's
+    ``DeviceStatsMonitor``, else ``"base"`` (the baseline and its A/A arm run the same code)."""
+    if arm.endswith("gpulens"):
+        return "gpulens"
+    return "dsm" if arm.endswith("_dsm") else "base"
+
+
+def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
+                      instrument: Instrument | None) -> list[Any]:
+    """``[GPUMonitorCallback(interval)]`` of ``module`` for a gpulens arm, else ``[]``."""
+    if kind_of(arm) != "gpulens":
+        return []
+    import importlib
+
+    callback = importlib.import_module(module).GPUMonitorCallback(interval=interval)
+    if instrument is not None:
+        instrument(callback, clock)
+    return [callback]
 
 
 class HfPath:
@@ -168,15 +183,8 @@ class HfPath:
             dataloader_pin_memory=cuda, disable_tqdm=True, use_cpu=not cuda, seed=0,
             bf16=False, ddp_find_unused_parameters=False,
         )
-        callbacks: list[Any] = []
-        if kind_of(arm) == "gpulens":
-            from gpulens.integrations.transformers import GPUMonitorCallback
-
-            callback = GPUMonitorCallback(interval=self.interval)
-            if instrument is not None:
-                instrument(callback, clock)
-            callbacks.append(callback)
-        callbacks.append(Stamp())
+        callbacks = [*gpulens_callbacks(arm, "gpulens.integrations.transformers",
+                                        self.interval, clock, instrument), Stamp()]
         model = copy.deepcopy(s.model)
         trainer = Trainer(model=model, args=targs, train_dataset=self.dataset(warmup + steps),
                           callbacks=callbacks)
@@ -191,7 +199,8 @@ class LightningPath:
     """A ``lightning.pytorch.Trainer`` over a module wrapping a copy of the warmed model
     (``self.model``: its Hugging Face config gives gpulens the FLOPs), fed the setup's batches
     as dicts with an attention mask (no data loading), a CSV logger, ``log_every_n_steps``;
-    ``gpulens``: plus ``GPUMonitorCallback(interval)`` (rows to the CSV logger)."""
+    ``gpulens``: plus ``GPUMonitorCallback(interval)`` (rows to the CSV logger); ``*_dsm``:
+    plus Lightning's ``DeviceStatsMonitor``."""
 
     def __init__(self, s: og.Setup, tmp: Path, log_every: int, interval: float) -> None:
         import torch
@@ -243,15 +252,13 @@ class LightningPath:
             def on_train_batch_end(self, *args: Any) -> None:
                 clock.stamp()
 
-        callbacks: list[Any] = []
-        if kind_of(arm) == "gpulens":
-            from gpulens.integrations.lightning import GPUMonitorCallback
+        callbacks = [*gpulens_callbacks(arm, "gpulens.integrations.lightning", self.interval,
+                                        clock, instrument), Stamp()]
+        if kind_of(arm) == "dsm":  # Lightning's own peer; on a CPU it has only CPU figures
+            from lightning.pytorch.callbacks import DeviceStatsMonitor
 
-            callback = GPUMonitorCallback(interval=self.interval)
-            if instrument is not None:
-                instrument(callback, clock)
-            callbacks.append(callback)
-        callbacks.append(Stamp())
+            callbacks.insert(0, DeviceStatsMonitor(cpu_stats=True if device.type == "cpu"
+                                                   else None))
         trainer = pl.Trainer(
             accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
             max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0,
