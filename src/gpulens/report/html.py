@@ -115,7 +115,9 @@ document.querySelectorAll('svg.chart').forEach(function(svg){
   if(px<L||px>R||!lines.length){hide();return;}
   cur.setAttribute('x1',px);cur.setAttribute('x2',px);cur.setAttribute('visibility','visible');
   var x=x0+(px-L)/(R-L)*(x1-x0);
-  var out=[d.xlabel==='step'?'step '+Math.round(x):d.xlabel+' '+x.toFixed(1)];
+  if(d.xscale==='log2')x=Math.round(Math.pow(2,x));
+  var out=[d.xlabel==='step'||d.xscale==='log2'?d.xlabel+' '+Math.round(x):d.xlabel+' '+
+   x.toFixed(1)];
   lines.forEach(function(l){var p=nearest(l.pts,px);
    out.push(l.label+': '+fmt(y0+(B-p[1])/(B-T)*(y1-y0)));});
   tip.textContent=out.join('\\n');tip.style.left=(ev.pageX+14)+'px';

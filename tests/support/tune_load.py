@@ -1,0 +1,85 @@
+"""A training whose speed the tests control: for ``gpulens tune`` on a CPU.
+
+* :class:`SlowSamples` — a dataset whose every sample costs ``per_sample_s`` of sleep in the
+  process that loads it (the main process with ``num_workers=0``, else a worker), so loader
+  workers matter exactly as much as the test says.
+* :class:`ControlledStep` — a real training step of a tiny linear model (forward, backward,
+  optimizer step) plus a sleep of ``cost(batch)``: ``fixed_s + per_sample_s x batch`` up to
+  ``knee`` samples, ``slow_per_sample_s`` per sample beyond (a larger batch that is slower per
+  sample, built on purpose), and ``torch.OutOfMemoryError`` from ``oom_at`` samples on.
+
+Sleeps, not computation, so the costs hold on a loaded two-core machine: a sleeping process
+needs no CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class SlowSamples(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, n: int = 4096, per_sample_s: float = 0.0, dim: int = 8) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=gen)
+        self.y = self.x.sum(-1, keepdim=True)
+        self.per_sample_s = per_sample_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.per_sample_s:
+            time.sleep(self.per_sample_s)
+        return self.x[i], self.y[i]
+
+
+@dataclass
+class ControlledStep:
+    fixed_s: float = 0.002
+    per_sample_s: float = 0.0005
+    knee: int | None = None
+    slow_per_sample_s: float = 0.002
+    oom_at: int | None = None
+    accumulate: bool = False
+    """True: forward+backward only (the optimizer step is :meth:`optimizer_step`)."""
+    model: nn.Module = field(default_factory=lambda: nn.Linear(8, 1))
+    batches: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+
+    def cost(self, b: int) -> float:
+        if self.knee is not None and b > self.knee:
+            return self.fixed_s + self.slow_per_sample_s * b
+        return self.fixed_s + self.per_sample_s * b
+
+    def __call__(self, batch: Any) -> None:
+        x, y = batch
+        b = int(x.shape[0])
+        self.batches.append(b)
+        if self.oom_at is not None and b >= self.oom_at:
+            held = torch.empty(1024)  # something the traceback holds
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {b} MiB ({held.numel()})")
+        loss = nn.functional.mse_loss(self.model(x), y)
+        loss.backward()
+        time.sleep(self.cost(b))
+        if not self.accumulate:
+            self.optimizer_step()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def make_loader_factory(dataset: Dataset[Any]) -> Any:
+    def make_loader(batch_size: int, num_workers: int) -> DataLoader[Any]:
+        return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
+                          shuffle=True, drop_last=True)
+    return make_loader
