@@ -1,8 +1,8 @@
 """A training whose speed the tests control: for ``gpulens tune`` on a CPU.
 
 * :class:`SlowSamples` — a dataset whose every sample costs ``per_sample_s`` of sleep in the
-  process that loads it (the main process with ``num_workers=0``, else a worker), so loader
-  workers matter exactly as much as the test says.
+  process that loads it (the main process with ``num_workers=0``, else a worker; one sleep per
+  batch), so loader workers matter exactly as much as the test says.
 * :class:`ControlledStep` — a real training step of a tiny linear model (forward, backward,
   optimizer step) plus a sleep of ``cost(batch)``: ``fixed_s + per_sample_s x batch`` up to
   ``knee`` samples, ``slow_per_sample_s`` per sample beyond (a larger batch that is slower per
@@ -15,6 +15,7 @@ needs no CPU.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,13 @@ class SlowSamples(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             time.sleep(self.per_sample_s)
         return self.x[i], self.y[i]
 
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A whole batch (what a DataLoader asks for): one sleep of the batch's cost, so the
+        cost holds on a loaded machine (one wake-up per batch, not one per sample)."""
+        if self.per_sample_s:
+            time.sleep(self.per_sample_s * len(indices))
+        return [(self.x[i], self.y[i]) for i in indices]
+
 
 @dataclass
 class ControlledStep:
@@ -50,6 +58,10 @@ class ControlledStep:
     """True: forward+backward only (the optimizer step is :meth:`optimizer_step`)."""
     model: nn.Module = field(default_factory=lambda: nn.Linear(8, 1))
     batches: list[int] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    """``f<batch>`` per forward+backward, ``o`` per optimizer step."""
+    held: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    """The tensors that out-of-memory steps held when they raised."""
 
     def __post_init__(self) -> None:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
@@ -60,13 +72,14 @@ class ControlledStep:
         return self.fixed_s + self.per_sample_s * b
 
     def __call__(self, batch: Any) -> None:
-        x, y = batch
+        x, y = (torch.as_tensor(t) for t in batch)
         b = int(x.shape[0])
         self.batches.append(b)
         if self.oom_at is not None and b >= self.oom_at:
-            held = torch.empty(1024)  # something the traceback holds
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory. Tried to allocate {b} MiB ({held.numel()})")
+            held = torch.empty(1 << 16)  # what the step's frame holds when it raises
+            self.held.append(weakref.ref(held))
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b} MiB")
+        self.events.append(f"f{b}")
         loss = nn.functional.mse_loss(self.model(x), y)
         loss.backward()
         time.sleep(self.cost(b))
@@ -74,12 +87,25 @@ class ControlledStep:
             self.optimizer_step()
 
     def optimizer_step(self) -> None:
+        self.events.append("o")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def collate_numpy(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, Any]:
+    """A batch as two numpy arrays: they cross from a loader worker by value, not as shared
+    memory whose file descriptor the main process must fetch from the worker (a round trip
+    that a loaded machine delays by milliseconds, which would read as data wait)."""
+    return (torch.stack([s[0] for s in samples]).numpy(),
+            torch.stack([s[1] for s in samples]).numpy())
+
+
+def make_loader(dataset: Dataset[Any], batch_size: int, num_workers: int = 0) -> DataLoader[Any]:
+    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, shuffle=True,
+                      drop_last=True, collate_fn=collate_numpy)
+
+
 def make_loader_factory(dataset: Dataset[Any]) -> Any:
-    def make_loader(batch_size: int, num_workers: int) -> DataLoader[Any]:
-        return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers,
-                          shuffle=True, drop_last=True)
-    return make_loader
+    def factory(batch_size: int, num_workers: int) -> DataLoader[Any]:
+        return make_loader(dataset, batch_size, num_workers)
+    return factory
