@@ -81,7 +81,7 @@ class ControlledStep:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b} MiB")
         self.events.append(f"f{b}")
         loss = nn.functional.mse_loss(self.model(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call,unused-ignore]
         time.sleep(self.cost(b))
         if not self.accumulate:
             self.optimizer_step()

@@ -15,7 +15,9 @@ and optimizer settings. During the sweep the Trainer's own callbacks (progress b
 MLflow, early stopping...) are set aside, so nothing is logged, evaluated or saved; a callback
 of the tuner marks the phases: ``on_step_end`` -> ``on_step_begin`` is the data wait (the
 Trainer fetches the step's micro-batches there), ``on_step_begin`` -> ``on_pre_optimizer_step``
-forward+backward, then the optimizer until ``on_step_end``.
+forward+backward, then the optimizer until ``on_step_end``. On a GPU the phases are on the
+GPU's timeline; on a CPU (host clock) the data wait also holds the Trainer's own work between
+steps (its logging decision, the loss's NaN check), some milliseconds per step.
 
 Afterwards the model's weights (and an optimizer or scheduler you passed to the Trainer) are
 put back, the Trainer's callbacks and arguments restored, and, with ``apply=True`` (default),
@@ -98,8 +100,7 @@ class HfWorkload:
     def cleanup(self) -> None:
         t = self.trainer
         t.model.zero_grad(set_to_none=True)
-        t.accelerator.free_memory()
-        t.model_wrapped = t.model
+        t.model_wrapped = t.model  # the next train() frees the accelerator's references
         t.optimizer, t.lr_scheduler = self.optimizer, self.scheduler
 
 

@@ -31,6 +31,7 @@ chosen batch size and workers are written to the attributes they came from.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
@@ -128,6 +129,13 @@ class LightningWorkload:
                           enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0,
                           limit_val_batches=0)
+        with warnings.catch_warnings():
+            # Lightning's advice to add loader workers: the sweep is measuring exactly that
+            warnings.filterwarnings("ignore", message=r".*does not have many workers",
+                                    category=UserWarning)
+            self._fit(trainer, config)
+
+    def _fit(self, trainer: Any, config: Config) -> None:
         if self.loader is None and self.batch_holder is not None:
             _set(self.batch_holder, "batch_size", config.batch_size)
         if self.workers_holder is not None:
