@@ -28,6 +28,7 @@ pytestmark = pytest.mark.filterwarnings(  # Lightning 2.6.6 on torch 2.13, as in
 from gpulens.tune.hf import tune_trainer  # noqa: E402
 from gpulens.tune.lightning import tune_lightning  # noqa: E402
 
+
 @pytest.fixture(autouse=True)
 def _cheap_gc() -> Iterator[None]:
     """The Trainer collects Python's garbage at every ``train()`` (accelerate's

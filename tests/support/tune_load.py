@@ -109,3 +109,27 @@ def make_loader_factory(dataset: Dataset[Any]) -> Any:
     def factory(batch_size: int, num_workers: int) -> DataLoader[Any]:
         return make_loader(dataset, batch_size, num_workers)
     return factory
+
+
+def cli_job() -> Any:
+    """``gpulens tune tests.support.tune_load:cli_job``: 20 ms + 1 ms/sample up to 16 samples,
+    4 ms/sample beyond, out of memory from 64 samples; a loader function; current batch 4."""
+    from gpulens.tune import Config, TuneJob
+
+    step = ControlledStep(fixed_s=0.02, per_sample_s=0.001, knee=16, slow_per_sample_s=0.004,
+                          oom_at=64)
+    return TuneJob(loader=make_loader_factory(SlowSamples(n=1024)), step=step,
+                   model=step.model, optimizer=step.optimizer, current=Config(4, 0))
+
+
+def cli_job_one_worker() -> Any:
+    """:func:`cli_job` whose current setting has one loader worker."""
+    import dataclasses
+
+    from gpulens.tune import Config
+
+    return dataclasses.replace(cli_job(), current=Config(4, 1))
+
+
+def not_a_job() -> int:
+    return 3

@@ -66,12 +66,17 @@ def rows(result: TuneResult) -> list[tuple[str, ...]]:
     return out
 
 
-def table(result: TuneResult) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-    """``(columns, rows)`` without the columns that say nothing here (every cell ``-``, or an
-    accumulation of 1 throughout)."""
+TERMINAL = frozenset(COLUMNS) - {"fwd+bwd %", "optim %", "step ms", "headroom GB"}
+"""The columns that fit a terminal (the files have them all)."""
+
+
+def table(result: TuneResult, columns: frozenset[str] = frozenset(COLUMNS),
+          ) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """``(columns, rows)`` of ``columns``, without those that say nothing here (every cell
+    ``-``, or an accumulation of 1 throughout)."""
     cells = rows(result)
-    keep = [i for i, h in enumerate(COLUMNS)
-            if not all(r[i] in (NA, "1" if h == "accum" else NA) for r in cells)]
+    keep = [i for i, h in enumerate(COLUMNS) if h in columns
+            and not all(r[i] in (NA, "1" if h == "accum" else NA) for r in cells)]
     return (tuple(COLUMNS[i] for i in keep),
             [tuple(r[i] for i in keep) for r in cells])
 
@@ -185,6 +190,7 @@ def print_report(result: TuneResult, title: str = "gpulens tune", file: Any = No
 
     out = file or sys.stdout
     try:
+        from rich import box
         from rich.console import Console
         from rich.table import Table
     except ImportError:
@@ -193,9 +199,9 @@ def print_report(result: TuneResult, title: str = "gpulens tune", file: Any = No
     console = Console(file=out, highlight=False)
     console.print(f"[bold]{escape(title)}[/bold]")
     for line in headline(result):
-        console.print(f"  {line}", markup=False)
-    heads, cells = table(result)
-    grid = Table(show_edge=False, pad_edge=False)
+        console.print(f"  {line}", markup=False, soft_wrap=True)
+    heads, cells = table(result, TERMINAL)
+    grid = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     for h in heads:
         grid.add_column(h, justify="left" if h in ("why", "loader", "status") else "right")
     for r, t in zip(cells, result.trials, strict=True):

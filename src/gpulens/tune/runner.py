@@ -86,7 +86,8 @@ def describe_device(ctx: TrialContext) -> str:
     return "CPU"
 
 
-def _cpus() -> int | None:
+def cpus_per_rank() -> int | None:
+    """The CPUs this process may use, shared by the ranks of its node (``LOCAL_WORLD_SIZE``)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -95,21 +96,27 @@ def _cpus() -> int | None:
     return max(1, cpus // max(1, local)) if cpus else None
 
 
+def worker_settings(settings: TuneSettings, *, sweeps_workers: bool, current: Config | None,
+                    cpus: int | None) -> tuple[TuneSettings, list[str]]:
+    """The worker counts a sweep tries: none above the CPUs per rank, only the current count
+    when the loader cannot change it; with the notes that say so."""
+    notes: list[str] = []
+    grid = workers_grid(settings.workers, cpus)
+    if grid != settings.workers:
+        notes.append(f"worker counts above the {cpus} CPU(s) per rank were left out")
+    if not sweeps_workers:
+        grid = (current.num_workers if current is not None else 0,)
+        notes.append("the loader function takes no num_workers: workers were not swept")
+    return dataclasses.replace(settings, workers=grid), notes
+
+
 def sweep(workload: Workload, ctx: TrialContext, settings: TuneSettings, *,
           current: Config | None = None, loader_defaults: Config | None = None,
           sweeps_workers: bool = True, progress: bool = True) -> TuneResult:
     """Run the sweep over ``workload`` (every rank under DDP) and return its result."""
     rank, size = dist.world()
-    notes: list[str] = []
-    cpus = dist.agree_min(_cpus())
-    grid = workers_grid(settings.workers, cpus)
-    if grid != settings.workers:
-        notes.append(f"worker counts above the {cpus} CPU(s) per rank were left out")
-    if not sweeps_workers:
-        fixed = current.num_workers if current is not None else 0
-        grid = (fixed,)
-        notes.append("the loader function takes no num_workers: workers were not swept")
-    settings = dataclasses.replace(settings, workers=grid)
+    settings, notes = worker_settings(settings, sweeps_workers=sweeps_workers, current=current,
+                                      cpus=dist.agree_min(cpus_per_rank()))
     space = BatchSpace.from_settings(settings, size)
     if current is not None and space.global_batch is not None:
         acc = space.accumulation(current.batch_size) if space.allowed(current.batch_size) \
