@@ -69,6 +69,8 @@ class TuneSettings:
         workers: the ``num_workers`` values tried, ascending; a trial whose data wait is at or
             above ``data_wait_pct`` is repeated with the next count, and the worker sweep stops
             at the first count below it (or when more workers stopped helping).
+        workers_per_cpu: leave out worker counts above the CPUs each rank may use (the CPUs
+            of the process / ``LOCAL_WORLD_SIZE``); ``False`` tries them all.
         loader_options: also try ``pin_memory`` (CUDA only) and ``prefetch_factor`` 4 (when
             the data wait is still high) at the chosen batch size.
     Choice:
@@ -91,6 +93,7 @@ class TuneSettings:
     batch_multiple: int = 8
     global_batch: int | None = None
     workers: tuple[int, ...] = (0, 1, 2, 4, 8)
+    workers_per_cpu: bool = True
     data_wait_pct: float = 5.0
     loader_options: bool = True
     tie_pct: float = 1.0

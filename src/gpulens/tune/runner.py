@@ -101,7 +101,7 @@ def worker_settings(settings: TuneSettings, *, sweeps_workers: bool, current: Co
     """The worker counts a sweep tries: none above the CPUs per rank, only the current count
     when the loader cannot change it; with the notes that say so."""
     notes: list[str] = []
-    grid = workers_grid(settings.workers, cpus)
+    grid = workers_grid(settings.workers, cpus if settings.workers_per_cpu else None)
     if grid != settings.workers:
         notes.append(f"worker counts above the {cpus} CPU(s) per rank were left out")
     if not sweeps_workers:
