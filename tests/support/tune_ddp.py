@@ -31,11 +31,11 @@ def main(out: Path) -> None:
         local.append(trial.to_dict())
         return agree(trial)
 
-    tune_dist.agree = spy  # type: ignore[assignment]
+    tune_dist.agree = spy
     step = ControlledStep(fixed_s=0.03 if rank == 0 else 0.04, per_sample_s=0.001, knee=16,
                           slow_per_sample_s=0.004, oom_at=32)
     step.model = DistributedDataParallel(step.model)
-    data = SlowSamples(per_sample_s=0.001 if rank == 0 else 0.004)
+    data = SlowSamples(per_sample_s=0.001 if rank == 0 else 0.006)
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data), drop_last=True,
                         collate_fn=collate_numpy)
     result = tune(loader, step, model=step.model, optimizer=step.optimizer,
