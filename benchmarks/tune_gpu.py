@@ -15,6 +15,8 @@ Arms, in one process on one GPU, each bounded in time:
 3. **lightning**: ``Tuner(trainer).scale_batch_size(mode="power")`` on a LightningModule around
    the same model (precision ``bf16-mixed``).
 4. **hf**: ``Trainer(auto_find_batch_size=True, bf16=True)`` starting at ``--hf-start`` (256).
+   (3 and 4 run first, each with a model of its own, freed before the next arm; their
+   loaders have the current workers, ``--current-workers``.)
 5. **head to head**: tune's choice, the brute-force best, and the Lightning and HF choices
    (with the workers of tune's choice), measured in alternation, ``--rounds`` rounds.
 6. **after an OOM**: tune's choice measured, then an out-of-memory trial, then the choice again
@@ -140,11 +142,13 @@ class Runner:
             self.ctx.token_counter.detach()
 
 
-def free(*objects: Any) -> None:
-    del objects
+def free() -> float | None:
+    """Collect what an arm left and empty the allocator's cache; the GB still allocated."""
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 1e9
 
 
 def brute_force(run: Runner, sizes: list[int], workers: list[int],
@@ -207,7 +211,6 @@ def lightning_arm(s: Setup, workers: int) -> dict[str, Any]:
     found = Tuner(trainer).scale_batch_size(module, mode="power", steps_per_trial=3,
                                             init_val=2, max_trials=25)
     seconds = time.perf_counter() - start
-    free(module, trainer)
     return {"batch_size": found, "seconds": seconds, "workers": workers}
 
 
@@ -244,7 +247,6 @@ def hf_arm(s: Setup, workers: int) -> dict[str, Any]:
         log(f"hf auto_find_batch_size raised {error} (oom: {is_oom(e)})")
     seconds = time.perf_counter() - start
     found = int(trainer._train_batch_size)
-    free(trainer, model)
     return {"batch_size": found if error is None else None, "seconds": seconds,
             "workers": workers, "start": s.args.hf_start, "error": error}
 
@@ -300,7 +302,7 @@ def markdown(data: dict[str, Any]) -> str:
         if "batch_size" in arm:
             lines.append(row(name, arm["batch_size"], h2h.get(name, {}).get(
                 "config", {}).get("num_workers"), f"{arm['seconds']:.0f}",
-                arm.get("error") or ""))
+                arm.get("error") or "largest batch that fits, by its own search"))
     v = data["verdict"]
     lines += ["", f"- tune's choice against the brute-force best (head to head): "
                   f"{v['choice_vs_best_pct']:+.2f} % (done when >= -3 %)",
@@ -374,6 +376,21 @@ def main() -> int:
                             "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                             else "CPU", "torch": torch.__version__}
 
+    # Lightning's and HF's finders first, each with a model of its own that is freed before
+    # the next arm: no arm runs beside another's weights. Their loaders have the current
+    # workers (what a user of those tools has); they choose only the batch size.
+    crashes: list[str] = []
+    for name, arm in (("lightning", lightning_arm), ("hf", hf_arm)):
+        with phase(name, times):
+            try:
+                data[name] = arm(s, args.current_workers)
+            except Exception as e:  # a crash is a result
+                crashes.append(f"{name}: {type(e).__name__}: {e}"[:300])
+                data[name] = {"error": crashes[-1]}
+                log(crashes[-1])
+        if data[name].get("error") and data[name]["error"] not in crashes:
+            crashes.append(f"{name}: {data[name]['error']}")
+        data[name]["allocated_after_gb"] = free()
     with phase("tune", times):
         job = plain_job(s)
         start = time.perf_counter()
@@ -390,15 +407,6 @@ def main() -> int:
     with phase("brute force", times):
         data["brute_force"] = brute_force(run, sizes, workers, args.brute_limit_s)
     chosen = result.chosen.config if result.chosen else Config(sizes[0], workers[0])
-    crashes: list[str] = []
-    for name, arm in (("lightning", lightning_arm), ("hf", hf_arm)):
-        with phase(name, times):
-            try:
-                data[name] = arm(s, chosen.num_workers)
-            except Exception as e:  # a crash is a result
-                crashes.append(f"{name}: {type(e).__name__}: {e}"[:300])
-                data[name] = {"error": crashes[-1]}
-                log(crashes[-1])
     head: dict[str, Config] = {"tune": chosen}
     best = data["brute_force"]["best"]
     if best:

@@ -72,10 +72,38 @@ def make_context(*, model: Any = None, device: Any = None, dtype: object = None,
     if ctx.cuda and dtype is not None:
         from gpulens.work.peaks import peak_for
 
-        total = torch.cuda.get_device_properties(device).total_memory
-        peak = peak_for(torch.cuda.get_device_name(device), dtype, memory_gb=total / 1e9)
+        name, memory_gb, power_w = _gpu_facts(device)
+        peak = peak_for(name, dtype, memory_gb=memory_gb, power_limit_w=power_w)
         ctx.peak_tflops = peak.tflops if peak is not None else None
     return ctx
+
+
+def _gpu_facts(device: Any) -> tuple[str, float, float | None]:
+    """Name, memory (GB) and default power limit (W) of a CUDA device: what tells GPU variants
+    apart for the MFU peak (an H100 SXM from a PCIe). Read once, before any trial, through
+    gpulens's NVML door; torch's name and memory without NVML (no power limit: a variant the
+    name does not settle then has no peak, and ``peak_for`` says so)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    name, memory_gb = str(torch.cuda.get_device_name(device)), props.total_memory / 1e9
+    from gpulens.errors import GpulensError
+    from gpulens.sources.nvml import NvmlSource
+
+    source = NvmlSource()
+    try:
+        source.open()
+        visible = source.visible_gpus()
+        index = device.index or 0
+        if index >= len(visible):
+            return name, memory_gb, None
+        info = source.device(visible[index].nvml_index).info(index)
+        return info.name, info.mem_total_gb or memory_gb, (
+            info.default_power_limit_w or info.power_limit_w)
+    except GpulensError:
+        return name, memory_gb, None
+    finally:
+        source.close()
 
 
 def describe_device(ctx: TrialContext) -> str:
