@@ -4,8 +4,11 @@ runs, in which order, and what it chooses. No device, no clock: every case is ex
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from html import unescape
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +180,27 @@ def test_result_round_trips_and_renders() -> None:
     assert 'data-xscale="log2"' in html and "out of memory from 128" in html
     text = render_text(r)
     assert "samples/s by batch size" in text and "*" in text
+
+
+def test_the_html_report_in_a_browser(tmp_path: Path) -> None:
+    """The page's script runs; hovering the throughput chart reads out a batch size."""
+    from tests.test_report import check_page_in_chromium
+
+    f = Formula(compute=bent(32, 0.002), per_sample_load_s=0.0015, oom_at=128)
+    r = run(f, current=Config(8, 0), workers=(0, 1, 2))
+    html = render_html(r).replace("</body>", (
+        "<script>var s=document.querySelector('#tune-throughput svg'),"
+        "q=s.getBoundingClientRect();s.dispatchEvent(new MouseEvent('mousemove',"
+        "{clientX:q.left+q.width*0.6,clientY:q.top+q.height/2,bubbles:true}));"
+        "document.body.setAttribute('data-tip',document.getElementById('tip').textContent);"
+        "</script></body>"))
+    page = tmp_path / "tune.html"
+    page.write_text(html)
+    dom = check_page_in_chromium(page, tmp_path, min_charts=3)
+    tip = re.search(r'<body data-tip="([^"]*)"', dom)
+    assert tip, "the hover script did not run"
+    lines = unescape(tip.group(1)).splitlines()
+    assert re.fullmatch(r"batch size \d+", lines[0]), lines
+    assert 1 <= int(lines[0].split()[-1]) <= 128
+    assert any(line.startswith("2 workers: ") for line in lines), lines
+    assert not any("out of memory" in line or "chosen" in line for line in lines), lines

@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", type=int_list, default=None, metavar="8,16,32",
                    help="only these batch sizes (default: powers of two, and multiples of "
                         "--multiple between them)")
-    p.add_argument("--min-batch", type=int, default=1, metavar="N")
-    p.add_argument("--max-batch", type=int, default=65536, metavar="N")
+    p.add_argument("--min-batch", type=int, default=1, metavar="N",
+                   help="no batch size below N (1)")
+    p.add_argument("--max-batch", type=int, default=65536, metavar="N",
+                   help="no batch size above N (the out-of-memory edge ends the pass first)")
     p.add_argument("--multiple", type=int, default=8, metavar="N",
                    help="batch sizes between powers of two are multiples of N (8)")
     p.add_argument("--global-batch", type=int, default=None, metavar="N",

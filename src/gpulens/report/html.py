@@ -106,7 +106,8 @@ function nearest(pts,px){var lo=0,hi=pts.length-1;while(hi-lo>1){var m=(lo+hi)>>
 document.querySelectorAll('svg.chart').forEach(function(svg){
  var d=svg.dataset,L=+d.left,R=+d.right,T=+d.top,B=+d.bottom,x0=+d.x0,x1=+d.x1,y0=+d.y0,
  y1=+d.y1,W=svg.viewBox.baseVal.width,cur=svg.querySelector('.cursor');
- var lines=Array.prototype.map.call(svg.querySelectorAll('polyline'),function(p){
+ var lines=Array.prototype.map.call(svg.querySelectorAll('polyline:not([data-hover=off])'),
+  function(p){
   return {label:p.getAttribute('data-label'),pts:p.getAttribute('points').split(' ')
   .map(function(s){var a=s.split(',');return [+a[0],+a[1]];})};});
  function hide(){tip.hidden=true;cur.setAttribute('visibility','hidden');}

@@ -31,6 +31,8 @@ class Series:
     dash: str | None = None
     width: float = 1.8
     legend: bool = True
+    hover: bool = True
+    """False for a reference line (a limit, a target): the hover read-out leaves it out."""
 
 
 def color(i: int) -> str:
@@ -198,8 +200,9 @@ def line_chart(
         if len(reduced) == 1:
             cx, cy = sx(reduced[0][0]), sy(reduced[0][1])
             parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{s.color}"/>')
+        hover = "" if s.hover else ' data-hover="off"'
         parts.append(
-            f'<polyline data-label="{escape(s.label)}" fill="none" stroke="{s.color}" '
+            f'<polyline data-label="{escape(s.label)}"{hover} fill="none" stroke="{s.color}" '
             f'stroke-width="{s.width}"{dash} points="{coords}"/>'
         )
     if not series:

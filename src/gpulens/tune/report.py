@@ -241,7 +241,7 @@ def _charts(result: TuneResult) -> list[str]:
         if x_batch is None:
             return []
         x = math.log2(x_batch)
-        return [Series(label, [(x, 0.0), (x, top)], col, dash="4 3", width=1.2)]
+        return [Series(label, [(x, 0.0), (x, top)], col, dash="4 3", width=1.2, hover=False)]
 
     def chart(cid: str, title: str, unit: str, series: list[Series], extra: list[Series],
               ceiling: float | None = None) -> str:
@@ -255,20 +255,21 @@ def _charts(result: TuneResult) -> list[str]:
     if result.chosen is not None:
         c = result.chosen
         extra.append(Series(f"chosen: {c.config.label()}", [(math.log2(c.config.batch_size),
-                                                             c.throughput)], "#111827"))
+                                                             c.throughput)], "#111827",
+                            hover=False))
     out = [chart("tune-throughput", "Throughput by batch size", "samples/s", thr, extra)]
     target = result.settings.data_wait_pct
     wait = lines("data_wait_pct")
     if any(s.points for s in wait):
         line = [Series(f"{target:g} % target", [(xr[0], target), (xr[1], target)], "#64748b",
-                       dash="4 3", width=1.2)]
+                       dash="4 3", width=1.2, hover=False)]
         out.append(chart("tune-data-wait", "Data wait by batch size", "%", wait, line))
     mem = lines("peak_reserved_gb")
     if any(s.points for s in mem):
         totals = [t.total_gb for t in result.trials if t.total_gb is not None]
         line = [Series(f"GPU memory {max(totals):.0f} GB", [(xr[0], max(totals)),
                                                               (xr[1], max(totals))],
-                       "#b91c1c", dash="4 3", width=1.2)] if totals else []
+                       "#b91c1c", dash="4 3", width=1.2, hover=False)] if totals else []
         out.append(chart("tune-memory", "Peak memory (reserved) by batch size", "GB", mem,
                          line))
     return out
