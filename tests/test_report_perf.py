@@ -18,8 +18,7 @@ import gpulens
 from gpulens.cli import main
 from gpulens.report import load_jsonl, render_html, render_markdown, summarize
 from gpulens.report.text import figure
-from gpulens.testing import SimulatedNVML
-from gpulens.testing.loads import Constant
+from gpulens.testing import Constant, SimulatedNVML
 from tests.support.jsonl import read_lines, read_rows
 from tests.test_report import check_page_in_chromium
 from tests.test_report_truth import T0, header, row, write
