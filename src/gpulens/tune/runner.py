@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from gpulens._warn import logger
+from gpulens.log import logger
 from gpulens.tune import dist
 from gpulens.tune.model import Config, TuneResult, TuneSettings, workers_grid
 from gpulens.tune.progress import make_progress
