@@ -30,11 +30,13 @@ time (:meth:`JobGather.flush`).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,7 @@ from gpulens.distributed.topology import JobShape, Placement, placement_from_env
 from gpulens.log import logger, warn_once
 from gpulens.model import Row, RunContext
 from gpulens.schema import full_gpus
-from gpulens.sinks.base import Sink
+from gpulens.sinks import SinkSpec
 
 __all__ = ["JOB_WAIT_S", "NODE_WAIT_S", "RING", "JobGather"]
 
@@ -137,16 +139,25 @@ class JobGather:
         """(global rank, local rank, world size), as the engine's spec has it."""
         return (self.rank, self.m.local_rank, self.world)
 
-    def sinks_for(self, sinks: list[Sink]) -> list[Sink]:
+    def sinks_for(self, sinks: Sequence[Any]) -> list[Any]:
         """The sinks this rank writes: rank 0 all of them; in a job of more than
         :func:`~gpulens.schema.full_gpus` ranks, each node's leader each sink's node copy
-        (``sink.for_node(node)``: JSONL, Prometheus); the others none."""
+        (a sink object's ``for_node(node)``, a spec's class's ``node_options``: JSONL,
+        Prometheus); the others none."""
         if self.is_writer:
             return list(sinks)
         if not (self.is_leader and self.scaled):
             return []
-        out: list[Sink] = []
+        out: list[Any] = []
         for sink in sinks:
+            if isinstance(sink, SinkSpec):  # chosen by name: its class says the node's options
+                module, _, cls = sink.target.partition(":")
+                node_options = getattr(getattr(importlib.import_module(module), cls),
+                                       "node_options", None)
+                if node_options is not None:
+                    out.append(replace(sink, name=f"{sink.name} (node {self.node})",
+                                       options=node_options(dict(sink.options), self.node)))
+                continue
             for_node = getattr(sink, "for_node", None)
             copy = for_node(self.node) if for_node is not None else None
             if copy is not None:
