@@ -341,6 +341,10 @@ def main() -> int:
     p.add_argument("--hf-start", type=int, default=256)
     p.add_argument("--brute-limit-s", type=float, default=240.0)
     p.add_argument("--tune-budget-s", type=float, default=120.0)
+    p.add_argument("--time-limit-s", type=float, default=450.0,
+                   help="the whole run: the brute force gets what is left after the other "
+                        "arms' share, so the script ends within this (Lightning's and HF's "
+                        "finders run to their own end)")
     p.add_argument("--inject-oom-at", type=int, default=None,
                    help="raise an out-of-memory error from this batch size on (CPU smoke)")
     p.add_argument("--smoke", action="store_true",
@@ -367,6 +371,7 @@ def main() -> int:
     workers = [int(x) for x in args.workers.split(",")]
     s = Setup(args, device, config, Tokens(200_000, args.seq, config.vocab_size,
                                              args.sample_ms))
+    deadline = time.perf_counter() + args.time_limit_s
     settings = TuneSettings(warmup_steps=args.warmup, steps=args.steps, batch_sizes=tuple(sizes),
                             workers=tuple(workers), budget_s=args.tune_budget_s,
                             workers_per_cpu=False).check()
@@ -405,7 +410,9 @@ def main() -> int:
     (args.out / "tune_report.md").write_text(render_markdown(result, "gpulens tune: GPT-2 small"))
     run = Runner(s, job, dataclasses.replace(settings, budget_s=None))
     with phase("brute force", times):
-        data["brute_force"] = brute_force(run, sizes, workers, args.brute_limit_s)
+        # what is left, less about 20 % for the head to head and the after-OOM trials
+        left = 0.8 * (deadline - time.perf_counter())
+        data["brute_force"] = brute_force(run, sizes, workers, min(args.brute_limit_s, left))
     chosen = result.chosen.config if result.chosen else Config(sizes[0], workers[0])
     head: dict[str, Config] = {"tune": chosen}
     best = data["brute_force"]["best"]
