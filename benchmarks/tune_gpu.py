@@ -411,8 +411,9 @@ def main() -> int:
     data["tune"] = {"seconds": tune_s, "result": result.to_dict(),
                     "chosen": result.chosen.to_dict() if result.chosen else None,
                     "oom_batch": result.oom_batch, "confirm_diff_pct": result.confirm_diff_pct}
-    (args.out / "tune_report.html").write_text(render_html(result, "gpulens tune: GPT-2 small"))
-    (args.out / "tune_report.md").write_text(render_markdown(result, "gpulens tune: GPT-2 small"))
+    title = "gpulens tune: " + ("a tiny GPT-2 (--smoke)" if args.smoke else "GPT-2 small")
+    (args.out / "tune_report.html").write_text(render_html(result, title))
+    (args.out / "tune_report.md").write_text(render_markdown(result, title))
     run = Runner(s, job, dataclasses.replace(settings, budget_s=None))
     with phase("brute force", times):
         # what is left, less about 20 % for the head to head and the after-OOM trials

@@ -98,7 +98,10 @@ def headline(result: TuneResult) -> list[str]:
             figs.append(f"MFU {c.mfu_pct:.1f} %")
         line = f"Use {c.config.label()}: {', '.join(figs)}"
         cur = result.current
-        if result.speedup_pct is not None and cur is not None:
+        if cur is not None and (cur is c or cur.config == c.config):
+            line = (f"Keep the current setting, {c.config.label()}: {', '.join(figs)}, the "
+                    "fastest measured")
+        elif result.speedup_pct is not None and cur is not None:
             line += (f", {result.speedup_pct:+.1f} % against the current setting "
                      f"({cur.config.label()}: {fmt(cur.throughput)} samples/s)")
         elif cur is not None and cur.status == "oom":
