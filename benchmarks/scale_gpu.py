@@ -330,7 +330,7 @@ def markdown(s: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|---|"]
     for c in s.get("nvlink", {}).get("configs", []):
         nv, ring = c.get("nvlink_bytes_per_step_per_gpu"), c["ring_bytes_per_step_per_gpu"]
-        ratio = f"{nv / ring:.2f}" if nv is not None else "-"
+        ratio = f"{nv / ring:.2f}" if nv is not None and ring else "-"
         lines.append(f"| {c['size']} | {c['params']:,} | {c['bucket_cap_mb']:g} | "
                      f"{c['step_s'] * 1e3:.2f} | {nv if nv is None else f'{nv:,.0f}'} | "
                      f"{ring:,.0f} | {ratio} | {c.get('pcie_rx_gb_per_s_gpu0')} |")
