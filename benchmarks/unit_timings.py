@@ -140,7 +140,7 @@ def mlflow_down(steps: int) -> list[Figure]:
     except ImportError:
         print("mlflow is not installed: its scenario is skipped")
         return []
-    from gpulens.sinks.mlflow import MlflowSink
+    from gpulens.sinks import sink_spec
     from tests.support.mlflow_server import start_mlflow_server
 
     with tempfile.TemporaryDirectory() as root:
@@ -148,8 +148,9 @@ def mlflow_down(steps: int) -> list[Figure]:
         try:
             client = MlflowClient(server.uri)
             run_id = client.create_run("0").info.run_id
+            sink = sink_spec("mlflow", run_id=run_id, tracking_uri=server.uri)  # engine side
             mon = gpulens.Monitor(interval=0.05, backend=SimulatedNVML(gpus=1),
-                                  sinks=[MlflowSink(run_id, tracking_uri=server.uri)]).start()
+                                  sinks=[sink]).start()
             up = _log_times(mon, range(1, steps + 1), 0.02)
             _wait(lambda: len(client.get_metric_history(run_id, "train/gpu_power_w_mean"))
                   == steps)
