@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support.mlflow_server import MlflowTracking
+from tests.support.wait import wait_until
 from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history, read_metric_definitions
 
@@ -44,6 +45,16 @@ def mlflow_steps(tracking: MlflowTracking, run: Any, key: str) -> list[int]:
     return sorted(m.step for m in tracking.client().get_metric_history(run.info.run_id, key))
 
 
+def wait_for_gpu_rows(tracking: MlflowTracking, key: str) -> None:
+    """Until the engine process has written a GPU row into the run. It opens MLflow (imports
+    it) while training goes on; on a loaded machine that took longer than stop()'s 20 s
+    without progress (loaded run 3 of issue 20), and stop() rightly dropped the rows."""
+    def written() -> list[int]:
+        runs = tracking.runs()
+        return mlflow_steps(tracking, runs[0], key) if runs else []
+    wait_until(written, timeout=240, what=f"a GPU row ({key}) in the MLflow run")
+
+
 def test_rows_go_into_the_wandb_and_mlflow_runs_accelerate_started(
         tmp_path: Path, wandb_offline: Path, mlflow_tracking: MlflowTracking) -> None:
     acc = accelerator(["wandb", "mlflow"])
@@ -55,6 +66,7 @@ def test_rows_go_into_the_wandb_and_mlflow_runs_accelerate_started(
     for step in range(1, steps + 1):
         time.sleep(0.04)
         acc.log({"loss": 1.0 / step, "val/acc": float(step)}, step=step)
+    wait_for_gpu_rows(mlflow_tracking, "gpu_power_w_mean")
     acc.end_training()
     reset_wandb()
 
@@ -93,6 +105,7 @@ def test_start_step_and_several_logs_at_one_step(mlflow_tracking: MlflowTracking
         time.sleep(0.04)
         acc.log({"loss": 1.0}, step=step)
         acc.log({"eval/loss": 2.0}, step=step)  # a second log at the same step
+    wait_for_gpu_rows(mlflow_tracking, GPU_KEY)
     acc.end_training()
     (run,) = mlflow_tracking.runs()
     assert mlflow_steps(mlflow_tracking, run, GPU_KEY) == [101, 102, 103, 104, 105]
