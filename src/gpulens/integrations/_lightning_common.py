@@ -112,17 +112,28 @@ class LoggersSink:
 
         self.loggers = list(loggers)
         self._layout = TrackerLayout(keys, section="", include_train=False)
+        self._trackers = [type(lg).__name__ in TRACKER_LOGGERS and self._layout.keys != "all"
+                          for lg in self.loggers]
+        self._keys: set[str] = set()
+        self._train: list[str] = []
+        """The ``train/*`` keys of rows with the key set ``_keys`` (rows repeat their keys)."""
 
     def open(self, context: RunContext) -> None:
         self._layout.reset()
 
     def write(self, row: Row) -> None:
-        metrics = {k: v for k, v in row.values.items() if not k.startswith("train/")}
+        values = row.values
+        if values.keys() != self._keys:  # a set comparison, in C: rows repeat their keys
+            self._keys = set(values)
+            self._train = [k for k in values if k.startswith("train/")]
+        metrics = dict(values)
+        for key in self._train:
+            del metrics[key]
         view: dict[str, float] | None = None
-        for logger in self.loggers:
-            if type(logger).__name__ in TRACKER_LOGGERS and self._layout.keys != "all":
+        for logger, tracker in zip(self.loggers, self._trackers, strict=True):
+            if tracker:
                 if view is None:
-                    view = self._layout.split(row.values)[0]
+                    view = self._layout.split(values)[0]
                 logger.log_metrics(view, step=row.step)
             else:
                 logger.log_metrics(metrics, step=row.step)
