@@ -26,7 +26,7 @@ import gpulens
 from gpulens.dashboard import DashboardServer, PortInUse
 from gpulens.log import reset_warnings
 from gpulens.model import Event, GpuInfo, Row, RunContext
-from gpulens.sinks import resolve_sink
+from gpulens.sinks import parse_sink, resolve_sink
 from gpulens.sinks.dashboard import DashboardSink
 from tests.support.sse import DashboardReader, StreamEnded
 
@@ -309,25 +309,42 @@ def test_sink_on_a_port_in_use_says_which_and_what_to_do() -> None:
         mon.stop()
 
 
-def test_remote_spec_resolves_port_zero_and_stays_home_with_metrics() -> None:
-    sink = DashboardSink(port=0)
-    spec = sink.remote_spec()
-    assert spec is not None and spec[0] == "gpulens.sinks.dashboard:DashboardSink"
-    assert sink.port > 0 and spec[1]["port"] == sink.port and spec[1]["host"] == "127.0.0.1"
-    assert DashboardSink(port=0, metrics=lambda: (b"", "text/plain")).remote_spec() is None
-    assert DashboardSink(server=DashboardServer(port=0)).remote_spec() is None
+def _wait_listening(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_dashboard_spec_is_built_where_it_runs() -> None:
+    """By name, a spec for the engine (nothing bound or chosen here: port 0 is chosen where the
+    server runs); an object stays where it was made."""
+    spec = parse_sink("dashboard:0")
+    assert (spec.where, spec.options) == ("engine", {"port": 0, "host": "127.0.0.1"})
+    assert spec.prepared() == spec
+    sink = spec.build()
+    assert isinstance(sink, DashboardSink) and sink.port == 0 and sink.server is None
 
 
 def test_sink_serves_from_the_engine_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "2")
-    sink = DashboardSink(port=0)
-    mon = gpulens.Monitor(backend="simulated", interval=0.05, sinks=[sink])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/"
+    mon = gpulens.Monitor(backend="simulated", interval=0.05, sinks=[f"dashboard:{port}"])
     mon.start()
     try:
-        assert mon.isolation == "process" and sink.port > 0
+        assert mon.isolation == "process"
         # the server runs in the engine process: no dashboard thread here
         assert not [t for t in threading.enumerate() if t.name == "gpulens-dashboard"]
-        page = DashboardReader(sink.url)
+        _wait_listening(port)  # the sink opens in the engine, off start()'s path
+        page = DashboardReader(url)
         page.until(lambda p: p.hello is not None)
         assert page.hello is not None and page.hello["context"]["backend"] == "simulated"
         assert len(page.hello["context"]["gpus"]) == 2
@@ -340,7 +357,7 @@ def test_sink_serves_from_the_engine_process(monkeypatch: pytest.MonkeyPatch) ->
         assert "gpu/1/power_w" in last and "gpu/0/sm_active_pct" in last
     finally:
         stats = mon.stop()
-    assert stats["DashboardSink"].written >= 10
+    assert stats[f"dashboard:{port}"].written >= 10
     page.until(lambda p: p.ended, timeout=10)
     page.close()
 

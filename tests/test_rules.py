@@ -448,7 +448,9 @@ def test_slow_rank_from_gpm_is_named_and_chronic() -> None:
     stream = Stream(gpus=4, faults=[(ONSET, slow_rank1_gpm)])
     r = run(stream, 120, RulesConfig(gpus=GPUS[:4], distributed=True))
     e = assert_fires_once_within_20(r, "slow_rank")
-    assert e.message.startswith("a slow rank sets the pace of the job: rank 1 is chronically")
+    # GPU busy time (GPM) lags: the GPU is named (its key is the rank's)
+    assert e.message.startswith("a slow rank sets the pace of the job: GPU 1 (rank 1) is "
+                                "chronically slow")
     assert "GPM" in e.message and e.data["rank"] == 1.0 and e.data["rank/1/lag_pct"] > 20
     # a single GPU row set is not a job of ranks: no slow_rank without distributed=True
     quiet = run(stream, 120, RulesConfig(gpus=GPUS[:4]))
@@ -649,9 +651,9 @@ def test_normalize_dtype(given: object, expected: str | None) -> None:
     """The rules take the dtype as gpulens names it: the monitor turns every spelling it accepts
     (torch dtypes, their names, Lightning precision flags) into that name before the engine,
     and so ``RulesConfig``, sees it (``low_tensor_use`` judges bf16 and fp16 only)."""
-    from gpulens.monitor import _lightning_or_plain_dtype
+    from gpulens.settings import normalize_run_dtype
 
-    assert _lightning_or_plain_dtype(given) == expected
+    assert normalize_run_dtype(given) == expected
 
 
 def test_theil_sen_ignores_outliers() -> None:

@@ -23,15 +23,16 @@ out.  The row's ``step`` (the JSONL ``step`` field, MLflow's step) counts the in
 end a summary of the whole record is printed (``--quiet``: not) and written
 (``--summary-json``, ``--summary-md``).
 
-Tracker set-up problems (W&B without a login, an MLflow server that does not answer) are
-reported in one line before anything is created.
+Sink set-up problems that can be found cheaply (a path that cannot be written, an MLflow
+server that refuses connections, a port in use, W&B without a login) are reported in one line
+before anything is created; a sink that then fails to open is one WARNING, naming it as written
+on the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import signal
@@ -56,27 +57,18 @@ class WallClockRows:
     and every ``perf/*`` figure (per-step figures mean nothing here); ``record/elapsed_s``
     comes in the row itself.
 
-    ``inner`` is a sink, or the ``("module:Class", kwargs)`` spec of one: the engine process
-    rebuilds a wrapped JSONL or MLflow sink from :meth:`remote_spec` and writes it there.
+    ``inner`` is a sink, or the :class:`~gpulens.sinks.SinkSpec` of one, built here (so a
+    wrapped JSONL or MLflow sink is built, wrapped and written in the engine process:
+    :func:`wall_clock`).
     """
 
     def __init__(self, inner: Any) -> None:
-        if isinstance(inner, (tuple, list)):
-            inner = _build(inner)
+        from gpulens.sinks import SinkSpec
+
+        if isinstance(inner, SinkSpec):
+            inner = inner.build()
         self.inner = inner
         self.on_training_thread = bool(getattr(inner, "on_training_thread", False))
-
-    def remote_spec(self) -> tuple[str, dict[str, Any]] | None:
-        spec = getattr(self.inner, "remote_spec", None)
-        inner_spec = spec() if spec is not None else None
-        if inner_spec is None:
-            return None
-        return f"{__name__}:WallClockRows", {"inner": inner_spec}
-
-    def check(self) -> None:
-        check = getattr(self.inner, "check", None)
-        if check is not None:
-            check()
 
     def open(self, context: Any) -> None:
         self.inner.open(context)
@@ -92,11 +84,13 @@ class WallClockRows:
         self.inner.close()
 
 
-def _build(spec: Any) -> Any:
-    target, kwargs = spec
-    module_name, _, cls_name = str(target).partition(":")
-    cls: Any = getattr(importlib.import_module(module_name), cls_name)
-    return cls(**dict(kwargs))
+def wall_clock(spec: Any) -> Any:
+    """The spec of ``spec``'s sink wrapped in :class:`WallClockRows`: same name (the one the
+    user wrote, in every message), built where ``spec``'s sink runs."""
+    from gpulens.sinks import SinkSpec
+
+    return SinkSpec(name=spec.name, kind="", options={"inner": spec},
+                    target=f"{__name__}:WallClockRows", where=spec.where)
 
 
 class PeriodSummary:
@@ -174,20 +168,19 @@ def _forward(info: Any, pid: int) -> None:
         os.kill(pid, info.si_signo)
 
 
-def _sinks(specs: list[str]) -> list[Any]:
-    """The ``--sink`` sinks, wrapped for wall-clock rows."""
-    from gpulens.sinks import resolve_sink
-    from gpulens.sinks.prometheus import PrometheusSink
-    from gpulens.sinks.wandb import WandbSink
+def _sinks(texts: list[str]) -> list[Any]:
+    """The ``--sink`` sinks, as specs, set for wall-clock rows and wrapped for them."""
+    from gpulens.sinks import parse_sink
+    from gpulens.sinks.wandb import AXIS_KEY
 
     out: list[Any] = []
-    for spec in specs:
-        sink = resolve_sink(spec)
-        if isinstance(sink, PrometheusSink):
-            sink.training = False  # rows count intervals here, not training steps
-        if isinstance(sink, WandbSink):
-            sink.step_metric = ELAPSED_KEY
-        out.append(WallClockRows(sink))
+    for text in texts:
+        spec = parse_sink(text)
+        if spec.kind == "prometheus":
+            spec = spec.with_options(training=False)  # rows count intervals, not steps
+        if spec.kind == "wandb" and spec.options.get("step_metric", AXIS_KEY) == AXIS_KEY:
+            spec = spec.with_options(step_metric=ELAPSED_KEY)
+        out.append(wall_clock(spec))
     return out
 
 
@@ -203,24 +196,32 @@ def run_record(args: argparse.Namespace) -> int:
                        f"--interval ({args.interval:g} s)")
 
     import gpulens
+    from gpulens.settings import Settings
     from gpulens.sinks.summary import SummarySink
 
     summary = SummarySink()
     period = PeriodSummary() if args.summary_interval else None
     try:
-        sinks = _sinks(args.sink)
-        for sink in sinks:  # before anything is created: one line, nothing half-made
-            sink.check()
         extra: list[Any] = [summary] if period is None else [summary, period]
-        monitor = gpulens.Monitor(gpus=args.gpus, interval=monitor_interval(args.interval),
-                                  sinks=[*sinks, *extra])
+        settings = Settings(gpus=tuple(args.gpus) if args.gpus else None,
+                            interval=monitor_interval(args.interval),
+                            sinks=(*_sinks(args.sink), *extra))
+        if any(text.strip().lower().startswith("wandb") for text in args.sink):
+            # a command of its own can afford importing wandb (a second) to check the login
+            # now; a training process's start() leaves that to the sink's opening
+            from gpulens.sinks.wandb import check_wandb_login
+
+            check_wandb_login()
     except (ValueError, ImportError) as e:
         raise CliError(str(e)) from None
+    monitor = gpulens.Monitor.from_settings(settings)
 
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
     try:
         try:
-            monitor.start()  # its threads inherit the blocked mask: signals come to us
+            # the sinks' checks first (one line, nothing half-made); its threads inherit the
+            # blocked mask: signals come to us
+            monitor.start()
         except (ValueError, ImportError, OSError) as e:
             raise CliError(str(e)) from None
         live = _LiveLine(monitor, enabled=not cmd and not args.no_console)

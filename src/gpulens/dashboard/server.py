@@ -291,7 +291,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def _bind_error(host: str, port: int, exc: OSError) -> ValueError:
+def bind_error(host: str, port: int, exc: OSError) -> ValueError:
     if exc.errno == errno.EADDRINUSE:
         return PortInUse(f"port {port} on {host} is already in use", host, port)
     if exc.errno == errno.EACCES:
@@ -363,7 +363,7 @@ class DashboardServer:
         try:
             httpd = cls((self.host, self.port), _Handler)
         except OSError as exc:
-            raise _bind_error(self.host, self.port, exc) from None
+            raise bind_error(self.host, self.port, exc) from None
         httpd.dashboard = self
         self._httpd = httpd
         self.port = httpd.server_port

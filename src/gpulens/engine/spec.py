@@ -3,11 +3,11 @@ process), from which :class:`gpulens.engine.engine.Engine` builds everything."""
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from gpulens.sinks.base import Sink
+from gpulens.model import JobShape
+from gpulens.sinks import SinkSpec
 
 WORK_TOKENS = "work/tokens"
 WORK_SAMPLES = "work/samples"
@@ -17,23 +17,6 @@ WORK_CPU = "work/cpu_s"
 is converted off the training thread like any scalar); the engine turns them into ``perf/*``
 keys and leaves them out of the rows it finishes."""
 WORK_KEYS = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU)
-
-
-@dataclass(frozen=True)
-class SinkSpec:
-    """How to rebuild a sink in the engine: ``target`` is ``"module:Class"``, called with
-    ``kwargs`` (a sink's ``remote_spec()``)."""
-
-    name: str
-    """The sink's name in stats and messages, unique in the run."""
-    target: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def build(self) -> Sink:
-        module_name, _, cls_name = self.target.partition(":")
-        cls: Any = getattr(importlib.import_module(module_name), cls_name)
-        sink: Sink = cls(**self.kwargs)
-        return sink
 
 
 @dataclass(frozen=True)
@@ -55,7 +38,8 @@ class EngineSpec:
     step: int = 0
     """The training step the first window starts after."""
     sinks: tuple[SinkSpec, ...] = ()
-    """Sinks the engine writes itself."""
+    """Sinks the engine builds and writes itself (prepared: see
+    :meth:`gpulens.sinks.SinkSpec.prepared`; each ``name`` unique in the run)."""
     rows_back: bool = False
     """Hand every finished row back to the client, for its own sinks."""
     gather: bool = False
@@ -63,6 +47,9 @@ class EngineSpec:
     rank 0's client sends the merged row back to be finished (:meth:`Engine.finish`)."""
     rank: tuple[int, int, int] | None = None
     """(global rank, local rank, world size) in a distributed job."""
+    job: JobShape | None = None
+    """The job's shape as this rank's gather found it (rank 0: every rank; a node's leader:
+    its node), for the run's context; the engine fills in its own GPUs."""
     log_level: int = 30
     """The client's ``gpulens`` logger level: the engine says nothing below it."""
     dtype: str | None = None

@@ -45,9 +45,8 @@ from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
-from gpulens.sinks import check_sinks
+from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
-from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
 
 try:
@@ -172,7 +171,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
     if not trackers and not sinks:
         raise ValueError("no tracker has started: call attach(accelerator) after "
                          "accelerator.init_trackers(...), or pass sinks=")
-    own: list[str | Sink] = []
+    own: list[str | SinkSpec | Sink] = []
     for tracker in trackers:
         own.append(_sink_for(tracker))
     if gpus is None and int(getattr(accelerator, "num_processes", 1)) > 1:
@@ -185,7 +184,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
     return gpu_tracker
 
 
-def _sink_for(tracker: Any) -> Sink:
+def _sink_for(tracker: Any) -> SinkSpec | Sink:
     name = getattr(tracker, "name", "")
     if name == "wandb":
         return WandbSink(run=tracker.tracker, include_train=False)
@@ -193,8 +192,8 @@ def _sink_for(tracker: Any) -> Sink:
         import mlflow
 
         run = tracker.tracker
-        return MlflowSink(run_id=run.info.run_id, tracking_uri=mlflow.get_tracking_uri(),
-                          include_train=False)
+        return sink_spec("mlflow", run_id=run.info.run_id,
+                         tracking_uri=mlflow.get_tracking_uri(), include_train=False)
     _log.info("gpulens: GPU rows go to Accelerate's %r tracker through its log()", name)
     return TrackerSink(tracker)
 

@@ -82,9 +82,8 @@ from typing import Any
 from gpulens.integrations.phases import StepPhases
 from gpulens.integrations.session import TrainingSession, WorkSource
 from gpulens.monitor import Monitor
-from gpulens.sinks import check_sinks
+from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
-from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
 
 try:
@@ -258,14 +257,15 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     def _follows(self, args: Any, tracker: str) -> bool:
         return self.follow_report_to and tracker in list(getattr(args, "report_to", None) or ())
 
-    def _sinks_for(self, args: Any) -> list[str | Sink]:
-        sinks: list[str | Sink] = []
+    def _sinks_for(self, args: Any) -> list[str | SinkSpec | Sink]:
+        sinks: list[str | SinkSpec | Sink] = []
         # the runs HF's WandbCallback / MLflowCallback started in on_train_begin (called
         # before ours); they log HF's loss etc. themselves, so rows skip train/*
         if self._follows(args, "wandb"):
             sinks.append(WandbSink(include_train=False, keys=self.tracker_keys))
         if self._follows(args, "mlflow"):
-            sinks.append(MlflowSink(include_train=False, keys=self.tracker_keys))
+            # a spec: built and written in the engine process, off the training process
+            sinks.append(sink_spec("mlflow", include_train=False, keys=self.tracker_keys))
         sinks.extend(self.sinks)
         if not sinks:
             path = os.path.join(str(args.output_dir), "gpulens.jsonl")
