@@ -355,3 +355,18 @@ def test_unreachable_tracker_is_one_line_before_training(tmp_path: Path,
     assert time.monotonic() - t0 < 15
     assert "\n" not in str(err.value)
     assert not sink.exists()  # nothing half-made
+
+
+def test_a_gpu_that_does_not_exist_stops_train_before_any_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No driver answers (GPULENS_SIMULATED_GPUS=0) and the callback names GPUs 0 and 1:
+    ``train()`` raises the one-line error before the first step, and no record is made."""
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "0")
+    sink = tmp_path / "gpu.jsonl"
+    model = Regression()
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], gpus=[0, 1],
+                                                        interval=0.05), model=model)
+    with pytest.raises(ValueError, match=r"^GPU 0 does not exist: no NVIDIA driver answered"):
+        trainer.train()
+    assert model.calls == 0 and trainer.state.global_step == 0
+    assert not sink.exists()

@@ -58,11 +58,39 @@ class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 class _Formatter(logging.Formatter):
     """``gpulens: WARNING: <message>`` (messages start with ``gpulens:`` already, for users
-    who read them through their own handlers)."""
+    who read them through their own handlers); on a terminal, wrapped at its width between
+    words (:func:`fit_terminal`)."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = record.getMessage().removeprefix("gpulens: ")
-        return f"gpulens: {record.levelname}: {text}"
+        return fit_terminal(f"gpulens: {record.levelname}: {text}", sys.stderr)
+
+
+def fit_terminal(text: str, stream: Any) -> str:
+    """``text`` as it should be written to ``stream``: unchanged unless ``stream`` is a
+    terminal, else wrapped at the terminal's width between words (the terminal itself would
+    cut words in two), the lines after the first indented by two spaces.  One message stays
+    one message: no line of it is a new one."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        return text
+    if not tty:
+        return text
+    import textwrap
+
+    width = 0
+    with contextlib.suppress(ValueError):  # COLUMNS first, as shutil.get_terminal_size
+        width = int(os.environ.get("COLUMNS", "0"))
+    if width <= 0:  # then the size of this stream's terminal (stdout may be a file)
+        try:
+            width = os.get_terminal_size(stream.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            return text
+    if width < 20:
+        return text
+    return "\n".join(textwrap.fill(line, width, subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False) for line in text.splitlines())
 
 
 _default_handler = _DefaultHandler()

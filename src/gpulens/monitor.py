@@ -65,9 +65,11 @@ def _simulated_from_env() -> Any:
         count = int(raw)
     except ValueError:
         raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
-    if count < 1:
-        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be at least 1")
-    return SimulatedNVML(gpus=count)
+    if count < 0:
+        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be 0 (a machine without a "
+                         "driver) or more")
+    # 0: a machine where no NVIDIA driver answers, to test the path without GPUs
+    return SimulatedNVML(gpus=count, driver_loaded=count > 0)
 
 
 def _lightning_or_plain_dtype(dtype: Any) -> str | None:
@@ -105,7 +107,9 @@ class Monitor:
     Args:
         gpus: CUDA device numbers to watch, as this process numbers them (after
             ``CUDA_VISIBLE_DEVICES``).  ``None``: every GPU this process can see, or in a
-            distributed job (``WORLD_SIZE`` > 1) only this rank's GPU (``LOCAL_RANK``).
+            distributed job (``WORLD_SIZE`` > 1) only this rank's GPU (``LOCAL_RANK``).  A
+            GPU named here that does not exist (no driver answers, or fewer GPUs) is a
+            ``ValueError`` at :meth:`start`.
         interval: seconds between cheap samples (utilization, memory, power, temperature,
             clocks); must be > 0.  Energy and the driver's buffered samples are read every
             ``max(1 s, interval)`` (the buffered samples also a fifth of a second after each
@@ -115,8 +119,8 @@ class Monitor:
             objects with ``open``/``write``/``close``.
         backend: ``"nvml"``, ``"simulated"``, ``"auto"``/``None`` (NVML if a driver answers),
             or an NVML-like object such as :class:`gpulens.testing.SimulatedNVML`.  The
-            environment variable ``GPULENS_BACKEND`` (with ``GPULENS_SIMULATED_GPUS=N``) picks
-            one when the argument is ``None``.
+            environment variable ``GPULENS_BACKEND`` (with ``GPULENS_SIMULATED_GPUS=N``; 0 is
+            a machine where no driver answers) picks one when the argument is ``None``.
         buffer_rows: rows each sink may fall behind before the oldest are dropped (counted).
         gpm, energy, driver_samples: switch off a costly read (GPM activity; the energy
             counter, 3-15 ms a call on an H200; the driver's buffered power and utilization
@@ -138,6 +142,9 @@ class Monitor:
             sample (:func:`gpulens.work.hf.model_flops` computes them for a Hugging Face
             model).  With the work of each step (``log(step, tokens=...)``) they give
             ``perf/tflops`` and ``perf/mfu_pct``.
+        require_gpu: ``True``: no GPU to monitor (no driver answers, or this process sees
+            none) is a ``ValueError`` at :meth:`start`, not a warning followed by rows of host
+            and training figures only (``gpulens watch`` asks for this).
 
     Rows are finished by the engine a little after ``log()`` (once the data covering the
     window has been read: usually a quarter of a second, at most about 10 s on a starved
@@ -161,6 +168,7 @@ class Monitor:
         dtype: Any = None,
         flops_per_token: float | None = None,
         flops_per_sample: float | None = None,
+        require_gpu: bool = False,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)):
             raise ValueError(f"interval must be a number of seconds, got {interval!r}")
@@ -202,6 +210,7 @@ class Monitor:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         self._flops_per_token = float(flops_per_token) if flops_per_token else None
         self._flops_per_sample = float(flops_per_sample) if flops_per_sample else None
+        self._require_gpu = bool(require_gpu)
         self.isolation: str | None = None
         """``"process"`` or ``"thread"`` once started."""
         self.context: RunContext | None = None
@@ -237,7 +246,8 @@ class Monitor:
                        isolation=self._isolation_arg,
                        dtype=self._dtype_arg if self._dtype_arg is not None else dtype,
                        flops_per_token=self._flops_per_token,
-                       flops_per_sample=self._flops_per_sample, **self._reads)
+                       flops_per_sample=self._flops_per_sample,
+                       require_gpu=self._require_gpu, **self._reads)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -370,7 +380,7 @@ class Monitor:
             sinks=tuple(engine_sinks), rows_back=bool(local), gather=gather is not None,
             rank=distributed_env(), log_level=effective_level(), dtype=self._dtype,
             flops_per_token=self._flops_per_token, flops_per_sample=self._flops_per_sample,
-            **self._reads,
+            require_gpu=self._require_gpu, **self._reads,
         )
         self._steplogger = StepLogger(local, names=local_names, buffer_rows=self._buffer_rows)
         return self._steplogger, spec

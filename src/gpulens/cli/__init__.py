@@ -19,6 +19,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from gpulens._warn import fit_terminal
 from gpulens.cli._common import CliError, gpu_list, positive_float
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -233,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_watch(args)
     except CliError as e:
-        print(f"gpulens {args.command}: error: {e}", file=sys.stderr)
+        print(fit_terminal(f"gpulens {args.command}: error: {e}", sys.stderr), file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         return 130
