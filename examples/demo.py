@@ -126,6 +126,7 @@ def main() -> int:
 
     # gpu.jsonl keeps every demo run (the jsonl sink appends); this one is the last run
     from gpulens.report import load_jsonl
+    from gpulens.report.text import sized
 
     record = load_jsonl(jsonl)
     rows = [{"step": r.step, **r.values} for r in record.rows]
@@ -153,10 +154,10 @@ def main() -> int:
     total_j = sum(r.get("perf/energy_per_step_j") or 0.0 for r in rows)
     print(f"  energy for the whole run: {total_j:.0f} J ({total_j / 3600:.3f} Wh)")
     if "perf/tokens_per_s" in last:
-        mfu = last.get("perf/mfu_pct")
+        mfu, tflops = last.get("perf/mfu_pct"), last.get("perf/tflops")
         print(f"  throughput {last['perf/tokens_per_s']:.0f} tokens/s  "
-              f"{last.get('perf/tflops', float('nan')):.4f} TFLOP/s per GPU  "
-              f"MFU {'n/a' if mfu is None else format(mfu, '.4f')} % of "
+              f"{'n/a' if tflops is None else sized(tflops)} TFLOP/s per GPU  "
+              f"MFU {'n/a' if mfu is None else sized(mfu)} % of "
               f"{record.meta.get('peak_tflops', 'n/a')} TFLOP/s "
               f"({record.meta.get('peak_gpu', 'no peak')}, {record.meta.get('peak_dtype', '?')})")
     for e in record.events:
