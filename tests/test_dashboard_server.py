@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 
 import gpulens
-from gpulens._warn import reset_warnings
+from gpulens._warn import logger, reset_warnings, set_verbosity
 from gpulens.dashboard import DashboardServer, PortInUse
 from gpulens.sinks import resolve_sink
 from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
 from gpulens.sinks.dashboard import DashboardSink
+from gpulens.testing import SimulatedNVML
 from tests.support.sse import DashboardReader, StreamEnded
 
 CONTEXT = RunContext(
@@ -339,6 +340,30 @@ def test_sink_serves_from_the_sampler_process(monkeypatch: pytest.MonkeyPatch) -
     page.close()
 
 
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_monitor_prints_the_pages_address_once_it_is_served(
+        isolation: str, capsys: pytest.CaptureFixture[str]) -> None:
+    sink = DashboardSink(port=0)
+    with gpulens.Monitor(backend=SimulatedNVML(gpus=1), interval=0.05, sinks=[sink, "dashboard:0"],
+                         isolation=isolation) as mon:
+        err = capsys.readouterr().err
+        second = mon.sinks[1]
+        assert isinstance(second, DashboardSink)
+        assert err.splitlines() == [f"gpulens: live dashboard on {sink.url}",
+                                    f"gpulens: live dashboard on {second.url}"]
+        with DashboardReader(sink.url) as page:  # served already when it was said
+            page.until(lambda p: p.hello is not None)
+    level = logger.level
+    set_verbosity("error")  # the user asked for errors only
+    try:
+        with gpulens.Monitor(backend=SimulatedNVML(gpus=1), interval=0.05,
+                             sinks=["dashboard:0"], isolation=isolation):
+            pass
+    finally:
+        logger.setLevel(level)
+    assert capsys.readouterr().err == ""
+
+
 # -- gpulens serve, gpulens record --------------------------------------------------------------
 def cli_env(gpus: int = 2) -> dict[str, str]:
     return dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS=str(gpus))
@@ -415,3 +440,4 @@ def test_record_with_a_dashboard_sink() -> None:
     finally:
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    assert f"gpulens: live dashboard on http://127.0.0.1:{port}/\n" in err

@@ -370,3 +370,12 @@ def test_a_gpu_that_does_not_exist_stops_train_before_any_step(
         trainer.train()
     assert model.calls == 0 and trainer.state.global_step == 0
     assert not sink.exists()
+
+
+def test_a_dashboard_sink_says_where_its_page_is(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    callback = GPUMonitorCallback(sinks=["dashboard:0"], interval=0.05)
+    trainer = make_trainer(tmp_path, callback, max_steps=4)
+    trainer.train()
+    told = [line for line in capsys.readouterr().err.splitlines() if "dashboard" in line]
+    assert len(told) == 1 and told[0].startswith("gpulens: live dashboard on http://127.0.0.1:")

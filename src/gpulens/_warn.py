@@ -134,6 +134,19 @@ def warn_once(cause: str, message: str, *args: object) -> None:
     logger.warning(message, *args)
 
 
+def say(message: str) -> None:
+    """Write a line the user needs to use what they asked for (the address of a page gpulens
+    serves) on stderr, as ``gpulens: <message>``, whatever logging they configured: it is no
+    warning, yet unheard it is lost.  Silent when the ``gpulens`` logger is set above WARNING
+    (``GPULENS_VERBOSITY=error``)."""
+    if logger.getEffectiveLevel() > logging.WARNING:
+        return
+    text = f"gpulens: {message.removeprefix('gpulens: ')}"
+    with contextlib.suppress(OSError, ValueError):  # no stderr left: nobody to tell
+        sys.stderr.write(fit_terminal(text, sys.stderr) + "\n")
+        sys.stderr.flush()
+
+
 def reset_warnings() -> None:
     """Forget which causes were warned about (tests)."""
     with _lock:

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from gpulens._warn import effective_level, logger, warn_once
+from gpulens._warn import effective_level, logger, say, warn_once
 from gpulens.engine.spec import (
     WORK_CPU,
     WORK_FLOPS,
@@ -352,6 +352,10 @@ class Monitor:
                                                steplogger)
             logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (engine in a %s)",
                         len(context.gpus), context.backend, self.interval, self.isolation)
+            for sink in sinks:  # a page is served now: say where (the dashboard)
+                url = getattr(sink, "page_url", None)
+                if isinstance(url, str):
+                    say(f"live dashboard on {url}")
             return self
 
     def _plan(self, transport: Transport, sinks: list[Sink], names: list[str], backend: Any,

@@ -73,6 +73,12 @@ class WallClockRows:
             return None
         return f"{__name__}:WallClockRows", {"inner": inner_spec}
 
+    @property
+    def page_url(self) -> str | None:
+        """The wrapped sink's page, if it serves one (the dashboard)."""
+        url: str | None = getattr(self.inner, "page_url", None)
+        return url
+
     def check(self) -> None:
         check = getattr(self.inner, "check", None)
         if check is not None:

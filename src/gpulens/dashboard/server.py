@@ -404,6 +404,13 @@ class DashboardServer:
             s.thinned = self._history.thinned
             return s
 
+    def wait_for_rows(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` rows were published (or the server closes); whether they
+        were, within ``timeout`` seconds."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stats.rows >= count or self._closing, timeout)
+            return self._stats.rows >= count
+
     def history_bytes(self) -> int:
         """Bytes held by the history's row texts (``sys.getsizeof`` of each)."""
         with self._cond:

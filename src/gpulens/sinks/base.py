@@ -15,6 +15,8 @@ Optional parts of a sink:
 * ``check()``: called by ``Monitor.start()`` before any sink opens or any run is made; raises
   a one-line ``ValueError`` saying how to fix a set-up that cannot work (W&B without a login,
   an MLflow server that does not answer).
+* ``page_url``: the address of a page the sink serves (the dashboard), printed on stderr by
+  ``Monitor.start()`` once it is served.
 """
 
 from __future__ import annotations

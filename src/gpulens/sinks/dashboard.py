@@ -11,7 +11,8 @@ history first.  See :mod:`gpulens.dashboard.server` for the bounds (history, slo
 
 Specs: ``"dashboard"`` (port 8765), ``"dashboard:PORT"``, ``"dashboard:HOST:PORT"`` (binds
 127.0.0.1 unless told otherwise; ``[::1]:PORT`` for IPv6); port 0 picks a free port, then
-:attr:`DashboardSink.url` tells which.
+:attr:`DashboardSink.url` tells which.  ``Monitor.start()`` prints the address on stderr
+(``gpulens: live dashboard on http://127.0.0.1:8765/``) once the page is served.
 
 Where the server runs.  The sink has a :meth:`~DashboardSink.remote_spec`: with the sampler in
 a process of its own (``Monitor``'s default), the server lives in that process, so its
@@ -146,6 +147,12 @@ class DashboardSink:
     def server(self) -> DashboardServer | None:
         """The server once bound (its ``stats``), else ``None``."""
         return self._server
+
+    @property
+    def page_url(self) -> str | None:
+        """The page's address for :class:`~gpulens.Monitor` to print when it starts
+        (``None`` for a sink given a server: whoever made the server says where it is)."""
+        return None if self._own_server else self.url
 
     @property
     def url(self) -> str:
