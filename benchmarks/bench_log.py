@@ -12,18 +12,18 @@ Three measurements, each printed as a row of one Markdown table:
     launching kernels: a busy-wait here) then ~4 ms blocked in C with the GIL released (waiting
     for the GPU in ``loss.item()``: ``time.sleep`` here). Target: ratio within 1 %.
 (c) Memory over 100k rows (8 simulated GPUs, a sink that keeps only a count: an object sink,
-    so rows are finished in the sampler process and come back over the pipe to this process,
+    so rows are finished in the engine process and come back over the pipe to this process,
     as they do for W&B): rows logged in bursts of ``--mem-burst``, each burst waited for until
-    the monitor has finished it; the RSS of this (training) process and of the sampler process
+    the monitor has finished it; the RSS of this (training) process and of the engine process
     (a child process whose command line names gpulens, read with ``psutil``), and the number of
     objects this process's garbage collector tracks, after 20 % of the rows and at the end, and
     the growth between the two (``--tracemalloc`` adds traced bytes; slow). Target: no growth.
-(d) The sampler process's own memory by sink (``--no-sinks-rss`` skips it): for each of no
+(d) The engine process's own memory by sink (``--no-sinks-rss`` skips it): for each of no
     sink, a JSONL file, an object sink (rows back here), MLflow into a SQLite store and MLflow
     into a tracking server on 127.0.0.1 (``mlflow server``, skipped if it cannot start), a fresh
     Python process imports gpulens (and mlflow where its sink is used), starts a monitor with 8
     simulated GPUs at 10 Hz, logs a row every 20 ms for ``--rss-seconds`` (3 s), then reads the
-    sampler process's RSS and USS (unique set size: what ending it would free; RSS also counts
+    engine process's RSS and USS (unique set size: what ending it would free; RSS also counts
     shared library pages) and its own RSS before start and after those rows.
 
 Prints figures, asserts nothing about timings (the test suite runs ``--quick`` as a smoke test).
@@ -152,8 +152,8 @@ def _rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def sampler_processes() -> list[Any]:
-    """This process's Python children whose command line names gpulens (the sampler process),
+def engine_processes() -> list[Any]:
+    """This process's Python children whose command line names gpulens (the engine process),
     as ``psutil`` objects."""
     import psutil
 
@@ -168,11 +168,11 @@ def sampler_processes() -> list[Any]:
 
 
 def sampler_memory() -> tuple[int, int] | None:
-    """(RSS, USS) in bytes of the sampler process(es); None when there is none (thread)."""
+    """(RSS, USS) in bytes of the engine process(es); None when there is none (thread)."""
     import psutil
 
     rss = uss = 0
-    procs = sampler_processes()
+    procs = engine_processes()
     for proc in procs:
         try:
             full = proc.memory_full_info()
@@ -298,14 +298,14 @@ def table(fig: dict[str, Any]) -> str:
     ]
     if "mem_sampler_rss_growth_mib" in fig:
         rows += [
-            (f"sampler process RSS at row {fig['mem_mark_row']} / at row {fig['mem_rows']}",
+            (f"engine process RSS at row {fig['mem_mark_row']} / at row {fig['mem_rows']}",
              f"{fig['mem_sampler_rss_at_mark_mib']:.1f} / {fig['mem_sampler_rss_end_mib']:.1f} "
              f"MiB (USS {fig['mem_sampler_uss_end_mib']:.1f} MiB)", ""),
-            (f"sampler process RSS growth, rows {fig['mem_mark_row']} -> {fig['mem_rows']}",
+            (f"engine process RSS growth, rows {fig['mem_mark_row']} -> {fig['mem_rows']}",
              f"{fig['mem_sampler_rss_growth_mib']:.2f} MiB", "~0 (no growth)"),
         ]
     else:
-        rows.append(("sampler process RSS", f"no sampler process (sampler in a "
+        rows.append(("engine process RSS", f"no engine process (engine in a "
                      f"{fig['mem_isolation']})", ""))
     rows += [
         ("objects tracked by the GC: growth over the same rows",
@@ -320,7 +320,7 @@ def table(fig: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-# --- (d) the sampler process's memory by sink --------------------------------------------------
+# --- (d) the engine process's memory by sink --------------------------------------------------
 
 RSS_SINKS = ("none", "jsonl", "object", "mlflow-sqlite", "mlflow-server")
 """(d)'s configurations: no sink; a JSONL file; an object sink (rows come back to the training
@@ -424,7 +424,7 @@ def bench_sampler_rss(tmp: Path, configs: list[str], seconds: float) -> list[dic
 
 def rss_table(results: list[dict[str, Any]]) -> str:
     """(d) as a Markdown table."""
-    lines = ["| sink | sampler process RSS (MiB) | sampler process USS (MiB) "
+    lines = ["| sink | engine process RSS (MiB) | engine process USS (MiB) "
              "| training process RSS before start / running (MiB) "
              "| rows logged / written, dropped |",
              "|---|---|---|---|---|"]

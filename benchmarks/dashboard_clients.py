@@ -1,7 +1,7 @@
 """CPU cost of the live dashboard's server with pages connected, and the bounds of its history.
 
 The server (``gpulens.dashboard.DashboardServer``, what the ``dashboard:PORT`` sink runs) lives
-in a process of its own here, as it does in the sampler process, and gets rows at ``--rate``
+in a process of its own here, as it does in the engine process, and gets rows at ``--rate``
 rows per second: rows shaped like a real monitor's (taken from a ``gpulens.Monitor`` run on
 ``--gpus`` simulated GPUs, with loss, learning rate and gradient norm), one step after another.
 Then:
@@ -94,7 +94,7 @@ def make_template(gpus: int) -> dict[str, Any]:
 
 
 def context_of(template: dict[str, Any]) -> Any:
-    from gpulens.sinks.base import GpuInfo, RunContext
+    from gpulens.model import GpuInfo, RunContext
 
     c = template["context"]
     return RunContext(gpus=tuple(GpuInfo(**g) for g in c["gpus"]), hostname=c["hostname"],
@@ -103,7 +103,7 @@ def context_of(template: dict[str, Any]) -> Any:
 
 def row_at(template: dict[str, Any], step: int) -> Any:
     """The template's row at ``step``, stamped now, with the training figures moving."""
-    from gpulens.sinks.base import Row
+    from gpulens.model import Row
 
     values = dict(template["values"])
     values["train/global_step"] = float(step)

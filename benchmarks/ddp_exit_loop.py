@@ -7,7 +7,7 @@ the timeout), with each run's seconds.
     python benchmarks/ddp_exit_loop.py --example hf --runs 8 --stacks DIR   # stacks of a hang
 
 A run passes when torchrun exits 0 within ``--timeout`` seconds, the JSONL record holds the
-expected rows, and no process of the job (rank, sampler process) is left once torchrun ended.
+expected rows, and no process of the job (rank, engine process) is left once torchrun ended.
 A hung run's processes are killed (every rank's process group: see
 ``tests/support/torchrun.py``); with ``--stacks DIR`` their Python and native stacks are taken
 first (``py-spy dump --native`` and ``gdb -batch -ex 'thread apply all bt'``, whichever is

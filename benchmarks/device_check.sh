@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end checks on a real GPU (one device call, ~1-2 minutes; carry .whl):
 #   bash benchmarks/device_check.sh
-# plain loop, HF Trainer into MLflow, Lightning into CSV, with the sampler process; log() cost.
+# plain loop, HF Trainer into MLflow, Lightning into CSV, with the engine process; log() cost.
 set -uo pipefail
 export OUT="${OUT:-/tmp/gpulens-check-out}"; mkdir -p "$OUT"
 cd "$(dirname "$0")/.." || exit 1

@@ -9,7 +9,7 @@ median in microseconds.
 
 ``--stub-pipe`` measures only the Python that ``log()`` runs on the training thread: the pipe's
 sender is replaced by a function that takes the message and returns (no pickling, no write, so
-no wake-up of the sampler process and none of the scheduler's noise), the gap is left out, and
+no wake-up of the engine process and none of the scheduler's noise), the gap is left out, and
 each arm prints the best of 5 means over ``--calls`` back-to-back calls.  Found by attribute:
 ``monitor._transport._tx`` (this tree) or ``monitor._process._tx`` (f9682b0).
 

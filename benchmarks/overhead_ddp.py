@@ -9,7 +9,7 @@ Every rank trains the GPT-2-small-sized model of ``overhead_gpu.py`` (bf16, buil
 in a Hugging Face ``Trainer`` (DDP over the job's process group, ``report_to=["wandb"]``
 offline: rank 0's run). For each ``logging_steps`` value in ``--log-steps`` (1 and 10) there are
 three arms: ``hf_ls<N>`` (the baseline), ``hf_ls<N>_b`` (its A/A arm) and ``hf_ls<N>_gpulens``
-(with ``GPUMonitorCallback(interval)``: each rank samples its GPU in its own sampler process, and
+(with ``GPUMonitorCallback(interval)``: each rank samples its GPU in its own engine process, and
 every ``log()`` is an all-gather over gpulens's gloo group on the training thread). Rounds,
 shuffled order (the same on every rank: seeded), pilot rule, verdicts and report are those of
 ``overhead_gpu.py`` / ``paired.py``. An arm is timed as a block on every rank (a device sync at

@@ -12,7 +12,7 @@ interval, the A/A envelope, the verdict rule and how many rounds the A/A noise a
 Suites (``--suite``, several with commas; each brings its baseline and A/A arm):
 
 ``peers``      the plain loop (``loss.item()`` every step): ``none`` / ``none_b``;
-               ``gpulens`` (``Monitor(interval)``, rows to JSONL, the sampler process),
+               ``gpulens`` (``Monitor(interval)``, rows to JSONL, the engine process),
                ``gpulens_thread`` (the same, ``isolation="thread"``), ``wandb`` (an offline run
                with its system monitor at ``interval``, W&B's own processes), ``mlflow`` (a run
                on a local file store with system metrics every ``interval``), ``nvitop``
@@ -22,7 +22,7 @@ Suites (``--suite``, several with commas; each brings its baseline and A/A arm):
                metrics off, ``run.log({"train/loss", "train/global_step"})`` every step);
                ``wandb_stats`` (the same with W&B's system metrics every ``interval``);
                ``gpulens_wandb`` (system metrics off; ``Monitor(sinks=["wandb"])`` logs the
-               loss and the GPU row: rows come back from the sampler process into this
+               loss and the GPU row: rows come back from the engine process into this
                process, ``wandb.log`` on the training thread).
 ``hf``         Hugging Face ``Trainer`` with ``report_to=["wandb"]`` (offline; W&B's default
                system monitor), logging every ``--log-every`` steps: ``hf`` / ``hf_b``;
@@ -36,7 +36,7 @@ Suites (``--suite``, several with commas; each brings its baseline and A/A arm):
                ``lightning_dsm`` (Lightning's ``DeviceStatsMonitor``).
 
 More arms with ``--arms`` (a baseline and its A/A arm come along): ``gpulens_mlflow`` /
-``gpulens_mlflow_thread`` (rows into an MLflow file store from the sampler process / a thread),
+``gpulens_mlflow_thread`` (rows into an MLflow file store from the engine process / a thread),
 ``gpulens_nogpm``, ``gpulens_cheap`` (thread; no GPM / cheap reads only),
 ``gpulens_wandb_thread``, ``hf_gpulens_thread``, ``lightning_gpulens_thread``
 (``GPULENS_ISOLATION=thread``): the process-vs-thread question on each user path.
@@ -50,7 +50,7 @@ time limit still leaves figures.
 Per arm, also: the median step; the CPU time of monitoring threads and processes (threads that
 did not exist after the model's warm-up, and child processes, as a share of one core); the
 training thread's CPU time per step; the RSS of this process and of its child processes (a
-gpulens sampler process, ``wandb-core``) at the end of the arm's timed steps, the largest over the
+gpulens engine process, ``wandb-core``) at the end of the arm's timed steps, the largest over the
 rounds, with the children's names.
 
     python benchmarks/overhead_gpu.py --suite peers --budget-s 480   # on a GPU
@@ -293,7 +293,7 @@ class Probe:
 
 def _child_name(proc: psutil.Process) -> str:
     """A short name for a child process: ``gpulens-sampler`` for a Python process whose command
-    line names gpulens (the sampler process), else its executable's name (``wandb-core``...)."""
+    line names gpulens (the engine process), else its executable's name (``wandb-core``...)."""
     with contextlib.suppress(psutil.Error):
         name = proc.name()
         if name.startswith("python") and "gpulens" in " ".join(proc.cmdline()):
@@ -596,7 +596,7 @@ class WandbStatsVariant(WandbLogVariant):
 
 class GpulensWandbVariant(Variant):
     """W&B run with its system metrics off; gpulens writes loss and GPU row through its
-    ``"wandb"`` sink (rows come back from the sampler process; ``wandb.log`` on this thread)."""
+    ``"wandb"`` sink (rows come back from the engine process; ``wandb.log`` on this thread)."""
 
     isolation: str | None = None
 

@@ -1,6 +1,6 @@
 """What a pipe write costs the writer when the reader sleeps on the pipe, and when it polls.
 
-The training thread writes each step mark to the sampler process's pipe
+The training thread writes each step mark to the engine process's pipe
 (``gpulens.transport.pipe``).
 If the reader sleeps in ``read``, every write must wake it and the writer pays for that; a
 reader that polls (``gpulens.transport.process`` looks every 20 ms) costs the writer only the

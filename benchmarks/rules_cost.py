@@ -2,7 +2,7 @@
 GPUs with every key the rules read (GPM, throttle reasons, allocator readings and counters,
 per-rank CPU time), every rule on (bf16, distributed).
 
-The rules run in the engine, beside the sampler that finishes the rows (in gpulens's sampler
+The rules run in the engine, beside the sampler that finishes the rows (in gpulens's engine
 process by default; in a thread of the training process as the fallback, where their Python
 competes for the training thread's GIL).  For scale: finishing a row of 8 GPUs costs the sampler
 ~0.5 ms of Python (docs/design-notes.md).
@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from gpulens.engine.rules import RuleEngine, RulesConfig
-from gpulens.sinks.base import GpuInfo
+from gpulens.model import GpuInfo
 
 TOTAL_GB = 85.9
 

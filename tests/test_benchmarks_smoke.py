@@ -110,10 +110,10 @@ def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
     assert re.fullmatch(NUMBER, rows["loop time ratio with / without (medians)"][0])
     growth = [k for k in rows if k.startswith("training process RSS growth")]
     assert growth and re.fullmatch(rf"{NUMBER} MiB", rows[growth[0]][0])
-    # the sampler process's memory, beside the training process's (issue 11)
-    sampler = [k for k in rows if k.startswith("sampler process RSS growth")]
+    # the engine process's memory, beside the training process's (issue 11)
+    sampler = [k for k in rows if k.startswith("engine process RSS growth")]
     assert sampler and re.fullmatch(rf"{NUMBER} MiB", rows[sampler[0]][0])
-    both = [k for k in rows if k.startswith("sampler process RSS at row")]
+    both = [k for k in rows if k.startswith("engine process RSS at row")]
     assert both and re.fullmatch(rf"{NUMBER} / {NUMBER} MiB \(USS {NUMBER} MiB\)",
                                  rows[both[0]][0])
     assert re.match(r"[+-]\d+ \(of \d+\)",
@@ -126,7 +126,7 @@ def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
     assert 0.5 < fig["loop_ratio"] < 2.0
     # the default sampler is a process of its own: its RSS is a real reading
     assert fig["mem_isolation"] == "process" and fig["mem_sampler_rss_end_mib"] > 1
-    # (d): the sampler process's memory per sink, each in a fresh process
+    # (d): the engine process's memory per sink, each in a fresh process
     by_sink = {r["config"]: r for r in fig["sampler_rss"]}
     assert set(by_sink) == {"none", "object"}
     for r in by_sink.values():
@@ -205,7 +205,7 @@ def test_overhead_quick_runs_every_suite_with_an_aa_arm(tmp_path: Path) -> None:
         assert re.fullmatch(rf"{EST}; range \[{SIGNED}, {SIGNED}\]", cells[4]), cells
         assert cells[5] == comps[(cells[0], cells[1])]["verdict"]
 
-    # gpulens arms name their sampler process among the child processes, with its RSS
+    # gpulens arms name their engine process among the child processes, with its RSS
     for name in ("gpulens", "gpulens_wandb", "hf_gpulens", "lightning_gpulens"):
         assert arms[name]["rss_children_mib_max"].get("gpulens-sampler", 0) > 1, name
     assert "gpulens-sampler" not in arms["none"]["rss_children_mib_max"]

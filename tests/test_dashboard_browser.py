@@ -23,7 +23,7 @@ import pytest
 
 import gpulens
 from gpulens.dashboard import DashboardServer
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
+from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks.dashboard import DashboardSink
 from gpulens.testing import MemorySink, SimulatedNVML
 from tests.support.chromium import Chromium, Page, chromium_path
@@ -60,7 +60,7 @@ class Run:
 def run() -> Iterator[Run]:
     """A monitor on 2 simulated GPUs that logged STEPS steps into a dashboard sink.  The engine
     runs in a thread here so that the test can hand the server rows of its own (the page in
-    the sampler process is tested in test_dashboard_server.py)."""
+    the engine process is tested in test_dashboard_server.py)."""
     sink, rows = DashboardSink(port=0), MemorySink()
     monitor = gpulens.Monitor(backend=SimulatedNVML(gpus=2), interval=0.05, sinks=[sink, rows],
                               isolation="thread")

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 
 import gpulens
-from gpulens._warn import logger, reset_warnings, set_verbosity
 from gpulens.dashboard import DashboardServer, PortInUse
+from gpulens.log import logger, reset_warnings, set_verbosity
+from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks import resolve_sink
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
 from gpulens.sinks.dashboard import DashboardSink
 from gpulens.testing import SimulatedNVML
 from tests.support.sse import DashboardReader, StreamEnded
@@ -213,13 +213,19 @@ def test_close_ends_every_stream_and_frees_the_port(server: DashboardServer) -> 
     again.close()
 
 
-def test_the_page_is_self_contained_and_other_routes(server: DashboardServer) -> None:
+def test_the_page_fetches_only_its_own_files_and_other_routes(server: DashboardServer) -> None:
     status, ctype, html = get(server.url)
     assert status == 200 and ctype.startswith("text/html")
-    assert "<script>" in html and "<style>" in html
-    # nothing is fetched from elsewhere: no URL with a host, no external script or sheet
+    # nothing is fetched from elsewhere: no URL with a host; the page's sheet and scripts are
+    # the server's own files, each served with its type
     assert not re.search(r"https?://", html)
-    assert not re.search(r"<(script|link|img)[^>]+(src|href)=\"(?!data:)", html)
+    fetched = re.findall(r"<(?:script|link|img)[^>]+(?:src|href)=\"(?!data:)([^\"]+)\"", html)
+    assert sorted(fetched) == ["chart.js", "page.css", "page.js"]
+    for name, kind in (("page.css", "text/css"), ("chart.js", "text/javascript"),
+                       ("page.js", "text/javascript")):
+        status, ctype, text = get(server.url + name)
+        assert status == 200 and ctype.startswith(kind) and text.strip()
+        assert not re.search(r"https?://", text), name
     status, _, text = get(server.url + "metrics")
     assert status == 404 and "gpulens serve" in text
     status, _, _ = get(server.url + "nothing-here")
@@ -297,7 +303,7 @@ def test_sink_on_a_port_in_use_says_which_and_what_to_do() -> None:
             f"dashboard sink: port {port} on 127.0.0.1 is already in use (another dashboard "
             f"or program holds it); choose another port ('dashboard:PORT'), or 'dashboard:0' "
             f"for any free one")
-        # through a monitor whose sampler process hosts the sink: the same words
+        # through a monitor whose engine process hosts the sink: the same words
         mon = gpulens.Monitor(backend="simulated", sinks=[f"dashboard:{port}"])
         with pytest.raises(ValueError, match=f"port {port} on 127.0.0.1 is already in use"):
             mon.start()
@@ -313,14 +319,14 @@ def test_remote_spec_resolves_port_zero_and_stays_home_with_metrics() -> None:
     assert DashboardSink(server=DashboardServer(port=0)).remote_spec() is None
 
 
-def test_sink_serves_from_the_sampler_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sink_serves_from_the_engine_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "2")
     sink = DashboardSink(port=0)
     mon = gpulens.Monitor(backend="simulated", interval=0.05, sinks=[sink])
     mon.start()
     try:
         assert mon.isolation == "process" and sink.port > 0
-        # the server runs in the sampler process: no dashboard thread here
+        # the server runs in the engine process: no dashboard thread here
         assert not [t for t in threading.enumerate() if t.name == "gpulens-dashboard"]
         page = DashboardReader(sink.url)
         page.until(lambda p: p.hello is not None)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import gpulens
-from gpulens._warn import reset_warnings
+from gpulens.log import reset_warnings
 from gpulens.testing import MemorySink, SimulatedNVML
 from tests.support.mlflow_server import MlflowServer
 

@@ -30,7 +30,9 @@ HEAVY = (
 # Top-level packages allowed besides the standard library: gpulens and its core dependencies.
 CORE = ("gpulens", "pynvml", "psutil")
 
-LIGHT_MODULES = ("gpulens", "gpulens.schema", "gpulens.sinks", "gpulens.sinks.base")
+LIGHT_MODULES = (
+    "gpulens", "gpulens.schema", "gpulens.model", "gpulens.sinks", "gpulens.sinks.base"
+)
 
 _PROBE = """
 import json, sys

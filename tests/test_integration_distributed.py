@@ -2,7 +2,7 @@
 rank, for the plain loop, the Hugging Face Trainer and Lightning. Rank 0 alone writes; each row
 holds both ranks' GPUs (keyed by global rank) and the job-level ``gpu/all/*`` aggregates, on
 exactly the framework's logging steps. Every run must end by itself: no retry, and no process of
-the job (rank, sampler process) may outlive torchrun; a run that hangs is killed whole at the
+the job (rank, engine process) may outlive torchrun; a run that hangs is killed whole at the
 timeout (``tests/support/torchrun.py``).
 
 In-process tests of the gather's gloo group (a one-rank gloo world in this process): it is
@@ -225,7 +225,7 @@ def gloo_world() -> Iterator[Any]:
 
 def _gather(rows: list[Any]) -> Any:
     from gpulens.distributed import RankGather
-    from gpulens.sinks.base import GpuInfo, RunContext
+    from gpulens.model import GpuInfo, RunContext
 
     context = RunContext(gpus=(GpuInfo(index=0, name="sim", uuid="GPU-0", pci_bus_id="0"),),
                          hostname="h", backend="simulated", interval=0.1)
@@ -233,7 +233,7 @@ def _gather(rows: list[Any]) -> Any:
 
 
 def _row(step: int) -> Any:
-    from gpulens.sinks.base import Row
+    from gpulens.model import Row
 
     return Row(step=step, time=float(step), values={"gpu/0/util_pct": 50.0 + step,
                                                     "train/loss": 1.0 / step})
@@ -284,7 +284,7 @@ def test_close_after_the_default_group_was_destroyed(gloo_world: Any,
 
 def test_rows_after_the_last_exchange_are_told(gloo_world: Any,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     rows: list[Any] = []
@@ -304,7 +304,7 @@ def test_a_failed_exchange_is_told_and_never_reaches_training(
     """The gather thread's all-gather fails (a rank gone, the group torn down): one WARNING
     through the ``gpulens`` logger in this (the training) process, ``request()`` keeps
     returning, and ``flush()`` still releases the group."""
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     rows: list[Any] = []

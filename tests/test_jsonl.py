@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import gpulens
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
+from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks.jsonl import JsonlSink
 from tests.support.jsonl import read_lines, read_rows
 
@@ -108,7 +108,7 @@ def test_a_torn_last_line_does_not_swallow_the_next_header(tmp_path: Path) -> No
     assert json.loads(lines[3])["event"] == "run_end"
 
 
-def test_the_sampler_process_writes_the_given_run_id(tmp_path: Path) -> None:
+def test_the_engine_process_writes_the_given_run_id(tmp_path: Path) -> None:
     path = tmp_path / "given.jsonl"
     with gpulens.Monitor(backend="simulated", interval=0.02,
                          sinks=[JsonlSink(path, run_id="sweep-3")]) as mon:

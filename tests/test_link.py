@@ -1,4 +1,4 @@
-"""The framed pipe between the training process and the sampler process."""
+"""The framed pipe between the training process and the engine process."""
 
 from __future__ import annotations
 

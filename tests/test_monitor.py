@@ -2,7 +2,7 @@
 
 Every behaviour test runs on the default path (the engine in a process of its own) and on the
 fallback (the engine in a thread): the ``isolation`` fixture.  The simulators pickle (loads
-from :mod:`gpulens.testing.loads`), so they cross into the sampler process like real GPUs'
+from :mod:`gpulens.testing`), so they cross into the engine process like real GPUs'
 NVML would be opened there.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import gpulens
-from gpulens._warn import reset_warnings
+from gpulens.log import reset_warnings
 from gpulens.schema import GPU_ROW_KEYS
 from gpulens.testing import Constant, MemorySink, SimulatedNVML, Square, Steps
 from tests.support.jsonl import read_rows

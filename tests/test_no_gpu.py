@@ -124,7 +124,7 @@ def test_messages_on_an_80_column_terminal_break_between_words(tmp_path: Path) -
     script = tmp_path / "warn.py"
     script.write_text(
         "import sys\n"
-        "from gpulens._warn import logger\n"
+        "from gpulens.log import logger\n"
         "logger.warning('gpulens: a warning long enough to need three lines on a terminal of "
         "eighty columns, so that where its lines break can be seen: here, then there, and "
         "at last somewhere around this end')\n"

@@ -13,7 +13,8 @@ import pytest
 from rich.console import Console
 
 import gpulens
-from gpulens.cli.watch import PROCESS_MIN_WIDTH, process_lines, render_lines
+from gpulens.cli.watch.layout import render_lines
+from gpulens.cli.watch.processes import PROCESS_MIN_WIDTH, process_lines
 from gpulens.sources.nvml import NvmlSource
 from gpulens.sources.processes import GpuProcess, describe, used_bytes
 from gpulens.testing import Constant, SimulatedNVML
@@ -74,7 +75,7 @@ def test_monitor_processes_come_from_the_engine_and_stop_with_it(isolation: str)
     assert mon.processes() == []  # not started
     with mon:
         procs = mon.processes()
-        if isolation == "process":  # read in the sampler process, about this one
+        if isolation == "process":  # read in the engine process, about this one
             assert mon.isolation == "process"
         assert [(p.gpu, p.pid) for p in procs] == [(0, os.getpid()), (1, os.getpid())]
         expected_gb = ((4 + 60 * 0.5) * GIB - GIB // 2) / 1e9
@@ -116,8 +117,8 @@ def test_the_table_fits_the_rows_it_is_given() -> None:
 def test_the_frame_has_the_table_only_from_its_width_and_within_its_height() -> None:
     from collections import deque
 
-    from gpulens.cli.watch import GpuView
-    from gpulens.sinks.base import GpuInfo
+    from gpulens.cli.watch.view import GpuView
+    from gpulens.model import GpuInfo
 
     views = [GpuView(GpuInfo(index=g, name="NVIDIA H100", uuid="", pci_bus_id="",
                              mem_total_gb=85.9, power_limit_w=700.0), deque(maxlen=10))
@@ -148,10 +149,10 @@ def test_the_simulator_says_which_process_made_it() -> None:
 
 def test_a_gpu_whose_process_list_fails_is_one_warning_in_the_training_process(
         caplog: pytest.LogCaptureFixture) -> None:
-    """On the default path (the sampler process): GPU 0's list fails with an unknown NVML
+    """On the default path (the engine process): GPU 0's list fails with an unknown NVML
     error, so GPU 0 lists no process, GPU 1 still does, and the training process's ``gpulens``
     logger says so once."""
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     sim = SimulatedNVML(gpus=2, load=Constant(0.5),

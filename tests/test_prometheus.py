@@ -159,7 +159,7 @@ PERF_ROW = {
 
 
 def test_throughput_mfu_alerts_and_ranks_with_proper_names_and_labels() -> None:
-    from gpulens.sinks.base import GpuInfo, Row, RunContext
+    from gpulens.model import GpuInfo, Row, RunContext
 
     sink = PrometheusSink(port=0, http=False)
     sink.open(RunContext(gpus=(GpuInfo(0, "NVIDIA H100 80GB HBM3", "GPU-0", "0:1"),),
@@ -235,7 +235,7 @@ def test_sink_spec_and_port_in_use() -> None:
 def exported_names() -> set[str]:
     """Every series name the sink exports, from a row that holds every key the engine and a
     training loop give (and a context with MFU's peak)."""
-    from gpulens.sinks.base import GpuInfo, Row, RunContext
+    from gpulens.model import GpuInfo, Row, RunContext
     from gpulens.sinks.prometheus import GPU_SERIES, THROTTLE_SERIES
 
     sink = PrometheusSink(port=0, http=False)

@@ -18,8 +18,7 @@ import gpulens
 from gpulens.cli import main
 from gpulens.report import load_jsonl, render_html, render_markdown, summarize
 from gpulens.report.text import figure
-from gpulens.testing import SimulatedNVML
-from gpulens.testing.loads import Constant
+from gpulens.testing import Constant, SimulatedNVML
 from tests.support.jsonl import read_lines, read_rows
 from tests.test_report import check_page_in_chromium
 from tests.test_report_truth import T0, header, row, write
@@ -218,7 +217,7 @@ def test_a_small_mfu_keeps_its_digits_in_every_view(tmp_path: Path) -> None:
     """The demo's figures (a tiny fp32 model on a CPU against an H100's peak): MFU 0.0339 %
     and 0.0136 TFLOP/s per GPU are shown with three significant digits by the report (HTML,
     Markdown, the terminal summary) and by ``gpulens watch --record``, never as 0.0 or 0."""
-    from gpulens.cli.watch import plain_training, training_pieces
+    from gpulens.cli.watch.training import plain_training, training_pieces
     from gpulens.report.tail import RecordTail
     from gpulens.report.text import render_text
 

@@ -28,11 +28,10 @@ from gpulens.engine.rules import (
     RULES,
     RuleEngine,
     RulesConfig,
-    normalize_dtype,
     rules_table,
     theil_sen,
 )
-from gpulens.sinks.base import Event, GpuInfo
+from gpulens.model import Event, GpuInfo
 
 TOTAL_GB = 85.89934592  # 80 GiB, as a simulated H100 reports it
 GPUS = tuple(
@@ -586,14 +585,14 @@ def test_idle_gpus_the_job_does_not_use_are_not_under_used() -> None:
 def test_a_failing_rule_is_switched_off_with_one_warning(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture
                                                          ) -> None:
-    from gpulens._warn import reset_warnings
-    from gpulens.engine import rules
+    from gpulens.engine.rules.thermal import Thermal
+    from gpulens.log import reset_warnings
 
     def broken(self: object, view: object) -> dict[str, object]:
         raise ZeroDivisionError("boom")
 
     reset_warnings()
-    monkeypatch.setattr(rules._Thermal, "observe", broken)
+    monkeypatch.setattr(Thermal, "observe", broken)
     caplog.set_level(logging.WARNING, logger="gpulens")
     r = run(Stream(faults=[(ONSET, power_cap)]), 120)
     warnings = [rec for rec in caplog.records if "thermal" in rec.getMessage()]
@@ -606,7 +605,7 @@ def test_a_failing_rule_is_switched_off_with_one_warning(monkeypatch: pytest.Mon
 
 def test_a_row_the_rules_cannot_read_is_skipped_with_one_warning(
         caplog: pytest.LogCaptureFixture) -> None:
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     caplog.set_level(logging.WARNING, logger="gpulens")
@@ -644,10 +643,15 @@ def test_config_is_checked() -> None:
 
 @pytest.mark.parametrize(("given", "expected"), [
     ("bf16", "bf16"), ("bf16-mixed", "bf16"), ("torch.bfloat16", "bf16"), ("16-mixed", "fp16"),
-    ("fp16", "fp16"), (32, "fp32"), ("32-true", "fp32"), (None, None), ("int8", None),
+    ("fp16", "fp16"), (32, "fp32"), ("32-true", "fp32"), (None, None), ("int8", "int8"),
 ])
 def test_normalize_dtype(given: object, expected: str | None) -> None:
-    assert normalize_dtype(given) == expected
+    """The rules take the dtype as gpulens names it: the monitor turns every spelling it accepts
+    (torch dtypes, their names, Lightning precision flags) into that name before the engine,
+    and so ``RulesConfig``, sees it (``low_tensor_use`` judges bf16 and fp16 only)."""
+    from gpulens.monitor import _lightning_or_plain_dtype
+
+    assert _lightning_or_plain_dtype(given) == expected
 
 
 def test_theil_sen_ignores_outliers() -> None:
@@ -760,7 +764,7 @@ def test_rules_judge_every_row_within_their_cpu_share_and_thin_out_beyond_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from gpulens.engine import finish
     from gpulens.engine.spec import EngineSpec
-    from gpulens.sinks.base import Row
+    from gpulens.model import Row
 
     clocks = _Clocks(cost=300e-6)  # a row of 8 GPUs, as benchmarks/rules_cost.py measures it
     monkeypatch.setattr(finish, "time", clocks)

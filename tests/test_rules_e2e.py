@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpulens.sinks.base import Event, RunContext
+from gpulens.model import Event, RunContext
 from gpulens.testing import Constant, MemorySink, SimulatedNVML
 from tests.support.jsonl import read_lines, read_rows
 from tests.support.torchrun import run_torchrun

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from gpulens.engine.rules import ACTIVE_PCT, RULES, RuleEngine, RulesConfig, Threshold
-from gpulens.sinks.base import GpuInfo
+from gpulens.model import GpuInfo
 from gpulens.sinks.prometheus import GPU_SERIES, THROTTLE_SERIES, scalar_series_name
 from tests.test_prometheus import binary
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import gpulens
+from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks import resolve_sink
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext
 from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
 from gpulens.testing import MemorySink, SimulatedNVML

@@ -60,7 +60,7 @@ def _wait_gone(procs: list[psutil.Process], timeout: float = 10.0) -> None:
     assert not alive, alive
 
 
-def test_rows_written_by_the_sampler_process(tmp_path: Path) -> None:
+def test_rows_written_by_the_engine_process(tmp_path: Path) -> None:
     path = tmp_path / "gpu.jsonl"
     mon = gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{path}"], backend="simulated")
     with mon:
@@ -127,7 +127,7 @@ def test_tensor_scalars_are_converted_off_the_training_thread() -> None:
     assert all(s.threads and me not in s.threads for s in scalars[1:])
 
 
-def test_user_error_in_the_sampler_process_is_a_value_error_here() -> None:
+def test_user_error_in_the_engine_process_is_a_value_error_here() -> None:
     mon = gpulens.Monitor(gpus=[7], sinks=[MemorySink()], backend="simulated")
     with pytest.raises(ValueError, match="GPU 7 does not exist: this process sees 2 GPU"):
         mon.start()
@@ -174,7 +174,7 @@ def test_spawn_failure_falls_back_to_a_thread(
     assert "sampling in a thread of this process instead" in caplog.text
 
 
-def test_sampler_process_killed_mid_run_training_goes_on(
+def test_engine_process_killed_mid_run_training_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     sink = MemorySink()
@@ -196,12 +196,12 @@ def test_sampler_process_killed_mid_run_training_goes_on(
     assert [r.step for r in sink.rows] == [1, 2, 3]
     assert worst < 0.05, worst
     assert stop_s < 5.0, stop_s
-    told = [r for r in caplog.records if "sampler process" in r.message]
+    told = [r for r in caplog.records if "engine process" in r.message]
     assert len(told) == 1, [r.message for r in told]  # one warning, not one per cause
     assert "ended unexpectedly" in told[0].message
 
 
-def test_latest_asks_the_sampler_process() -> None:
+def test_latest_asks_the_engine_process() -> None:
     with gpulens.Monitor(interval=0.05, backend="simulated") as mon:
         time.sleep(0.3)
         latest = mon.latest()
@@ -219,7 +219,7 @@ class _FakeAllocator:
 
 
 def test_torch_allocator_read_here_once_a_slow_period() -> None:
-    """The sampler process cannot see this process's allocator: ``log()`` reads it, once a
+    """The engine process cannot see this process's allocator: ``log()`` reads it, once a
     slow period (1 s), and the rows carry the newest reading."""
     sink = MemorySink()
     mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated")
@@ -267,7 +267,7 @@ def test_the_allocator_is_read_here_once_a_slow_period(
     assert last["gpu/1/torch_alloc_retries"] == 2.0 and last["gpu/1/torch_ooms"] == 1.0
 
 
-def test_mlflow_written_by_the_sampler_process_into_the_active_run(
+def test_mlflow_written_by_the_engine_process_into_the_active_run(
     mlflow_tracking: MlflowTracking,
 ) -> None:
     import mlflow
@@ -281,12 +281,12 @@ def test_mlflow_written_by_the_sampler_process_into_the_active_run(
     assert sorted(m.step for m in power) == [1, 2, 3, 4]
     loss = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in loss) == [1, 2, 3, 4]
-    assert len(mlflow_tracking.runs()) == 1  # no run of the sampler process's own
+    assert len(mlflow_tracking.runs()) == 1  # no run of the engine process's own
 
 
 def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None:
     """A training process that ends without ``stop()`` (``os._exit``: no finalizers): the
-    sampler process sees the pipe close, finishes the windows it holds and writes them."""
+    engine process sees the pipe close, finishes the windows it holds and writes them."""
     path = tmp_path / "gpu.jsonl"
     script = textwrap.dedent(f"""
         import os, time, gpulens
@@ -321,7 +321,7 @@ def _spec() -> EngineSpec:
     return EngineSpec(interval=0.05, backend=SimulatedNVML(gpus=2), buffer_rows=100)
 
 
-def test_killed_sampler_process_closes_both_pipes_and_tells_true_figures(
+def test_killed_engine_process_closes_both_pipes_and_tells_true_figures(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     base = _nfd()
@@ -376,7 +376,7 @@ def test_child_failing_before_ready_leaks_no_fd(
     assert _nfd() == base
 
 
-def test_keyboard_interrupt_while_starting_ends_the_sampler_process() -> None:
+def test_keyboard_interrupt_while_starting_ends_the_engine_process() -> None:
     import queue
 
     from gpulens.transport.process import ProcessTransport
@@ -397,7 +397,7 @@ def test_keyboard_interrupt_while_starting_ends_the_sampler_process() -> None:
 
 def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None:
     """A child forked from the training process (its atexit finalizer runs) sends nothing to
-    the parent's sampler process, closes its copies of the pipe ends and exits at once."""
+    the parent's engine process, closes its copies of the pipe ends and exits at once."""
     path = tmp_path / "gpu.jsonl"
     script = textwrap.dedent(f"""
         import json, os, sys, time, gpulens
@@ -451,7 +451,7 @@ def test_a_value_that_cannot_be_read_is_left_out_and_the_relay_goes_on(
 ) -> None:
     """Only the value is lost, never the row (the relay converts it, whatever the engine's
     isolation)."""
-    from gpulens._warn import reset_warnings
+    from gpulens.log import reset_warnings
 
     reset_warnings()
     sink = MemorySink()
@@ -504,13 +504,13 @@ def test_relay_queue_is_bounded_and_its_drops_are_counted(
 def test_dropped_marks_are_counted_and_stop_still_gets_through(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A stalled sampler process: marks beyond the queue's bound are dropped and counted;
-    stop()'s own frame is never dropped, so the sampler process still stops cleanly."""
+    """A stalled engine process: marks beyond the queue's bound are dropped and counted;
+    stop()'s own frame is never dropped, so the engine process still stops cleanly."""
     from gpulens.transport import pipe as link
-    from gpulens.transport import process as sampler_process
+    from gpulens.transport import process as engine_process
 
     monkeypatch.setattr(link, "MAX_PENDING_BYTES", 64 * 1024)
-    monkeypatch.setattr(sampler_process, "_PIPE_BYTES", 64 * 1024)
+    monkeypatch.setattr(engine_process, "_PIPE_BYTES", 64 * 1024)
     path = tmp_path / "gpu.jsonl"
     wide = {f"s{i:03d}": float(i) for i in range(60)}
     with caplog.at_level(logging.WARNING, logger="gpulens"):
@@ -538,7 +538,7 @@ def test_dropped_marks_are_counted_and_stop_still_gets_through(
         assert thread_mon.dropped_marks == 0
 
 
-def test_latest_gives_up_at_once_when_the_sampler_process_dies_and_drops_late_replies(
+def test_latest_gives_up_at_once_when_the_engine_process_dies_and_drops_late_replies(
 ) -> None:
     mon = gpulens.Monitor(interval=0.05, backend="simulated").start()
     proc = mon._transport
@@ -571,17 +571,17 @@ def test_an_installed_gpulens_is_not_put_ahead_of_the_standard_library(
 ) -> None:
     import site
 
-    from gpulens.transport import process as sampler_process
+    from gpulens.transport import process as engine_process
 
-    root = str(Path(sampler_process.__file__).resolve().parent.parent.parent)
+    root = str(Path(engine_process.__file__).resolve().parent.parent.parent)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     # a source checkout: the child must import this very gpulens
-    assert sampler_process._child_env()["PYTHONPATH"] == f"{root}{os.pathsep}/elsewhere"
+    assert engine_process._child_env()["PYTHONPATH"] == f"{root}{os.pathsep}/elsewhere"
     monkeypatch.setattr(site, "getsitepackages", lambda: [root])
-    assert sampler_process._child_env()["PYTHONPATH"] == "/elsewhere"
+    assert engine_process._child_env()["PYTHONPATH"] == "/elsewhere"
 
 
-def test_the_sampler_process_ignores_sigint_before_it_imports_gpulens(tmp_path: Path) -> None:
+def test_the_engine_process_ignores_sigint_before_it_imports_gpulens(tmp_path: Path) -> None:
     from gpulens.transport.process import _CHILD
 
     fake = tmp_path / "gpulens"

@@ -119,7 +119,7 @@ TRAINING = """
 import math, sys, time
 import gpulens
 from gpulens.testing import SimulatedNVML
-from gpulens.testing.loads import Constant
+from gpulens.testing import Constant
 
 path = sys.argv[1]
 time.sleep(1.5)  # the watch starts first: it waits for the file

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gpulens._warn import reset_warnings  # noqa: E402
+from gpulens.log import reset_warnings  # noqa: E402
 from gpulens.work.flops import formula_from_config  # noqa: E402
 from gpulens.work.hf import (  # noqa: E402
     TokenCounter,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulens._warn import reset_warnings
+from gpulens.log import reset_warnings
 from gpulens.work.peaks import PEAKS, UNCITED, identify_gpu, peak_for
 
 ROOT = Path(__file__).resolve().parents[1]

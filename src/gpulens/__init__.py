@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gpulens.errors import GpulensError, GpuLost, NvmlUnavailable
+from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.monitor import Monitor
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext, Sink
+from gpulens.sinks.base import Sink
 
 if TYPE_CHECKING:
     from gpulens.integrations.hydra import from_config

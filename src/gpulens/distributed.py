@@ -44,11 +44,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from gpulens._warn import logger, warn_once
 from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS
 from gpulens.engine.window import job_aggregates
+from gpulens.log import logger, warn_once
+from gpulens.model import Row, RunContext
 from gpulens.schema import GPU_ROW_KEYS, HOST_KEYS, gpu_key
-from gpulens.sinks.base import Row, RunContext
 
 SLOTS = 4
 _WORK = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU)

@@ -25,7 +25,6 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from gpulens._warn import effective_level, logger, say, warn_once
 from gpulens.engine.spec import (
     WORK_CPU,
     WORK_FLOPS,
@@ -34,9 +33,11 @@ from gpulens.engine.spec import (
     EngineSpec,
     SinkSpec,
 )
-from gpulens.engine.steplogger import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
+from gpulens.log import effective_level, logger, say, warn_once
+from gpulens.model import Row, RunContext
 from gpulens.sinks import check_sinks, resolve_sink
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sinks.base import Sink
+from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
 from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.transport.base import SpawnFailed, Transport
@@ -58,7 +59,7 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str | None:
 
 
 def _simulated_from_env() -> Any:
-    from gpulens.testing.simulated import SimulatedNVML
+    from gpulens.sources.simulated import SimulatedNVML
 
     raw = os.environ.get("GPULENS_SIMULATED_GPUS", "2")
     try:
@@ -289,8 +290,8 @@ class Monitor:
                 if choice == "process":
                     raise ValueError(
                         f"isolation='process' needs a backend that pickles ({exc}); give a "
-                        "simulator a load from gpulens.testing.loads or a module-level "
-                        "function, or use isolation='thread'") from None
+                        "simulator a load from gpulens.testing (Square, Steps ...) or a "
+                        "module-level function, or use isolation='thread'") from None
                 logger.info("gpulens: the backend object does not pickle (%s); sampling in a "
                             "thread of this process", exc)
                 return InprocTransport()
@@ -503,7 +504,7 @@ class Monitor:
         not written (said), and gpulens's gloo group is released at once.
 
         Waits while the sinks make progress: at most ``timeout`` seconds (default
-        :data:`~gpulens.engine.steplogger.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and
+        :data:`~gpulens.sinks.writer.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and
         as long again for this process's, giving up on a sink that wrote nothing for 20 s
         (say a tracker that is down).  After 3 s it says what it waits for.  Every row it had
         to drop is told: a WARNING naming the sink and the count.
@@ -547,7 +548,7 @@ class Monitor:
             self.sink_stats.update({n: s for n, s in stats.items() if n not in self.sink_stats})
             if client_dropped:
                 logger.warning("gpulens: %d step mark(s) were dropped on their way to the "
-                               "sampler (it did not keep up); their steps have no rows of "
+                               "engine (it did not keep up); their steps have no rows of "
                                "their own", client_dropped)
             self._transport = self._relay = self._steplogger = None
             self._gather = None
@@ -564,7 +565,7 @@ class Monitor:
         """The processes on the watched GPUs, by GPU then process id (for live views such as
         ``gpulens watch``): process id, GPU, GPU memory held (GB of 1e9 bytes, ``None`` where
         the driver does not say), and, for processes this one can see, name, user and command
-        line.  Read by the engine at the call from NVML's running-process lists (in the sampler
+        line.  Read by the engine at the call from NVML's running-process lists (in the engine
         process; with ``isolation="thread"``, on the calling thread: do not call it from the
         training loop); ``[]`` when not running or when the engine does not answer within 2 s."""
         transport = self._transport

@@ -10,7 +10,7 @@ processes of the job that outlived ``torchrun``).
 Killing the whole job is not one ``os.killpg``: torchrun is started in a session of its own, but
 torch's elastic agent starts every rank with ``start_new_session=True`` too (torch 2.x,
 ``SubprocessHandler._popen``), so each rank leads a process group of its own (with the
-processes it spawns, such as gpulens's sampler process), and a rank whose agent died is
+processes it spawns, such as gpulens's engine process), and a rank whose agent died is
 re-parented away from it. So every process of the job carries a tag in its environment
 (``TORCHRUN_JOB_TAG``, inherited by ranks and their children), and :func:`kill_job` kills the
 process group of torchrun and of every tagged process, then every tagged process left.

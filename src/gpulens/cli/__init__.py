@@ -19,8 +19,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from gpulens._warn import fit_terminal
 from gpulens.cli._common import CliError, gpu_list, positive_float
+from gpulens.log import fit_terminal
 
 __all__ = ["CliError", "build_parser", "main"]
 

@@ -56,7 +56,7 @@ class WallClockRows:
     and every ``perf/*`` figure (per-step figures mean nothing here); ``record/elapsed_s``
     comes in the row itself.
 
-    ``inner`` is a sink, or the ``("module:Class", kwargs)`` spec of one: the sampler process
+    ``inner`` is a sink, or the ``("module:Class", kwargs)`` spec of one: the engine process
     rebuilds a wrapped JSONL or MLflow sink from :meth:`remote_spec` and writes it there.
     """
 
@@ -88,7 +88,7 @@ class WallClockRows:
         self.inner.open(context)
 
     def write(self, row: Any) -> None:
-        from gpulens.sinks.base import Row
+        from gpulens.model import Row
 
         values = {k: v for k, v in row.values.items()
                   if k != STEP_KEY and not k.startswith("perf/")}

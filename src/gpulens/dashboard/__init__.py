@@ -2,8 +2,9 @@
 
 One HTTP port serves three things (:class:`DashboardServer`):
 
-* ``/`` the page: one self-contained HTML file (inline CSS and JavaScript, charts drawn on
-  canvases by its own code; no CDN, nothing fetched from the network);
+* ``/`` the page: an HTML file with its own style and code beside it (``/page.css``,
+  ``/chart.js``, ``/page.js``; charts drawn on canvases by that code; no CDN, nothing
+  fetched from elsewhere);
 * ``/events`` a stream of server-sent events: the run's context (GPU names, backend), the
   history kept so far, then every new row and event as it arrives;
 * ``/metrics`` Prometheus's text format, when the server was given a metrics provider

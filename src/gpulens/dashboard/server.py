@@ -3,7 +3,7 @@
 Why the standard library (``http.server.ThreadingHTTPServer``) and not Starlette +
 sse-starlette: server-sent events are a plain HTTP response that never ends, which the standard
 library writes as well as any framework; Starlette would add an ASGI server (uvicorn), anyio
-and an event loop thread to the process that hosts the sink (the sampler process, see
+and an event loop thread to the process that hosts the sink (the engine process, see
 :mod:`gpulens.sinks.dashboard`), for nothing this page needs.  The cost of the threading server
 is a thread per connected page, so connections are capped (``max_clients``, 32 by default);
 a dashboard has a handful of viewers.
@@ -36,7 +36,7 @@ The stream (``/events``), one ``event:`` type per message, data in JSON:
 ``keys``   names appended to the key list: a row's values are positional on that list.
 ``rows``   ``[[step, unix_time, v0, v1, ...], ...]``; ``null`` (or a short row) = absent.
 ``events`` ``[{"kind", "name", "state", "step", "time", "severity", "message", "advice",
-           "data"}, ...]`` (:class:`gpulens.sinks.base.Event`).  A change of an
+           "data"}, ...]`` (:class:`gpulens.model.Event`).  A change of an
            ``alerts/<rule>`` key that comes without an alert event of that rule is told as
            one too (message: only the key's value).
 ``end``    the server is closing (the run ended).
@@ -61,8 +61,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 
-from gpulens._warn import logger, warn_once
-from gpulens.sinks.base import Event, Row, RunContext
+from gpulens.log import logger, warn_once
+from gpulens.model import Event, Row, RunContext
 
 DEFAULT_PORT = 8765
 DEFAULT_HISTORY_ROWS = 8192
@@ -206,15 +206,24 @@ class _History:
         return new, encoded, events
 
 
-_PAGE: bytes | None = None
+ASSETS: dict[str, tuple[str, str]] = {
+    "/": ("page.html", "text/html; charset=utf-8"),
+    "/index.html": ("page.html", "text/html; charset=utf-8"),
+    "/page.css": ("page.css", "text/css; charset=utf-8"),
+    "/chart.js": ("chart.js", "text/javascript; charset=utf-8"),
+    "/page.js": ("page.js", "text/javascript; charset=utf-8"),
+}
+"""The page's files, by path: (file of this package, content type)."""
+_FILES: dict[str, bytes] = {}
 
 
-def page() -> bytes:
-    """The page's HTML (read once from the package)."""
-    global _PAGE
-    if _PAGE is None:
-        _PAGE = resources.files("gpulens.dashboard").joinpath("page.html").read_bytes()
-    return _PAGE
+def asset(name: str) -> bytes:
+    """A file of the page (``page.html``, ``page.css``, ``chart.js``, ``page.js``), read once
+    from the package."""
+    body = _FILES.get(name)
+    if body is None:
+        body = _FILES[name] = resources.files("gpulens.dashboard").joinpath(name).read_bytes()
+    return body
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -260,8 +269,9 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         dash = self.server.dashboard
         try:
-            if path in ("/", "/index.html"):
-                self._reply(200, page(), "text/html; charset=utf-8")
+            if path in ASSETS:
+                name, content_type = ASSETS[path]
+                self._reply(200, asset(name), content_type)
             elif path == "/events":
                 dash._stream(self)
             elif path == "/metrics":

@@ -34,13 +34,14 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from gpulens._warn import logger, warn_once
 from gpulens.engine.finish import Finisher
-from gpulens.engine.sampler import MAX_MARKS, GpuState, Mark, Sampler
+from gpulens.engine.sampler import MAX_MARKS, GpuState, Sampler
 from gpulens.engine.spec import EngineSpec
-from gpulens.engine.steplogger import STALL_S, SinkStats, StepLogger
 from gpulens.errors import NvmlUnavailable
-from gpulens.sinks.base import Event, Row, RunContext, Sink
+from gpulens.log import logger, warn_once
+from gpulens.model import Event, Mark, Row, RunContext
+from gpulens.sinks.base import Sink
+from gpulens.sinks.writer import STALL_S, SinkStats, StepLogger
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
 from gpulens.sources.processes import GpuProcess

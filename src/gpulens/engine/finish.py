@@ -31,7 +31,6 @@ import re
 import time
 from collections.abc import Sequence
 
-from gpulens._warn import logger
 from gpulens.engine.rules import RuleEngine, RulesConfig
 from gpulens.engine.spec import (
     WORK_FLOPS,
@@ -40,7 +39,8 @@ from gpulens.engine.spec import (
     WORK_TOKENS,
     EngineSpec,
 )
-from gpulens.sinks.base import Event, GpuInfo, Row
+from gpulens.log import logger
+from gpulens.model import Event, GpuInfo, Row
 
 _GPU = re.compile(r"^gpu/(\d+)/(sm_clock_mhz|energy_j|tensor_active_pct)$")
 RULES_CPU_SHARE = 0.02

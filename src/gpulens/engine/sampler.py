@@ -11,7 +11,7 @@ One thread per :meth:`Sampler.start` (so stop-then-start works).  It
 * every ``gpm_interval`` seconds (half the interval, at least 50 ms) polls GPM (Hopper and
   newer), whose counters refresh about every 100 ms;
 * after each pass turns every step mark whose window is covered by data into a
-  :class:`~gpulens.sinks.base.Row` and hands it to ``emit``.  A mark waits for its data at
+  :class:`~gpulens.model.Row` and hands it to ``emit``.  A mark waits for its data at
   most :data:`MAX_ROW_WAIT_S` from when it reached the engine (a mark that arrives late, from
   a starved process, is not finished at once on that account); a row finished before its data
   came says so in ``perf/partial_gpus`` and with a warning.
@@ -30,9 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
-from gpulens._warn import logger, warn_once
 from gpulens.engine.window import (
     CalibratedEnergy,
     IntervalSeries,
@@ -42,8 +40,9 @@ from gpulens.engine.window import (
     job_aggregates,
 )
 from gpulens.errors import GpuLost
+from gpulens.log import logger, warn_once
+from gpulens.model import GpuInfo, Mark, Row
 from gpulens.schema import GPU_METRICS, Agg, gpu_key, train_key
-from gpulens.sinks.base import GpuInfo, Row
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import (
     GPM_METRICS as GPM_IDS,
@@ -85,29 +84,6 @@ _FAST_PLAN: tuple[tuple[str, str, bool, bool], ...] = tuple(
     for m in GPU_METRICS
     if m.key not in _NOT_FAST and m.key not in GPM_KEYS
 )
-
-
-class Mark(NamedTuple):
-    """A ``log()`` call: the end of one window (it crosses from the client to the engine)."""
-
-    step: int
-    t: float
-    """``time.monotonic()`` at the call."""
-    wall: float
-    """``time.time()`` at the call."""
-    scalars: dict[str, float]
-    """As passed to ``log()``, as numbers (the client converts tensors off the training
-    thread); named ``train/<name>`` here."""
-    alloc: dict[int, tuple[float, float, float, float]] | None = None
-    """Torch allocator figures per torch device, read by the client at the call: (allocated
-    GB, peak GB, allocation retries, OOMs); ``None`` when not read."""
-
-
-MarkFields = tuple[int, float, float, dict[str, Any], dict[int, tuple[float, float, float, float]]
-                   | None]
-"""A :class:`Mark`'s fields as the plain tuple ``log()`` makes and the pipe carries: making the
-named tuple costs the training thread ~0.7 us a call (its ``__new__`` is Python), so it is made
-only where the mark arrives (``Mark(*fields)``)."""
 
 
 @dataclass
@@ -442,7 +418,7 @@ class Sampler:
 
     def processes(self) -> list[GpuProcess]:
         """The processes on the watched GPUs, by GPU then process id: NVML's running
-        processes, named by psutil.  Read at the call, on the caller's thread (the sampler
+        processes, named by psutil.  Read at the call, on the caller's thread (the engine
         process's main loop by default); a GPU that is lost or cannot list its processes gives
         none."""
         out: list[GpuProcess] = []

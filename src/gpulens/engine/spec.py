@@ -1,4 +1,4 @@
-"""What the client tells the engine at start: a picklable spec (it crosses to the sampler
+"""What the client tells the engine at start: a picklable spec (it crosses to the engine
 process), from which :class:`gpulens.engine.engine.Engine` builds everything."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class SinkSpec:
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the engine needs; every field pickles (a simulator backend does when its
-    load does: see :mod:`gpulens.testing.loads`)."""
+    load does: see :mod:`gpulens.sources.loads`)."""
 
     interval: float
     """Seconds between cheap samples."""

@@ -12,10 +12,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpulens._warn import warn_once
 from gpulens.integrations.phases import StepPhases
+from gpulens.log import warn_once
+from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sinks.base import Sink
 
 DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on the steps where
     Lightning writes the module's own ``self.log(...)`` metrics.

@@ -26,7 +26,7 @@ others and ``end_training()`` finishes it first, while the other runs are still 
   :class:`gpulens.sinks.wandb.WandbSink` on the tracker's run (each row joins the user's
   pending step, plotted against ``gpulens/step``, the user's step; W&B's step is never pushed
   ahead of the user's ``step=``), MLflow through :class:`gpulens.sinks.mlflow.MlflowSink` on the
-  tracker's run id with ``step=`` the user's step (written from gpulens's sampler process),
+  tracker's run id with ``step=`` the user's step (written from gpulens's engine process),
   any other tracker through its own ``log(values, step=...)`` on the training thread.
 * The values the user logs go to those trackers from Accelerate itself; gpulens adds only its
   own keys (``gpu/*``, ``host/*``, ``perf/*``).  Extra ``sinks`` (``"jsonl:PATH"``, ...) get
@@ -41,10 +41,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpulens._warn import logger as _log
+from gpulens.log import logger as _log
+from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
 from gpulens.sinks import check_sinks
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sinks.base import Sink
 from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
 

@@ -56,10 +56,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gpulens._warn import logger as _log
+from gpulens.log import logger as _log
+from gpulens.model import Row, RunContext
 from gpulens.schema import STEP_KEY
 from gpulens.sinks import check_sinks
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.sinks.base import Sink
 
 __all__ = ["MergingLogger", "RowHandoff", "TrackingLogger"]
 

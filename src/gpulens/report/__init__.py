@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from gpulens.model import Row
 from gpulens.report.html import SIMULATED_BANNER, backend_text, gpu_models, render_html
 from gpulens.report.load import GpuMeta, Record, ReportError, RunInfo, load_jsonl
 from gpulens.report.summary import (
@@ -29,7 +30,6 @@ from gpulens.report.text import (
     render_text,
     sparkline,
 )
-from gpulens.sinks.base import Row
 
 __all__ = [
     "Efficiency",

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpulens.sinks.base import Event, Row
+from gpulens.model import Event, Row
 
 _WORK_KEYS = frozenset(("perf/tokens_per_s", "perf/samples_per_s", "perf/tflops"))
 """Keys that only the work of training steps (``log(step, tokens=...)``) gives."""

@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
-from gpulens.sinks.base import Event, GpuInfo, Row, RunContext, Sink
+from gpulens.sinks.base import Sink
 
 SINKS: dict[str, str] = {
     "jsonl": "gpulens.sinks.jsonl:JsonlSink",
@@ -21,8 +21,7 @@ SINKS: dict[str, str] = {
     "dashboard": "gpulens.sinks.dashboard:DashboardSink",
 }
 
-__all__ = ["SINKS", "Event", "GpuInfo", "Row", "RunContext", "Sink", "check_sinks",
-           "resolve_sink"]
+__all__ = ["SINKS", "Sink", "check_sinks", "resolve_sink"]
 
 
 def resolve_sink(spec: str | Sink) -> Sink:

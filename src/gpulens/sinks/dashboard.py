@@ -14,7 +14,7 @@ Specs: ``"dashboard"`` (port 8765), ``"dashboard:PORT"``, ``"dashboard:HOST:PORT
 :attr:`DashboardSink.url` tells which.  ``Monitor.start()`` prints the address on stderr
 (``gpulens: live dashboard on http://127.0.0.1:8765/``) once the page is served.
 
-Where the server runs.  The sink has a :meth:`~DashboardSink.remote_spec`: with the sampler in
+Where the server runs.  The sink has a :meth:`~DashboardSink.remote_spec`: with the engine in
 a process of its own (``Monitor``'s default), the server lives in that process, so its
 threads (one per open page, plus the accept loop) and the encoding of rows never take the
 training process's GIL.  The page then lives as long as the monitor: ``stop()`` ends it (the
@@ -36,7 +36,7 @@ from gpulens.dashboard.server import (
     MetricsProvider,
     PortInUse,
 )
-from gpulens.sinks.base import Row, RunContext
+from gpulens.model import Row, RunContext
 
 
 class DashboardSink:
@@ -48,7 +48,7 @@ class DashboardSink:
         history_rows: rows kept for pages opened later; older rows are thinned beyond it.
         title: shown on the page.
         metrics: ``() -> (body, content_type)`` served on ``/metrics`` of the same port (a
-            sink with one is not moved to the sampler process).
+            sink with one is not moved to the engine process).
         server: a :class:`~gpulens.dashboard.DashboardServer` made (and perhaps bound) by the
             caller, to publish to; ``port``, ``host``, ``history_rows``, ``title`` and
             ``metrics`` are then the server's.  The sink stays in this process.
@@ -93,7 +93,7 @@ class DashboardSink:
         return cls(port=port, host=host.strip("[]") if sep and host else "127.0.0.1")
 
     def remote_spec(self) -> tuple[str, dict[str, Any]] | None:
-        """How the sampler process rebuilds this sink (the server then lives there).
+        """How the engine process rebuilds this sink (the server then lives there).
 
         Port 0 is resolved here first (a free port is chosen now), so that :attr:`url` in this
         process names the port the page is served on.  ``None`` (stay here) when the sink has

@@ -11,14 +11,14 @@ the sink never overwrites, it appends.  Each run is told apart by its run id:
   ``mem_total_gb`` in GB of 1e9 bytes; ``power_limit_w`` (enforced) and
   ``default_power_limit_w`` in W; ``max_sm_clock_mhz``, the boost clock MFU's peak assumes, in
   MHz; a figure the GPU does not give is ``null``).  ``meta`` is the run's
-  :attr:`~gpulens.sinks.base.RunContext.meta`: the compute ``dtype``, MFU's denominator
+  :attr:`~gpulens.model.RunContext.meta`: the compute ``dtype``, MFU's denominator
   (``peak_gpu``, ``peak_dtype``, ``peak_tflops`` in TFLOP/s of one GPU, ``peak_source``), how
   model FLOPs are counted (``flops_per_token`` / ``flops_per_sample``, ``flops_method`` ...);
   ``{}`` when the run has none (no dtype given, an unknown GPU: then rows have no MFU);
-* a row line per :class:`~gpulens.sinks.base.Row`: ``run_id``, ``step``, ``time`` (unix seconds
+* a row line per :class:`~gpulens.model.Row`: ``run_id``, ``step``, ``time`` (unix seconds
   at the end of the window) and the row's keys; a value that is not finite (a NaN loss) is
   written as ``null``;
-* an event line per :class:`~gpulens.sinks.base.Event` of a row, after that row:
+* an event line per :class:`~gpulens.model.Event` of a row, after that row:
   ``{"event": "alert"|"notice", "run_id", "step", "time", "name", "state", "severity",
   "message", "advice", "data"}``;
 * ``{"event": "run_end", "run_id": ..., "time": ..., "rows": N}`` when the run closes cleanly
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from gpulens.sinks.base import Event, Row, RunContext
+from gpulens.model import Event, Row, RunContext
 
 
 def new_run_id() -> str:
@@ -75,7 +75,7 @@ class JsonlSink:
         return cls(arg)
 
     def remote_spec(self) -> tuple[str, dict[str, Any]]:
-        """How the sampler process rebuilds this sink (it then writes the file)."""
+        """How the engine process rebuilds this sink (it then writes the file)."""
         kwargs: dict[str, Any] = {"path": str(self.path.absolute())}
         if self.run_id is not None:
             kwargs["run_id"] = self.run_id

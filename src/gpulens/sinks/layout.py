@@ -67,9 +67,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpulens._warn import warn_once
+from gpulens.log import warn_once
+from gpulens.model import RunContext
 from gpulens.schema import STEP_KEY
-from gpulens.sinks.base import RunContext
 
 KEY_SETS = ("default", "all")
 """The tracker key sets: ``"default"`` (the view above) and ``"all"`` (every schema key)."""
@@ -227,7 +227,7 @@ def run_metadata(context: RunContext) -> dict[str, str | float | int]:
     """What the trackers record about a run: gpulens's version, the backend (``"simulated"``
     for simulated GPUs, said so plainly), hostname, sampling interval (s), the GPUs (count,
     ``"2 x NAME"`` summary, each GPU's name as ``gpu.{i}.name``) and the run's
-    :attr:`~gpulens.sinks.base.RunContext.meta` (dtype, MFU peak and its source, FLOPs ...)."""
+    :attr:`~gpulens.model.RunContext.meta` (dtype, MFU peak and its source, FLOPs ...)."""
     from gpulens import __version__
 
     out: dict[str, str | float | int] = {

@@ -29,9 +29,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gpulens._warn import logger as _log
-from gpulens._warn import warn_once
-from gpulens.sinks.base import Event, Row, RunContext
+from gpulens.log import logger as _log
+from gpulens.log import warn_once
+from gpulens.model import Event, Row, RunContext
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
 
 _INVALID = re.compile(r"[^A-Za-z0-9_\-. /]")
@@ -130,7 +130,7 @@ class MlflowSink:
         check_tracking_uri(str(uri))
 
     def remote_spec(self) -> tuple[str, dict[str, Any]]:
-        """How the sampler process rebuilds this sink, writing to the same run.
+        """How the engine process rebuilds this sink, writing to the same run.
 
         The run active here and the tracking URI set here (``mlflow.set_tracking_uri``) are
         resolved now, in this process: the other process cannot see them.

@@ -76,8 +76,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from gpulens.model import GpuInfo, Row, RunContext
 from gpulens.schema import GPU_METRIC_BY_KEY
-from gpulens.sinks.base import GpuInfo, Row, RunContext
 
 DEFAULT_PORT = 9400
 

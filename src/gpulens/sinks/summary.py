@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 import time
 
+from gpulens.model import Row, RunContext
 from gpulens.report.summary import RunSummary, SummaryBuilder
-from gpulens.sinks.base import Row, RunContext
 
 
 class SummarySink:

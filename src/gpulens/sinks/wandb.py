@@ -75,10 +75,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from gpulens._warn import logger as _log
-from gpulens._warn import warn_once
+from gpulens.log import logger as _log
+from gpulens.log import warn_once
+from gpulens.model import Event, Row, RunContext
 from gpulens.schema import STEP_KEY
-from gpulens.sinks.base import Event, Row, RunContext
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
 
 AXIS_KEY = "gpulens/step"
@@ -131,7 +131,7 @@ SIMULATED_TAG = "simulated-gpus"
 """The W&B run tag of a run whose GPUs were simulated."""
 
 ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
-"""W&B alert level of each :class:`~gpulens.sinks.base.Event` severity."""
+"""W&B alert level of each :class:`~gpulens.model.Event` severity."""
 
 MAX_QUEUE = 10_000
 """Rows :class:`WandbSink` keeps waiting for a record of their own."""

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from gpulens._warn import logger, warn_once
 from gpulens.errors import GpuLost, NvmlUnavailable
-from gpulens.sinks.base import GpuInfo
+from gpulens.log import logger, warn_once
+from gpulens.model import GpuInfo
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """The processes on each GPU: NVML's running compute and graphics processes, named by psutil.
 
-Read on demand (``Monitor.processes()``, the ``watch`` view's process table), in the sampler
+Read on demand (``Monitor.processes()``, the ``watch`` view's process table), in the engine
 process like every NVML read; never on a training thread.  NVML gives each process's id and,
 where the driver can tell, the GPU memory it holds (not under MIG without the right rights,
 nor on some virtualised GPUs: then ``gpu_mem_gb`` is ``None``, never 0).  psutil adds the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from gpulens.sinks.base import Row, RunContext
+from gpulens.model import Row, RunContext
 
 
 class MemorySink:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from gpulens.engine.sampler import MarkFields
 from gpulens.engine.spec import EngineSpec
-from gpulens.engine.steplogger import SinkStats
-from gpulens.sinks.base import Row, RunContext
+from gpulens.model import MarkFields, Row, RunContext
+from gpulens.sinks.writer import SinkStats
 from gpulens.sources.processes import GpuProcess
 
 

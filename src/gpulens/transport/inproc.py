@@ -12,10 +12,9 @@ import os
 from collections.abc import Callable
 
 from gpulens.engine.engine import Engine
-from gpulens.engine.sampler import Mark, MarkFields
 from gpulens.engine.spec import EngineSpec
-from gpulens.engine.steplogger import SinkStats
-from gpulens.sinks.base import Row, RunContext
+from gpulens.model import Mark, MarkFields, Row, RunContext
+from gpulens.sinks.writer import SinkStats
 from gpulens.sources.processes import GpuProcess
 
 

@@ -1,13 +1,13 @@
-"""The pipe between a training process and its sampler process: framed, pickled messages.
+"""The pipe between a training process and its engine process: framed, pickled messages.
 
 A frame is a 4-byte little-endian length and a pickle.  :class:`Sender` never blocks when
 asked not to: bytes the pipe cannot take now wait in a bounded queue, which a short-lived
 flusher thread writes out as the reader makes room (the training thread's ``log()`` sends this
-way, so a sampler process that stalls or dies costs training nothing).  Control messages
+way, so a engine process that stalls or dies costs training nothing).  Control messages
 (``force=True``) are never dropped for the bound.  :class:`Receiver` reads frames in a thread
 of its own, blocking in ``os.read`` with the GIL released, or polls (:meth:`Receiver.poll`).
 
-Why the sampler process polls its end rather than blocking on it: a write to a pipe that a
+Why the engine process polls its end rather than blocking on it: a write to a pipe that a
 reader sleeps on wakes that reader, and the waking is paid by the writer.  On the 2-core
 development VM, ``pickle`` + ``os.write`` of a mark took 21 us (median) with a reader asleep in
 ``read`` and 4.7 us with a reader that polls every 20 ms (``benchmarks/pipe_wake.py``).  The

@@ -42,11 +42,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpulens._warn import forward_records, logger, reemit, warn_once
-from gpulens.engine.sampler import Mark, MarkFields
 from gpulens.engine.spec import EngineSpec
-from gpulens.engine.steplogger import SinkStats
-from gpulens.sinks.base import Row, RunContext
+from gpulens.log import forward_records, logger, reemit, warn_once
+from gpulens.model import Mark, MarkFields, Row, RunContext
+from gpulens.sinks.writer import SinkStats
 from gpulens.sources.processes import GpuProcess
 from gpulens.transport.base import SpawnFailed
 from gpulens.transport.messages import (
@@ -173,7 +172,7 @@ class ProcessTransport:
                     env=_child_env(), close_fds=True,
                 )
             except OSError as exc:
-                raise SpawnFailed(f"could not start the sampler process: {exc}") from exc
+                raise SpawnFailed(f"could not start the engine process: {exc}") from exc
             finally:
                 for fd in child_ends:
                     with contextlib.suppress(OSError):
@@ -187,15 +186,15 @@ class ProcessTransport:
             try:
                 got = self._startup.get(timeout=READY_TIMEOUT_S)
             except queue.Empty:
-                raise SpawnFailed(f"the sampler process did not start within "
+                raise SpawnFailed(f"the engine process did not start within "
                                   f"{READY_TIMEOUT_S:.0f} s") from None
             if isinstance(got, Ready):
                 return got.context, list(got.torch_indices)
             if isinstance(got, Failed) and got.user_error:
                 raise ValueError(got.text)
             if isinstance(got, Failed):
-                raise SpawnFailed(f"the sampler process failed: {got.kind}: {got.text}")
-            raise SpawnFailed(f"the sampler process ended before it started "
+                raise SpawnFailed(f"the engine process failed: {got.kind}: {got.text}")
+            raise SpawnFailed(f"the engine process ended before it started "
                               f"({how_it_ended(self._proc)})")
         except BaseException:
             for fd in child_ends:
@@ -241,7 +240,7 @@ class ProcessTransport:
         except LinkClosed:
             pass
         except Exception as exc:
-            warn_once("link-read", "gpulens: reading from the sampler process failed: %r", exc)
+            warn_once("link-read", "gpulens: reading from the engine process failed: %r", exc)
         finally:
             rx.close()  # this thread's to close: nothing reads it any more
             if not started:
@@ -251,7 +250,7 @@ class ProcessTransport:
                 how = how_it_ended(self._proc) if self._proc is not None else "gone"
                 lost = ", ".join(self._sink_names)
                 logger.warning(
-                    "gpulens: the sampler process ended unexpectedly (%s); GPU rows "
+                    "gpulens: the engine process ended unexpectedly (%s); GPU rows "
                     "stop, training goes on%s", how,
                     f"; rows it had not yet written to {lost} are lost (counted in stop()'s "
                     "figures)" if lost else "")
@@ -296,7 +295,7 @@ class ProcessTransport:
             self.marks_sent += 1
             return True
         if not tx.closed:
-            warn_once("link-full", "gpulens: the sampler process is not keeping up; step "
+            warn_once("link-full", "gpulens: the engine process is not keeping up; step "
                       "marks are dropped (counted)")
         return False
 
@@ -393,7 +392,7 @@ class ProcessTransport:
                 time.sleep(0.002)
                 tx.flush()
         if not self._stopped.wait(max(0.0, deadline - time.monotonic())):
-            logger.warning("gpulens: the sampler process did not stop in %.0f s; it is ended",
+            logger.warning("gpulens: the engine process did not stop in %.0f s; it is ended",
                            timeout + STOP_GRACE_S)
         if self._reader is not None:
             self._reader.join(max(0.0, deadline - time.monotonic()) + 1.0)
@@ -414,7 +413,7 @@ class ProcessTransport:
             out[name] = SinkStats(written=st.written, dropped=st.dropped + lost,
                                   failures=st.failures)
             if out[name].dropped:
-                logger.warning("gpulens: sink %s: %d rows written, %d dropped (the sampler "
+                logger.warning("gpulens: sink %s: %d rows written, %d dropped (the engine "
                                "process died)", name, st.written, out[name].dropped)
         return out
 

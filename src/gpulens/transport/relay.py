@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gpulens._warn import warn_once
-from gpulens.engine.sampler import MarkFields
+from gpulens.log import warn_once
+from gpulens.model import MarkFields
 
 RELAY_MAX = 10_000
 """Marks with tensors that may wait for conversion before new ones are dropped (counted)."""

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gpulens._warn import warn_once
+from gpulens.log import warn_once
 from gpulens.work.counter import CounterError, measure_formula
 from gpulens.work.flops import Attention, FlopsFormula, _check_attention, formula_from_config
 from gpulens.work.precision import float32_matmul_dtype, normalize_dtype

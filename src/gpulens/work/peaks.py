@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from gpulens._warn import warn_once
+from gpulens.log import warn_once
 from gpulens.work.precision import normalize_dtype
 
 

@@ -1,4 +1,5 @@
-"""Load shapes for simulated GPUs: picklable, so a simulator crosses into the sampler process.
+"""Load shapes for simulated GPUs (:mod:`gpulens.sources.simulated`): picklable, so a simulator
+crosses into the engine process.  :mod:`gpulens.testing` exports them for tests.
 
 A load is a callable ``load(gpu, t) -> activity`` with ``t`` in seconds since the simulator's
 epoch (:attr:`gpulens.testing.SimulatedNVML.epoch`, a ``time.monotonic()`` reading, which is the

@@ -1,4 +1,6 @@
-"""The step logger: hands finished rows to the sinks without ever blocking training.
+"""The per-sink writer (the step logger): hands finished rows to the sinks without ever blocking
+training.  It is sink machinery, used by the engine (the sinks it writes) and by the client (the
+sinks written in the training process).
 
 Each sink gets its own worker thread and a bounded buffer, so a slow or unreachable tracker
 (an MLflow server that went away) holds up nobody else.  A failed write is retried with
@@ -22,8 +24,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from gpulens._warn import logger, warn_once
-from gpulens.sinks.base import Row, RunContext, Sink
+from gpulens.log import logger, warn_once
+from gpulens.model import Row, RunContext
+from gpulens.sinks.base import Sink
 
 TRAINING_THREAD_ROWS_PER_LOG = 2
 STOP_TIMEOUT_S = 120.0

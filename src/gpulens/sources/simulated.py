@@ -1,4 +1,5 @@
-"""Simulated GPUs that speak NVML.
+"""Simulated GPUs that speak NVML: the backend of ``GPULENS_BACKEND=simulated``, and the public
+test double :class:`gpulens.testing.SimulatedNVML`.
 
 :class:`SimulatedNVML` has the functions of ``pynvml`` that gpulens uses, with the same
 arguments, return shapes and errors, so ``gpulens.sources.nvml`` and the sampler run exactly as
@@ -19,10 +20,10 @@ fails like a machine without a driver).  ``mig`` gives GPUs MIG instances.  ``pr
 says which processes run on each GPU; by default the process that made the simulator runs on
 every GPU and holds all its used memory but the driver's 0.5 GiB.
 
-A simulator is picklable when its load is (see :mod:`gpulens.testing.loads`): it then crosses
-into gpulens's sampler process, so tests run the very path users run.  Time is counted from
+A simulator is picklable when its load is (see :mod:`gpulens.sources.loads`): it then crosses
+into gpulens's engine process, so tests run the very path users run.  Time is counted from
 :attr:`SimulatedNVML.epoch`, a ``time.monotonic()`` reading taken when the simulator is made,
-so the test (in the training process) and the sampler process agree on what happens when.
+so the test (in the training process) and the engine process agree on what happens when.
 
 Example::
 
@@ -44,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpulens.testing.loads import LoadFn, Wave
+from gpulens.sources.loads import LoadFn, Wave
 
 NVML_SUCCESS = 0
 NVML_ERROR_NOT_SUPPORTED = 3

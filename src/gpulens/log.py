@@ -10,7 +10,7 @@
   :func:`set_verbosity` set the ``gpulens`` logger's level; the default is the library default
   (WARNING unless the application sets another).
 * :func:`warn_once` logs a WARNING once per cause, per process.
-* In the sampler process (:mod:`gpulens.transport.process`) the stderr handler is off and
+* In the engine process (:mod:`gpulens.transport.process`) the stderr handler is off and
   every record goes down the pipe instead (:class:`ForwardHandler`); the training process
   hands it to its own ``gpulens`` logger (:func:`reemit`), at the same level: the user hears
   the engine exactly as if it ran in their process.
@@ -159,7 +159,7 @@ LogPayload = tuple[str, int, str, float]
 
 
 class ForwardHandler(logging.Handler):
-    """Sends every record of the ``gpulens`` loggers to ``send`` (the sampler process's end of
+    """Sends every record of the ``gpulens`` loggers to ``send`` (the engine process's end of
     the pipe), formatted there: arguments need not pickle."""
 
     def __init__(self, send: Callable[[LogPayload], object]) -> None:
@@ -172,7 +172,7 @@ class ForwardHandler(logging.Handler):
 
 
 def forward_records(send: Callable[[LogPayload], object], level: int) -> ForwardHandler:
-    """In the sampler process: stop writing to stderr, send every record at ``level`` and
+    """In the engine process: stop writing to stderr, send every record at ``level`` and
     above to the training process instead."""
     _default_handler.enabled = False
     handler = ForwardHandler(send)
@@ -182,19 +182,19 @@ def forward_records(send: Callable[[LogPayload], object], level: int) -> Forward
 
 
 def reemit(payload: LogPayload) -> None:
-    """In the training process: hand a record from the sampler process to the logger of the
+    """In the training process: hand a record from the engine process to the logger of the
     same name, at its level (it reaches the user once, by whatever handlers they set)."""
     name, levelno, message, created = payload
     target = logging.getLogger(name)
     if not target.isEnabledFor(levelno):
         return
-    record = target.makeRecord(name, levelno, "(gpulens sampler process)", 0, message, (),
+    record = target.makeRecord(name, levelno, "(gpulens engine process)", 0, message, (),
                                None)
     record.created = created
     target.handle(record)
 
 
 def effective_level() -> int:
-    """The level below which the ``gpulens`` logger drops records here (sent to the sampler
+    """The level below which the ``gpulens`` logger drops records here (sent to the engine
     process, so it forwards only what would be heard)."""
     return logger.getEffectiveLevel()

@@ -1,0 +1,46 @@
+"""What the rules need to know about the run (:class:`RulesConfig`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpulens.engine.rules.catalog import RULES
+from gpulens.model import GpuInfo
+
+
+@dataclass(frozen=True)
+
+
+class RulesConfig:
+    """What the rules need to know about the run.
+
+    Args:
+        dtype: the compute dtype as gpulens names it (``"bf16"``, ``"fp16"`` ...:
+            :func:`gpulens.work.precision.normalize_dtype`); ``low_tensor_use`` judges only
+            bf16/fp16 runs and stays quiet (no key) when it is unknown.
+        gpus: the monitored GPUs (``RunContext.gpus``): total memory and power limit.
+        distributed: rows hold one GPU per rank (rank 0's gathered rows); turns on
+            ``slow_rank`` from GPM figures.  Rows with ``rank/{r}/cpu_busy_s`` keys turn it on
+            too.
+        min_steps: training steps before any rule may fire.
+        min_rows: the least number of windows a rule's evidence holds.
+        min_span_s: the least wall-clock time (s) the evidence of a rule on sampled GPU
+            figures covers.
+        disabled: names of rules to leave out.
+    """
+
+    dtype: str | None = None
+    gpus: Sequence[GpuInfo] = ()
+    distributed: bool = False
+    min_steps: int = 20
+    min_rows: int = 10
+    min_span_s: float = 2.0
+    disabled: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        unknown = set(self.disabled) - set(RULES)
+        if unknown:
+            raise ValueError(f"unknown rule(s) {sorted(unknown)}; known: {sorted(RULES)}")
+        if self.min_steps < 0 or self.min_rows < 1 or self.min_span_s < 0:
+            raise ValueError("min_steps >= 0, min_rows >= 1 and min_span_s >= 0 are required")

@@ -1,0 +1,121 @@
+"""The data every layer passes: a GPU's identity, the run's context, a row, an event, a step mark.
+
+These types sit at the ground of the package: sources, the engine, the transport, sinks,
+integrations and the command line all import them from here, and this module imports nothing
+of gpulens (the keys of :attr:`Row.values` are those of :mod:`gpulens.schema`).
+
+* :class:`GpuInfo`: static facts about one monitored GPU.
+* :class:`RunContext`: what a sink may want to know when it opens.
+* :class:`Row`: one step-aligned record, with the :class:`Event` objects of its step.
+* :class:`Mark` / :data:`MarkFields`: a ``log()`` call as it crosses from the client (the
+  training process) to the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """Static facts about one monitored GPU."""
+
+    index: int
+    """The GPU's key in rows (``gpu/{index}/...``): global rank in distributed jobs."""
+    name: str
+    uuid: str
+    pci_bus_id: str
+    mem_total_gb: float | None = None
+    power_limit_w: float | None = None
+    mig: str | None = None
+    """The MIG instance this process uses on this GPU (``"MIG 3g.40gb (MIG-...)"``), if any:
+    the metrics are the whole GPU's, which NVML alone gives."""
+    max_sm_clock_mhz: float | None = None
+    """The SM clock's maximum (boost), MHz: the clock the datasheet peak assumes."""
+    default_power_limit_w: float | None = None
+    """The board's default power limit, W (tells variants of one name apart, e.g. H200 SXM
+    from NVL, whatever limit an operator set)."""
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a sink may want to know when it opens."""
+
+    gpus: tuple[GpuInfo, ...]
+    hostname: str
+    backend: str
+    """``"nvml"``, ``"simulated"`` or ``"none"`` (no driver: host and training metrics only)."""
+    interval: float
+    """Seconds between cheap samples."""
+    meta: dict[str, str | float] = field(default_factory=dict)
+    """What else a record of the run should say: the compute dtype, each GPU's peak and its
+    source (``peak_tflops``, ``peak_source``), how model FLOPs were counted ... (sinks that
+    keep run metadata write it: the JSONL header, MLflow params, W&B config)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the engine tells about a step, beside its figures: an alert of an advice rule
+    firing or clearing, or a notice (a GPU lost, a gap).
+
+    Sinks that can show events do (JSONL ``event`` lines, W&B alerts, MLflow tags, the report,
+    the dashboard); the others ignore them.
+    """
+
+    kind: str
+    """``"alert"`` (a rule's state changed) or ``"notice"``."""
+    name: str
+    """The rule or cause, e.g. ``"input_bound"``; alerts also set ``alerts/<name>`` in the row."""
+    state: str
+    """``"firing"`` or ``"resolved"`` for alerts; ``"info"`` for notices."""
+    step: int
+    """The training step at which it happened."""
+    time: float
+    """Unix time in seconds."""
+    severity: str = "warning"
+    """``"info"``, ``"warning"`` or ``"critical"``."""
+    message: str = ""
+    """What was seen, with numbers."""
+    advice: str = ""
+    """What to try."""
+    data: dict[str, float] = field(default_factory=dict)
+    """The figures behind the message (e.g. ``{"perf/data_wait_pct": 41.0}``)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One step-aligned record.
+
+    ``values`` uses the keys of :mod:`gpulens.schema`; ``train/global_step`` is always present.
+    ``events`` holds what the engine tells about this step (alerts, notices), usually nothing.
+    """
+
+    step: int
+    time: float
+    """Unix time in seconds at the end of the window (when ``log()`` was called)."""
+    values: dict[str, float] = field(default_factory=dict)
+    events: tuple[Event, ...] = ()
+
+
+class Mark(NamedTuple):
+    """A ``log()`` call: the end of one window (it crosses from the client to the engine)."""
+
+    step: int
+    t: float
+    """``time.monotonic()`` at the call."""
+    wall: float
+    """``time.time()`` at the call."""
+    scalars: dict[str, float]
+    """As passed to ``log()``, as numbers (the client converts tensors off the training
+    thread); named ``train/<name>`` here."""
+    alloc: dict[int, tuple[float, float, float, float]] | None = None
+    """Torch allocator figures per torch device, read by the client at the call: (allocated
+    GB, peak GB, allocation retries, OOMs); ``None`` when not read."""
+
+
+MarkFields = tuple[int, float, float, dict[str, Any], dict[int, tuple[float, float, float, float]]
+                   | None]
+"""A :class:`Mark`'s fields as the plain tuple ``log()`` makes and the pipe carries: making the
+named tuple costs the training thread ~0.7 us a call (its ``__new__`` is Python), so it is made
+only where the mark arrives (``Mark(*fields)``)."""

@@ -1,0 +1,118 @@
+"""The package's layout, checked by reading its source (``ast``), so a regression fails here.
+
+* The shared types (``Row``, ``Event``, ``GpuInfo``, ``RunContext``, ``Mark``, ``MarkFields``)
+  come from :mod:`gpulens.model` in the engine's layers (``sources/``, ``transport/``,
+  ``engine/``), and those layers take nothing from :mod:`gpulens.sinks` but what the engine
+  needs to build and write sinks (:data:`SINK_MACHINERY`).
+* The engine's layers import nothing of the client (monitor, integrations, command line,
+  the distributed gather) nor the test doubles of :mod:`gpulens.testing`.
+* No file under ``src/`` is longer than 600 lines.
+* :mod:`gpulens.model` imports nothing of gpulens but :mod:`gpulens.schema`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "gpulens"
+ENGINE_LAYERS = ("sources", "transport", "engine")
+SHARED_TYPES = frozenset({"Row", "Event", "GpuInfo", "RunContext", "Mark", "MarkFields"})
+SINK_MACHINERY: dict[str, frozenset[str]] = {
+    # the Sink protocol, the type of what the engine builds from a SinkSpec
+    "gpulens.sinks.base": frozenset({"Sink"}),
+    # the per-sink writer the engine writes its sinks with, and its figures, which the
+    # transport carries back to the client at stop
+    "gpulens.sinks.writer": frozenset({"StepLogger", "SinkStats", "STALL_S"}),
+}
+CLIENT = ("gpulens.monitor", "gpulens.integrations", "gpulens.cli", "gpulens.distributed",
+          "gpulens.testing")
+MAX_LINES = 600
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """``(module, names)`` of every import in the file, at any depth (``names`` is empty for a
+    plain ``import module``); relative imports resolved against the file's package."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = _module_name(path) if path.name == "__init__.py" else \
+        _module_name(path).rpartition(".")[0]
+    out: list[tuple[str, tuple[str, ...]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, ()) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                module = ".".join([*base, module] if module else base)
+            out.append((module, tuple(alias.name for alias in node.names)))
+    return out
+
+
+def _modules(*layers: str) -> list[Path]:
+    return sorted(p for layer in layers for p in (PACKAGE / layer).rglob("*.py"))
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_engine_layers_exist() -> None:
+    """The checks below read these folders: a rename must not make them pass on nothing."""
+    for layer in ENGINE_LAYERS:
+        assert len(_modules(layer)) >= 3, layer
+
+
+@pytest.mark.parametrize("path", _modules(*ENGINE_LAYERS), ids=_module_name)
+def test_engine_layers_take_shared_types_from_model_and_only_sink_machinery(path: Path) -> None:
+    wrong = []
+    for module, names in _imports(path):
+        shared = SHARED_TYPES.intersection(names)
+        if shared and module != "gpulens.model":
+            wrong.append(f"{sorted(shared)} from {module} (they live in gpulens.model)")
+        if _within(module, "gpulens.sinks"):
+            allowed = SINK_MACHINERY.get(module)
+            extra = sorted(set(names) - allowed) if allowed is not None and names else None
+            if allowed is None or extra is None or extra:
+                wrong.append(f"{module}: {', '.join(extra or names) or 'the module'} (the "
+                             "engine's layers take only " + ", ".join(
+                                 f"{m}.{{{', '.join(sorted(n))}}}"
+                                 for m, n in SINK_MACHINERY.items()) + ")")
+    assert not wrong, f"{_module_name(path)} imports " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize("path", _modules(*ENGINE_LAYERS), ids=_module_name)
+def test_engine_layers_import_nothing_of_the_client(path: Path) -> None:
+    wrong = sorted({module for module, _ in _imports(path)
+                    if any(_within(module, c) for c in CLIENT)})
+    assert not wrong, f"{_module_name(path)} imports {wrong}"
+
+
+def test_no_file_in_src_is_over_600_lines() -> None:
+    long = {}
+    for path in sorted(SRC.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            with path.open("rb") as f:
+                n = sum(1 for _ in f)
+            if n > MAX_LINES:
+                long[str(path.relative_to(SRC))] = n
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_model_imports_only_the_schema_of_gpulens() -> None:
+    path = PACKAGE / "model.py"
+    assert path.is_file()
+    ours = sorted({module for module, _ in _imports(path)
+                   if _within(module, "gpulens") and module != "gpulens.schema"})
+    assert not ours, f"gpulens.model imports {ours}"
