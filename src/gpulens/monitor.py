@@ -146,6 +146,10 @@ class Monitor:
         require_gpu: ``True``: no GPU to monitor (no driver answers, or this process sees
             none) is a ``ValueError`` at :meth:`start`, not a warning followed by rows of host
             and training figures only (``gpulens watch`` asks for this).
+        wall_clock: ``True``: each :meth:`log` is a tick of a wall clock, not a training step
+            (``gpulens record`` and ``serve`` log so): rows carry no per-step figures (no
+            ``perf/*``, no ``train/global_step``), and only the advice rules about the
+            hardware (power cap, heat) judge them, never those about training steps.
 
     Rows are finished by the engine a little after ``log()`` (once the data covering the
     window has been read: usually a quarter of a second, at most about 10 s on a starved
@@ -170,6 +174,7 @@ class Monitor:
         flops_per_token: float | None = None,
         flops_per_sample: float | None = None,
         require_gpu: bool = False,
+        wall_clock: bool = False,
     ) -> None:
         if isinstance(interval, bool) or not isinstance(interval, (int, float)):
             raise ValueError(f"interval must be a number of seconds, got {interval!r}")
@@ -212,6 +217,7 @@ class Monitor:
         self._flops_per_token = float(flops_per_token) if flops_per_token else None
         self._flops_per_sample = float(flops_per_sample) if flops_per_sample else None
         self._require_gpu = bool(require_gpu)
+        self._wall_clock = bool(wall_clock)
         self.isolation: str | None = None
         """``"process"`` or ``"thread"`` once started."""
         self.context: RunContext | None = None
@@ -248,7 +254,8 @@ class Monitor:
                        dtype=self._dtype_arg if self._dtype_arg is not None else dtype,
                        flops_per_token=self._flops_per_token,
                        flops_per_sample=self._flops_per_sample,
-                       require_gpu=self._require_gpu, **self._reads)
+                       require_gpu=self._require_gpu, wall_clock=self._wall_clock,
+                       **self._reads)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -385,7 +392,7 @@ class Monitor:
             sinks=tuple(engine_sinks), rows_back=bool(local), gather=gather is not None,
             rank=distributed_env(), log_level=effective_level(), dtype=self._dtype,
             flops_per_token=self._flops_per_token, flops_per_sample=self._flops_per_sample,
-            require_gpu=self._require_gpu, **self._reads,
+            require_gpu=self._require_gpu, wall_clock=self._wall_clock, **self._reads,
         )
         self._steplogger = StepLogger(local, names=local_names, buffer_rows=self._buffer_rows)
         return self._steplogger, spec

@@ -18,10 +18,11 @@ count wall-clock intervals, not training steps, so they sit on a wall-clock axis
 ``record/elapsed_s`` (seconds from the start of the record to the end of the row's window) is
 in every row, and W&B plots against it; ``train/global_step`` and the per-step figures
 (``perf/steps``, ``perf/step_time_s``, ``perf/energy_per_step_j``, every ``perf/*``) are left
-out.  The row's ``step`` (the JSONL ``step`` field, MLflow's step) counts the intervals: 1, 2,
-... ``--summary-interval S`` prints a summary of the last S seconds every S seconds; at the
-end a summary of the whole record is printed (``--quiet``: not) and written
-(``--summary-json``, ``--summary-md``).
+out, and only the advice rules about the hardware judge them: the engine knows the rows are
+ticks of a clock (``Monitor(wall_clock=True)``).  The row's ``step`` (the JSONL ``step``
+field, MLflow's step) counts the intervals: 1, 2, ... ``--summary-interval S`` prints a
+summary of the last S seconds every S seconds; at the end a summary of the whole record is
+printed (``--quiet``: not) and written (``--summary-json``, ``--summary-md``).
 
 Tracker set-up problems (W&B without a login, an MLflow server that does not answer) are
 reported in one line before anything is created.
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import signal
@@ -48,61 +48,6 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WAITED = {*FORWARDED, signal.SIGCHLD}
 ELAPSED_KEY = "record/elapsed_s"
 """Seconds from the start of the record to the end of the row's window."""
-STEP_KEY = "train/global_step"
-
-
-class WallClockRows:
-    """Wraps a sink for rows that count wall-clock intervals: leaves out ``train/global_step``
-    and every ``perf/*`` figure (per-step figures mean nothing here); ``record/elapsed_s``
-    comes in the row itself.
-
-    ``inner`` is a sink, or the ``("module:Class", kwargs)`` spec of one: the engine process
-    rebuilds a wrapped JSONL or MLflow sink from :meth:`remote_spec` and writes it there.
-    """
-
-    def __init__(self, inner: Any) -> None:
-        if isinstance(inner, (tuple, list)):
-            inner = _build(inner)
-        self.inner = inner
-        self.on_training_thread = bool(getattr(inner, "on_training_thread", False))
-
-    def remote_spec(self) -> tuple[str, dict[str, Any]] | None:
-        spec = getattr(self.inner, "remote_spec", None)
-        inner_spec = spec() if spec is not None else None
-        if inner_spec is None:
-            return None
-        return f"{__name__}:WallClockRows", {"inner": inner_spec}
-
-    @property
-    def page_url(self) -> str | None:
-        """The wrapped sink's page, if it serves one (the dashboard)."""
-        url: str | None = getattr(self.inner, "page_url", None)
-        return url
-
-    def check(self) -> None:
-        check = getattr(self.inner, "check", None)
-        if check is not None:
-            check()
-
-    def open(self, context: Any) -> None:
-        self.inner.open(context)
-
-    def write(self, row: Any) -> None:
-        from gpulens.model import Row
-
-        values = {k: v for k, v in row.values.items()
-                  if k != STEP_KEY and not k.startswith("perf/")}
-        self.inner.write(Row(step=row.step, time=row.time, values=values, events=row.events))
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def _build(spec: Any) -> Any:
-    target, kwargs = spec
-    module_name, _, cls_name = str(target).partition(":")
-    cls: Any = getattr(importlib.import_module(module_name), cls_name)
-    return cls(**dict(kwargs))
 
 
 class PeriodSummary:
@@ -181,7 +126,7 @@ def _forward(info: Any, pid: int) -> None:
 
 
 def _sinks(specs: list[str]) -> list[Any]:
-    """The ``--sink`` sinks, wrapped for wall-clock rows."""
+    """The ``--sink`` sinks, set for wall-clock rows where they need to know."""
     from gpulens.sinks import resolve_sink
     from gpulens.sinks.prometheus import PrometheusSink
     from gpulens.sinks.wandb import WandbSink
@@ -193,7 +138,7 @@ def _sinks(specs: list[str]) -> list[Any]:
             sink.training = False  # rows count intervals here, not training steps
         if isinstance(sink, WandbSink):
             sink.step_metric = ELAPSED_KEY
-        out.append(WallClockRows(sink))
+        out.append(sink)
     return out
 
 
@@ -209,17 +154,17 @@ def run_record(args: argparse.Namespace) -> int:
                        f"--interval ({args.interval:g} s)")
 
     import gpulens
+    from gpulens.sinks import check_sinks
     from gpulens.sinks.summary import SummarySink
 
     summary = SummarySink()
     period = PeriodSummary() if args.summary_interval else None
     try:
         sinks = _sinks(args.sink)
-        for sink in sinks:  # before anything is created: one line, nothing half-made
-            sink.check()
+        check_sinks(sinks)  # before anything is created: one line, nothing half-made
         extra: list[Any] = [summary] if period is None else [summary, period]
         monitor = gpulens.Monitor(gpus=args.gpus, interval=monitor_interval(args.interval),
-                                  sinks=[*sinks, *extra])
+                                  sinks=[*sinks, *extra], wall_clock=True)
     except (ValueError, ImportError) as e:
         raise CliError(str(e)) from None
 

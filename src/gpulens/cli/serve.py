@@ -10,7 +10,9 @@ Live GPU metrics for the whole node, on one port:
 
 Every ``--interval`` seconds the monitor closes a window (the first after a quarter of a second):
 one row, whose x-axis is the time since ``serve`` started (``record/elapsed_s``); a scrape
-returns the latest window's figures.  The addresses are printed once the first row is on the
+returns the latest window's figures.  The rows are ticks of a clock, not training steps
+(``Monitor(wall_clock=True)``): no per-step figures, no advice about training, only about the
+hardware (power cap, heat).  The addresses are printed once the first row is on the
 page, so a page opened then shows data at once.
 It binds 127.0.0.1 unless ``--host`` says otherwise.  A port that is taken is one line naming
 the port and what to do (exit code 2).  SIGINT/SIGTERM stop it cleanly.
@@ -61,7 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         try:
             monitor = gpulens.Monitor(gpus=args.gpus, interval=monitor_interval(args.interval),
-                                      sinks=[prom, DashboardSink(server=server)])
+                                      sinks=[prom, DashboardSink(server=server)],
+                                      wall_clock=True)
         except (ValueError, ImportError) as e:
             raise CliError(str(e)) from None
         _serve(monitor, server, args.interval)
