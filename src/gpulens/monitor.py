@@ -58,21 +58,6 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     return value
 
 
-def _simulated_from_env() -> Any:
-    from gpulens.sources.simulated import SimulatedNVML
-
-    raw = os.environ.get("GPULENS_SIMULATED_GPUS", "2")
-    try:
-        count = int(raw)
-    except ValueError:
-        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
-    if count < 0:
-        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be 0 (a machine without a "
-                         "driver) or more")
-    # 0: a machine where no NVIDIA driver answers, to test the path without GPUs
-    return SimulatedNVML(gpus=count, driver_loaded=count > 0)
-
-
 def _lightning_or_plain_dtype(dtype: Any) -> str | None:
     """A dtype given in any of the usual spellings, as gpulens names it (``None``: unknown)."""
     if dtype is None:
@@ -143,13 +128,11 @@ class Monitor:
             sample (:func:`gpulens.work.hf.model_flops` computes them for a Hugging Face
             model).  With the work of each step (``log(step, tokens=...)``) they give
             ``perf/tflops`` and ``perf/mfu_pct``.
-        require_gpu: ``True``: no GPU to monitor (no driver answers, or this process sees
-            none) is a ``ValueError`` at :meth:`start`, not a warning followed by rows of host
-            and training figures only (``gpulens watch`` asks for this).
-        wall_clock: ``True``: each :meth:`log` is a tick of a wall clock, not a training step
-            (``gpulens record`` and ``serve`` log so): rows carry no per-step figures (no
-            ``perf/*``, no ``train/global_step``), and only the advice rules about the
-            hardware (power cap, heat) judge them, never those about training steps.
+        require_gpu: no GPU to monitor (no driver, or none visible) is a ``ValueError`` at
+            :meth:`start`, not a warning and host-only rows (``gpulens watch``).
+        wall_clock: each :meth:`log` is a tick of a clock, not a training step (``gpulens
+            record``, ``serve``): no ``perf/*`` or ``train/global_step`` in the rows, and
+            only the advice rules about the hardware (power cap, heat) judge them.
 
     Rows are finished by the engine a little after ``log()`` (once the data covering the
     window has been read: usually a quarter of a second, at most about 10 s on a starved
@@ -277,7 +260,9 @@ class Monitor:
         if backend is None:
             backend = _env_choice("GPULENS_BACKEND", BACKENDS) or "auto"
         if backend == "simulated":
-            return _simulated_from_env()
+            from gpulens.sources.simulated import from_env
+
+            return from_env()
         return backend
 
     def _choose_transport(self, backend: Any) -> Transport:
@@ -360,8 +345,7 @@ class Monitor:
                                                steplogger)
             logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (engine in a %s)",
                         len(context.gpus), context.backend, self.interval, self.isolation)
-            for sink in sinks:  # a page is served now: say where (the dashboard)
-                url = getattr(sink, "page_url", None)
+            for url in (getattr(s, "page_url", None) for s in sinks):  # served now: say where
                 if isinstance(url, str):
                     say(f"live dashboard on {url}")
             return self
