@@ -7,6 +7,7 @@ The page itself is tested in headless Chromium (tests/test_dashboard_browser.py)
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import re
 import signal
@@ -24,9 +25,9 @@ import pytest
 
 import gpulens
 from gpulens.dashboard import DashboardServer, PortInUse
-from gpulens.log import logger, reset_warnings, set_verbosity
+from gpulens.log import NOTICE, logger, reset_warnings, set_verbosity
 from gpulens.model import Event, GpuInfo, Row, RunContext
-from gpulens.sinks import resolve_sink
+from gpulens.sinks import parse_sink, resolve_sink
 from gpulens.sinks.dashboard import DashboardSink
 from gpulens.testing import SimulatedNVML
 from tests.support.sse import DashboardReader, StreamEnded
@@ -310,25 +311,42 @@ def test_sink_on_a_port_in_use_says_which_and_what_to_do() -> None:
         mon.stop()
 
 
-def test_remote_spec_resolves_port_zero_and_stays_home_with_metrics() -> None:
-    sink = DashboardSink(port=0)
-    spec = sink.remote_spec()
-    assert spec is not None and spec[0] == "gpulens.sinks.dashboard:DashboardSink"
-    assert sink.port > 0 and spec[1]["port"] == sink.port and spec[1]["host"] == "127.0.0.1"
-    assert DashboardSink(port=0, metrics=lambda: (b"", "text/plain")).remote_spec() is None
-    assert DashboardSink(server=DashboardServer(port=0)).remote_spec() is None
+def _wait_listening(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_dashboard_spec_is_built_where_it_runs() -> None:
+    """By name, a spec for the engine (nothing bound or chosen here: port 0 is chosen where the
+    server runs); an object stays where it was made."""
+    spec = parse_sink("dashboard:0")
+    assert (spec.where, spec.options) == ("engine", {"port": 0, "host": "127.0.0.1"})
+    assert spec.prepared() == spec
+    sink = spec.build()
+    assert isinstance(sink, DashboardSink) and sink.port == 0 and sink.server is None
 
 
 def test_sink_serves_from_the_engine_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "2")
-    sink = DashboardSink(port=0)
-    mon = gpulens.Monitor(backend="simulated", interval=0.05, sinks=[sink])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/"
+    mon = gpulens.Monitor(backend="simulated", interval=0.05, sinks=[f"dashboard:{port}"])
     mon.start()
     try:
-        assert mon.isolation == "process" and sink.port > 0
+        assert mon.isolation == "process"
         # the server runs in the engine process: no dashboard thread here
         assert not [t for t in threading.enumerate() if t.name == "gpulens-dashboard"]
-        page = DashboardReader(sink.url)
+        _wait_listening(port)  # the sink opens in the engine, off start()'s path
+        page = DashboardReader(url)
         page.until(lambda p: p.hello is not None)
         assert page.hello is not None and page.hello["context"]["backend"] == "simulated"
         assert len(page.hello["context"]["gpus"]) == 2
@@ -341,33 +359,58 @@ def test_sink_serves_from_the_engine_process(monkeypatch: pytest.MonkeyPatch) ->
         assert "gpu/1/power_w" in last and "gpu/0/sm_active_pct" in last
     finally:
         stats = mon.stop()
-    assert stats["DashboardSink"].written >= 10
+    assert stats[f"dashboard:{port}"].written >= 10
     page.until(lambda p: p.ended, timeout=10)
     page.close()
 
 
+def _said_addresses(caplog: pytest.LogCaptureFixture, count: int) -> list[str]:
+    """The addresses gpulens said (NOTICE records), waiting until ``count`` were said."""
+    deadline = time.monotonic() + 30
+    while True:
+        said = [m.group(1) for r in caplog.records if r.levelno == NOTICE
+                for m in [re.fullmatch(r"gpulens: live dashboard on (http://\S+/)",
+                                       r.getMessage())] if m]
+        if len(said) >= count or time.monotonic() > deadline:
+            return said
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("isolation", ["process", "thread"])
-def test_monitor_prints_the_pages_address_once_it_is_served(
-        isolation: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_page_says_its_address_once_it_is_served(
+        isolation: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A sink object and a sink by name (port 0: chosen where the server runs, in the engine
+    process by default): each address is said once, at NOTICE, when the page is served."""
     sink = DashboardSink(port=0)
-    with gpulens.Monitor(backend=SimulatedNVML(gpus=1), interval=0.05, sinks=[sink, "dashboard:0"],
-                         isolation=isolation) as mon:
-        err = capsys.readouterr().err
-        second = mon.sinks[1]
-        assert isinstance(second, DashboardSink)
-        assert err.splitlines() == [f"gpulens: live dashboard on {sink.url}",
-                                    f"gpulens: live dashboard on {second.url}"]
-        with DashboardReader(sink.url) as page:  # served already when it was said
-            page.until(lambda p: p.hello is not None)
+    with (caplog.at_level(logging.INFO, logger="gpulens"),
+          gpulens.Monitor(backend=SimulatedNVML(gpus=1), interval=0.05,
+                          sinks=[sink, "dashboard:0"], isolation=isolation)):
+        said = _said_addresses(caplog, 2)
+        assert len(said) == 2 and sink.url in said, said
+        for url in said:
+            with DashboardReader(url) as page:  # served when it was said
+                page.until(lambda p: p.hello is not None)
+    caplog.clear()
     level = logger.level
     set_verbosity("error")  # the user asked for errors only
     try:
         with gpulens.Monitor(backend=SimulatedNVML(gpus=1), interval=0.05,
-                             sinks=["dashboard:0"], isolation=isolation):
-            pass
+                             sinks=["dashboard:0"], isolation=isolation) as mon:
+            mon.log(1)
     finally:
         logger.setLevel(level)
-    assert capsys.readouterr().err == ""
+    assert not [r for r in caplog.records if r.levelno == NOTICE]
+
+
+def test_a_user_who_configured_no_logging_reads_the_address_on_stderr() -> None:
+    code = ("import gpulens, time\n"
+            "with gpulens.Monitor(interval=0.05, sinks=['dashboard:0']) as mon:\n"
+            "    time.sleep(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=cli_env(1))
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(r"gpulens: live dashboard on http://127\.0\.0\.1:\d+/\n", proc.stderr), \
+        proc.stderr
 
 
 # -- gpulens serve, gpulens record --------------------------------------------------------------

@@ -93,9 +93,17 @@ def test_a_sink_that_cannot_write_is_told_with_its_counts(
             time.sleep(0.05)
             mon.log(step)
         stats = mon.stop(timeout=3)
-    assert (stats["JsonlSink"].written, stats["JsonlSink"].dropped) == (0, 5)
-    assert "sink JsonlSink failed to write" in caplog.text
-    assert "JsonlSink: 0 rows written, 5 dropped" in caplog.text
+    # named as written, not by its class (issue 21): one WARNING at the first failed write,
+    # one with the counts at stop, and stop() gives up on a sink that keeps failing at once
+    st = stats["jsonl:/dev/full"]
+    assert (st.written, st.dropped) == (0, 5)
+    told = [r.message for r in caplog.records
+            if r.levelno >= logging.WARNING and "/dev/full" in r.message]
+    assert len(told) == 2, told
+    assert told[0].startswith("gpulens: sink jsonl:/dev/full failed to write (OSError: [Errno "
+                              "28] No space left on device)")
+    assert told[1] == ("gpulens: sink jsonl:/dev/full: 0 rows written, 5 dropped (its writes "
+                       "failed: OSError: [Errno 28] No space left on device)")
 
 
 def test_a_tracker_that_dies_mid_run_is_told_and_counted(
@@ -109,10 +117,10 @@ def test_a_tracker_that_dies_mid_run_is_told_and_counted(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
     from mlflow.tracking import MlflowClient
 
-    from gpulens.sinks.mlflow import MlflowSink
+    from gpulens.sinks import sink_spec
 
     client = MlflowClient(tracking_uri=server.uri)
-    sink = MlflowSink(tracking_uri=server.uri)
+    sink = sink_spec("mlflow", tracking_uri=server.uri)  # built in the engine process
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1))
         mon.start()
@@ -134,10 +142,10 @@ def test_a_tracker_that_dies_mid_run_is_told_and_counted(
         while "failed to write" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.1)
         stats = mon.stop(timeout=4)
-    st = stats["MlflowSink"]
+    st = stats["mlflow"]
     assert st.written + st.dropped == 8 and st.dropped >= 5
-    assert "sink MlflowSink failed to write" in caplog.text
-    assert f"MlflowSink: {st.written} rows written, {st.dropped} dropped" in caplog.text
+    assert "sink mlflow failed to write" in caplog.text
+    assert f"sink mlflow: {st.written} rows written, {st.dropped} dropped" in caplog.text
 
 
 class _Gate(MemorySink):

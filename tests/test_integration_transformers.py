@@ -191,7 +191,8 @@ def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path,
     assert [h["gpulens/step"] for h in gpu_rows] == [4, 8, 12]
     for row in gpu_rows:
         assert "train/loss" not in row or row in loss_rows  # HF's loss, not written twice
-        assert "perf/data_wait_pct" in row
+        # the tracker view's name, once (not also the schema's perf/data_wait_pct)
+        assert "train/data_wait_pct" in row and "perf/data_wait_pct" not in row
     # W&B's own step only counts commits: never pushed to the training step
     assert [h["_step"] for h in history] == list(range(len(history)))
 
@@ -373,9 +374,12 @@ def test_a_gpu_that_does_not_exist_stops_train_before_any_step(
 
 
 def test_a_dashboard_sink_says_where_its_page_is(tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from gpulens.log import NOTICE
+
     callback = GPUMonitorCallback(sinks=["dashboard:0"], interval=0.05)
     trainer = make_trainer(tmp_path, callback, max_steps=4)
     trainer.train()
-    told = [line for line in capsys.readouterr().err.splitlines() if "dashboard" in line]
+    told = [r.getMessage() for r in caplog.records if "dashboard" in r.getMessage()]
     assert len(told) == 1 and told[0].startswith("gpulens: live dashboard on http://127.0.0.1:")
+    assert [r.levelno for r in caplog.records if "dashboard" in r.getMessage()] == [NOTICE]

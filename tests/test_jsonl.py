@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gpulens
 from gpulens.model import Event, GpuInfo, Row, RunContext
+from gpulens.sinks import sink_spec
 from gpulens.sinks.jsonl import JsonlSink
 from tests.support.jsonl import read_lines, read_rows
 
@@ -111,7 +112,8 @@ def test_a_torn_last_line_does_not_swallow_the_next_header(tmp_path: Path) -> No
 def test_the_engine_process_writes_the_given_run_id(tmp_path: Path) -> None:
     path = tmp_path / "given.jsonl"
     with gpulens.Monitor(backend="simulated", interval=0.02,
-                         sinks=[JsonlSink(path, run_id="sweep-3")]) as mon:
+                         sinks=[sink_spec("jsonl", path=str(path), run_id="sweep-3")]) as mon:
+        assert mon.isolation == "process"
         time.sleep(0.05)
         mon.log(1, loss=1.0)
     assert {x["run_id"] for x in read_lines(path)} == {"sweep-3"}

@@ -22,6 +22,9 @@ PACKAGE = SRC / "gpulens"
 ENGINE_LAYERS = ("sources", "transport", "engine")
 SHARED_TYPES = frozenset({"Row", "Event", "GpuInfo", "RunContext", "Mark", "MarkFields"})
 SINK_MACHINERY: dict[str, frozenset[str]] = {
+    # the spec of a sink chosen by name, parsed in the client by the registry; the engine
+    # builds its sinks from it
+    "gpulens.sinks": frozenset({"SinkSpec"}),
     # the Sink protocol, the type of what the engine builds from a SinkSpec
     "gpulens.sinks.base": frozenset({"Sink"}),
     # the per-sink writer the engine writes its sinks with, and its figures, which the

@@ -95,6 +95,9 @@ class Trainer:
 
     def __enter__(self) -> Trainer:
         self.monitor.start()
+        deadline = time.monotonic() + 30  # the sink opens off start()'s thread: port 0 until
+        while self.sink.port == 0 and time.monotonic() < deadline:  # its server is bound
+            time.sleep(0.01)
         self._thread.start()
         return self
 

@@ -649,9 +649,9 @@ def test_normalize_dtype(given: object, expected: str | None) -> None:
     """The rules take the dtype as gpulens names it: the monitor turns every spelling it accepts
     (torch dtypes, their names, Lightning precision flags) into that name before the engine,
     and so ``RulesConfig``, sees it (``low_tensor_use`` judges bf16 and fp16 only)."""
-    from gpulens.monitor import _lightning_or_plain_dtype
+    from gpulens.settings import normalize_run_dtype
 
-    assert _lightning_or_plain_dtype(given) == expected
+    assert normalize_run_dtype(given) == expected
 
 
 def test_theil_sen_ignores_outliers() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import gpulens
+from gpulens.sinks import sink_spec
 from gpulens.sinks.mlflow import MlflowSink, mlflow_key
 from gpulens.testing import SimulatedNVML
 from tests.support.mlflow_server import MlflowServer, MlflowTracking
@@ -188,9 +189,13 @@ def test_wandb_without_a_run_starts_and_finishes_one(wandb_offline: Path) -> Non
     import wandb
 
     with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
+        _train(mon, 3)
+        # the run is made off the training thread (wandb.init takes seconds): rows wait for it
+        deadline = time.monotonic() + 60
+        while wandb.run is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert wandb.run is not None
         run_id = wandb.run.id
-        _train(mon, 3)
     assert wandb.run is None
     history = _history_of(wandb_offline, run_id)
     assert [h["gpulens/step"] for h in _gpu_rows(history)] == [1, 2, 3]
@@ -241,13 +246,16 @@ def test_mlflow_server_gone_mid_run(
     server: MlflowServer = mlflow_server_factory()
     client = MlflowClient(server.uri)
     run_id = client.create_run("0").info.run_id
-    sink = MlflowSink(run_id, tracking_uri=server.uri)
+    sink = sink_spec("mlflow", run_id=run_id, tracking_uri=server.uri)  # in the engine process
     mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1))
     mon.start()
     for step in (1, 2):
         time.sleep(0.05)
         mon.log(step)
-    time.sleep(1.5)  # rows 1-2 delivered
+    deadline = time.monotonic() + 60  # the sink opens in the engine (mlflow imported there)
+    while time.monotonic() < deadline and len(client.get_metric_history(
+            run_id, "train/gpu_power_w_mean")) < 2:
+        time.sleep(0.1)
     assert sorted(m.step for m in client.get_metric_history(
         run_id, "train/gpu_power_w_mean")) == [1, 2]
     server.stop()
@@ -263,7 +271,7 @@ def test_mlflow_server_gone_mid_run(
         stop_s = time.perf_counter() - t
     assert worst < 0.05, f"log() took {worst * 1e3:.1f} ms with the server down"
     assert stop_s < 15
-    st = stats["MlflowSink"]
+    st = stats["mlflow"]
     assert st.written == 2 and st.dropped == 20
     assert any("20 dropped" in r.message for r in caplog.records)
 

@@ -79,7 +79,7 @@ def test_rows_written_by_the_engine_process(tmp_path: Path) -> None:
     assert rows[-1]["train/learning_rate"] == 1e-3
     for gpu in (0, 1):  # GPULENS_SIMULATED_GPUS defaults to 2
         assert rows[-1][f"gpu/{gpu}/power_w"] > 0 and f"gpu/{gpu}/sm_active_pct" in rows[-1]
-    assert mon.sink_stats["JsonlSink"].written == 8
+    assert mon.sink_stats[f"jsonl:{path}"].written == 8  # named as written (issue 21)
     assert mon.context is not None and mon.context.backend == "simulated"
 
 
@@ -98,7 +98,7 @@ def test_local_sinks_get_the_rows_back_in_order(tmp_path: Path) -> None:
     # the same figures on both sides of the pipe
     assert jsonl[4]["gpu/1/power_w"] == pytest.approx(background.rows[4].values["gpu/1/power_w"])
     assert {k: (v.written, v.dropped) for k, v in mon.sink_stats.items()} == {
-        "JsonlSink": (10, 0), "MemorySink": (10, 0), "MemorySink#2": (10, 0)}
+        f"jsonl:{path}": (10, 0), "MemorySink": (10, 0), "MemorySink#2": (10, 0)}
 
 
 class _LazyScalar:
@@ -158,7 +158,7 @@ def test_backend_objects_cross_when_they_pickle(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ValueError, match="GPULENS_ISOLATION='sideways'"):
         gpulens.Monitor(backend="simulated").start()
     # integrations copy a monitor's settings: isolation goes with them
-    assert gpulens.Monitor(isolation="thread").with_sinks([])._isolation_arg == "thread"
+    assert gpulens.Monitor(isolation="thread").with_sinks([]).settings.isolation == "thread"
 
 
 def test_spawn_failure_falls_back_to_a_thread(
@@ -339,11 +339,12 @@ def test_killed_engine_process_closes_both_pipes_and_tells_true_figures(
                 time.sleep(0.05)
                 mon.log(step)
             stats = mon.stop()
-            assert (stats["JsonlSink"].written, stats["JsonlSink"].dropped) == (2, 0)
+            jsonl = stats[f"jsonl:{tmp_path / 'g.jsonl'}"]
+            assert (jsonl.written, jsonl.dropped) == (2, 0)
             assert (stats["MemorySink"].written, stats["MemorySink"].dropped) == (2, 0)
     assert _nfd() == base
     assert caplog.text.count("ended unexpectedly") == 2  # once for each monitor
-    assert "rows it had not yet written to JsonlSink are lost" in caplog.text
+    assert f"rows it had not yet written to jsonl:{tmp_path / 'g.jsonl'} are lost" in caplog.text
 
 
 def test_child_failing_before_ready_leaks_no_fd(
@@ -532,7 +533,7 @@ def test_dropped_marks_are_counted_and_stop_still_gets_through(
         stop_s = time.perf_counter() - t
     assert mon.dropped_marks == 3
     assert "3 step mark(s) were dropped on their way" in caplog.text
-    assert stats["JsonlSink"].written == step - 3
+    assert stats[f"jsonl:{path}"].written == step - 3
     assert stop_s < 6.0, stop_s
     with gpulens.Monitor(backend=SimulatedNVML(gpus=1), isolation="thread") as thread_mon:
         assert thread_mon.dropped_marks == 0

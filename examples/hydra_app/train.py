@@ -50,7 +50,7 @@ def main(cfg: DictConfig) -> None:
                     monitor.log(step, loss=loss.item(), learning_rate=cfg.trainer.lr)
     if monitor is not None:
         print(f"gpulens: monitored {len(monitor.context.gpus) if monitor.context else 0} GPU(s);"
-              f" sinks: {', '.join(type(s).__name__ for s in monitor.sinks)}; output: {out}")
+              f" sinks: {', '.join(monitor.sink_stats)}; output: {out}")
     else:
         print("gpulens: off (add +trainer.enable_gpu_monitoring=true)")
 

@@ -31,14 +31,20 @@ logger = logging.getLogger("gpulens")
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR, "critical": logging.CRITICAL}
 
+NOTICE = 25
+"""Between INFO and WARNING: what the user must hear to use what they asked for (the address of
+a page gpulens serves), no fault.  Heard by default like a WARNING (``gpulens: <message>``);
+silenced with the WARNINGs (``GPULENS_VERBOSITY=error``).  See :func:`say`."""
+logging.addLevelName(NOTICE, "NOTICE")
+
 
 class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """stderr, at WARNING and above, only while the application configured no root handler
-    (then the record reaches the user through the root logger instead, once)."""
+    """stderr, at :data:`NOTICE` and above, only while the application configured no root
+    handler (then the record reaches the user through the root logger instead, once)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.setLevel(logging.WARNING)
+        self.setLevel(NOTICE)
         self.setFormatter(_Formatter())
         self.enabled = True
 
@@ -63,7 +69,8 @@ class _Formatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = record.getMessage().removeprefix("gpulens: ")
-        return fit_terminal(f"gpulens: {record.levelname}: {text}", sys.stderr)
+        level = "" if record.levelno == NOTICE else f"{record.levelname}: "
+        return fit_terminal(f"gpulens: {level}{text}", sys.stderr)
 
 
 def fit_terminal(text: str, stream: Any) -> str:
@@ -134,17 +141,21 @@ def warn_once(cause: str, message: str, *args: object) -> None:
     logger.warning(message, *args)
 
 
-def say(message: str) -> None:
-    """Write a line the user needs to use what they asked for (the address of a page gpulens
-    serves) on stderr, as ``gpulens: <message>``, whatever logging they configured: it is no
-    warning, yet unheard it is lost.  Silent when the ``gpulens`` logger is set above WARNING
-    (``GPULENS_VERBOSITY=error``)."""
-    if logger.getEffectiveLevel() > logging.WARNING:
+def say(message: str, *args: object) -> None:
+    """Tell the user what they need to use what they asked for (the address of a page gpulens
+    serves): a :data:`NOTICE` record of the ``gpulens`` logger, heard as a WARNING would be
+    (``gpulens: <message>`` on stderr, or through the application's own handlers), also from
+    the engine process.  It is no warning, yet unheard it is lost.  Silent when the
+    ``gpulens`` logger is set above WARNING (``GPULENS_VERBOSITY=error``)."""
+    if not _hears_notices(logger):
         return
-    text = f"gpulens: {message.removeprefix('gpulens: ')}"
-    with contextlib.suppress(OSError, ValueError):  # no stderr left: nobody to tell
-        sys.stderr.write(fit_terminal(text, sys.stderr) + "\n")
-        sys.stderr.flush()
+    logger.handle(logger.makeRecord(logger.name, NOTICE, "(gpulens)", 0, message, args, None))
+
+
+def _hears_notices(target: logging.Logger) -> bool:
+    """A logger set no quieter than WARNING hears :data:`NOTICE` (the library default leaves
+    the ``gpulens`` logger at WARNING, which would drop a level below it)."""
+    return target.getEffectiveLevel() <= logging.WARNING
 
 
 def reset_warnings() -> None:
@@ -186,7 +197,7 @@ def reemit(payload: LogPayload) -> None:
     same name, at its level (it reaches the user once, by whatever handlers they set)."""
     name, levelno, message, created = payload
     target = logging.getLogger(name)
-    if not target.isEnabledFor(levelno):
+    if not (target.isEnabledFor(levelno) or (levelno == NOTICE and _hears_notices(target))):
         return
     record = target.makeRecord(name, levelno, "(gpulens engine process)", 0, message, (),
                                None)

@@ -23,21 +23,24 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from gpulens.engine.spec import (
-    WORK_CPU,
-    WORK_FLOPS,
-    WORK_SAMPLES,
-    WORK_TOKENS,
-    EngineSpec,
-    SinkSpec,
-)
-from gpulens.log import effective_level, logger, say, warn_once
+from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS, EngineSpec
+from gpulens.log import effective_level, logger, warn_once
 from gpulens.model import Row, RunContext
-from gpulens.sinks import check_sinks, resolve_sink
+from gpulens.settings import (
+    BACKENDS,
+    ISOLATIONS,
+    Settings,
+    distributed_env,
+    env_choice,
+    normalize_run_dtype,
+    simulated_from_env,
+)
+from gpulens.sinks import ENGINE, SinkSpec, as_sink, prepare_sinks, unique_names
 from gpulens.sinks.base import Sink
-from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger, unique_names
+from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger
 from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.transport.base import SpawnFailed, Transport
@@ -45,46 +48,34 @@ from gpulens.transport.inproc import InprocTransport
 from gpulens.transport.process import ProcessTransport
 from gpulens.transport.relay import MarkRelay
 
-BACKENDS = ("auto", "nvml", "simulated")
-ISOLATIONS = ("auto", "process", "thread")
 
+class _Link:
+    """What the transport and the rank gather call back into while a monitor runs: this
+    process's sink writer and the gather, never the :class:`Monitor` itself, so that a monitor
+    nobody holds any more is garbage-collected, and its finalizer stops it."""
 
-def _env_choice(name: str, choices: tuple[str, ...]) -> str | None:
-    value = os.environ.get(name, "").strip().lower()
-    if not value:
-        return None
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value
+    def __init__(self) -> None:
+        self.transport: Transport | None = None
+        self.gather: Any = None
+        self.writer: StepLogger | None = None
 
+    def on_row(self, row: Row, final: bool) -> None:
+        """A row from the engine (its thread, or the link thread): a rank's own row for the
+        gather, or a finished row for this process's sinks."""
+        if not final:
+            if self.gather is not None:
+                self.gather.local_row(row)
+            return
+        writer = self.writer
+        if writer is not None:
+            writer.submit(row)
 
-def _lightning_or_plain_dtype(dtype: Any) -> str | None:
-    """A dtype given in any of the usual spellings, as gpulens names it (``None``: unknown)."""
-    if dtype is None:
-        return None
-    from gpulens.work.precision import dtype_from_lightning_precision, normalize_dtype
-
-    return normalize_dtype(dtype) or dtype_from_lightning_precision(dtype)
-
-
-def distributed_env() -> tuple[int, int, int] | None:
-    """(global rank, local rank, world size) from torchrun's variables, or None if single."""
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return None
-        return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world
-    except (KeyError, ValueError):
-        return None
-
-
-def remote_spec(sink: Sink) -> tuple[str, dict[str, Any]] | None:
-    """``("module:Class", kwargs)`` that rebuild ``sink`` in the engine, or ``None``."""
-    method = getattr(sink, "remote_spec", None)
-    if method is None:
-        return None
-    spec: tuple[str, dict[str, Any]] | None = method()
-    return spec
+    def finish_merged(self, row: Row) -> None:
+        """Rank 0: a row that met every rank's goes to the engine to be finished (work,
+        rules) and written."""
+        transport = self.transport
+        if transport is not None:
+            transport.finish(row)
 
 
 class Monitor:
@@ -94,15 +85,20 @@ class Monitor:
         gpus: CUDA device numbers to watch, as this process numbers them (after
             ``CUDA_VISIBLE_DEVICES``).  ``None``: every GPU this process can see, or in a
             distributed job (``WORLD_SIZE`` > 1) only this rank's GPU (``LOCAL_RANK``).  A
-            GPU named here that does not exist (no driver answers, or fewer GPUs) is a
-            ``ValueError`` at :meth:`start`.
+            GPU named that does not exist (no driver, or fewer GPUs) is a ``ValueError`` at
+            :meth:`start`.
         interval: seconds between cheap samples (utilization, memory, power, temperature,
             clocks); must be > 0.  Energy and the driver's buffered samples are read every
             ``max(1 s, interval)`` (the buffered samples also a fifth of a second after each
             ``log()``, so rows come soon); GPM, whose counters refresh about every 100 ms, is
             polled every ``max(50 ms, interval / 2)``.
-        sinks: names (``"wandb"``, ``"mlflow"``, ``"jsonl:PATH"``, ``"prometheus:PORT"``) or
-            objects with ``open``/``write``/``close``.
+        sinks: names (``"wandb"``, ``"mlflow"``, ``"jsonl:PATH"``, ``"prometheus:PORT"``,
+            ``"dashboard:PORT"``), specs (:func:`gpulens.sinks.sink_spec`) or objects with
+            ``open``/``write``/``close``.  A name is parsed now (a bad one is a ``ValueError``)
+            and its sink built where it runs: JSONL, MLflow, Prometheus and the dashboard in
+            the engine, W&B here.  Objects are written here.  ``start()`` checks what it can
+            cheaply (a path, a server's port, a login) and opens the sinks off this thread:
+            one that then fails to open is a WARNING, its rows counted as dropped.
         backend: ``"nvml"``, ``"simulated"``, ``"auto"``/``None`` (NVML if a driver answers),
             or an NVML-like object such as :class:`gpulens.testing.SimulatedNVML`.  The
             environment variable ``GPULENS_BACKEND`` (with ``GPULENS_SIMULATED_GPUS=N``; 0 is
@@ -138,13 +134,18 @@ class Monitor:
     window has been read: usually a quarter of a second, at most about 10 s on a starved
     machine); ``stop()`` writes all of them.  Everything the engine says (warnings, drops,
     a lost GPU) reaches this process's ``gpulens`` logger at its level.
+
+    The arguments are checked once, into a :class:`~gpulens.settings.Settings` value
+    (:attr:`settings`; :meth:`from_settings` makes a monitor from one).  A monitor dropped
+    without :meth:`stop` is stopped when it is garbage-collected (its rows written, its
+    engine ended) or when the interpreter exits.
     """
 
     def __init__(
         self,
         gpus: Sequence[int] | None = None,
         interval: float = 0.5,
-        sinks: Iterable[str | Sink] = (),
+        sinks: Iterable[str | SinkSpec | Sink] = (),
         backend: Any = None,
         *,
         buffer_rows: int = 10_000,
@@ -159,61 +160,42 @@ class Monitor:
         require_gpu: bool = False,
         wall_clock: bool = False,
     ) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
-            raise ValueError(f"interval must be a number of seconds, got {interval!r}")
-        if not math.isfinite(interval) or interval <= 0:
-            raise ValueError(f"interval must be > 0 seconds, got {interval!r}")
-        if gpus is not None:
-            gpus = list(gpus)
-            for g in gpus:
-                if isinstance(g, bool) or not isinstance(g, int) or g < 0:
-                    raise ValueError(f"gpus must be CUDA device numbers >= 0, got {g!r}")
-        if isinstance(sinks, (str, bytes)):
+        if isinstance(sinks, (str, bytes, SinkSpec, Sink)):
             sinks = [sinks]
-        if buffer_rows < 1:
-            raise ValueError(f"buffer_rows must be >= 1, got {buffer_rows!r}")
-        self.interval = float(interval)
-        self.gpus = gpus
-        self.sinks: list[Sink] = [resolve_sink(s) for s in sinks]
-        if isinstance(backend, str):
-            if backend.lower() not in BACKENDS:
-                raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)} "
-                                 "or an NVML-like object")
-            backend = backend.lower()
-        self._backend_arg = backend
-        self._buffer_rows = buffer_rows
-        self._distributed_arg = distributed
-        self._reads = {"gpm": gpm, "energy": energy, "driver_samples": driver_samples}
-        if not isinstance(isolation, str) or isolation.lower() not in ISOLATIONS:
-            raise ValueError(f"isolation {isolation!r}: expected one of {', '.join(ISOLATIONS)}")
-        self._isolation_arg = isolation.lower()
-        self._dtype_arg = dtype
-        self._dtype = _lightning_or_plain_dtype(dtype)
-        if dtype is not None and self._dtype is None:
-            warn_once(f"dtype:{dtype!r}", "gpulens: dtype %r is not one gpulens knows (bf16, "
-                      "fp16, fp32, tf32, fp8, int8, fp64); no MFU", dtype)
-        for name, value in (("flops_per_token", flops_per_token),
-                            ("flops_per_sample", flops_per_sample)):
-            if value is not None and (isinstance(value, bool) or not isinstance(
-                    value, (int, float)) or not math.isfinite(value) or value <= 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        self._flops_per_token = float(flops_per_token) if flops_per_token else None
-        self._flops_per_sample = float(flops_per_sample) if flops_per_sample else None
-        self._require_gpu = bool(require_gpu)
-        self._wall_clock = bool(wall_clock)
+        self._setup(Settings(
+            gpus=tuple(gpus) if gpus is not None else None, interval=interval,
+            sinks=tuple(as_sink(s) for s in sinks), backend=backend, buffer_rows=buffer_rows,
+            distributed=distributed, gpm=gpm, energy=energy, driver_samples=driver_samples,
+            isolation=isolation, dtype=dtype, flops_per_token=flops_per_token,
+            flops_per_sample=flops_per_sample, require_gpu=require_gpu, wall_clock=wall_clock))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Monitor:
+        """A monitor (not started) with these settings."""
+        monitor = cls.__new__(cls)
+        monitor._setup(settings)
+        return monitor
+
+    def _setup(self, settings: Settings) -> None:
+        if not isinstance(settings, Settings):
+            raise ValueError(f"expected gpulens.settings.Settings, got {settings!r}")
+        self._settings = settings
         self.isolation: str | None = None
         """``"process"`` or ``"thread"`` once started."""
         self.context: RunContext | None = None
         self.sink_stats: dict[str, SinkStats] = {}
-        """Per sink, rows written and dropped: filled by :meth:`stop`."""
+        """Per sink (named as given: ``"jsonl:runs/gpu.jsonl"``, a class name for an object),
+        rows written and dropped: filled by :meth:`stop`."""
         self._transport: Transport | None = None
         self._relay: MarkRelay | None = None
-        self._steplogger: StepLogger | None = None
+        self._link: _Link | None = None
         self._gather: Any = None
+        self._steplogger: StepLogger | None = None
+        """The link's gather and writer, kept here too for ``log()``."""
         self._alloc = TorchAllocator()
         self._alloc_due = -math.inf
         self._torch_indices: list[int] = []
-        self._slow = max(1.0, self.interval)
+        self._slow = max(1.0, settings.interval)
         self._last_step: int | None = None
         self._cpu_at: tuple[int, float] | None = None
         """(thread, its CPU seconds) at the previous ``log()`` or ``start()``."""
@@ -223,22 +205,38 @@ class Monitor:
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
-    def with_sinks(self, sinks: Iterable[str | Sink], *, dtype: Any = None) -> Monitor:
-        """A new, unstarted monitor with this one's settings and other sinks (and the run's
-        dtype, where this one has none).
+    @property
+    def settings(self) -> Settings:
+        """What this monitor samples and where it writes (a frozen value)."""
+        return self._settings
 
-        Integrations check their arguments by making a monitor when they are constructed and
-        make the one they start once they know the run's sinks (rank 0 only, a framework's
-        own W&B or MLflow run, ...) and its dtype.
+    @property
+    def interval(self) -> float:
+        return self._settings.interval
+
+    @property
+    def gpus(self) -> list[int] | None:
+        gpus = self._settings.gpus
+        return list(gpus) if gpus is not None else None
+
+    @property
+    def sinks(self) -> tuple[SinkSpec | Sink, ...]:
+        """The sinks as given: specs (names parsed) and objects."""
+        return self._settings.sinks
+
+    def with_sinks(self, sinks: Iterable[str | SinkSpec | Sink], *, dtype: Any = None
+                   ) -> Monitor:
+        """A new, unstarted monitor with this one's settings and other sinks (and the run's
+        dtype, where this one has none): ``Monitor.from_settings(dataclasses.replace(...))``.
+
+        Integrations check their arguments by building :class:`Settings` when they are
+        constructed and make the monitor they start once they know the run's sinks (rank 0
+        only, a framework's own W&B or MLflow run, ...) and its dtype.
         """
-        return Monitor(self.gpus, self.interval, sinks, self._backend_arg,
-                       buffer_rows=self._buffer_rows, distributed=self._distributed_arg,
-                       isolation=self._isolation_arg,
-                       dtype=self._dtype_arg if self._dtype_arg is not None else dtype,
-                       flops_per_token=self._flops_per_token,
-                       flops_per_sample=self._flops_per_sample,
-                       require_gpu=self._require_gpu, wall_clock=self._wall_clock,
-                       **self._reads)
+        settings = self._settings
+        return Monitor.from_settings(replace(
+            settings, sinks=tuple(as_sink(s) for s in sinks),
+            dtype=settings.dtype if settings.dtype is not None else normalize_run_dtype(dtype)))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
@@ -256,19 +254,17 @@ class Monitor:
 
     def _backend(self) -> Any:
         """The backend to hand the engine: ``"auto"``, ``"nvml"`` or an NVML-like object."""
-        backend = self._backend_arg
+        backend = self._settings.backend
         if backend is None:
-            backend = _env_choice("GPULENS_BACKEND", BACKENDS) or "auto"
+            backend = env_choice("GPULENS_BACKEND", BACKENDS) or "auto"
         if backend == "simulated":
-            from gpulens.sources.simulated import from_env
-
-            return from_env()
+            return simulated_from_env()
         return backend
 
     def _choose_transport(self, backend: Any) -> Transport:
-        choice = self._isolation_arg
+        choice = self._settings.isolation
         if choice == "auto":
-            choice = _env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+            choice = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
         if choice == "thread":
             return InprocTransport()
         if os.name != "posix":
@@ -290,8 +286,10 @@ class Monitor:
         return ProcessTransport()
 
     def start(self, step: int = 0) -> Monitor:
-        """Start the engine (a process or a thread, see ``isolation``); open the sinks; take
-        the first sample.  Idempotent while running; a stopped monitor starts afresh.
+        """Check the sinks (a one-line ``ValueError`` for what can be known now: see the
+        ``sinks`` argument), start the engine (a process or a thread, see ``isolation``) and
+        take the first sample; the sinks open off this thread, rows waiting for them.
+        Idempotent while running; a stopped monitor starts afresh.
 
         ``step``: the training step the first window starts after (0 for a fresh run; a
         resumed run passes the step it resumes from), so the first row's per-step figures
@@ -300,123 +298,99 @@ class Monitor:
         with self._lock:
             if self._started:
                 return self
-            check_sinks(self.sinks)  # a one-line error before any sink opens or run is made
+            settings = self._settings
             backend = self._backend()
-            gather = self._gather = self._make_gather()  # rank rows may come once started
-            sinks = self.sinks if gather is None or gather.is_writer else []
-            names = unique_names(sinks)
-            transport = self._choose_transport(backend)
+            link = _Link()
+            gather = link.gather = self._make_gather(link)  # rank rows may come once started
             try:
-                steplogger, spec = self._plan(transport, sinks, names, backend, gather, step)
-                context, torch_indices = transport.start(spec, self._on_row)
-            except SpawnFailed as exc:
-                warn_once("spawn", "gpulens: %s; sampling in a thread of this process instead",
-                          exc)
-                transport = InprocTransport()
+                sinks = settings.sinks if gather is None or gather.is_writer else ()
+                named = _prepare(sinks)  # a one-line error before any sink opens or run is made
+                transport = self._choose_transport(backend)
                 try:
-                    steplogger, spec = self._plan(transport, sinks, names, backend, gather, step)
-                    context, torch_indices = transport.start(spec, self._on_row)
-                except BaseException:
-                    self._abandon_gather()
-                    raise
-            except BaseException:
-                self._abandon_gather()
-                raise
-            try:
+                    context, torch_indices = self._start_engine(transport, link, named, backend,
+                                                                step)
+                except SpawnFailed as exc:
+                    warn_once("spawn", "gpulens: %s; sampling in a thread of this process "
+                              "instead", exc)
+                    transport = InprocTransport()
+                    context, torch_indices = self._start_engine(transport, link, named,
+                                                                backend, step)
                 if gather is not None:
                     gather.bind(context)
-                steplogger.open(context)
+                writer = link.writer
+                assert writer is not None
+                writer.open(context)
             except BaseException:
-                transport.stop(2.0, 2.0)
+                if link.transport is not None:
+                    link.transport.stop(2.0, 2.0)
                 if gather is not None:
                     gather.close()
-                self._gather = self._steplogger = None
                 raise
-            relay = MarkRelay(transport.send_mark)
-            self._transport, self._relay = transport, relay
+            relay = MarkRelay(link.transport.send_mark)  # type: ignore[union-attr]
+            self._transport, self._relay, self._link = link.transport, relay, link
+            self._gather, self._steplogger = gather, writer
             self.context, self._torch_indices = context, torch_indices
-            self.isolation = transport.isolation
+            self.isolation = link.transport.isolation  # type: ignore[union-attr]
             self._alloc_due = -math.inf
             self._cpu_at = (threading.get_ident(), time.thread_time())
             self._last_step = None
             self._dropped_marks = 0
             self._started, self._stopped = True, False
-            self._finalizer = weakref.finalize(self, _stop_quietly, transport, relay,
-                                               steplogger)
+            # nothing these hold refers to this monitor: dropped, it is collected and stopped
+            self._finalizer = weakref.finalize(self, _stop_dropped, link, relay)
             logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (engine in a %s)",
-                        len(context.gpus), context.backend, self.interval, self.isolation)
-            for url in (getattr(s, "page_url", None) for s in sinks):  # served now: say where
-                if isinstance(url, str):
-                    say(f"live dashboard on {url}")
+                        len(context.gpus), context.backend, settings.interval, self.isolation)
             return self
 
-    def _plan(self, transport: Transport, sinks: list[Sink], names: list[str], backend: Any,
-              gather: Any, step: int) -> tuple[StepLogger, EngineSpec]:
-        """Which sinks the engine writes, which this process does; the engine's spec.
+    def _start_engine(self, transport: Transport, link: _Link,
+                      named: list[tuple[str, SinkSpec | Sink]], backend: Any, step: int
+                      ) -> tuple[RunContext, list[int]]:
+        """Which sinks the engine builds and writes, which this process does; start it.
 
-        With the engine in a process of its own, sinks that can be rebuilt there
-        (``remote_spec``: JSONL, MLflow, the dashboard) live there; the others (W&B, a
-        framework's loggers, objects) here, fed with the rows the engine hands back.  With the
-        engine in a thread, every sink is the object given, written here.
+        Specs of sinks that run in the engine (JSONL, MLflow, Prometheus, the dashboard) go to
+        the engine, which builds them; the others (W&B, whose run object is here) are built
+        here, and objects are written here as they are, from the rows the engine hands back.
         """
+        settings = self._settings
         engine_sinks: list[SinkSpec] = []
         local: list[Sink] = []
         local_names: list[str] = []
-        for sink, name in zip(sinks, names, strict=True):
-            found = remote_spec(sink) if transport.isolation == "process" else None
-            if found is None:
-                local.append(sink)
-                local_names.append(name)
+        for name, sink in named:
+            if isinstance(sink, SinkSpec) and sink.where == ENGINE:
+                engine_sinks.append(replace(sink, name=name))
             else:
-                engine_sinks.append(SinkSpec(name, found[0], found[1]))
+                local.append(sink.build() if isinstance(sink, SinkSpec) else sink)
+                local_names.append(name)
         spec = EngineSpec(
-            interval=self.interval,
-            gpus=tuple(self.gpus) if self.gpus is not None else None,
-            backend=backend, buffer_rows=self._buffer_rows, step=int(step),
-            sinks=tuple(engine_sinks), rows_back=bool(local), gather=gather is not None,
-            rank=distributed_env(), log_level=effective_level(), dtype=self._dtype,
-            flops_per_token=self._flops_per_token, flops_per_sample=self._flops_per_sample,
-            require_gpu=self._require_gpu, wall_clock=self._wall_clock, **self._reads,
+            interval=settings.interval, gpus=settings.gpus, backend=backend,
+            buffer_rows=settings.buffer_rows, step=int(step), sinks=tuple(engine_sinks),
+            rows_back=bool(local), gather=link.gather is not None, rank=distributed_env(),
+            log_level=effective_level(), dtype=settings.dtype,
+            flops_per_token=settings.flops_per_token,
+            flops_per_sample=settings.flops_per_sample, gpm=settings.gpm,
+            energy=settings.energy, driver_samples=settings.driver_samples,
+            require_gpu=settings.require_gpu, wall_clock=settings.wall_clock,
         )
-        self._steplogger = StepLogger(local, names=local_names, buffer_rows=self._buffer_rows)
-        return self._steplogger, spec
+        link.writer = StepLogger(local, names=local_names, buffer_rows=settings.buffer_rows)
+        link.transport = transport
+        try:
+            return transport.start(spec, link.on_row)
+        except BaseException:
+            link.transport = None
+            raise
 
-    def _on_row(self, row: Row, final: bool) -> None:
-        """A row from the engine (its thread, or the link thread): a rank's own row for the
-        gather, or a finished row for this process's sinks."""
-        if not final:
-            if self._gather is not None:
-                self._gather.local_row(row)
-            return
-        steplogger = self._steplogger
-        if steplogger is not None:
-            steplogger.submit(row)
-
-    def _abandon_gather(self) -> None:
-        """A start that failed: release the gather's gloo group, forget the plan."""
-        if self._gather is not None:
-            self._gather.close()
-        self._gather = self._steplogger = None
-
-    def _make_gather(self) -> Any:
+    def _make_gather(self, link: _Link) -> Any:
         """The rank gather of a distributed job, or ``None``."""
-        if self._distributed_arg is False:
+        if self._settings.distributed is False:
             return None
         from gpulens.distributed import RankGather, torch_distributed_ready
 
         if not torch_distributed_ready():
-            if self._distributed_arg:
+            if self._settings.distributed:
                 raise ValueError("distributed=True, but torch.distributed is not initialised "
                                  "with more than one rank")
             return None
-        return RankGather(None, submit=self._finish_merged)
-
-    def _finish_merged(self, row: Row) -> None:
-        """Rank 0: a row that met every rank's goes to the engine to be finished (work,
-        rules) and written."""
-        transport = self._transport
-        if transport is not None:
-            transport.finish(row)
+        return RankGather(None, submit=link.finish_merged)
 
     # -- the training thread -------------------------------------------------------------------
     def log(self, step: int, *, tokens: Any = None, samples: Any = None, flops: Any = None,
@@ -534,14 +508,14 @@ class Monitor:
             self._dropped_marks = client_dropped + transport.engine_dropped_marks
             local_stats = steplogger.close(total, stall)
             stats = {**engine_stats, **local_stats}
-            names = unique_names(self.sinks)
+            names = unique_names(self._settings.sinks)
             self.sink_stats = {n: stats[n] for n in names if n in stats}
             self.sink_stats.update({n: s for n, s in stats.items() if n not in self.sink_stats})
             if client_dropped:
                 logger.warning("gpulens: %d step mark(s) were dropped on their way to the "
                                "engine (it did not keep up); their steps have no rows of "
                                "their own", client_dropped)
-            self._transport = self._relay = self._steplogger = None
+            self._transport = self._relay = self._steplogger = self._link = None
             self._gather = None
             return self.sink_stats
 
@@ -572,16 +546,41 @@ class Monitor:
         return relay.dropped + transport.dropped_marks + transport.engine_dropped_marks
 
 
-def _stop_quietly(transport: Transport, relay: MarkRelay, steplogger: StepLogger) -> None:
-    """Last-resort cleanup when a Monitor is garbage-collected or the process exits.  In a
-    forked child it only lets go of the parent's engine."""
+def _prepare(sinks: Sequence[SinkSpec | Sink]) -> list[tuple[str, SinkSpec | Sink]]:
+    """Each sink with its name in the run (:func:`~gpulens.sinks.unique_names`), prepared
+    (:func:`~gpulens.sinks.prepare_sinks`): every cheap check made, in the caller, before
+    anything is created."""
+    return list(zip(unique_names(sinks), prepare_sinks(sinks), strict=True))
+
+
+def _stop_dropped(link: _Link, relay: MarkRelay) -> None:
+    """A running monitor was garbage-collected, or the interpreter exits with it running: write
+    what it holds and end its engine, as ``stop(collective=False)`` would, within a few
+    seconds.  Where the collection happened on one of gpulens's own threads (the link thread,
+    a sink's), which this would wait for, it is done in a thread of its own."""
+    if threading.current_thread().name.startswith("gpulens-"):
+        threading.Thread(target=_stop_quietly, args=(link, relay), name="stop-dropped-monitor",
+                         daemon=False).start()
+        return
+    _stop_quietly(link, relay)
+
+
+def _stop_quietly(link: _Link, relay: MarkRelay) -> None:
+    """Last-resort cleanup (see :func:`_stop_dropped`).  In a forked child it only lets go of
+    the parent's engine."""
+    transport, writer, gather = link.transport, link.writer, link.gather
+    if transport is None or writer is None:
+        return
     try:
         if transport.forked:
             transport.forget()
             relay.forget()
             return
         relay.close(1.0)
+        if gather is not None:
+            gather.close()
         transport.stop(2.0, 2.0)
-        steplogger.close(2.0, 2.0)
-    except Exception:
-        pass
+        writer.close(2.0, 2.0)
+    except Exception as exc:
+        logger.warning("gpulens: stopping a monitor that was dropped without stop() failed: "
+                       "%r", exc)

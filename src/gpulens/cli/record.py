@@ -24,8 +24,10 @@ field, MLflow's step) counts the intervals: 1, 2, ... ``--summary-interval S`` p
 summary of the last S seconds every S seconds; at the end a summary of the whole record is
 printed (``--quiet``: not) and written (``--summary-json``, ``--summary-md``).
 
-Tracker set-up problems (W&B without a login, an MLflow server that does not answer) are
-reported in one line before anything is created.
+Sink set-up problems that can be found cheaply (a path that cannot be written, an MLflow
+server that refuses connections, a port in use, W&B without a login) are reported in one line
+before anything is created; a sink that then fails to open is one WARNING, naming it as written
+on the command line.
 """
 
 from __future__ import annotations
@@ -125,20 +127,19 @@ def _forward(info: Any, pid: int) -> None:
         os.kill(pid, info.si_signo)
 
 
-def _sinks(specs: list[str]) -> list[Any]:
-    """The ``--sink`` sinks, set for wall-clock rows where they need to know."""
-    from gpulens.sinks import resolve_sink
-    from gpulens.sinks.prometheus import PrometheusSink
-    from gpulens.sinks.wandb import WandbSink
+def _sinks(texts: list[str]) -> list[Any]:
+    """The ``--sink`` sinks, as specs, set for wall-clock rows where they need to know."""
+    from gpulens.sinks import parse_sink
+    from gpulens.sinks.wandb import AXIS_KEY
 
     out: list[Any] = []
-    for spec in specs:
-        sink = resolve_sink(spec)
-        if isinstance(sink, PrometheusSink):
-            sink.training = False  # rows count intervals here, not training steps
-        if isinstance(sink, WandbSink):
-            sink.step_metric = ELAPSED_KEY
-        out.append(sink)
+    for text in texts:
+        spec = parse_sink(text)
+        if spec.kind == "prometheus":
+            spec = spec.with_options(training=False)  # rows count intervals, not steps
+        if spec.kind == "wandb" and spec.options.get("step_metric", AXIS_KEY) == AXIS_KEY:
+            spec = spec.with_options(step_metric=ELAPSED_KEY)
+        out.append(spec)
     return out
 
 
@@ -154,24 +155,32 @@ def run_record(args: argparse.Namespace) -> int:
                        f"--interval ({args.interval:g} s)")
 
     import gpulens
-    from gpulens.sinks import check_sinks
+    from gpulens.settings import Settings
     from gpulens.sinks.summary import SummarySink
 
     summary = SummarySink()
     period = PeriodSummary() if args.summary_interval else None
     try:
-        sinks = _sinks(args.sink)
-        check_sinks(sinks)  # before anything is created: one line, nothing half-made
         extra: list[Any] = [summary] if period is None else [summary, period]
-        monitor = gpulens.Monitor(gpus=args.gpus, interval=monitor_interval(args.interval),
-                                  sinks=[*sinks, *extra], wall_clock=True)
+        settings = Settings(gpus=tuple(args.gpus) if args.gpus else None,
+                            interval=monitor_interval(args.interval),
+                            sinks=(*_sinks(args.sink), *extra), wall_clock=True)
+        if any(text.strip().lower().startswith("wandb") for text in args.sink):
+            # a command of its own can afford importing wandb (a second) to check the login
+            # now; a training process's start() leaves that to the sink's opening
+            from gpulens.sinks.wandb import check_wandb_login
+
+            check_wandb_login()
     except (ValueError, ImportError) as e:
         raise CliError(str(e)) from None
+    monitor = gpulens.Monitor.from_settings(settings)
 
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
     try:
         try:
-            monitor.start()  # its threads inherit the blocked mask: signals come to us
+            # the sinks' checks first (one line, nothing half-made); its threads inherit the
+            # blocked mask: signals come to us
+            monitor.start()
         except (ValueError, ImportError, OSError) as e:
             raise CliError(str(e)) from None
         live = _LiveLine(monitor, enabled=not cmd and not args.no_console)

@@ -51,7 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     prom = PrometheusSink(port=args.port, host=args.host, training=False, http=False)
     server = DashboardServer(args.host, args.port, metrics=prom.exposition,
-                             title="gpulens serve")
+                             title="gpulens serve", announce=False)
     try:
         server.bind()  # before anything starts: a taken port is said at once
     except PortInUse as e:

@@ -80,6 +80,8 @@ class Finisher:
         clocks = [g.max_sm_clock_mhz for g in gpus if g.max_sm_clock_mhz]
         if clocks:
             self.max_clock_mhz = min(clocks)
+        self._tensor_ratio_out: list[float] = []
+        self._tensor_ratio_told = False
         self._kinds: dict[str, tuple[str, str] | None] = {}
         """Each row key's (GPU, figure) where the work figures need it; ``None`` otherwise."""
         self._credit_s = RULES_BURST_S
@@ -139,7 +141,17 @@ class Finisher:
                 max_sm_clock_mhz=self.max_clock_mhz,
                 energy_j=energy if have_energy else None,
                 tensor_active_pct=sum(tensors) / len(tensors) if tensors else None,
+                dtype=self.spec.dtype, out_of_range=self._tensor_ratio_out,
             ))
+            if self._tensor_ratio_out and not self._tensor_ratio_told:
+                self._tensor_ratio_told = True
+                logger.warning(
+                    "gpulens: perf/mfu_when_tensor_active_pct is left out of the rows where it "
+                    "would exceed 100 %% (step %d: %.0f %%): the FLOPs counted, the peak and GPM's "
+                    "tensor activity disagree (FLOPs that ran off the tensor cores, a wrong GPU "
+                    "variant, a window GPM does not cover); MFU itself is still written",
+                    row.step, self._tensor_ratio_out[0])
+            self._tensor_ratio_out.clear()
         events: list[Event] = []
         if self.rules is not None:
             now = time.perf_counter()

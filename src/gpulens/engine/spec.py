@@ -3,11 +3,10 @@ process), from which :class:`gpulens.engine.engine.Engine` builds everything."""
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from gpulens.sinks.base import Sink
+from gpulens.sinks import SinkSpec
 
 WORK_TOKENS = "work/tokens"
 WORK_SAMPLES = "work/samples"
@@ -17,23 +16,6 @@ WORK_CPU = "work/cpu_s"
 is converted off the training thread like any scalar); the engine turns them into ``perf/*``
 keys and leaves them out of the rows it finishes."""
 WORK_KEYS = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU)
-
-
-@dataclass(frozen=True)
-class SinkSpec:
-    """How to rebuild a sink in the engine: ``target`` is ``"module:Class"``, called with
-    ``kwargs`` (a sink's ``remote_spec()``)."""
-
-    name: str
-    """The sink's name in stats and messages, unique in the run."""
-    target: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def build(self) -> Sink:
-        module_name, _, cls_name = self.target.partition(":")
-        cls: Any = getattr(importlib.import_module(module_name), cls_name)
-        sink: Sink = cls(**self.kwargs)
-        return sink
 
 
 @dataclass(frozen=True)
@@ -62,7 +44,8 @@ class EngineSpec:
     step: int = 0
     """The training step the first window starts after."""
     sinks: tuple[SinkSpec, ...] = ()
-    """Sinks the engine writes itself."""
+    """Sinks the engine builds and writes itself (prepared: see
+    :meth:`gpulens.sinks.SinkSpec.prepared`; each ``name`` unique in the run)."""
     rows_back: bool = False
     """Hand every finished row back to the client, for its own sinks."""
     gather: bool = False

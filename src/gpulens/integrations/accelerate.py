@@ -41,12 +41,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
-from gpulens.sinks import check_sinks
+from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
-from gpulens.sinks.mlflow import MlflowSink
 from gpulens.sinks.wandb import WandbSink
 
 try:
@@ -108,7 +108,7 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
     def __init__(self, monitor: Monitor, start_step: int | None = None) -> None:
         super().__init__()
         self.monitor = monitor
-        self._last_step: int | None = None
+        self._gate = StepGate()
         self._calls = 0
         if start_step is not None:
             monitor.start(step=start_step)
@@ -129,11 +129,11 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
         self._calls += 1
         step = self._calls if step is None else int(step)
         monitor = self.monitor
-        if not monitor.running:
+        action = self._gate.at(step, started=monitor.running)
+        if action is GateAction.START:
             monitor.start(step=step)
-        elif self._last_step is None or step > self._last_step:
+        elif action is GateAction.ROW:
             monitor.log(step, **_train_scalars(values))
-        self._last_step = step if self._last_step is None else max(self._last_step, step)
 
     def finish(self) -> None:
         """Write every row still waiting into the trackers' runs (before they are ended)."""
@@ -171,7 +171,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
     if not trackers and not sinks:
         raise ValueError("no tracker has started: call attach(accelerator) after "
                          "accelerator.init_trackers(...), or pass sinks=")
-    own: list[str | Sink] = []
+    own: list[str | SinkSpec | Sink] = []
     for tracker in trackers:
         own.append(_sink_for(tracker))
     if gpus is None and int(getattr(accelerator, "num_processes", 1)) > 1:
@@ -184,7 +184,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
     return gpu_tracker
 
 
-def _sink_for(tracker: Any) -> Sink:
+def _sink_for(tracker: Any) -> SinkSpec | Sink:
     name = getattr(tracker, "name", "")
     if name == "wandb":
         return WandbSink(run=tracker.tracker, include_train=False)
@@ -192,8 +192,8 @@ def _sink_for(tracker: Any) -> Sink:
         import mlflow
 
         run = tracker.tracker
-        return MlflowSink(run_id=run.info.run_id, tracking_uri=mlflow.get_tracking_uri(),
-                          include_train=False)
+        return sink_spec("mlflow", run_id=run.info.run_id,
+                         tracking_uri=mlflow.get_tracking_uri(), include_train=False)
     _log.info("gpulens: GPU rows go to Accelerate's %r tracker through its log()", name)
     return TrackerSink(tracker)
 

@@ -22,8 +22,10 @@ Keys read (all optional):
 ==================================  =========================================================
 
 ``trainer.*`` keys win over the ``gpu_monitor`` group. A bad value raises ``ValueError`` naming
-the key. The app starts the returned monitor itself (``with monitor: ...``) and calls
-``monitor.log(step, loss=...)`` where it logs.
+the key; sink names are parsed by the same parser as everywhere
+(:func:`gpulens.sinks.parse_sink`) into the monitor's :class:`~gpulens.settings.Settings`
+(:func:`settings_from_config`). The app starts the returned monitor itself (``with monitor:
+...``) and calls ``monitor.log(step, loss=...)`` where it logs.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gpulens.settings import Settings
+from gpulens.sinks import SinkSpec, as_sink, parse_sink
 from gpulens.sinks.base import Sink
 
 if TYPE_CHECKING:
     from gpulens.monitor import Monitor
 
-__all__ = ["GpuMonitorConfig", "from_config", "register_configs"]
+__all__ = ["GpuMonitorConfig", "from_config", "register_configs", "settings_from_config"]
 
 ENABLE_KEY = "trainer.enable_gpu_monitoring"
 INTERVAL_KEY = "trainer.gpu_monitor_interval"
@@ -73,8 +77,8 @@ def register_configs() -> None:
     ConfigStore.instance().store(group=GROUP, name="default", node=GpuMonitorConfig)
 
 
-def from_config(cfg: Any, *, sinks: Sequence[str | Sink] = (),
-                default_sinks: Sequence[str | Sink] = ()) -> Monitor | None:
+def from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (),
+                default_sinks: Sequence[str | SinkSpec | Sink] = ()) -> Monitor | None:
     """A :class:`gpulens.Monitor` (not started) when the config turns GPU monitoring on, else
     ``None``. ``cfg`` is an OmegaConf ``DictConfig`` (struct or not) or a plain mapping.
 
@@ -87,6 +91,19 @@ def from_config(cfg: Any, *, sinks: Sequence[str | Sink] = (),
     Raises:
         ValueError: a key holds a value of the wrong kind (the message names the key).
     """
+    settings = settings_from_config(cfg, sinks=sinks, default_sinks=default_sinks)
+    if settings is None:
+        return None
+    from gpulens.monitor import Monitor
+
+    return Monitor.from_settings(settings)
+
+
+def settings_from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (),
+                         default_sinks: Sequence[str | SinkSpec | Sink] = ()
+                         ) -> Settings | None:
+    """The :class:`~gpulens.settings.Settings` of :func:`from_config` (``None``: monitoring is
+    off): sink names parsed by :func:`gpulens.sinks.parse_sink`, as everywhere else."""
     group = _get(cfg, GROUP)
     if group is not _MISSING and group is not None and not isinstance(group, Mapping):
         raise ValueError(f"{GROUP}: expected a config node, got {group!r}")
@@ -102,17 +119,14 @@ def from_config(cfg: Any, *, sinks: Sequence[str | Sink] = (),
     interval = _first(cfg, (INTERVAL_KEY, f"{GROUP}.interval") if has_group else (INTERVAL_KEY,))
     interval_value = DEFAULT_INTERVAL if interval is None else _as_interval(*interval)
     names = _first(cfg, (SINKS_KEY, f"{GROUP}.sinks") if has_group else (SINKS_KEY,))
-    named: list[str | Sink] = [] if names is None else list(_as_sinks(*names))
-    sink_list = named or list(default_sinks)
+    named: list[SinkSpec | Sink] = [] if names is None else list(_as_sinks(*names))
+    chosen = named or [as_sink(s) for s in default_sinks]
     gpus = _first(cfg, (f"{GROUP}.gpus",)) if has_group else None
     backend = _first(cfg, (f"{GROUP}.backend",)) if has_group else None
-
-    from gpulens.monitor import Monitor
-
-    return Monitor(
-        gpus=None if gpus is None else _as_gpus(*gpus),
+    return Settings(
+        gpus=None if gpus is None else tuple(_as_gpus(*gpus)),
         interval=interval_value,
-        sinks=[*sink_list, *sinks],
+        sinks=(*chosen, *(as_sink(s) for s in sinks)),
         backend=None if backend is None else _as_backend(*backend),
     )
 
@@ -170,7 +184,7 @@ def _as_interval(value: Any, key: str) -> float:
     return seconds
 
 
-def _as_sinks(value: Any, key: str) -> list[str]:
+def _as_sinks(value: Any, key: str) -> list[SinkSpec]:
     value = _plain(value)
     if isinstance(value, str):
         items = [s.strip() for s in value.split(",") if s.strip()]
@@ -179,14 +193,10 @@ def _as_sinks(value: Any, key: str) -> list[str]:
     else:
         raise ValueError(f"{key}: expected a list of sink names (e.g. [wandb, "
                          f"'jsonl:runs/gpu.jsonl']), got {value!r}")
-    from gpulens.sinks import SINKS
-
-    for item in items:
-        name = item.partition(":")[0].strip().lower()
-        if name not in SINKS:
-            known = ", ".join(sorted(SINKS))
-            raise ValueError(f"{key}: unknown sink {item!r}; known sinks: {known}")
-    return items
+    try:
+        return [parse_sink(item) for item in items]
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 def _as_gpus(value: Any, key: str) -> list[int]:

@@ -1,55 +1,267 @@
-"""Sinks: where rows go.  ``resolve_sink("jsonl:runs/gpu.jsonl")`` imports only what it needs.
+"""Sinks: where rows go, and the one registry of sink names.
 
-Names map to ``"module:Class"`` strings; each class has a ``from_spec(arg)`` classmethod taking
-the text after the first ``:`` (or ``None``).  Sink objects of the :class:`Sink` protocol are
-accepted as they are.
+A sink is chosen in one of two ways:
+
+* **by name**, a spec string parsed once, here, into a :class:`SinkSpec`:
+  ``"jsonl:runs/gpu.jsonl"``, ``"mlflow"``, ``"mlflow:RUN_ID"``, ``"mlflow:all"``,
+  ``"wandb"``, ``"wandb:all"``, ``"prometheus:9400"``, ``"dashboard:0.0.0.0:8765"``
+  (:func:`parse_sink`), or with options
+  given in code (:func:`sink_spec`: ``sink_spec("mlflow", include_train=False)``).  Parsing
+  imports no tracker library and changes nothing (no file, no run, no environment variable); a
+  bad name or option is a one-line ``ValueError`` there.  A spec pickles: the sink object is
+  built from it where it runs (:attr:`SinkKind.where`): JSONL, MLflow, Prometheus and the
+  dashboard in the engine (its own process, by default), W&B in the training process (a wandb
+  run does not pickle).  Its name in every message and in ``Monitor.sink_stats`` is the text
+  the user wrote (``"jsonl:/dev/full"``).
+* **by object**: anything with ``open``/``write``/``close`` (:class:`~gpulens.sinks.base.Sink`),
+  written in the training process as it is, named by its class.
+
+When a monitor starts, each spec is *prepared* in the caller (:meth:`SinkSpec.prepared`): what
+only the training process knows is resolved (the active MLflow run, the tracking URI set with
+``mlflow.set_tracking_uri``, a relative path) and what can be checked cheaply is checked (a
+path that cannot be written, a tracking server that refuses connections, a port in use, a
+store that MLflow refuses), so such a mistake is a ``ValueError`` from ``start()``.
+
+The sink classes take part through three static methods (``spec_options(text)``: the options
+of ``"kind:text"``; ``check_options(options)``: their values, checked; and optionally
+``prepare_options(options)``: the start-time step above).
 """
 
 from __future__ import annotations
 
 import importlib
+import socket
 from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpulens.sinks.base import Sink
 
-SINKS: dict[str, str] = {
-    "jsonl": "gpulens.sinks.jsonl:JsonlSink",
-    "wandb": "gpulens.sinks.wandb:WandbSink",
-    "mlflow": "gpulens.sinks.mlflow:MlflowSink",
-    "prometheus": "gpulens.sinks.prometheus:PrometheusSink",
-    "dashboard": "gpulens.sinks.dashboard:DashboardSink",
+ENGINE = "engine"
+CLIENT = "client"
+
+
+@dataclass(frozen=True)
+class SinkKind:
+    """One entry of :data:`SINKS`."""
+
+    target: str
+    """``"module:Class"`` of the sink, imported only to parse, prepare and build (the module
+    imports no tracker library itself)."""
+    where: str
+    """Where the sink object is built and written: :data:`ENGINE` (the engine: its own process,
+    or its thread with ``isolation="thread"``) or :data:`CLIENT` (the training process)."""
+    options: tuple[str, ...]
+    """The keyword options a spec may give (the class's constructor arguments that pickle)."""
+    syntax: str
+    """How it is written, for messages."""
+
+
+SINKS: dict[str, SinkKind] = {
+    "jsonl": SinkKind("gpulens.sinks.jsonl:JsonlSink", ENGINE, ("path", "run_id"),
+                      "'jsonl:runs/gpu.jsonl'"),
+    "mlflow": SinkKind("gpulens.sinks.mlflow:MlflowSink", ENGINE,
+                       ("run_id", "tracking_uri", "include_train", "keys", "section"),
+                       "'mlflow', 'mlflow:RUN_ID', 'mlflow:all' or 'mlflow:RUN_ID,all'"),
+    "wandb": SinkKind("gpulens.sinks.wandb:WandbSink", CLIENT,
+                      ("include_train", "keys", "section", "step_metric"),
+                      "'wandb', 'wandb:all' or 'wandb:default'"),
+    "prometheus": SinkKind("gpulens.sinks.prometheus:PrometheusSink", ENGINE,
+                           ("port", "host", "training"),
+                           "'prometheus', 'prometheus:PORT' or 'prometheus:HOST:PORT'"),
+    "dashboard": SinkKind("gpulens.sinks.dashboard:DashboardSink", ENGINE,
+                          ("port", "host", "history_rows", "title"),
+                          "'dashboard', 'dashboard:PORT' or 'dashboard:HOST:PORT'"),
 }
+"""Every sink that can be chosen by name."""
 
-__all__ = ["SINKS", "Sink", "check_sinks", "resolve_sink"]
+__all__ = ["CLIENT", "ENGINE", "SINKS", "Sink", "SinkKind", "SinkSpec", "as_sink",
+           "check_port", "check_sinks", "host_port_options", "parse_sink", "port_taken",
+           "prepare_sinks", "resolve_sink",
+           "sink_label", "sink_spec", "unique_names"]
 
 
-def resolve_sink(spec: str | Sink) -> Sink:
-    """Turn ``"name"`` / ``"name:arg"`` or a sink object into a sink; ``ValueError`` if unknown."""
-    if not isinstance(spec, str):
-        if not isinstance(spec, Sink):
-            raise ValueError(
-                f"sink {spec!r} is neither a sink name nor an object with open/write/close"
-            )
-        return spec
-    name, _, arg = spec.partition(":")
-    target = SINKS.get(name.strip().lower())
-    if target is None:
+def _load(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """A sink chosen by name: what to build (``target`` called with ``options``), where, and
+    the name it goes by.  Pickles; built by :meth:`build` where it runs."""
+
+    name: str
+    """As the user wrote it (``"jsonl:/dev/full"``): its name in messages and stats."""
+    kind: str
+    """Its key in :data:`SINKS`, or ``""`` for a spec made in code around another (a wrapper:
+    ``target`` and ``where`` given)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The constructor's keyword arguments (a nested :class:`SinkSpec` is prepared and checked
+    with this one, and built by the class it is given to)."""
+    target: str = ""
+    where: str = ""
+
+    def __post_init__(self) -> None:
+        kind = SINKS.get(self.kind)
+        if kind is not None:
+            object.__setattr__(self, "target", self.target or kind.target)
+            object.__setattr__(self, "where", self.where or kind.where)
+        if not self.target or self.where not in (ENGINE, CLIENT):
+            raise ValueError(f"sink spec {self.name!r}: needs a target and where "
+                             f"({ENGINE!r} or {CLIENT!r})")
+
+    def build(self) -> Sink:
+        """The sink object (imports its module, and nothing heavy: the sink imports its
+        tracker library when it opens)."""
+        sink: Sink = _load(self.target)(**self.options)
+        return sink
+
+    def prepared(self) -> SinkSpec:
+        """This spec as it starts, in the process that starts the monitor: options only that
+        process knows resolved, cheap checks made (``ValueError``, one line).  Idempotent."""
+        options = {k: v.prepared() if isinstance(v, SinkSpec) else v
+                   for k, v in self.options.items()}
+        prepare = getattr(_load(self.target), "prepare_options", None) if self.kind else None
+        if prepare is not None:
+            options = prepare(options)
+        return replace(self, options=options)
+
+    def with_options(self, **options: Any) -> SinkSpec:
+        """A copy with these options changed (checked like those parsed)."""
+        return sink_spec(self.kind, name=self.name, **{**self.options, **options})
+
+
+def parse_sink(text: str) -> SinkSpec:
+    """``"kind"`` or ``"kind:argument"`` -> a :class:`SinkSpec` (see the module docstring);
+    ``ValueError`` (one line) for an unknown kind or a bad argument."""
+    if not isinstance(text, str):
+        raise ValueError(f"sink {text!r} is not a sink name")
+    name = text.strip()
+    kind_name, _, arg = name.partition(":")
+    kind_name = kind_name.strip().lower()
+    kind = SINKS.get(kind_name)
+    if kind is None:
         known = ", ".join(f"'{n}'" for n in sorted(SINKS))
-        raise ValueError(
-            f"unknown sink {spec!r}; known sinks: {known} (e.g. 'jsonl:runs/gpu.jsonl')"
-        )
-    module_name, _, cls_name = target.partition(":")
-    cls: Any = getattr(importlib.import_module(module_name), cls_name)
-    sink: Sink = cls.from_spec(arg or None)
-    return sink
+        raise ValueError(f"unknown sink {text!r}; known sinks: {known} "
+                         "(e.g. 'jsonl:runs/gpu.jsonl')")
+    cls = _load(kind.target)
+    options: dict[str, Any] = cls.spec_options(arg.strip() or None)
+    return SinkSpec(name=name, kind=kind_name, options=cls.check_options(options))
+
+
+def sink_spec(kind: str, *, name: str | None = None, **options: Any) -> SinkSpec:
+    """A sink of :data:`SINKS` with options given in code, e.g. ``sink_spec("mlflow",
+    include_train=False, keys="all")``; ``name`` (default: ``kind``) is its name in messages
+    and stats.  ``ValueError`` (one line) for an unknown kind or option or a bad value."""
+    entry = SINKS.get(kind)
+    if entry is None:
+        known = ", ".join(f"'{n}'" for n in sorted(SINKS))
+        raise ValueError(f"unknown sink {kind!r}; known sinks: {known}")
+    unknown = sorted(set(options) - set(entry.options))
+    if unknown:
+        raise ValueError(f"the {kind} sink has no option {', '.join(map(repr, unknown))} "
+                         f"(its options: {', '.join(entry.options)})")
+    checked = _load(entry.target).check_options(dict(options))
+    return SinkSpec(name=name or kind, kind=kind, options=checked)
+
+
+def as_sink(item: str | SinkSpec | Sink) -> SinkSpec | Sink:
+    """A sink as a monitor keeps it: a string parsed (:func:`parse_sink`), a spec or an object
+    with ``open``/``write``/``close`` as it is; ``ValueError`` for anything else."""
+    if isinstance(item, str):
+        return parse_sink(item)
+    if isinstance(item, (SinkSpec, Sink)):
+        return item
+    raise ValueError(f"sink {item!r} is neither a sink name nor an object with "
+                     "open/write/close")
+
+
+def resolve_sink(item: str | SinkSpec | Sink) -> Sink:
+    """A sink object in this process: a name or spec built here (for code that writes rows
+    itself; a monitor builds each spec where it runs)."""
+    sink = as_sink(item)
+    return sink.build() if isinstance(sink, SinkSpec) else sink
 
 
 def check_sinks(sinks: Iterable[Any]) -> None:
-    """Call each sink's optional ``check()``: a sink that cannot work (W&B without a login, an
-    MLflow server that does not answer) raises a one-line ``ValueError`` before any sink opens
-    or any run is made (:meth:`gpulens.Monitor.start` calls this first)."""
+    """The start-time checks, before anything is made: each spec prepared (see
+    :meth:`SinkSpec.prepared`), each object's optional ``check()`` called.  A sink that cannot
+    work (W&B without a login, an MLflow server that refuses connections, a port in use)
+    raises a one-line ``ValueError``.  :meth:`gpulens.Monitor.start` does this itself."""
     for sink in sinks:
+        if isinstance(sink, SinkSpec):
+            sink.prepared()
+            continue
         check = getattr(sink, "check", None)
         if check is not None:
             check()
+
+
+def prepare_sinks(sinks: Iterable[SinkSpec | Sink]) -> list[SinkSpec | Sink]:
+    """What ``Monitor.start()`` does first, on its caller's thread: each spec prepared
+    (:meth:`SinkSpec.prepared`), each object's ``prepare()`` (or else ``check()``) called.  A
+    one-line ``ValueError`` for what cannot work, before anything is made."""
+    out: list[SinkSpec | Sink] = []
+    for sink in sinks:
+        if isinstance(sink, SinkSpec):
+            out.append(sink.prepared())
+            continue
+        hook = getattr(sink, "prepare", None) or getattr(sink, "check", None)
+        if hook is not None:
+            hook()
+        out.append(sink)
+    return out
+
+
+def sink_label(sink: SinkSpec | Sink) -> str:
+    """A spec's name as written, an object's class name."""
+    return sink.name if isinstance(sink, SinkSpec) else type(sink).__name__
+
+
+def unique_names(sinks: Iterable[SinkSpec | Sink]) -> list[str]:
+    """:func:`sink_label` of each, numbered from the second of a name: ``MemorySink``,
+    ``MemorySink#2``."""
+    seen: dict[str, int] = {}
+    names: list[str] = []
+    for sink in sinks:
+        base = sink_label(sink)
+        seen[base] = seen.get(base, 0) + 1
+        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return names
+
+
+def port_taken(host: str, port: int) -> OSError | None:
+    """Why ``host:port`` cannot be bound now (``None``: it can; port 0 always can).  A cheap
+    start-time check for the sinks that serve HTTP; the server binds it for real later."""
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        return exc
+    return None
+
+
+def host_port_options(kind: str, arg: str | None, syntax: str) -> dict[str, Any]:
+    """The options of ``"kind:PORT"`` or ``"kind:HOST:PORT"`` (``[::1]:PORT`` for IPv6;
+    127.0.0.1 when no host is given): ``{"port", "host"}``, ``{}`` for ``"kind"``;
+    ``ValueError`` naming ``syntax`` otherwise."""
+    if arg is None or not arg.strip():
+        return {}
+    host, sep, port_text = arg.strip().rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"{kind} sink: expected {syntax}, got '{kind}:{arg}'") from None
+    return {"port": port, "host": host.strip("[]") if sep and host else "127.0.0.1"}
+
+
+def check_port(kind: str, port: object) -> None:
+    """``ValueError`` (one line) unless ``port`` is a TCP port number (0: any free one)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"{kind} sink: port must be 0-65535, not {port!r}")
+

@@ -1,22 +1,24 @@
 """The sink protocol: where finished rows go.
 
-A sink receives :class:`~gpulens.model.Row` objects, one per :meth:`gpulens.Monitor.log` call,
-in step order. Sinks run in the monitor's writer thread, except those whose
-``on_training_thread`` attribute is true (the Lightning, Accelerate and verl adapters, whose
-framework loggers are not made for a second thread): those are fed from the training thread the
-next time it calls ``log()`` or ``stop()``.
+A sink receives :class:`Row` objects, one per :meth:`gpulens.Monitor.log` call, in step order.
+Each sink is opened and written by a worker thread of its own (a tracker's ``open`` may take
+seconds: it never holds up ``Monitor.start()``), except those whose ``on_training_thread``
+attribute is true (the Lightning, Accelerate and verl adapters, whose framework loggers are not
+made for a second thread): those are opened by ``start()`` and fed from the training thread the
+next time it calls ``log()`` or ``stop()``.  A sink object given to a monitor runs in the
+training process; a sink chosen by name runs where :mod:`gpulens.sinks` says (the engine for
+JSONL, MLflow, Prometheus and the dashboard).
 
-Optional parts of a sink:
+Optional parts of a sink object, called by ``Monitor.start()`` on the thread that starts it,
+before anything is opened or made:
 
-* ``remote_spec() -> ("module:Class", kwargs)``: how to rebuild it in gpulens's engine process
-  (``Monitor(isolation="process")``), which then writes it there and keeps its work off the
-  training process (JSONL, MLflow, the dashboard).  Sinks without it are written in the
-  training process, from rows the engine sends back.
-* ``check()``: called by ``Monitor.start()`` before any sink opens or any run is made; raises
-  a one-line ``ValueError`` saying how to fix a set-up that cannot work (W&B without a login,
-  an MLflow server that does not answer).
-* ``page_url``: the address of a page the sink serves (the dashboard), printed on stderr by
-  ``Monitor.start()`` once it is served.
+* ``prepare()``: read what only that thread knows (MLflow's active run is per thread), then
+  check as ``check()`` does;
+* ``check()`` (when there is no ``prepare``): raise a one-line ``ValueError`` saying how to fix
+  a set-up that cannot work (W&B without a login, an MLflow server that refuses connections).
+  Both must be cheap (no tracker import, no request): ``start()`` returns in a fraction of a
+  second.  What they cannot tell, ``open`` finds: a WARNING then, and the sink's rows are
+  counted as dropped.
 """
 
 from __future__ import annotations

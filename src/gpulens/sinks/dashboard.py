@@ -10,23 +10,22 @@ milliseconds of the sink receiving it (server-sent events); a page opened late g
 history first.  See :mod:`gpulens.dashboard.server` for the bounds (history, slow pages).
 
 Specs: ``"dashboard"`` (port 8765), ``"dashboard:PORT"``, ``"dashboard:HOST:PORT"`` (binds
-127.0.0.1 unless told otherwise; ``[::1]:PORT`` for IPv6); port 0 picks a free port, then
-:attr:`DashboardSink.url` tells which.  ``Monitor.start()`` prints the address on stderr
-(``gpulens: live dashboard on http://127.0.0.1:8765/``) once the page is served.
+127.0.0.1 unless told otherwise; ``[::1]:PORT`` for IPv6); port 0 picks a free port (a
+sink object's :attr:`DashboardSink.url` tells which once it is open).
 
-Where the server runs.  The sink has a :meth:`~DashboardSink.remote_spec`: with the engine in
-a process of its own (``Monitor``'s default), the server lives in that process, so its
-threads (one per open page, plus the accept loop) and the encoding of rows never take the
-training process's GIL.  The page then lives as long as the monitor: ``stop()`` ends it (the
-page keeps what it shows and says that the run ended).  In a distributed job rows meet on rank
-0 first, so the server runs in rank 0's training process (a thread per page, mostly asleep).
-A sink given a ``metrics`` provider or a server of its own (``gpulens serve``) stays where it
-was made.
+Where the server runs.  Chosen by name (``"dashboard:8765"``), the sink is built and served in
+the engine (its own process, by default), so its threads (one per open page, plus the accept
+loop) and the encoding of rows never take the training process's GIL.  The page then lives as
+long as the monitor: ``stop()`` ends it (the page keeps what it shows and says that the run
+ended).  A port in use is a ``ValueError`` from ``start()``; port 0 is chosen where the server
+runs.  When the page is served, gpulens says where: ``gpulens: live dashboard on
+http://127.0.0.1:8765/`` on stderr (:func:`gpulens.log.say`, from the engine process too).
+A :class:`DashboardSink` object given to a monitor (one with a ``metrics`` provider or a
+server of its own, as ``gpulens serve`` makes) is served from the training process.
 """
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from gpulens.dashboard.server import (
@@ -35,8 +34,10 @@ from gpulens.dashboard.server import (
     DashboardServer,
     MetricsProvider,
     PortInUse,
+    bind_error,
 )
 from gpulens.model import Row, RunContext
+from gpulens.sinks import check_port, host_port_options, port_taken
 
 
 class DashboardSink:
@@ -47,11 +48,10 @@ class DashboardSink:
         host: address to bind; 127.0.0.1 unless you mean to expose the page.
         history_rows: rows kept for pages opened later; older rows are thinned beyond it.
         title: shown on the page.
-        metrics: ``() -> (body, content_type)`` served on ``/metrics`` of the same port (a
-            sink with one is not moved to the engine process).
+        metrics: ``() -> (body, content_type)`` served on ``/metrics`` of the same port.
         server: a :class:`~gpulens.dashboard.DashboardServer` made (and perhaps bound) by the
             caller, to publish to; ``port``, ``host``, ``history_rows``, ``title`` and
-            ``metrics`` are then the server's.  The sink stays in this process.
+            ``metrics`` are then the server's.
     """
 
     on_training_thread = False
@@ -63,8 +63,7 @@ class DashboardSink:
         if server is not None:
             port, host, title, metrics = server.port, server.host, server.title, server.metrics
             history_rows = server.history_rows
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"dashboard sink: port must be 0-65535, not {port!r}")
+        check_port("dashboard", port)
         if history_rows < 16:
             raise ValueError(f"dashboard sink: history_rows must be >= 16, not {history_rows}")
         self.port = port
@@ -75,37 +74,35 @@ class DashboardSink:
         self._own_server = server is not None
         self._server: DashboardServer | None = server
 
+    @staticmethod
+    def spec_options(arg: str | None) -> dict[str, Any]:
+        """``"8765"``, ``"0"`` (a free port), ``"HOST:PORT"``; ``None`` -> 8765 on 127.0.0.1."""
+        return host_port_options(
+            "dashboard", arg, "'dashboard', 'dashboard:PORT' or 'dashboard:HOST:PORT'")
+
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> dict[str, Any]:
+        """``ValueError`` (one line) for a port outside 0-65535 or too short a history."""
+        check_port("dashboard", options.get("port", DEFAULT_PORT))
+        history = options.get("history_rows", DEFAULT_HISTORY_ROWS)
+        if not isinstance(history, int) or history < 16:
+            raise ValueError(f"dashboard sink: history_rows must be >= 16, not {history!r}")
+        return options
+
+    @staticmethod
+    def prepare_options(options: dict[str, Any]) -> dict[str, Any]:
+        """At start: ``ValueError`` (the words of :meth:`bind`) if the port is taken.  Port 0
+        is bound where the sink runs, which says the page's address once it serves."""
+        host, port = options.get("host", "127.0.0.1"), options.get("port", DEFAULT_PORT)
+        taken = port_taken(host, port)
+        if taken is not None:
+            raise _port_error(bind_error(host, port, taken)) from None
+        return options
+
     @classmethod
     def from_spec(cls, arg: str | None) -> DashboardSink:
-        """``"8765"``, ``"0"`` (a free port), ``"HOST:PORT"``; ``None`` -> 8765 on 127.0.0.1."""
-        if arg is None or not arg.strip():
-            return cls()
-        host, sep, port_text = arg.strip().rpartition(":")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise ValueError(
-                f"dashboard sink: expected 'dashboard', 'dashboard:PORT' or "
-                f"'dashboard:HOST:PORT', got 'dashboard:{arg}'"
-            ) from None
-        if not 0 <= port <= 65535:
-            raise ValueError(f"dashboard sink: port must be 0-65535, not {port}")
-        return cls(port=port, host=host.strip("[]") if sep and host else "127.0.0.1")
-
-    def remote_spec(self) -> tuple[str, dict[str, Any]] | None:
-        """How the engine process rebuilds this sink (the server then lives there).
-
-        Port 0 is resolved here first (a free port is chosen now), so that :attr:`url` in this
-        process names the port the page is served on.  ``None`` (stay here) when the sink has
-        a ``metrics`` provider (which cannot cross to another process) or a server given.
-        """
-        if self.metrics is not None or self._own_server:
-            return None
-        if self.port == 0:
-            self.port = _free_port(self.host)
-        return "gpulens.sinks.dashboard:DashboardSink", {
-            "port": self.port, "host": self.host, "history_rows": self.history_rows,
-            "title": self.title}
+        """The sink of ``"dashboard:..."``, built here."""
+        return cls(**cls.check_options(cls.spec_options(arg)))
 
     def bind(self) -> None:
         """Take the port now (``open()`` serves on it); ``ValueError`` if it cannot."""
@@ -115,13 +112,8 @@ class DashboardSink:
                                            metrics=self.metrics, title=self.title)
         try:
             self._server.bind()
-        except PortInUse as exc:
-            raise PortInUse(
-                f"dashboard sink: {exc} (another dashboard or program holds it); choose "
-                f"another port ('dashboard:PORT'), or 'dashboard:0' for any free one",
-                exc.host, exc.port) from None
         except ValueError as exc:
-            raise ValueError(f"dashboard sink: {exc}") from None
+            raise _port_error(exc) from None
         self.port = self._server.port
 
     def open(self, context: RunContext) -> None:
@@ -149,26 +141,17 @@ class DashboardSink:
         return self._server
 
     @property
-    def page_url(self) -> str | None:
-        """The page's address for :class:`~gpulens.Monitor` to print when it starts
-        (``None`` for a sink given a server: whoever made the server says where it is)."""
-        return None if self._own_server else self.url
-
-    @property
     def url(self) -> str:
         """``http://HOST:PORT/``: the page."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/"
 
 
-def _free_port(host: str) -> int:
-    """A port free on ``host`` now (the OS's choice for port 0)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port: int = s.getsockname()[1]
-            return port
-    except OSError as exc:
-        raise ValueError(f"dashboard sink: cannot serve on {host}: {exc.strerror or exc}"
-                         ) from None
+def _port_error(exc: ValueError) -> ValueError:
+    """The server's bind error, as the sink says it (what to do about a port in use)."""
+    if isinstance(exc, PortInUse):
+        return PortInUse(
+            f"dashboard sink: {exc} (another dashboard or program holds it); choose "
+            f"another port ('dashboard:PORT'), or 'dashboard:0' for any free one",
+            exc.host, exc.port)
+    return ValueError(f"dashboard sink: {exc}")

@@ -68,18 +68,37 @@ class JsonlSink:
         self._rows = 0
         _check_writable(self.path)
 
-    @classmethod
-    def from_spec(cls, arg: str | None) -> JsonlSink:
+    @staticmethod
+    def spec_options(arg: str | None) -> dict[str, Any]:
+        """``"jsonl:PATH"`` -> ``{"path": PATH}``."""
         if not arg:
             raise ValueError("the jsonl sink needs a path: 'jsonl:runs/gpu.jsonl'")
-        return cls(arg)
+        return {"path": arg}
 
-    def remote_spec(self) -> tuple[str, dict[str, Any]]:
-        """How the engine process rebuilds this sink (it then writes the file)."""
-        kwargs: dict[str, Any] = {"path": str(self.path.absolute())}
-        if self.run_id is not None:
-            kwargs["run_id"] = self.run_id
-        return "gpulens.sinks.jsonl:JsonlSink", kwargs
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> dict[str, Any]:
+        """``ValueError`` (one line) if the path cannot be written."""
+        path = options.get("path")
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError("the jsonl sink needs a path: 'jsonl:runs/gpu.jsonl'")
+        _check_writable(Path(path))
+        run_id = options.get("run_id")
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise ValueError(f"the jsonl sink's run_id must be text, got {run_id!r}")
+        return {**options, "path": str(path)}
+
+    @staticmethod
+    def prepare_options(options: dict[str, Any]) -> dict[str, Any]:
+        """At start: the path made absolute (the engine writes it wherever it runs from) and
+        checked again."""
+        path = Path(options["path"]).absolute()
+        _check_writable(path)
+        return {**options, "path": str(path)}
+
+    @classmethod
+    def from_spec(cls, arg: str | None) -> JsonlSink:
+        """The sink of ``"jsonl:PATH"``, built here."""
+        return cls(**cls.check_options(cls.spec_options(arg)))
 
     def open(self, context: RunContext) -> None:
         """Open ``path`` for appending and write the run's ``run_start`` line."""

@@ -19,11 +19,15 @@ What the run gets (:mod:`gpulens.sinks.layout` for the choice of keys):
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import math
 import os
 import re
+import socket
 import sys
+import threading
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -38,8 +42,6 @@ _INVALID = re.compile(r"[^A-Za-z0-9_\-. /]")
 _BATCH = 1000  # MLflow's limit of metrics per log_batch call
 _PARAM_BATCH = 100  # ... and of params
 _MAX_TEXT = 5000  # longest tag or param value written (MLflow's limits: 8000 and 6000)
-CHECK_TIMEOUT_S = 3.0
-"""How long :meth:`MlflowSink.check` waits for a tracking server to answer."""
 
 
 def mlflow_key(key: str) -> str:
@@ -69,22 +71,16 @@ class MlflowSink:
         section: the section of the default view's figures; ``None``: ``train`` for training
             rows when this sink writes ``train/*``, bare keys (MLflow's "Model metrics", where
             Hugging Face's ``MLflowCallback`` puts ``loss``) when the framework does.
-        fail_fast: give up on an HTTP request after 2 retries (back-off factor 1) and 15 s
-            (unless the user set
-            ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` / ``MLFLOW_HTTP_REQUEST_TIMEOUT``): MLflow's
-            own defaults (7 retries, 120 s each) keep a write to a server that went away busy
-            for minutes, so nobody hears of it.  gpulens retries the row itself, with its own
-            back-off, and says so.  Set for the copy rebuilt in gpulens's engine process, whose
-            environment is gpulens's own; never in the training process.
     """
 
     def __init__(self, run_id: str | None = None, *, tracking_uri: str | None = None,
-                 include_train: bool = True, fail_fast: bool = False,
-                 keys: str | None = None, section: str | None = None) -> None:
+                 include_train: bool = True, keys: str | None = None,
+                 section: str | None = None) -> None:
+        if run_id is not None:
+            check_run_id(run_id)
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self.include_train = include_train
-        self.fail_fast = fail_fast
         self.keys = resolve_keys(keys)
         self.section = check_section(section)
         self._client: Any = None
@@ -98,44 +94,44 @@ class MlflowSink:
             return self.section
         return None if self.include_train else ""
 
-    @classmethod
-    def from_spec(cls, arg: str | None) -> MlflowSink:
+    @staticmethod
+    def spec_options(arg: str | None) -> dict[str, Any]:
         """``"mlflow"``, ``"mlflow:RUN_ID"``, ``"mlflow:all"`` or ``"mlflow:RUN_ID,all"``
         (``all``/``default``: the tracker key set)."""
-        run_id: str | None = None
-        keys: str | None = None
+        options: dict[str, Any] = {}
         for part in (arg or "").split(","):
             part = part.strip()
             if part.lower() in ("all", "default"):
-                keys = part.lower()
+                options["keys"] = part.lower()
             elif part:
-                if run_id is not None:
+                if "run_id" in options:
                     raise ValueError(f"the mlflow sink takes a run id and a key set ('all'), "
                                      f"got 'mlflow:{arg}'")
-                run_id = part
-        return cls(run_id=run_id, keys=keys)
+                options["run_id"] = part
+        return options
 
-    def check(self) -> None:
-        """``ValueError`` (one line), before anything is created, if the tracking store cannot
-        be reached: mlflow not installed; an ``http(s)://`` tracking server that does not answer
-        within ``CHECK_TIMEOUT_S`` (any HTTP answer counts, even an error status: only a
-        connection that fails means unreachable); a local store (``sqlite:///``, a path, or
-        ``file:``) in a folder that cannot be written.  Other schemes (``databricks``, ...)
-        are left to MLflow."""
-        try:
-            mlflow = import_mlflow()
-        except ImportError as exc:
-            raise ValueError(str(exc)) from None
-        uri = self.tracking_uri or mlflow.get_tracking_uri()
-        check_tracking_uri(str(uri))
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> dict[str, Any]:
+        """``ValueError`` (one line) for a run id MLflow would refuse (a tracking URI written
+        where the run id goes, say), an unknown key set or section."""
+        if options.get("run_id") is not None:
+            check_run_id(options["run_id"])
+        uri = options.get("tracking_uri")
+        if uri is not None and (not isinstance(uri, str) or not uri.strip()):
+            raise ValueError(f"the mlflow sink's tracking_uri must be text, got {uri!r}")
+        if options.get("keys") is not None:
+            resolve_keys(options["keys"])
+        check_section(options.get("section"))
+        return options
 
-    def remote_spec(self) -> tuple[str, dict[str, Any]]:
-        """How the engine process rebuilds this sink, writing to the same run.
-
-        The run active here and the tracking URI set here (``mlflow.set_tracking_uri``) are
-        resolved now, in this process: the other process cannot see them.
-        """
-        run_id, uri = self.run_id, self.tracking_uri
+    @staticmethod
+    def prepare_options(options: dict[str, Any]) -> dict[str, Any]:
+        """At start, in the training process: the tracking URI it set
+        (``mlflow.set_tracking_uri``) and the run it has active, which the engine process
+        cannot see (read only where mlflow is imported already: otherwise there are none, and
+        the engine finds ``MLFLOW_TRACKING_URI`` as this process does); then the cheap checks
+        of :func:`check_tracking_store`."""
+        uri, run_id = options.get("tracking_uri"), options.get("run_id")
         mlflow = sys.modules.get("mlflow")
         if mlflow is not None:
             if uri is None:
@@ -143,32 +139,54 @@ class MlflowSink:
             if run_id is None:
                 active = mlflow.active_run()
                 if active is not None:
-                    run_id = self.run_id = active.info.run_id
-        return "gpulens.sinks.mlflow:MlflowSink", {
-            "run_id": run_id, "tracking_uri": uri, "include_train": self.include_train,
-            "fail_fast": True, "keys": self.keys, "section": self.section}
+                    run_id = active.info.run_id
+        elif uri is None:
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or None
+        check_tracking_store(uri)
+        return {**options, "tracking_uri": uri, "run_id": run_id}
+
+    @classmethod
+    def from_spec(cls, arg: str | None) -> MlflowSink:
+        """The sink of ``"mlflow:..."``, built here."""
+        return cls(**cls.check_options(cls.spec_options(arg)))
+
+    def check(self) -> None:
+        """The cheap checks of :func:`check_tracking_store` (mlflow installed; a server that
+        accepts connections; a store MLflow writes, in a folder that can be written), before
+        anything is created; ``ValueError`` (one line)."""
+        self.prepare_options({"tracking_uri": self.tracking_uri, "run_id": self.run_id})
+
+    def prepare(self) -> None:
+        """At start, on the thread that starts the monitor (MLflow's active run is per
+        thread; this sink opens on a thread of its own): the run active there and the tracking
+        URI set there become this sink's, then :meth:`check`'s checks."""
+        options = self.prepare_options({"tracking_uri": self.tracking_uri,
+                                        "run_id": self.run_id})
+        self.tracking_uri, self.run_id = options["tracking_uri"], options["run_id"]
 
     def open(self, context: RunContext) -> None:
-        if self.fail_fast:
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+        """Find or create the run and write its metadata (imports mlflow: seconds; a monitor
+        opens its sinks off the training thread)."""
         mlflow = import_mlflow()
-        if self.run_id is None and mlflow.active_run() is None:
-            self.check()  # before a run is made: a one-line error, not MLflow's retries
         from mlflow.tracking import MlflowClient
 
         uri = self.tracking_uri or mlflow.get_tracking_uri()
-        self._client = MlflowClient(tracking_uri=uri)
-        if self.run_id is None:
-            active = mlflow.active_run()
-            if active is not None:
-                self.run_id = active.info.run_id
-            else:
-                run = self._client.create_run(self._experiment_id(), tags={
-                    "mlflow.source.name": "gpulens", "gpulens.host": context.hostname})
-                self.run_id = run.info.run_id
-                self._owned = True
+        try:
+            self._client = MlflowClient(tracking_uri=uri)
+            if self.run_id is None:
+                active = mlflow.active_run()
+                if active is not None:
+                    self.run_id = active.info.run_id
+                else:
+                    check_tracking_store(uri)  # a one-line error, not MLflow's retries
+                    run = self._client.create_run(self._experiment_id(), tags={
+                        "mlflow.source.name": "gpulens", "gpulens.host": context.hostname})
+                    self.run_id = run.info.run_id
+                    self._owned = True
+        except Exception as exc:
+            if "MLFLOW_ALLOW_FILE_STORE" in str(exc):
+                raise ValueError(_file_store_refused(str(uri))) from None
+            raise
         self._layout = TrackerLayout(self.keys, section=self._section(),
                                      include_train=self.include_train)
         self._fired = {}
@@ -270,35 +288,121 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
-def check_tracking_uri(uri: str) -> None:
-    """``ValueError`` (one line) if the MLflow tracking store at ``uri`` cannot be reached or
-    written (see :meth:`MlflowSink.check`)."""
+_RUN_ID = re.compile(r"^[a-zA-Z0-9][\w\-]{0,255}$")
+"""The run ids MLflow accepts."""
+FILE_STORE_REFUSED = (3, 13)
+"""The first MLflow that refuses a file store (``file:``, ``./mlruns``) unless
+``MLFLOW_ALLOW_FILE_STORE`` is set."""
+
+
+def check_run_id(run_id: object) -> None:
+    """``ValueError`` (one line) for a run id MLflow would refuse, saying what was probably
+    meant when it is a tracking URI."""
+    if isinstance(run_id, str) and _RUN_ID.match(run_id):
+        return
+    if isinstance(run_id, str) and ("://" in run_id or run_id.startswith("file:")):
+        raise ValueError(
+            f"the mlflow sink: {run_id!r} is a tracking URI, not a run id; set "
+            f"MLFLOW_TRACKING_URI={run_id} (or call mlflow.set_tracking_uri) and use 'mlflow'")
+    raise ValueError(f"the mlflow sink: {run_id!r} is not an MLflow run id (letters, digits, "
+                     "'_' and '-', as 'mlflow runs list' shows them)")
+
+
+def check_tracking_store(uri: str | None) -> None:
+    """``ValueError`` (one line) for a tracking store that cannot work, found cheaply (no
+    import of mlflow, at most :data:`CONNECT_WAIT_S` of waiting):
+
+    * mlflow is not installed;
+    * an ``http(s)://`` server whose host:port refuses or cannot be reached (a TCP connection,
+      not a request; one not answered within the wait is left to MLflow);
+    * a file store (``file:``, a path) where the installed MLflow refuses one
+      (:data:`FILE_STORE_REFUSED` on, unless ``MLFLOW_ALLOW_FILE_STORE``), or in a folder that
+      cannot be written; a ``sqlite:///`` store in a folder that cannot be written.
+
+    ``None`` (MLflow's own default store) and other schemes are left to MLflow."""
+    if importlib.util.find_spec("mlflow") is None:
+        raise ValueError("the 'mlflow' sink needs mlflow: pip install 'gpulens[mlflow]'")
+    if uri is None:
+        return
     parsed = urllib.parse.urlparse(uri)
     scheme = parsed.scheme.lower()
-    hint = "start it, or point MLFLOW_TRACKING_URI at a server that runs"
     if scheme in ("http", "https"):
-        url = uri.rstrip("/") + "/health"
-        try:
-            with urllib.request.urlopen(url, timeout=CHECK_TIMEOUT_S):
-                pass
-        except urllib.error.HTTPError:
-            return  # it answered
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ValueError(f"the mlflow sink cannot reach the MLflow tracking server at "
-                             f"{uri} ({reason}); {hint}") from None
+        _check_reachable(uri, parsed)
         return
-    if scheme in ("sqlite", "file", ""):
-        if scheme == "sqlite":
-            # sqlite:///relative.db, sqlite:////absolute.db
-            folder = Path(parsed.path[1:]).parent
-        elif scheme == "file":
-            folder = Path(urllib.request.url2pathname(parsed.path))
-        else:
-            folder = Path(uri)
-        existing = folder
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            raise ValueError(f"the mlflow sink cannot write the MLflow store {uri}: "
-                             f"{str(existing)!r} is not a writable folder")
+    if scheme == "file" or scheme == "" or len(scheme) == 1:  # a path (C:\... included)
+        refused = _mlflow_version() >= FILE_STORE_REFUSED and os.environ.get(
+            "MLFLOW_ALLOW_FILE_STORE", "").strip().lower() not in ("true", "1")
+        if refused:
+            raise ValueError(_file_store_refused(uri))
+        folder = Path(urllib.request.url2pathname(parsed.path)) if scheme == "file" \
+            else Path(uri)
+    elif scheme == "sqlite":
+        folder = Path(parsed.path[1:]).parent  # sqlite:///relative.db, sqlite:////abs.db
+    else:
+        return
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"the mlflow sink cannot write the MLflow store {uri}: "
+                         f"{str(existing)!r} is not a writable folder")
+
+
+def _file_store_refused(uri: str) -> str:
+    return (f"the mlflow sink: MLflow {_mlflow_version_text()} refuses the file store {uri} "
+            "(its filesystem backend is in maintenance mode); use a database store, e.g. "
+            "MLFLOW_TRACKING_URI=sqlite:///mlflow.db (or set MLFLOW_ALLOW_FILE_STORE=true)")
+
+
+def _mlflow_version_text() -> str:
+    try:
+        return importlib.metadata.version("mlflow")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def _mlflow_version() -> tuple[int, int]:
+    """The installed MLflow's (major, minor), read from its metadata (no import)."""
+    found = re.match(r"(\d+)\.(\d+)", _mlflow_version_text())
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+CONNECT_WAIT_S = 0.3
+"""How long a check waits for a tracking server's host to take a TCP connection."""
+_REACHED: dict[tuple[str, int], float] = {}
+"""Servers found reachable (or not refused within the wait), and when: checked again only
+after :data:`_REACHED_FOR_S` (an integration checks, then ``start()`` does)."""
+_REACHED_FOR_S = 5.0
+
+
+def _check_reachable(uri: str, parsed: urllib.parse.ParseResult) -> None:
+    """``ValueError`` if nothing takes a TCP connection at the server's host:port; the
+    connection is made in a thread of its own and waited for at most :data:`CONNECT_WAIT_S`
+    (a name to resolve, a host that drops packets: left to MLflow, which says so)."""
+    host = parsed.hostname or "localhost"
+    try:
+        port = parsed.port or (443 if parsed.scheme.lower() == "https" else 80)
+    except ValueError as exc:
+        raise ValueError(f"the mlflow sink: bad tracking URI {uri}: {exc}") from None
+    now = time.monotonic()
+    if now - _REACHED.get((host, port), -math.inf) < _REACHED_FOR_S:
+        return
+    outcome: list[OSError | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=10.0).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=connect, name="gpulens-mlflow-check", daemon=True)
+    thread.start()
+    thread.join(CONNECT_WAIT_S)
+    failed = outcome[0] if outcome else None
+    if failed is not None:
+        reason = failed.strerror or failed
+        raise ValueError(f"the mlflow sink cannot reach the MLflow tracking server at {uri} "
+                         f"({reason}); start it, or point MLFLOW_TRACKING_URI at a server that "
+                         "runs")
+    _REACHED[(host, port)] = now

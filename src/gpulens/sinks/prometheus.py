@@ -70,6 +70,7 @@ node-level alerts).
 
 from __future__ import annotations
 
+import errno
 import math
 import re
 import threading
@@ -78,6 +79,7 @@ from typing import Any
 
 from gpulens.model import GpuInfo, Row, RunContext
 from gpulens.schema import GPU_METRIC_BY_KEY
+from gpulens.sinks import check_port, host_port_options, port_taken
 
 DEFAULT_PORT = 9400
 
@@ -168,6 +170,11 @@ def scalar_series_name(key: str) -> tuple[str, float]:
     return f"gpulens_{name}", scale
 
 
+def _cannot_serve(host: str, port: int, exc: OSError) -> str:
+    reason = "port in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return f"prometheus sink: cannot serve on {host}:{port}: {reason}"
+
+
 class PrometheusSink:
     """Serve the latest row as Prometheus metrics (see the module docstring for the names).
 
@@ -183,8 +190,7 @@ class PrometheusSink:
 
     def __init__(self, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
                  training: bool = True, *, http: bool = True) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"prometheus sink: port must be 0-65535, not {port}")
+        check_port("prometheus", port)
         self.port = port
         self.host = host
         self.training = training
@@ -201,20 +207,31 @@ class PrometheusSink:
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
+    @staticmethod
+    def spec_options(arg: str | None) -> dict[str, Any]:
+        """``"9400"``, ``"0"`` (free port) or ``"HOST:PORT"``; ``None`` -> 9400 on 127.0.0.1."""
+        return host_port_options("prometheus", arg,
+                                 "'prometheus:PORT' or 'prometheus:HOST:PORT'")
+
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> dict[str, Any]:
+        """``ValueError`` (one line) for a port outside 0-65535."""
+        check_port("prometheus", options.get("port", DEFAULT_PORT))
+        return options
+
+    @staticmethod
+    def prepare_options(options: dict[str, Any]) -> dict[str, Any]:
+        """At start: ``ValueError`` if the port is taken."""
+        host, port = options.get("host", "127.0.0.1"), options.get("port", DEFAULT_PORT)
+        taken = port_taken(host, port)
+        if taken is not None:
+            raise ValueError(_cannot_serve(host, port, taken))
+        return options
+
     @classmethod
     def from_spec(cls, arg: str | None) -> PrometheusSink:
-        """``"9400"``, ``"0"`` (free port) or ``"HOST:PORT"``; ``None`` -> 9400 on 127.0.0.1."""
-        if arg is None or not arg.strip():
-            return cls()
-        host, sep, port_text = arg.strip().rpartition(":")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise ValueError(
-                f"prometheus sink: expected 'prometheus:PORT' or 'prometheus:HOST:PORT', "
-                f"got 'prometheus:{arg}'"
-            ) from None
-        return cls(port=port, host=host.strip("[]") if sep and host else "127.0.0.1")
+        """The sink of ``"prometheus:..."``, built here."""
+        return cls(**cls.check_options(cls.spec_options(arg)))
 
     def open(self, context: RunContext) -> None:
         """Start the HTTP server thread; ``ValueError`` if the port cannot be bound."""
@@ -234,10 +251,7 @@ class PrometheusSink:
         try:
             server, thread = start_http_server(self.port, addr=self.host, registry=registry)
         except OSError as e:
-            reason = "port in use" if e.errno == 98 else (e.strerror or str(e))
-            raise ValueError(
-                f"prometheus sink: cannot serve on {self.host}:{self.port}: {reason}"
-            ) from None
+            raise ValueError(_cannot_serve(self.host, self.port, e)) from None
         self._server, self._thread = server, thread
         self.port = int(server.server_port)
 

@@ -72,6 +72,8 @@ drop that row with its warning ("Tried to log to step ...").
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections import deque
 from typing import Any
 
@@ -122,6 +124,18 @@ def check_wandb_login() -> None:
             "set WANDB_API_KEY), or log offline with WANDB_MODE=offline")
 
 
+def check_wandb_ready() -> None:
+    """The start-time check, cheap: ``ValueError`` (one line) when wandb is not installed, or,
+    where wandb is imported already (a user's ``wandb.init`` ...), when it needs a login it has
+    not got (:func:`check_wandb_login`).  Importing wandb takes about a second, so where it is
+    not imported the login is checked when the sink opens (off the training thread; a failure
+    is then a WARNING, and the sink's rows are counted as dropped)."""
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError("the 'wandb' sink needs wandb: pip install 'gpulens[wandb]'")
+    if "wandb" in sys.modules:
+        check_wandb_login()
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -170,6 +184,7 @@ class WandbSink:
         keys: ``"default"`` or ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else default.
         section: the section of the default view's figures (``None``: ``train``, or ``gpu``
             for wall-clock rows; ``""``: bare keys).
+        step_metric: the x-axis of the keys written (:attr:`step_metric`).
     """
 
     on_training_thread = False
@@ -179,8 +194,10 @@ class WandbSink:
     into each record) or a key the rows carry themselves (``"record/elapsed_s"``)."""
 
     def __init__(self, run: Any | None = None, *, include_train: bool = True,
-                 keys: str | None = None, section: str | None = None) -> None:
+                 keys: str | None = None, section: str | None = None,
+                 step_metric: str = AXIS_KEY) -> None:
         self._run = run
+        self.step_metric = step_metric
         self._owned = False
         self.include_train = include_train
         self.keys = resolve_keys(keys)
@@ -202,20 +219,40 @@ class WandbSink:
         self._layout = TrackerLayout(self.keys, section=self.section,
                                      include_train=self.include_train)
 
+    @staticmethod
+    def spec_options(arg: str | None) -> dict[str, Any]:
+        """``"wandb"`` or ``"wandb:all"`` / ``"wandb:default"`` (the tracker key set)."""
+        if arg and arg.strip().lower() not in ("all", "default"):
+            raise ValueError(f"the wandb sink takes a key set ('wandb:all' or "
+                             f"'wandb:default'), got 'wandb:{arg}'")
+        return {"keys": arg.strip().lower()} if arg else {}
+
+    @staticmethod
+    def check_options(options: dict[str, Any]) -> dict[str, Any]:
+        """``ValueError`` (one line) for an unknown key set or section."""
+        if options.get("keys") is not None:
+            resolve_keys(options["keys"])
+        check_section(options.get("section"))
+        metric = options.get("step_metric", AXIS_KEY)
+        if not isinstance(metric, str) or not metric:
+            raise ValueError(f"the wandb sink's step_metric must be a key, got {metric!r}")
+        return options
+
+    @staticmethod
+    def prepare_options(options: dict[str, Any]) -> dict[str, Any]:
+        """At start: :func:`check_wandb_ready`."""
+        check_wandb_ready()
+        return options
+
     @classmethod
     def from_spec(cls, arg: str | None) -> WandbSink:
-        """``"wandb"`` or ``"wandb:all"`` / ``"wandb:default"`` (the tracker key set)."""
-        if arg:
-            try:
-                return cls(keys=arg)
-            except ValueError:
-                raise ValueError(f"the wandb sink takes a key set ('wandb:all' or "
-                                 f"'wandb:default'), got 'wandb:{arg}'") from None
-        return cls()
+        """The sink of ``"wandb:..."``, built here."""
+        return cls(**cls.check_options(cls.spec_options(arg)))
 
     def check(self) -> None:
         """``ValueError`` (one line), before anything is created, if ``open()`` would fail:
-        wandb not installed, or no run, no login and not offline."""
+        wandb not installed, or no run, no login and not offline.  Imports wandb (about a
+        second): ``Monitor.start()`` calls the cheap :meth:`prepare` instead."""
         try:
             import_wandb()
         except ImportError as exc:
@@ -223,12 +260,18 @@ class WandbSink:
         if self._run is None:
             check_wandb_login()
 
+    def prepare(self) -> None:
+        """What ``Monitor.start()`` checks, cheaply (:func:`check_wandb_ready`); what it cannot
+        tell without importing wandb, ``open()`` finds, off the training thread."""
+        if self._run is None:
+            check_wandb_ready()
+
     def open(self, context: RunContext) -> None:
         wandb = import_wandb()
         if self._run is None:
             self._run = wandb.run
         if self._run is None:
-            self.check()
+            check_wandb_login()
             try:
                 self._run = wandb.init()
             except Exception as exc:  # W&B's UsageError & co: one line, not its traceback

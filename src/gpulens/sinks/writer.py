@@ -3,17 +3,21 @@ training.  It is sink machinery, used by the engine (the sinks it writes) and by
 sinks written in the training process).
 
 Each sink gets its own worker thread and a bounded buffer, so a slow or unreachable tracker
-(an MLflow server that went away) holds up nobody else.  A failed write is retried with
-back-off (0.5 s doubling to 10 s); when the buffer is full the oldest row is dropped and
-counted.  Sinks whose ``on_training_thread`` attribute is true (a framework's own loggers,
-which are not made for a second thread) are written from the training thread, inside the next
-``log()`` or ``stop()``.
+(an MLflow server that went away) holds up nobody else.  The worker **opens** its sink first:
+a tracker library takes seconds to import and a run seconds to make, none of it on the thread
+that starts the monitor; rows buffer meanwhile.  A failed write is retried with back-off (0.5
+s doubling to 10 s); when the buffer is full the oldest row is dropped and counted.  Sinks
+whose ``on_training_thread`` attribute is true (a framework's own loggers, which are not made
+for a second thread) are opened at :meth:`StepLogger.open` and written from the training
+thread, inside the next ``log()`` or ``stop()``.
 
-What users hear (WARNING, through the ``gpulens`` logger, once per cause): a sink whose writes
-fail (rows are kept and retried), a sink more than :data:`SLOW_BACKLOG_ROWS` rows or
-:data:`SLOW_BACKLOG_S` seconds behind (a slow tracker), a full buffer (rows dropped), what
-``close`` waits for once it has waited :data:`TELL_AFTER_S`, and at the end every sink that
-dropped rows, with the counts.
+What users hear (WARNING, through the ``gpulens`` logger, once per cause), each naming the sink
+as the user wrote it (``jsonl:/dev/full``): a sink that could not open (its rows are dropped,
+counted), a sink whose writes fail (rows are kept and retried; said at the first failure), a
+sink more than :data:`SLOW_BACKLOG_ROWS` rows or :data:`SLOW_BACKLOG_S` seconds behind (a
+slow tracker), a full buffer (rows dropped), what ``close`` waits for once it has waited
+:data:`TELL_AFTER_S`, and at the end every sink that dropped rows: one line with the counts
+and why.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass, replace
 
 from gpulens.log import logger, warn_once
 from gpulens.model import Row, RunContext
+from gpulens.sinks import unique_names
 from gpulens.sinks.base import Sink
 
 TRAINING_THREAD_ROWS_PER_LOG = 2
@@ -33,7 +38,12 @@ STOP_TIMEOUT_S = 120.0
 """How long ``close`` (``Monitor.stop``) waits at most for the sinks to write what they hold:
 a slow MLflow server takes ~20-50 ms a row, so thousands of buffered rows fit."""
 STALL_S = 20.0
-"""``close`` gives up on a sink that wrote nothing for this long (a tracker that is down)."""
+"""``close`` gives up on a sink that wrote nothing for this long (a tracker that hangs)."""
+CLOSE_RETRIES = 2
+"""``close`` gives up on a sink whose writes fail after this many more failed attempts (a full
+disk, a tracker that refuses): failing is not progress."""
+CLOSE_BACKOFF_S = 0.25
+"""The first pause between those attempts (doubling)."""
 TELL_AFTER_S = 3.0
 """``close`` says what it is waiting for once it has waited this long, then every 10 s."""
 SLOW_BACKLOG_ROWS = 200
@@ -53,23 +63,18 @@ class SinkStats:
     """Failed write attempts (each retried)."""
 
 
-def sink_name(sink: Sink) -> str:
-    return type(sink).__name__
-
-
-def unique_names(sinks: list[Sink]) -> list[str]:
-    """Class names, numbered from the second of a kind: ``MemorySink``, ``MemorySink#2``."""
-    seen: dict[str, int] = {}
-    names: list[str] = []
-    for sink in sinks:
-        base = sink_name(sink)
-        seen[base] = seen.get(base, 0) + 1
-        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
-    return names
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its own text for a user error (``ValueError``, an install
+    hint's ``ImportError``), ``Type: text`` otherwise."""
+    text = " ".join(str(exc).split())[:300]
+    if isinstance(exc, (ValueError, ImportError)) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class _Delivery:
-    """A sink, its bounded buffer and (unless on the training thread) its worker thread."""
+    """A sink, its bounded buffer and (unless on the training thread) its worker thread, which
+    opens the sink, then writes it."""
 
     def __init__(self, sink: Sink, name: str, capacity: int) -> None:
         self.sink = sink
@@ -82,16 +87,26 @@ class _Delivery:
         self._wake = threading.Event()
         self._closing = threading.Event()
         self.abandoned = False
+        self.opened = False
+        self.why: str | None = None
+        """Why rows were given up on (said with the counts at the end)."""
+        self.close_failures = 0
+        """Writes that failed since ``close`` began."""
         self._thread: threading.Thread | None = None
         self._retry_at = 0.0
         self._backoff = 0.0
 
-    def start(self) -> None:
-        if not self.on_training_thread:
-            self._thread = threading.Thread(
-                target=self._run, name=f"gpulens-sink-{self.name}", daemon=True
-            )
-            self._thread.start()
+    def start(self, context: RunContext) -> None:
+        """Open here (a training-thread sink: ``ValueError`` if it cannot), or start the
+        worker, which opens it."""
+        if self.on_training_thread:
+            open_sink(self.sink, self.name, context)
+            self.opened = True
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(context,), name=f"gpulens-sink-{self.name}", daemon=True
+        )
+        self._thread.start()
 
     def put(self, row: Row) -> None:
         now = time.monotonic()
@@ -122,7 +137,7 @@ class _Delivery:
     def deliver(self, deadline: float | None = None, limit: int | None = None) -> bool:
         """Write what is buffered, oldest first (at most ``limit`` rows).  False if a write
         failed (rows kept) or rows are left."""
-        if time.monotonic() < self._retry_at:
+        if time.monotonic() < self._retry_at or not self.opened:
             return False
         written = 0
         while self.buffer and not self.abandoned:
@@ -134,13 +149,7 @@ class _Delivery:
             try:
                 self.sink.write(row)
             except Exception as exc:
-                self.stats.failures += 1
-                cap = 2.0 if self._closing.is_set() else 10.0
-                self._backoff = min(cap, max(0.5, self._backoff * 2))
-                self._retry_at = time.monotonic() + self._backoff
-                warn_once(f"write:{self.name}",
-                          "gpulens: sink %s failed to write (%r); rows are buffered (up to %d) "
-                          "and retried", self.name, exc, self.capacity)
+                self._failed(exc)
                 return False
             with self._lock:
                 if self.buffer and self.buffer[0][0] is row:  # not dropped meanwhile
@@ -148,9 +157,34 @@ class _Delivery:
                 self.stats.written += 1
             written += 1
             self._backoff = 0.0
+            self.why = None  # it writes again
         return not self.buffer
 
-    def _run(self) -> None:
+    def _failed(self, exc: Exception) -> None:
+        """A write failed: said once (at once), retried after a back-off; at close, a few
+        more tries (:data:`CLOSE_RETRIES`), then given up (see :meth:`StepLogger.close`)."""
+        self.stats.failures += 1
+        self.why = f"its writes failed: {one_line(exc)}"
+        if self._closing.is_set():
+            self.close_failures += 1
+            self._backoff = CLOSE_BACKOFF_S if self._backoff <= 0 else self._backoff * 2
+        else:
+            self._backoff = min(10.0, max(0.5, self._backoff * 2))
+        self._retry_at = time.monotonic() + self._backoff
+        warn_once(f"write:{self.name}",
+                  "gpulens: sink %s failed to write (%s); rows are kept (up to %d) and "
+                  "retried", self.name, one_line(exc), self.capacity)
+
+    def _run(self, context: RunContext) -> None:
+        try:
+            self.sink.open(context)
+        except Exception as exc:
+            self.why = f"it could not open: {one_line(exc)}"
+            logger.warning("gpulens: sink %s could not open (%s); its rows are dropped "
+                           "(counted)", self.name, one_line(exc))
+            self.abandon()
+            return
+        self.opened = True
         while not self.abandoned:
             if self._closing.is_set() and not self.buffer:
                 return
@@ -160,11 +194,14 @@ class _Delivery:
 
     def begin_close(self) -> None:
         self._closing.set()
+        if self._backoff > 0:  # a sink that was failing: try again now
+            self._backoff = 0.0
+            self._retry_at = 0.0
         self._wake.set()
 
     @property
     def busy(self) -> bool:
-        """Rows are left, or the worker is still inside a write."""
+        """Rows are left, or the worker is still opening the sink or inside a write."""
         if self.abandoned:
             return False
         if self.buffer:
@@ -183,12 +220,26 @@ class _Delivery:
         return lost
 
     def close_sink(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return  # never close a sink under a write that is still going on
+        if not self.opened or (self._thread is not None and self._thread.is_alive()):
+            return  # never opened; or still inside a write: never close a sink under it
         try:
             self.sink.close()
         except Exception as exc:
-            warn_once(f"close:{self.name}", "gpulens: closing sink %s failed: %r", self.name, exc)
+            if self.stats.failures:
+                return  # the cause its writes failed of, told already
+            warn_once(f"close:{self.name}", "gpulens: closing sink %s failed: %s", self.name,
+                      one_line(exc))
+
+
+def open_sink(sink: Sink, name: str, context: RunContext) -> None:
+    """``sink.open(context)``; any failure as a one-line ``ValueError`` naming the sink
+    (its own words for a user error)."""
+    try:
+        sink.open(context)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"sink {name} could not open: {one_line(exc)}") from exc
 
 
 class StepLogger:
@@ -206,19 +257,14 @@ class StepLogger:
         return [d.name for d in self._deliveries]
 
     def open(self, context: RunContext) -> None:
-        """Open every sink.  A sink that cannot open is a user error: ``ValueError`` naming
-        the sink (its own message when it raised one), after the others are closed again."""
+        """Open the training-thread sinks here (a sink that cannot open is a user error:
+        ``ValueError`` naming it, after the others are closed again) and start every other
+        sink's worker, which opens it off this thread: a failure there is a WARNING, and that
+        sink's rows are counted as dropped."""
         opened: list[_Delivery] = []
         try:
-            for d in self._deliveries:
-                try:
-                    d.sink.open(context)
-                except ValueError:
-                    raise
-                except ImportError as exc:
-                    raise ValueError(str(exc)) from exc
-                except Exception as exc:
-                    raise ValueError(f"sink {d.name} could not open: {exc}") from exc
+            for d in self._training:
+                d.start(context)
                 opened.append(d)
         except Exception:
             for d in opened:
@@ -226,7 +272,8 @@ class StepLogger:
                     d.sink.close()
             raise
         for d in self._deliveries:
-            d.start()
+            if not d.on_training_thread:
+                d.start(context)
 
     def submit(self, row: Row) -> None:
         """Queue a row for every sink (called from the sampler or link thread)."""
@@ -280,26 +327,30 @@ class StepLogger:
                 written, since = progress[d.name]
                 if d.stats.written != written:
                     progress[d.name] = (d.stats.written, now)
+                elif d.close_failures >= CLOSE_RETRIES:
+                    d.abandon()  # why: its writes failed (d.why)
                 elif now - since > stall or now > deadline:
-                    lost = d.abandon()
-                    why = "its time is up" if now > deadline else \
-                        f"it wrote nothing for {stall:.0f} s"
-                    logger.warning("gpulens: gave up on sink %s at stop (%s); %d rows it "
-                                   "held are dropped", d.name, why, lost)
+                    d.why = "its time was up at stop" if now > deadline else \
+                        f"it wrote nothing for {stall:.0f} s at stop"
+                    d.abandon()
             if now >= tell_at:
-                waiting = ", ".join(f"{d.name} ({d.pending} rows left, {d.stats.written} "
-                                    "written)" for d in busy if not d.abandoned)
+                waiting = ", ".join(
+                    f"{d.name} ({d.pending} rows left, {d.stats.written} written"
+                    f"{'' if d.opened else ', still opening'})"
+                    for d in busy if not d.abandoned)
                 if waiting:
                     logger.warning("gpulens: stop() is waiting for %s: %.0f s so far, at most "
                                    "%.0f s, or %.0f s without progress", waiting, now - start,
                                    timeout, stall)
                 tell_at = now + 10.0
-            time.sleep(0.02)
+            time.sleep(0.01)
         for d in self._deliveries:
             d.close_sink()
         stats = self.stats()
-        for name, st in stats.items():
+        for d in self._deliveries:
+            st = stats[d.name]
             if st.dropped:
-                logger.warning("gpulens: sink %s: %d rows written, %d dropped (%d failed "
-                               "writes)", name, st.written, st.dropped, st.failures)
+                logger.warning("gpulens: sink %s: %d rows written, %d dropped (%s)", d.name,
+                               st.written, st.dropped,
+                               d.why or f"its buffer was full; {st.failures} failed writes")
         return stats

@@ -510,18 +510,3 @@ class SimulatedNVML:
             else:
                 m.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
         return request
-
-
-def from_env() -> SimulatedNVML:
-    """The simulator ``GPULENS_BACKEND=simulated`` asks for: ``GPULENS_SIMULATED_GPUS`` GPUs (2
-    by default); 0 is a machine where no NVIDIA driver answers, to test the path without GPUs.
-    ``ValueError`` for a value that is not a whole number >= 0."""
-    raw = os.environ.get("GPULENS_SIMULATED_GPUS", "2")
-    try:
-        count = int(raw)
-    except ValueError:
-        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
-    if count < 0:
-        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be 0 (a machine without a "
-                         "driver) or more")
-    return SimulatedNVML(gpus=count, driver_loaded=count > 0)

@@ -12,9 +12,9 @@ Here the training process keeps only this:
   which another process cannot see (the mark carries them);
 * a link thread that sleeps in ``os.read`` and wakes only for what must happen here: rows for
   the sinks that live in this process (W&B, whose run object is here; a framework's loggers;
-  Prometheus; objects without a ``remote_spec``) and for the distributed gather; the engine's
-  log records, re-emitted through this process's ``gpulens`` logger at their level; the
-  engine's sink figures (every second, so they are known even if it dies).
+  every sink given as an object) and for the distributed gather; the engine's log records,
+  re-emitted through this process's ``gpulens`` logger at their level; the engine's sink
+  figures (every second, so they are known even if it dies).
 
 The engine process (``python -c "...process.main(...)"``) builds an
 :class:`~gpulens.engine.engine.Engine` from the :class:`~gpulens.engine.spec.EngineSpec` it
@@ -466,12 +466,23 @@ def _is_site_dir(path: str) -> bool:
     return Path(path).name in ("site-packages", "dist-packages")
 
 
+ENGINE_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+}
+"""Set in the engine process's environment unless the user set them: MLflow's own defaults
+(7 retries, 120 s each) keep a write to a server that went away busy for minutes, so nobody
+hears of it; gpulens retries the row itself, with its own back-off, and says so.  The training
+process's environment is never changed."""
+
+
 def _child_env() -> dict[str, str]:
-    """The engine process's environment: this one's, and for a gpulens that is not installed
-    (a source checkout, a ``sys.path`` entry) the folder it was imported from first on
-    ``PYTHONPATH``.  An installed gpulens is found as the parent found it; its site-packages
-    is never put ahead of the standard library."""
-    env = dict(os.environ)
+    """The engine process's environment: this one's, with :data:`ENGINE_ENV`, and for a
+    gpulens that is not installed (a source checkout, a ``sys.path`` entry) the folder it was
+    imported from first on ``PYTHONPATH``.  An installed gpulens is found as the parent found
+    it; its site-packages is never put ahead of the standard library."""
+    env = {**ENGINE_ENV, **os.environ}
     root = str(Path(__file__).resolve().parent.parent.parent)
     if not _is_site_dir(root):
         env["PYTHONPATH"] = os.pathsep.join(
@@ -540,4 +551,9 @@ def main(argv: list[str]) -> int:
     dropped = engine.dropped_marks
     stats = engine.stop(timeout, stall)
     tx.send(Stopped(stats, dropped))
-    return 0
+    # Everything is written and closed: end now.  A normal exit would wait for what tracker
+    # libraries leave behind (MLflow's threads: ~2 s after a healthy run), or for a sink given
+    # up on, still stuck in a write; the training process's stop() waits for this exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
