@@ -79,6 +79,11 @@ def dashboard_shot(browser: Chromium, out: Path) -> Path:
     with gpulens.Monitor(interval=0.1, sinks=[sink], backend=backend, dtype="fp32",
                          flops_per_token=formula.flops_per_token(seq) if formula else None
                          ) as mon:
+        deadline = time.monotonic() + 60
+        while sink.server is None:  # the sink opens on a thread of its own
+            if time.monotonic() > deadline:
+                raise SystemExit("the dashboard sink did not open within 60 s")
+            time.sleep(0.05)
         page = browser.open(sink.url, width=1400, height=1050)
         for step in range(1, STEPS + 1):
             x = torch.randint(0, vocab, (batch, seq))
