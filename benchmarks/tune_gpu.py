@@ -42,8 +42,10 @@ import functools
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +89,8 @@ class Setup:
     device: torch.device
     config: Any
     dataset: Tokens
+    scratch: str
+    """A temporary folder for the frameworks' own files (Lightning's finder checkpoint)."""
 
     def model(self) -> Any:
         from transformers import GPT2LMHeadModel
@@ -205,7 +209,7 @@ def lightning_arm(s: Setup, workers: int) -> dict[str, Any]:
     trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=1,
                          precision="bf16-mixed" if cuda else "32-true", max_steps=3,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, default_root_dir=str(s.args.out))
+                         enable_model_summary=False, default_root_dir=s.scratch)
     module = Lit()
     start = time.perf_counter()
     found = Tuner(trainer).scale_batch_size(module, mode="power", steps_per_trial=3,
@@ -232,7 +236,7 @@ def hf_arm(s: Setup, workers: int) -> dict[str, Any]:
 
         model.forward = guarded
     cuda = s.device.type == "cuda"
-    args = TrainingArguments(output_dir=str(s.args.out / "hf"), auto_find_batch_size=True,
+    args = TrainingArguments(output_dir=s.scratch, auto_find_batch_size=True,
                              per_device_train_batch_size=s.args.hf_start, max_steps=3,
                              bf16=cuda, use_cpu=not cuda, report_to="none", save_strategy="no",
                              logging_steps=1000, dataloader_num_workers=workers,
@@ -341,6 +345,10 @@ def main() -> int:
     p.add_argument("--hf-start", type=int, default=256)
     p.add_argument("--brute-limit-s", type=float, default=240.0)
     p.add_argument("--tune-budget-s", type=float, default=120.0)
+    p.add_argument("--time-limit-s", type=float, default=450.0,
+                   help="the whole run: the brute force gets what is left after the other "
+                        "arms' share, so the script ends within this (Lightning's and HF's "
+                        "finders run to their own end)")
     p.add_argument("--inject-oom-at", type=int, default=None,
                    help="raise an out-of-memory error from this batch size on (CPU smoke)")
     p.add_argument("--smoke", action="store_true",
@@ -366,7 +374,9 @@ def main() -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     workers = [int(x) for x in args.workers.split(",")]
     s = Setup(args, device, config, Tokens(200_000, args.seq, config.vocab_size,
-                                             args.sample_ms))
+                                             args.sample_ms),
+              tempfile.mkdtemp(prefix="tune-gpu-"))
+    deadline = time.perf_counter() + args.time_limit_s
     settings = TuneSettings(warmup_steps=args.warmup, steps=args.steps, batch_sizes=tuple(sizes),
                             workers=tuple(workers), budget_s=args.tune_budget_s,
                             workers_per_cpu=False).check()
@@ -401,11 +411,14 @@ def main() -> int:
     data["tune"] = {"seconds": tune_s, "result": result.to_dict(),
                     "chosen": result.chosen.to_dict() if result.chosen else None,
                     "oom_batch": result.oom_batch, "confirm_diff_pct": result.confirm_diff_pct}
-    (args.out / "tune_report.html").write_text(render_html(result, "gpulens tune: GPT-2 small"))
-    (args.out / "tune_report.md").write_text(render_markdown(result, "gpulens tune: GPT-2 small"))
+    title = "gpulens tune: " + ("a tiny GPT-2 (--smoke)" if args.smoke else "GPT-2 small")
+    (args.out / "tune_report.html").write_text(render_html(result, title))
+    (args.out / "tune_report.md").write_text(render_markdown(result, title))
     run = Runner(s, job, dataclasses.replace(settings, budget_s=None))
     with phase("brute force", times):
-        data["brute_force"] = brute_force(run, sizes, workers, args.brute_limit_s)
+        # what is left, less about 20 % for the head to head and the after-OOM trials
+        left = 0.8 * (deadline - time.perf_counter())
+        data["brute_force"] = brute_force(run, sizes, workers, min(args.brute_limit_s, left))
     chosen = result.chosen.config if result.chosen else Config(sizes[0], workers[0])
     head: dict[str, Config] = {"tune": chosen}
     best = data["brute_force"]["best"]
@@ -440,6 +453,7 @@ def main() -> int:
         "after_oom_pct": None if after is None else round(after, 2),
     }
     data["phase_seconds"] = times
+    shutil.rmtree(s.scratch, ignore_errors=True)
     (args.out / "tune_gpu.json").write_text(json.dumps(data, indent=1, default=str))
     md = markdown(data)
     (args.out / "tune_gpu.md").write_text(md)

@@ -98,7 +98,12 @@ def test_the_key_table_names_every_key_a_row_can_hold() -> None:
     seen = {k for row in sink.rows for k in row.values}
     expected = {_general(k) for k in seen}
     expected |= {f"gpu/{{i}}/{k}" for k in GPU_ROW_KEYS} | {f"host/{k}" for k in HOST_KEYS}
-    expected |= {"rank/{r}/cpu_busy_s", "alerts/<rule>", "record/elapsed_s",
-                 "train/global_step", "perf/partial_gpus"}
+    expected |= {"alerts/<rule>", "record/elapsed_s", "train/global_step", "perf/partial_gpus",
+                 "gpu/all/<metric>_sum"}
+    # distributed jobs (tests/test_distributed_gather.py makes them): per rank, the job's shape
+    expected |= {f"rank/{{r}}/{who}_{what}" for who in ("cpu", "gpu")
+                 for what in ("busy_s", "relative_score", "individual_score")}
+    expected |= {f"job/{k}" for k in ("ranks", "nodes", "gpus", "world", "partial")}
+    expected |= {"gpu/worst{j}/*", "node/worst{j}/*", "rank/slowest{j}/*"}
     named = _table_keys()
     assert not expected - named, sorted(expected - named)

@@ -204,3 +204,10 @@ def test_the_html_report_in_a_browser(tmp_path: Path) -> None:
     assert 1 <= int(lines[0].split()[-1]) <= 128
     assert any(line.startswith("2 workers: ") for line in lines), lines
     assert not any("out of memory" in line or "chosen" in line for line in lines), lines
+
+
+def test_the_current_setting_can_be_the_answer() -> None:
+    f = Formula(compute=bent(8, 0.01))
+    r = run(f, current=Config(8, 0), workers=(0,), loader_options=False)
+    assert r.chosen is r.current
+    assert headline(r)[0].startswith("Keep the current setting, batch 8, 0 workers: ")

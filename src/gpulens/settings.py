@@ -161,7 +161,10 @@ def simulated_from_env() -> Any:
     if count < 0:
         raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be 0 (a machine without a "
                          "driver) or more")
-    return SimulatedNVML(gpus=count, driver_loaded=count > 0)
+    # 0: no driver answers; a node name of its own (GPULENS_NODE_NAME): two simulated "nodes"
+    # on one host
+    return SimulatedNVML(gpus=count, driver_loaded=count > 0,
+                         node=os.environ.get("GPULENS_NODE_NAME", ""))
 
 
 def distributed_env() -> tuple[int, int, int] | None:

@@ -56,9 +56,7 @@ def agree(trial: Trial) -> Trial:
     import torch
     import torch.distributed as dist
 
-    device: Any = "cpu"
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _device()
     lows = [_value(trial, k, math.inf) for k in _MIN_RATES]
     highs = [_value(trial, k, -math.inf) for k in _MAX_FIGURES]
     highs.append(_STATUS[trial.status])
@@ -83,6 +81,17 @@ def agree(trial: Trial) -> Trial:
                                **values)
 
 
+def _device() -> Any:
+    """Where the default group's collectives take their tensors: the current CUDA device for
+    NCCL, the host otherwise (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return "cpu"
+
+
 def _value(trial: Trial, key: str, absent: float) -> float:
     v = getattr(trial, key)
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -99,9 +108,7 @@ def agree_min(value: int | None) -> int | None:
     import torch
     import torch.distributed as dist
 
-    device: Any = "cpu"
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _device()
     big = 2**62
     t = torch.tensor([big if value is None else value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)

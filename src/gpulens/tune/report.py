@@ -98,7 +98,10 @@ def headline(result: TuneResult) -> list[str]:
             figs.append(f"MFU {c.mfu_pct:.1f} %")
         line = f"Use {c.config.label()}: {', '.join(figs)}"
         cur = result.current
-        if result.speedup_pct is not None and cur is not None:
+        if cur is not None and (cur is c or cur.config == c.config):
+            line = (f"Keep the current setting, {c.config.label()}: {', '.join(figs)}, the "
+                    "fastest measured")
+        elif result.speedup_pct is not None and cur is not None:
             line += (f", {result.speedup_pct:+.1f} % against the current setting "
                      f"({cur.config.label()}: {fmt(cur.throughput)} samples/s)")
         elif cur is not None and cur.status == "oom":
@@ -115,9 +118,12 @@ def headline(result: TuneResult) -> list[str]:
     elif result.fits_batch is not None:
         lines.append(f"No out-of-memory error up to batch {result.fits_batch}.")
     if c is not None and c.peak_reserved_gb is not None and c.total_gb is not None:
+        headroom = c.headroom_gb if c.headroom_gb is not None else \
+            c.total_gb - c.peak_reserved_gb
+        retries = "" if c.alloc_retries is None else f", {c.alloc_retries} allocator retries"
         lines.append(f"Memory at the chosen setting: peak {c.peak_reserved_gb:.1f} GB reserved "
-                     f"of {c.total_gb:.1f} GB on the fullest GPU ({c.headroom_gb or 0:.1f} GB "
-                     f"headroom), {c.alloc_retries or 0} allocator retries.")
+                     f"of {c.total_gb:.1f} GB on the fullest GPU ({headroom:.1f} GB "
+                     f"headroom){retries}.")
     if result.confirm is not None and result.confirm_diff_pct is not None:
         lines.append(f"Measured again at the end: {fmt(result.confirm.throughput)} samples/s "
                      f"({result.confirm_diff_pct:+.1f} % from the first measurement).")
