@@ -51,6 +51,14 @@ CPU_SIZES = {"small": (64, 2), "large": (256, 2)}
 
 
 # -- the loop (run under torchrun) ---------------------------------------------------------------
+def monitor_kw() -> dict[str, Any]:
+    """Extra ``Monitor`` arguments for the overhead arm, as JSON in ``GPULENS_SCALE_MONITOR_KW``
+    (e.g. ``{"gpm": false, "energy": false, "driver_samples": false}``: which reads cost)."""
+    raw = os.environ.get("GPULENS_SCALE_MONITOR_KW", "")
+    kw: dict[str, Any] = json.loads(raw) if raw else {}
+    return kw
+
+
 def loop_main(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -110,7 +118,7 @@ def loop_main(args: argparse.Namespace) -> None:
             for arm in order:
                 if arm == "gpulens":
                     with gpulens.Monitor(interval=0.1, sinks=[
-                            f"jsonl:{out / 'overhead.jsonl'}"]) as mon:
+                            f"jsonl:{out / 'overhead.jsonl'}"], **monitor_kw()) as mon:
                         t = steps(model, args.steps, mon)
                 else:
                     t = steps(model, args.steps)
@@ -215,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-for-overhead", default="small", choices=list(SIZES))
     p.add_argument("--cpu", action="store_true",
                    help="a smoke run on CPUs (gloo, simulated GPUs, tiny models): no figures")
+    p.add_argument("--parts", default="overhead,nvlink",
+                   help="which of the loop parts run after the launches (overhead, nvlink)")
     p.add_argument("--part", default="", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -255,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "seconds": round(seconds, 1), **check})
     # 2. overhead, 3. NVLink
     for part, share in (("overhead", 0.5), ("nvlink", 1.0)):
+        if part not in args.parts.split(","):
+            continue
         budget = max(30.0, (left() - 20) * share)
         folder = work / part
         folder.mkdir(exist_ok=True)
@@ -330,7 +342,7 @@ def markdown(s: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|---|---|"]
     for c in s.get("nvlink", {}).get("configs", []):
         nv, ring = c.get("nvlink_bytes_per_step_per_gpu"), c["ring_bytes_per_step_per_gpu"]
-        ratio = f"{nv / ring:.2f}" if nv is not None else "-"
+        ratio = f"{nv / ring:.2f}" if nv is not None and ring else "-"
         lines.append(f"| {c['size']} | {c['params']:,} | {c['bucket_cap_mb']:g} | "
                      f"{c['step_s'] * 1e3:.2f} | {nv if nv is None else f'{nv:,.0f}'} | "
                      f"{ring:,.0f} | {ratio} | {c.get('pcie_rx_gb_per_s_gpu0')} |")

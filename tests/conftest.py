@@ -4,7 +4,9 @@ environment for the whole session.
 Fixtures
 - ``mlflow_server`` (session): tracking URI ``http://127.0.0.1:<port>`` of a real
   ``mlflow server`` (sqlite store in a temporary folder), stopped with its whole process group
-  at the end of the session.
+  at the end of the session. Under pytest-xdist (``make test``) one server serves every
+  worker: the controller starts it in the background when the session begins and stops it at
+  the end; each test still has an experiment of its own (``mlflow_tracking``).
 - ``mlflow_server_factory`` (function): starts extra, private servers a test may stop itself
   (e.g. to make the tracker unreachable mid-run); each is stopped at teardown.
 - ``mlflow_tracking`` (function): points ``MLFLOW_TRACKING_URI`` (and mlflow's own global) at
@@ -19,12 +21,22 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support.mlflow_server import MlflowServer, MlflowTracking, start_mlflow_server
+from tests.support.mlflow_server import (
+    MlflowServer,
+    MlflowServerError,
+    MlflowTracking,
+    start_mlflow_server,
+)
 from tests.support.wandb_offline import OFFLINE_ENV, reset_wandb
 
 # Applied for the whole session so that no test, whatever it forgets, talks to a network
@@ -59,9 +71,94 @@ def _offline_session_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     reset_wandb()  # finish what is open, stop the wandb-core service this session started
 
 
+# -- one MLflow server for all xdist workers ----------------------------------------------------
+# The controller (the pytest process that starts the workers) starts the server in a thread at
+# configure time, so the workers start meanwhile, and tells each worker the path of a file it
+# writes once the server answers (``uri <uri>``) or failed (``error <message>``).
+_SHARED_KEY = "gpulens_mlflow_uri_file"
+_SHARED_WAIT_S = 300.0
+
+
+class _SharedMlflow:
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="gpulens-test-mlflow-"))
+        self.uri_file = self.root / "uri"
+        self.server: MlflowServer | None = None
+        self.thread = threading.Thread(target=self._start, name="mlflow-server-start",
+                                       daemon=True)
+        self.thread.start()
+
+    def _start(self) -> None:
+        try:
+            self.server = start_mlflow_server(self.root / "server",
+                                              timeout_s=_SHARED_WAIT_S)
+            text = f"uri {self.server.uri}"
+        except Exception as exc:  # told to every worker that needs the server
+            text = "error " + " ".join(str(exc).split())[:2000]
+        tmp = self.uri_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.uri_file)
+
+    def stop(self) -> None:
+        self.thread.join(_SHARED_WAIT_S)
+        if self.server is not None:
+            self.server.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_shared_mlflow = pytest.StashKey[_SharedMlflow]()
+
+
+def _xdist_controller(config: pytest.Config) -> bool:
+    """True in the pytest process that runs xdist workers (``-n N`` with N > 0)."""
+    if hasattr(config, "workerinput"):
+        return False
+    workers = getattr(config.option, "numprocesses", None)
+    dist = getattr(config.option, "dist", "no")
+    return bool(workers) and dist != "no"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _xdist_controller(config):
+        config.stash[_shared_mlflow] = _SharedMlflow()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shared = config.stash.get(_shared_mlflow, None)
+    if shared is not None:
+        shared.stop()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist: each worker learns where the shared server's URI will be written."""
+    shared = node.config.stash.get(_shared_mlflow, None)
+    if shared is not None:
+        node.workerinput[_SHARED_KEY] = str(shared.uri_file)
+
+
+def _shared_uri(path: Path) -> str:
+    deadline = time.monotonic() + _SHARED_WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise MlflowServerError(f"the shared MLflow server was not up within "
+                                    f"{_SHARED_WAIT_S:.0f} s ({path} never written)")
+        time.sleep(0.1)
+    kind, _, text = path.read_text().partition(" ")
+    if kind != "uri":
+        raise MlflowServerError(f"the shared MLflow server did not start: {text}")
+    return text
+
+
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Tracking URI of a real MLflow server on 127.0.0.1, shared by the whole session."""
+def mlflow_server(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Tracking URI of a real MLflow server on 127.0.0.1, shared by the whole session (by
+    every worker under pytest-xdist)."""
+    workerinput = getattr(request.config, "workerinput", {})
+    if _SHARED_KEY in workerinput:
+        yield _shared_uri(Path(workerinput[_SHARED_KEY]))
+        return
     server = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"))
     try:
         yield server.uri

@@ -87,7 +87,7 @@ def test_late_page_gets_context_and_history_then_live_rows(server: DashboardServ
 
 
 def test_a_stalled_page_never_holds_up_the_writer_or_other_pages() -> None:
-    server = DashboardServer(port=0, send_timeout_s=2.0)
+    server = DashboardServer(port=0, send_timeout_s=10.0)
     server.start(CONTEXT)
     stalled = socket.socket()
     try:
@@ -100,7 +100,7 @@ def test_a_stalled_page_never_holds_up_the_writer_or_other_pages() -> None:
             done: list[float] = []
 
             def read_all() -> None:
-                page.until(lambda p: len(p.rows) == 3000, timeout=60)
+                page.until(lambda p: len(p.rows) == 3000, timeout=240)
                 done.append(time.monotonic())
 
             reader = threading.Thread(target=read_all)
@@ -112,11 +112,12 @@ def test_a_stalled_page_never_holds_up_the_writer_or_other_pages() -> None:
                 slowest = max(slowest, time.perf_counter() - t0)
             reader.join(60)
             assert done, "the reading page did not get every row"
-            # publish never waited on the stalled page (a send to it blocks for 2 s)
-            assert slowest < 0.5, slowest
+            # publish never waited on the stalled page (a send to it blocks for 10 s; the
+            # bound leaves a loaded machine room)
+            assert slowest < 5.0, slowest
             assert [r["step"] for r in page.rows] == list(range(1, 3001))
             # the stalled page is disconnected after the send timeout, and counted
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + 60  # bounds a hang
             while server.stats.clients_dropped_slow < 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
             stats = server.stats
@@ -149,7 +150,7 @@ def test_a_page_too_far_behind_is_disconnected_and_gets_everything_on_reconnect(
         assert server.stats.clients_dropped_slow == 1
         # its reconnection gets the whole history
         with DashboardReader(server.url) as page:
-            page.until(lambda p: len(p.rows) == 6000, timeout=30)
+            page.until(lambda p: len(p.rows) == 6000, timeout=120)
             assert [r["step"] for r in page.rows] == list(range(1, 6001))
     finally:
         slow.close()
@@ -444,7 +445,7 @@ def test_serve_has_page_metrics_and_events_on_one_port() -> None:
         assert "gpulens_train" not in text and "elapsed" not in text
     finally:
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
 
 
@@ -454,7 +455,7 @@ def test_serve_on_a_port_in_use_says_which_and_what_to_do() -> None:
         busy.listen()
         port = busy.getsockname()[1]
         proc = subprocess.run([sys.executable, "-m", "gpulens.cli", "serve", "--port",
-                               str(port)], capture_output=True, text=True, timeout=60,
+                               str(port)], capture_output=True, text=True, timeout=240,
                               env=cli_env())
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
@@ -485,8 +486,8 @@ def test_record_with_a_dashboard_sink() -> None:
             page.until(lambda p: len(p.rows) >= 3, timeout=20)
             values: dict[str, Any] = page.rows[-1]["values"]
             assert "gpu/0/util_pct" in values
-            page.until(lambda p: p.ended, timeout=30)  # the command ended: the run ended
+            page.until(lambda p: p.ended, timeout=120)  # the command ended: the run ended
     finally:
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
     assert f"gpulens: live dashboard on http://127.0.0.1:{port}/\n" in err

@@ -75,7 +75,6 @@ class Job:
                       "work/tokens": 8.0, "train/loss": 1.0 / step,
                       "train/global_step": float(step)}
             self.g[r].local_row(Row(step=step, time=float(step), values=values))
-            self.g[r].request()
 
     def wait_rows(self, rank: int, n: int) -> list[Row]:
         deadline = time.monotonic() + WAIT_S
@@ -303,3 +302,22 @@ def test_node_summary_round_trip_is_fixed_size() -> None:
     back = agg.NodeSummary.decode(raw)
     assert (back.ranks, back.expected, back.missing, back.step) == (3, 4, (3,), 4)
     assert back.aggs["util_pct"].total == pytest.approx(30.0)
+
+
+def test_rows_logged_in_a_burst_wake_the_gather_thread_once() -> None:
+    """Rows that come while a wake-up is pending join it: one notify (one thread switch) for
+    a burst, not one per row; and they all meet on rank 0 all the same."""
+    job = Job(world=2, nodes=1)
+    g0 = job.g[0]
+    with g0._wake:  # the thread cannot start its pass until the burst is in
+        wakes = g0.stats["wakes"]
+        job.log(1, ranks=[0])
+        for step in range(2, 41):  # fewer than the node file's ring holds
+            job.log(step, ranks=[0])
+        assert g0.stats["wakes"] == wakes + 1
+    for step in range(1, 41):
+        job.log(step, ranks=[1])
+    rows = job.wait_rows(0, 40)
+    job.stop()
+    assert [r.step for r in rows] == list(range(1, 41))
+    assert all(r.values["job/ranks"] == 2 for r in rows)

@@ -17,10 +17,17 @@ from tests.support.jsonl import read_rows
 ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_PYTHON = """#!/bin/sh
-# stands in for python: `-m venv DIR` makes DIR/bin/python (this script), anything else says
-# what it was asked to do
+# stands in for python: `-m venv DIR` makes DIR/bin/python (this script); `-m pip install
+# ... --target DIR ... uv` makes DIR/bin/uv, a stand-in that says what it was asked (or fails
+# when FAKE_UV=fail); anything else says what it was asked to do
 if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0; fi
 echo "RAN python $*"
+case "$*" in *" --target "*" uv")
+    [ "$FAKE_UV" = "fail" ] && exit 1
+    target=$(echo "$*" | sed 's/.* --target \\([^ ]*\\) .*/\\1/')
+    mkdir -p "$target/bin"; printf '#!/bin/sh\\necho "RAN uv $*"\\n' > "$target/bin/uv"
+    chmod +x "$target/bin/uv";;
+esac
 """
 
 
@@ -31,24 +38,38 @@ def make() -> str:
     return exe
 
 
-def test_make_says_what_it_installs_before_each_quiet_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("uv", ["ok", "fail"])
+def test_make_says_what_it_installs_before_each_quiet_step(tmp_path: Path, uv: str) -> None:
+    """Torch (the CPU build) by pip first, then uv (installed beside the environment) does the
+    rest; where uv cannot be installed, pip does."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     venv = tmp_path / "venv"
     proc = subprocess.run([make(), "--no-print-directory", "-C", str(ROOT), "venv",
                            f"VENV={venv}", f"PYTHON={fake}"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "FAKE_UV": uv})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    ran = [i for i, line in enumerate(lines) if line.startswith("RAN python -m pip install")]
-    assert len(ran) == 3, proc.stdout
+    ran = [i for i, line in enumerate(lines)
+           if line.startswith(("RAN python -m pip install", "RAN uv pip install"))]
+    assert len(ran) == 4, proc.stdout
     told = [i for i, line in enumerate(lines) if line.startswith("gpulens make [")]
-    # a line before every pip step, saying what comes and that it takes a while
-    for step, i in zip(("[1/3] upgrading pip", "[2/3] installing torch==2.13.0",
-                        "[3/3] installing gpulens with every extra"), ran, strict=True):
+    # a line before every install step, saying what comes and that it takes a while
+    for step, i in zip(("[1/4] upgrading pip", "[2/4] installing torch==2.13.0",
+                        "[3/4] installing uv beside the environment",
+                        "[4/4] installing gpulens with every extra"), ran, strict=True):
         assert i - 1 in told and step in lines[i - 1], (step, lines[i - 1])
-    assert "takes a few minutes" in proc.stdout and "pip is quiet" in proc.stdout
+    assert lines[ran[1]] == "RAN python -m pip install --quiet --quiet torch==2.13.0"
+    assert f"--target {venv}/.uv" in lines[ran[2]]
+    if uv == "ok":
+        assert lines[ran[3]] == (f"RAN uv pip install --quiet --python {venv}/bin/python "
+                                 "-e .[all,dev] torch==2.13.0")
+    else:
+        assert "uv could not be installed: pip does step 4" in proc.stdout
+        assert lines[ran[3]] == "RAN python -m pip install --quiet --quiet -e .[all,dev]"
+    assert "The first install takes" in proc.stdout and "quiet meanwhile" in proc.stdout
     assert lines[-1].endswith(f"{venv} is ready")
     assert (venv / ".installed").exists()
 
@@ -59,7 +80,7 @@ def test_make_clean_removes_the_hydra_outputs(tmp_path: Path) -> None:
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "gpulens.jsonl").write_text("{}\n")
     proc = subprocess.run([make(), "--no-print-directory", "clean"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
     assert (tmp_path / "keep" / "gpulens.jsonl").exists()
@@ -68,12 +89,12 @@ def test_make_clean_removes_the_hydra_outputs(tmp_path: Path) -> None:
 def test_git_ignores_the_hydra_outputs() -> None:
     git = shutil.which("git")
     if git is None or subprocess.run([git, "-C", str(ROOT), "rev-parse"],
-                                     capture_output=True, timeout=30).returncode != 0:
+                                     capture_output=True, timeout=120).returncode != 0:
         pytest.skip("not a git checkout")
     for path in ("outputs/hydra_app/2026-01-01_00-00-00/gpulens.jsonl",
                  "multirun/hydra_app/x/0/gpulens.jsonl"):
         proc = subprocess.run([git, "-C", str(ROOT), "check-ignore", "-q", "--no-index", path],
-                              capture_output=True, timeout=30)
+                              capture_output=True, timeout=120)
         assert proc.returncode == 0, f"{path} is not ignored"
 
 
@@ -84,7 +105,7 @@ def test_hydra_example_writes_under_its_run_dir(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "examples" / "hydra_app" / "train.py"),
          "+trainer.enable_gpu_monitoring=true", "+trainer.gpu_monitor_interval=0.05",
          "+trainer.gpu_monitor_sinks=[jsonl:gpu.jsonl]"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = (tmp_path / "outputs" / "hydra_app").iterdir()

@@ -38,11 +38,12 @@ def test_resume_leaves_logging_and_evaluation_out() -> None:
     phases = StepPhases(cuda=False)
     phases.resume()
     one_step(phases, wait=0.0, fb=0.005, opt=0.0)
-    time.sleep(0.1)  # logging / evaluation after the step
+    time.sleep(0.5)  # logging / evaluation after the step
     phases.resume()
     one_step(phases, wait=0.0, fb=0.005, opt=0.0)
     out = phases.collect(steps=2)
-    assert out["perf/data_wait_s"] < 0.05
+    # the 0.5 s between the steps is left out (the bound leaves room for a loaded machine)
+    assert out["perf/data_wait_s"] < 0.25
 
 
 def test_step_without_optimizer_mark_counts_as_forward_backward() -> None:

@@ -113,7 +113,7 @@ def test_sink_exposition_names_labels_and_own_registry() -> None:
     from prometheus_client import REGISTRY
 
     with Trainer() as t:
-        deadline = time.time() + 20
+        deadline = time.time() + 90  # bounds a hang
         while time.time() < deadline:
             metrics = parse(get(t.sink.url))
             if "gpulens_train_loss" in metrics and "gpulens_gpu_energy_joules_total" in metrics:
@@ -306,7 +306,7 @@ def served() -> Iterator[str]:
 
 
 def test_serve_has_gpu_metrics_but_no_training_metrics(served: str) -> None:
-    deadline = time.time() + 20
+    deadline = time.time() + 90  # bounds a hang
     metrics: dict[str, Any] = {}
     while time.time() < deadline and "gpulens_gpu_power_watts" not in metrics:
         metrics = parse(get(served))
@@ -428,7 +428,7 @@ def test_real_prometheus_scrapes_and_answers_every_dashboard_query(
             groups = json.loads(get(f"{api}/rules"))["data"]["groups"]
             rules = [r for g in groups for r in g["rules"]]
             assert len(rules) == rule_count()
-            deadline = time.time() + 20
+            deadline = time.time() + 90  # bounds a hang
             while time.time() < deadline and any(r.get("health") != "ok" for r in rules):
                 time.sleep(0.5)
                 groups = json.loads(get(f"{api}/rules"))["data"]["groups"]
@@ -438,19 +438,19 @@ def test_real_prometheus_scrapes_and_answers_every_dashboard_query(
             assert not query("time() - gpulens_train_last_step_timestamp_seconds > 600")
         finally:
             prom.terminate()
-            prom.wait(timeout=30)
+            prom.wait(timeout=120)
             log.close()
 
 
 def test_promtool_accepts_the_rules_and_their_unit_tests() -> None:
     exe = binary("promtool")
     proc = subprocess.run([exe, "check", "rules", str(RULES)], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {rule_count()} rules found" in proc.stdout
     proc = subprocess.run([exe, "test", "rules", "gpulens-rules.test.yml"], capture_output=True,
-                          text=True, timeout=60, cwd=RULES.parent)
+                          text=True, timeout=240, cwd=RULES.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     proc = subprocess.run([exe, "check", "config", "prometheus.yml"], capture_output=True,
-                          text=True, timeout=60, cwd=RULES.parent)
+                          text=True, timeout=240, cwd=RULES.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -133,7 +133,7 @@ def test_markdown_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 )
 def test_bad_input_one_line_exit_2(args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "gpulens.cli", *args], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=240)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -280,7 +280,7 @@ def test_report_of_a_gpulens_record_run(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gpulens.cli", "record", "--quiet", "--interval", "0.1",
          "--sink", f"jsonl:{rows}", "--", sys.executable, "-c", "import time; time.sleep(1)"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=240,
         env=dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="3"),
     )
     assert proc.returncode == 0, proc.stderr

@@ -245,7 +245,7 @@ def test_report_cli_run_option(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "run 2 (20261126-080000-aaaaaa) of 3 in this file" in out.read_text()
     assert "steps: 3 (1 to 3)" in out.read_text()
     help_text = subprocess.run([sys.executable, "-m", "gpulens.cli", "report", "--help"],
-                               capture_output=True, text=True, timeout=60).stdout
+                               capture_output=True, text=True, timeout=240).stdout
     assert "--run" in help_text and "all" in help_text
 
 
@@ -257,7 +257,7 @@ def test_report_cli_run_option(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_a_run_that_is_not_there_is_one_line(tmp_path: Path, run: str, message: str) -> None:
     path = three_runs(tmp_path / "search.jsonl")
     proc = subprocess.run([sys.executable, "-m", "gpulens.cli", "report", str(path), "--run", run],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2
     assert message in proc.stderr and "runs: run 1, run 2 (20261126-080000-aaaaaa)" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -10,6 +10,9 @@ import pytest
 
 from tests.support.mlflow_server import MlflowServer, MlflowTracking
 
+# the second fixture test reads what the first left on the server: one worker, in order
+pytestmark = pytest.mark.xdist_group("mlflow_support")
+
 
 def test_metrics_with_explicit_run_id_and_steps_read_back(mlflow_server: str) -> None:
     from mlflow import MlflowClient

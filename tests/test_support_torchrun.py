@@ -53,7 +53,7 @@ def test_a_hung_job_is_killed_whole(tmp_path: Path) -> None:
 def test_processes_left_after_torchrun_are_reported_and_killed(tmp_path: Path) -> None:
     (tmp_path / "leave.py").write_text(LEAVE)
     done = run_torchrun([str(tmp_path / "leave.py")], cwd=tmp_path, env=_env(), nproc=1,
-                        timeout=60)
+                        timeout=240)
     assert done.returncode == 0 and not done.timed_out
     pid = int((tmp_path / "leftover").read_text())
     assert [p.pid for p in done.leftovers] == [pid]

@@ -252,15 +252,11 @@ def test_wandb_alerts_are_sent_and_charted(wandb_offline: Path) -> None:
     run = wandb.init(project="gpulens-test")
     sink = WandbSink()
     sink.open(_context())
-    worst = 0.0
     for row in _alert_rows():
-        t = time.perf_counter()
-        sink.write(row)
-        worst = max(worst, time.perf_counter() - t)
+        sink.write(row)  # its cost beside rows without alerts: benchmarks/unit_timings.py
     sink.close()
     run_id = run.id
     wandb.finish()
-    assert worst < 0.5  # offline, run.alert is a message to wandb-core: no wait on a network
     path = wait_for_finished_run(wandb_offline, run_id)
     alerts = read_alerts(path)
     assert [(a.title, a.level) for a in alerts] == [("gpulens: input_bound", "WARN"),
@@ -475,14 +471,14 @@ def test_mlflow_ui_shows_the_loss_in_the_first_section_with_8_gpus(
     titles = ("[...document.querySelectorAll('div')].filter(e => "
               r"/^[\w\/ .-]+\s*\(\d+\)$/.test((e.innerText || '').trim()))"
               r".map(e => e.innerText.trim().replace(/\s+/g, ' '))")
-    with Chromium(timeout=60) as browser:
+    with Chromium(timeout=240) as browser:
         page = browser.open(url, width=1280, height=1400)  # 3 rows of charts: no lazy cards
         sections = page.wait_for(f"(() => {{ const t = {titles}; "
                                  "return t.length > 1 ? t : null; })()", timeout=90)
         # chart titles carry the full key; cards are drawn as they come into view
         charts = page.wait_for(
             "(() => { const k = [...document.querySelectorAll('h4[title]')].map(e => e.title);"
-            " return k.includes('train/loss') ? k : null; })()", timeout=60)
+            " return k.includes('train/loss') ? k : null; })()", timeout=240)
     assert sections == ["train (9)", "Model metrics (0)"]  # 6 GPU and job figures + 3 of ours
     assert {"train/gpu_sm_active_pct_mean", "train/gpu_power_w_mean", "train/loss"} <= set(
         charts)

@@ -27,9 +27,10 @@ import pytest
 import gpulens
 from gpulens.engine.spec import EngineSpec
 from gpulens.testing import MemorySink, SimulatedNVML
-from gpulens.transport.process import ProcessTransport
+from gpulens.transport.process import STOP_GRACE_S, ProcessTransport
 from tests.support.jsonl import read_rows
 from tests.support.mlflow_server import MlflowTracking
+from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -181,21 +182,16 @@ def test_engine_process_killed_mid_run_training_goes_on(
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated").start()
         _train(mon, 3)
-        time.sleep(1.5)  # rows 1-3 come back
+        wait_until(lambda: len(sink.rows) == 3, what="rows 1-3 back from the engine process")
         (child,) = _sampler_children()
         child.kill()
         child.wait(5)
-        worst = 0.0
         for step in range(4, 30):
-            t = time.perf_counter()
             mon.log(step, loss=1.0)
-            worst = max(worst, time.perf_counter() - t)
-        t = time.perf_counter()
         mon.stop()
-        stop_s = time.perf_counter() - t
+    # log()'s cost with the engine process gone: benchmarks/unit_timings.py
     assert [r.step for r in sink.rows] == [1, 2, 3]
-    assert worst < 0.05, worst
-    assert stop_s < 5.0, stop_s
+    assert "did not stop in" not in caplog.text  # stop() saw the death, waited out nothing
     told = [r for r in caplog.records if "engine process" in r.message]
     assert len(told) == 1, [r.message for r in told]  # one warning, not one per cause
     assert "ended unexpectedly" in told[0].message
@@ -203,8 +199,7 @@ def test_engine_process_killed_mid_run_training_goes_on(
 
 def test_latest_asks_the_engine_process() -> None:
     with gpulens.Monitor(interval=0.05, backend="simulated") as mon:
-        time.sleep(0.3)
-        latest = mon.latest()
+        latest = wait_until(mon.latest, what="a first sample")
     assert latest["gpu/0/power_w"] > 0 and latest["gpu/1/temp_c"] > 0
     assert "host/ram_used_gb" in latest
 
@@ -300,7 +295,7 @@ def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=240)
     assert done.returncode == 3, done.stderr
     child = int(done.stdout.split()[0])
     deadline = time.monotonic() + 15
@@ -327,11 +322,23 @@ def test_killed_engine_process_closes_both_pipes_and_tells_true_figures(
     base = _nfd()
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         for _ in range(2):
+            memory = MemorySink()
             mon = gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{tmp_path / 'g.jsonl'}",
-                                                        MemorySink()],
+                                                        memory],
                                   backend="simulated").start()
             _train(mon, 2)
-            time.sleep(1.5)  # the engine's figures come every second: JSONL 2 rows written
+            transport = mon._transport
+            assert isinstance(transport, ProcessTransport)
+
+            def told_two_rows(transport: ProcessTransport = transport) -> bool:
+                # the engine's figures come every second: JSONL 2 rows written (told from
+                # the engine process); the memory sink here has its 2 rows
+                last = transport._last_stats
+                jsonl = (last.stats.get(f"jsonl:{tmp_path / 'g.jsonl'}") if last is not None
+                         else None)
+                return jsonl is not None and jsonl.written == 2
+            wait_until(told_two_rows, what="the engine's figures: JSONL 2 rows written")
+            wait_until(lambda m=memory: len(m.rows) == 2, what="2 rows back from the engine")
             (child,) = _sampler_children()
             child.kill()
             child.wait(5)
@@ -431,11 +438,13 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     out = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert json.loads(out["child"]) == [True, True]
-    assert float(out["fork_exit_s"]) < 1.5
+    # the child does not wait on the parent's engine (stop() would wait >= STOP_GRACE_S): a
+    # bound on a hang only; the figure itself: benchmarks/unit_timings.py
+    assert float(out["fork_exit_s"]) < STOP_GRACE_S, out["fork_exit_s"]
     assert out["alive"] == "True"
     rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7]
@@ -528,13 +537,11 @@ def test_dropped_marks_are_counted_and_stop_still_gets_through(
                 mon.log(step, **wide)
         finally:
             child.resume()
-        t = time.perf_counter()
         stats = mon.stop(timeout=2.0)
-        stop_s = time.perf_counter() - t
     assert mon.dropped_marks == 3
     assert "3 step mark(s) were dropped on their way" in caplog.text
     assert stats[f"jsonl:{path}"].written == step - 3
-    assert stop_s < 6.0, stop_s
+    assert "did not stop in" not in caplog.text  # the engine stopped by itself, in time
     with gpulens.Monitor(backend=SimulatedNVML(gpus=1), isolation="thread") as thread_mon:
         assert thread_mon.dropped_marks == 0
 
@@ -545,25 +552,26 @@ def test_latest_gives_up_at_once_when_the_engine_process_dies_and_drops_late_rep
     proc = mon._transport
     assert isinstance(proc, ProcessTransport) and proc.pid is not None
     child = psutil.Process(proc.pid)
-    time.sleep(0.2)
+    wait_until(mon.latest, what="a first sample")
     child.suspend()
     try:
         assert proc.latest(timeout=0.1) == {}  # no answer in time
         child.resume()
-        time.sleep(0.3)  # the late answer arrives: nobody waits for it
+        # the late answer arrives (before the next one: one pipe): nobody waits for it
+        assert wait_until(mon.latest, what="an answer after the late one")["gpu/0/power_w"] > 0
         assert proc._replies == {}
-        assert mon.latest()["gpu/0/power_w"] > 0
         child.suspend()
         killer = threading.Timer(0.3, child.kill)
         killer.start()
         t = time.perf_counter()
-        assert mon.latest() == {}
+        # an hour to answer: only the death can end this wait
+        assert proc.latest(timeout=3600.0) == {}
         waited = time.perf_counter() - t
         killer.join()
     finally:
         with contextlib.suppress(psutil.Error):
             child.resume()
-    assert waited < 1.5, waited
+    assert waited < 60, waited  # bounds a hang: gave up at the death, not at the timeout
     mon.stop()
 
 
@@ -599,6 +607,6 @@ def test_the_engine_process_ignores_sigint_before_it_imports_gpulens(tmp_path: P
     """))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
-                          text=True, timeout=60, cwd=tmp_path)
+                          text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ignored True"

@@ -3,6 +3,7 @@ runs, in which order, and what it chooses. No device, no clock: every case is ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -211,3 +212,33 @@ def test_the_current_setting_can_be_the_answer() -> None:
     r = run(f, current=Config(8, 0), workers=(0,), loader_options=False)
     assert r.chosen is r.current
     assert headline(r)[0].startswith("Keep the current setting, batch 8, 0 workers: ")
+
+
+def test_a_trial_that_needed_allocator_retries_is_not_chosen_over_a_clean_one() -> None:
+    """The H200 case: the fastest batch ran only with the allocator's retries (the memory edge)
+    and ran out of memory when run again; the next size down ran clean and is chosen."""
+
+    class Edge(Formula):
+        def __call__(self, c: Config, role: str) -> Trial:
+            t = super().__call__(c, role)
+            if t.ok and c.batch_size >= 192:
+                return dataclasses.replace(t, alloc_retries=1)
+            return dataclasses.replace(t, alloc_retries=0) if t.ok else t
+
+    r = run(Edge(oom_at=256), workers=(0,), loader_options=False,
+            batch_sizes=(32, 64, 96, 128, 192, 256))
+    fastest = max((t for t in r.trials if t.ok), key=lambda t: t.throughput)
+    assert fastest.config.batch_size == 192 and fastest.alloc_retries == 1
+    assert r.chosen is not None and r.chosen.config.batch_size == 128
+    assert any("batch 192 ran faster only with the allocator's retries" in n for n in r.notes)
+
+
+def test_with_retries_everywhere_the_fastest_is_still_chosen() -> None:
+    class AllEdge(Formula):
+        def __call__(self, c: Config, role: str) -> Trial:
+            t = super().__call__(c, role)
+            return dataclasses.replace(t, alloc_retries=2) if t.ok else t
+
+    r = run(AllEdge(oom_at=256), workers=(0,), loader_options=False,
+            batch_sizes=(32, 64, 128, 192, 256))
+    assert r.chosen is not None and r.chosen.config.batch_size == 192

@@ -83,12 +83,9 @@ def test_the_first_read_is_bounded_to_the_end_of_a_long_record(tmp_path: Path) -
     size = path.stat().st_size
     assert size > 2 << 20
     tail = RecordTail(path, initial_bytes=64 << 10)
-    started = time.perf_counter()
-    st = tail.poll()
-    took = time.perf_counter() - started
+    st = tail.poll()  # 64 KiB read, one row parsed (its time: benchmarks/unit_timings.py)
     assert st.step == 20_000 and st.run_id == "a"
     assert st.meta == {}  # the header lies before the part read: unknown, never guessed
-    assert took < 0.5, took  # 64 KiB read, one row parsed
     append(path, row("a", 20_001))
     assert tail.poll().step == 20_001
 
@@ -98,7 +95,7 @@ def test_plain_mode_adds_the_training_to_each_line(tmp_path: Path) -> None:
     append(path, head("a"), row("a", 6), alert("a", 7),
            row("a", 7, **{"alerts/input_bound": 1.0, "perf/mfu_pct": 41.25}))
     proc = subprocess.run([*GPULENS, "watch", "--interval", "0.2", "--count", "1", "--record",
-                           str(path)], capture_output=True, text=True, env=env(), timeout=60,
+                           str(path)], capture_output=True, text=True, env=env(), timeout=240,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.splitlines()
@@ -109,7 +106,7 @@ def test_plain_mode_adds_the_training_to_each_line(tmp_path: Path) -> None:
 
 def test_a_directory_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run([*GPULENS, "watch", "--record", str(tmp_path)], capture_output=True,
-                          text=True, env=env(), timeout=60, stdin=subprocess.DEVNULL)
+                          text=True, env=env(), timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"gpulens watch: error: --record {tmp_path} is a directory, "
                                    "not a JSONL record")
@@ -145,7 +142,7 @@ def test_live_view_follows_a_training_at_80_columns(tmux: list[str], tmp_path: P
            f"{sys.executable} -m gpulens.cli watch --interval 0.25 --record {record}; "
            f"echo $? > {exit_file}; echo WATCH-EXITED; sleep 60")
     subprocess.run([*tmux, "new-session", "-d", "-s", "watch", "-x", "80", "-y", "24", cmd],
-                   check=True, timeout=30)
+                   check=True, timeout=120)
     wait_for(tmux, r"Training: waiting for gpu\.jsonl \(not written yet\)")
     trainer = subprocess.Popen([sys.executable, str(script), str(record)], cwd=ROOT,
                                env=dict(os.environ), stderr=subprocess.PIPE, text=True)
@@ -163,22 +160,22 @@ def test_live_view_follows_a_training_at_80_columns(tmux: list[str], tmp_path: P
             assert 0 < float(m["mfu"]) < 100
             steps.append(int(m["step"]))
 
-        settled(tmux, check, timeout=30)
+        settled(tmux, check, timeout=120)
         time.sleep(1.0)
         settled(tmux, check)
         assert steps[-1] > steps[0]  # it follows the training as it goes
-        screen = wait_for(tmux, r"Alerts firing: input_bound \(step \d+\)", timeout=30)
+        screen = wait_for(tmux, r"Alerts firing: input_bound \(step \d+\)", timeout=120)
         assert re.search(r"^  try \(input_bound\): Feed the GPUs faster", screen, re.M), screen
-        assert trainer.wait(timeout=60) == 0, trainer.stderr.read() if trainer.stderr else ""
+        assert trainer.wait(timeout=240) == 0, trainer.stderr.read() if trainer.stderr else ""
         screen = wait_for(tmux, r"Training  step 60 · .* · run ended", timeout=20)
         assert all(len(line) <= 80 for line in screen.splitlines())
     finally:
         if trainer.poll() is None:
             trainer.kill()
-            trainer.wait(timeout=30)
+            trainer.wait(timeout=120)
         if trainer.stderr is not None:
             trainer.stderr.close()
-    subprocess.run([*tmux, "send-keys", "-t", "watch", "q"], check=True, timeout=30)
+    subprocess.run([*tmux, "send-keys", "-t", "watch", "q"], check=True, timeout=120)
     wait_for(tmux, "WATCH-EXITED", timeout=20)
     assert exit_file.read_text().strip() == "0"
     assert "Traceback" not in capture(tmux)

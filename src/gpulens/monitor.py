@@ -447,9 +447,9 @@ class Monitor:
             scalars[WORK_FLOPS] = flops
         relay = self._relay
         assert relay is not None
-        relay.put((step, now, time.time(), scalars, alloc))  # a Mark's fields, as they cross
-        if self._gather is not None:
-            self._gather.request()  # the exchange itself runs in the gather thread
+        # a Mark's fields, as they cross; in a distributed job the gather takes the row the
+        # engine makes of it on another thread (log() itself never wakes the gather thread)
+        relay.put((step, now, time.time(), scalars, alloc))
         steplogger = self._steplogger
         if steplogger is not None:
             steplogger.drain_training_thread()

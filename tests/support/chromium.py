@@ -45,7 +45,7 @@ class CdpError(RuntimeError):
 class Chromium:
     """One headless browser process (see the module docstring)."""
 
-    def __init__(self, timeout: float = 30.0) -> None:
+    def __init__(self, timeout: float = 60.0) -> None:
         self.timeout = timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._profile: str | None = None
@@ -233,7 +233,7 @@ class Page:
             raise CdpError(json.dumps(result["exceptionDetails"])[:2000])
         return result.get("result", {}).get("value")
 
-    def wait_for(self, condition: str, timeout: float = 20.0) -> Any:
+    def wait_for(self, condition: str, timeout: float = 60.0) -> Any:
         """Poll a JavaScript expression until it is truthy; returns its value."""
         deadline = time.monotonic() + timeout
         value: Any = None

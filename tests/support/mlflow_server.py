@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STARTUP_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 240.0  # bounds a hang; a loaded machine can take a minute
 STOP_TIMEOUT_S = 10.0
 _LOG_TAIL_CHARS = 4000
 

@@ -304,7 +304,7 @@ def find_run_file(wandb_dir: str | Path, run_id: str | None = None) -> Path:
 
 
 def wait_for_finished_run(
-    wandb_dir: str | Path, run_id: str | None = None, timeout_s: float = 30.0
+    wandb_dir: str | Path, run_id: str | None = None, timeout_s: float = 120.0
 ) -> Path:
     """Return the run file (as ``find_run_file``) once it holds the run's ``exit`` record.
 

@@ -21,8 +21,9 @@
   Rank 0 receives O(nodes) bytes a row; no rank opens a connection of its own (the store's is
   the launcher's), and no rank ever holds every GPU's row.
 * The gather's work runs in one thread on each leader (``gpulens-gather``); a non-leader rank
-  writes its entries from the thread that brings rows back from its engine.  ``log()`` only
-  wakes the leader's thread.
+  writes its entries from the thread that brings rows back from its engine.  ``log()`` does
+  nothing for the gather: the rows wake the thread, once a batch (at most one pass per
+  :data:`~.gather.PASS_S`, each taking every row waiting), whatever the logging rate.
 
 :class:`~.gather.JobGather` is the piece ``Monitor`` makes; how it survives faults (a rank or
 node that dies, stalls or comes late) is in :mod:`.gather`.

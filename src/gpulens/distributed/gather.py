@@ -66,6 +66,10 @@ __all__ = ["JOB_WAIT_S", "NODE_WAIT_S", "RING", "JobGather"]
 
 RING = 64
 """Entries each rank's slot holds (a leader that falls further behind loses entries)."""
+PASS_S = 0.01
+"""The gather thread works at most once per this many seconds: rows that come faster (a loop
+logging every step) are taken in batches, so its wake-ups, and the moments it takes the GIL
+from the training thread, are bounded by 1/PASS_S a second whatever the logging rate."""
 
 
 class JobGather:
@@ -106,15 +110,18 @@ class JobGather:
         self._closed = False
         self._finishing = False
         self._wake = threading.Condition()
+        self._signalled = False
+        """A wake-up is pending (under ``_wake``): later rows do not notify again."""
         self._own: deque[Row] = deque()
         """The leader's own rows, for the node level."""
         self._own_job: deque[Row] = deque()
         """Rank 0's own rows, for the job level."""
         self.late_rows = 0
         self.stats: dict[str, float] = {"rows": 0, "partial": 0, "lost": 0, "busy_s": 0.0,
-                                        "cpu_s": 0.0}
+                                        "cpu_s": 0.0, "wakes": 0, "passes": 0}
         """For benchmarks: rows written (node rows on a leader, job rows on rank 0), partial
-        ones, entries lost; the gather thread's wall and CPU seconds at work."""
+        ones, entries lost; the gather thread's wall and CPU seconds at work, the wake-ups
+        sent to it and the passes it made (each takes every row waiting)."""
         self._channel: UpChannel | None = None
         self._rx_channel: UpChannel | None = None
         self._rx: deque[bytes] = deque()
@@ -237,15 +244,17 @@ class JobGather:
             warn_once("gather-late", "gpulens: a row of rank %d came after its gather closed "
                       "at stop and is not written (counted in late_rows)", self.rank)
         elif self.is_leader or self.is_writer:
-            with self._wake:
-                self._wake.notify()
+            self._signal()
 
-    def request(self) -> None:
-        """``log()``'s part (the training thread): wakes this rank's gather thread, if it has
-        one; never waits."""
-        if self._thread is not None and not self._closed:
-            with self._wake:
-                self._wake.notify()
+    def _signal(self) -> None:
+        """Wake the gather thread, once until it starts its next pass (rows that come while a
+        wake-up is pending join that pass: no notify, no thread switch per row)."""
+        if self._signalled:  # read without the lock: at worst one notify too many
+            return
+        with self._wake:
+            self._signalled = True
+            self.stats["wakes"] += 1
+            self._wake.notify()
 
     def take_rx(self) -> list[bytes]:
         """The node summaries rank 0's receiving thread took since the last call."""
@@ -278,19 +287,27 @@ class JobGather:
             if got:
                 with self._lock:
                     self._rx.extend(got)
-                with self._wake:
-                    self._wake.notify()
+                self._signal()
 
     def _work(self) -> None:
         node = NodeLevel(self) if self.is_leader else None
         job = JobLevel(self) if self.is_writer else None
+        last = -PASS_S
         try:
             while True:
                 with self._wake:
                     if self._closed:
                         return
-                    self._wake.wait(self._sleep(node, job))
+                    if not self._signalled:
+                        self._wake.wait(self._sleep(node, job))
+                    # a batch: at most one pass per PASS_S (a stop cuts the wait short)
+                    rest = last + PASS_S - time.monotonic()
+                    if rest > 0 and not (self._finishing or self._closed):
+                        self._wake.wait(rest)
+                    self._signalled = False
                     finishing = self._finishing
+                last = time.monotonic()
+                self.stats["passes"] += 1
                 t1, c1 = time.perf_counter(), time.thread_time()
                 if node is not None:
                     for summary, node_out in node.poll():

@@ -22,7 +22,11 @@ The order of trials:
 
 **The choice**: the highest throughput (samples/s); among trials within ``tie_pct`` of it, the
 smallest batch size, then the fewest workers, then the loader's own options (same speed, more
-memory headroom, less CPU, fewer changes).
+memory headroom, less CPU, fewer changes). A trial during which the caching allocator had to
+free its cache and retry (``alloc_retries`` > 0) ran at the memory edge and is chosen only when
+no trial ran without: on an H200 the sweep's fastest batch (192 of GPT-2 small, 1 retry, 9 GB
+headroom) ran out of memory twice when run again later in the same process
+(``benchmarks/results/2026-11-27-h200x4-call2/tune``), where the next size down ran clean.
 
 **Time**: before each trial the sweep checks that the mean trial time fits in what is left of
 ``budget_s``. The time counted is the sum of the trials' own ``wall_s`` (under DDP the agreed,
@@ -108,6 +112,13 @@ class Sweep:
         except _Budget:
             stopped = "budget"
         chosen = self.choose()
+        edge = [t for t in self.trials if t.ok and t.alloc_retries and chosen is not None
+                and t.throughput > chosen.throughput]
+        if edge:
+            sizes = ", ".join(str(b) for b in sorted({t.config.batch_size for t in edge}))
+            self.notes.append(f"batch {sizes} ran faster only with the allocator's retries "
+                              "(the memory edge, where the next run may run out of memory): "
+                              "not chosen")
         confirm = None
         if chosen is not None and self.settings.confirm:
             try:
@@ -131,6 +142,9 @@ class Sweep:
                 and self._in_space(t.config)]
         if not pool:
             return None
+        clean = [t for t in pool if not t.alloc_retries]
+        if clean:
+            pool = clean  # a trial that needed the allocator's retries ran at the memory edge
         top = max(t.throughput for t in pool)
         close = [t for t in pool if t.throughput >= top * (1 - self.settings.tie_pct / 100)]
         return min(close, key=lambda t: (
