@@ -150,6 +150,12 @@ class Engine:
         except NvmlUnavailable as exc:
             if backend == "nvml":
                 raise ValueError(f"backend='nvml' was asked for, but {exc}") from exc
+            if self.spec.gpus:
+                raise ValueError(f"GPU {self.spec.gpus[0]} does not exist: no NVIDIA driver "
+                                 f"answered ({exc})") from None
+            if self.spec.require_gpu:
+                raise ValueError(f"no GPU to monitor: no NVIDIA driver answered ({exc}); "
+                                 "GPULENS_BACKEND=simulated gives simulated GPUs") from None
             warn_once("no-nvml", "gpulens: %s; logging host and training metrics only, no GPU "
                       "metrics (set GPULENS_BACKEND=simulated for simulated GPUs)", exc)
             return None
@@ -161,11 +167,15 @@ class Engine:
         rank = self.spec.rank
         gpus = self.spec.gpus
         if not visible:
-            warn_once("no-visible-gpu", "gpulens: NVML works but this process sees no GPU "
-                      "(CUDA_VISIBLE_DEVICES=%r); no GPU metrics",
-                      os.environ.get("CUDA_VISIBLE_DEVICES"))
+            cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
             if gpus:
-                raise ValueError(f"GPU {gpus[0]} does not exist: this process sees no GPU")
+                raise ValueError(f"GPU {gpus[0]} does not exist: this process sees no GPU "
+                                 f"(CUDA_VISIBLE_DEVICES={cvd!r})")
+            if self.spec.require_gpu:
+                raise ValueError(f"no GPU to monitor: NVML works but this process sees no GPU "
+                                 f"(CUDA_VISIBLE_DEVICES={cvd!r})")
+            warn_once("no-visible-gpu", "gpulens: NVML works but this process sees no GPU "
+                      "(CUDA_VISIBLE_DEVICES=%r); no GPU metrics", cvd)
             return []
         if gpus is None:
             if rank is not None:
