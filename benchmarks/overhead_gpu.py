@@ -24,22 +24,14 @@ Suites (``--suite``, several with commas; each brings its baseline and A/A arm):
                ``gpulens_wandb`` (system metrics off; ``Monitor(sinks=["wandb"])`` logs the
                loss and the GPU row: rows come back from the engine process into this
                process, ``wandb.log`` on the training thread).
-``hf``         Hugging Face ``Trainer`` with ``report_to=["wandb"]`` (offline; W&B's default
-               system monitor), logging every ``--log-every`` steps: ``hf`` / ``hf_b``;
-               ``hf_gpulens`` (plus ``GPUMonitorCallback(interval)``: rows into the same run).
-               Timed as a block (a device sync at the block's two ends only, so that
-               ``logging_steps`` > 1 keeps its asynchrony): the arm's value is the block's mean.
-``lightning``  the same model in a ``lightning.pytorch.Trainer`` with a CSV logger, logging every
-               ``--log-every`` steps, a callback that syncs and stamps each batch end:
-               ``lightning`` / ``lightning_b``; ``lightning_gpulens`` (gpulens's
-               ``GPUMonitorCallback(interval)``: rows to the trainer's loggers);
-               ``lightning_dsm`` (Lightning's ``DeviceStatsMonitor``).
+The framework paths (Hugging Face ``Trainer``, Lightning, HF under DDP) are timed by
+``paths_aa.py``: per-step timings on the GPU timeline in blocks alternated within one process,
+which resolve +-0.3 pp where this script's block timing of whole ``train()`` calls could not.
 
 More arms with ``--arms`` (a baseline and its A/A arm come along): ``gpulens_mlflow`` /
 ``gpulens_mlflow_thread`` (rows into an MLflow file store from the engine process / a thread),
 ``gpulens_nogpm``, ``gpulens_cheap`` (thread; no GPM / cheap reads only),
-``gpulens_wandb_thread``, ``hf_gpulens_thread``, ``lightning_gpulens_thread``
-(``GPULENS_ISOLATION=thread``): the process-vs-thread question on each user path.
+``gpulens_wandb_thread`` (``GPULENS_ISOLATION=thread``): the process-vs-thread question.
 
 Rounds: ``--pilot`` rounds first (4); the largest per-round SD of the A/A arms sets the rounds
 needed to resolve 0.2 pp (``paired.rounds_needed``), capped by ``--max-rounds`` and by the time
@@ -63,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import gc
 import importlib.metadata as md
 import io
@@ -78,7 +69,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,22 +82,17 @@ import paired  # benchmarks/paired.py, beside this script
 SUITES: dict[str, tuple[str, ...]] = {
     "peers": ("none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop"),
     "wandb": ("wandb_log", "wandb_stats", "gpulens_wandb"),
-    "hf": ("hf", "hf_gpulens"),
-    "lightning": ("lightning", "lightning_gpulens", "lightning_dsm"),
 }
 EXTRA_ARMS = ("gpulens_mlflow", "gpulens_mlflow_thread", "gpulens_nogpm", "gpulens_cheap",
-              "gpulens_wandb_thread", "hf_gpulens_thread", "lightning_gpulens_thread")
+              "gpulens_wandb_thread")
 BASELINE_OF: dict[str, str] = {
     **{a: "none" for a in ("none", "gpulens", "gpulens_thread", "wandb", "mlflow", "nvitop",
                            "gpulens_mlflow", "gpulens_mlflow_thread", "gpulens_nogpm",
                            "gpulens_cheap")},
     **{a: "wandb_log" for a in ("wandb_log", "wandb_stats", "gpulens_wandb",
                                 "gpulens_wandb_thread")},
-    **{a: "hf" for a in ("hf", "hf_gpulens", "hf_gpulens_thread")},
-    **{a: "lightning" for a in ("lightning", "lightning_gpulens", "lightning_dsm",
-                                "lightning_gpulens_thread")},
 }
-BASELINES = ("none", "wandb_log", "hf", "lightning")
+BASELINES = ("none", "wandb_log")
 for _b in BASELINES:
     BASELINE_OF[paired.aa_name(_b)] = _b
 RIVALS = (
@@ -114,8 +100,6 @@ RIVALS = (
     ("gpulens", "nvitop"), ("gpulens", "gpulens_mlflow"), ("gpulens_mlflow",
                                                            "gpulens_mlflow_thread"),
     ("gpulens_wandb", "wandb_stats"), ("gpulens_wandb", "gpulens_wandb_thread"),
-    ("hf_gpulens", "hf_gpulens_thread"),
-    ("lightning_gpulens", "lightning_dsm"), ("lightning_gpulens", "lightning_gpulens_thread"),
 )
 
 
@@ -431,23 +415,6 @@ class Variant:
         return win.rep(rnd, times, steps, "median", self.stop())
 
 
-@contextlib.contextmanager
-def isolation_env(isolation: str | None) -> Iterator[None]:
-    """``GPULENS_ISOLATION`` set for the duration (integrations read it at start)."""
-    if isolation is None:
-        yield
-        return
-    old = os.environ.get("GPULENS_ISOLATION")
-    os.environ["GPULENS_ISOLATION"] = isolation
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("GPULENS_ISOLATION", None)
-        else:
-            os.environ["GPULENS_ISOLATION"] = old
-
-
 def rows_note(stats: dict[str, Any]) -> str:
     dropped = sum(getattr(v, "dropped", 0) for v in stats.values())
     return f", {dropped} dropped" if dropped else ""
@@ -679,203 +646,6 @@ class NvitopVariant(Variant):
         return f"{len(metrics)} keys, {len(util)} gpu_utilization"
 
 
-# --- Hugging Face Trainer arms -------------------------------------------------------------------
-
-
-class HfRunner:
-    """The same model (a copy) in a Hugging Face ``Trainer`` with ``report_to=["wandb"]``.
-
-    Each arm makes a new ``Trainer`` over a fresh copy of the same model (every arm starts from
-    the same weights; under DDP no wrapper of an earlier arm keeps hooks on its parameters) and
-    a dataset of random token rows (collated and copied to the device by the Trainer, as a
-    user's data is). W&B's run is opened
-    before ``train()`` (so HF's ``WandbCallback`` uses it) and finished after. The timed block is
-    delimited by a callback that syncs the device at ``on_step_end`` of steps ``warmup`` and
-    ``warmup + steps``: between them HF's own syncs are the only ones (the loss's ``.item()`` at
-    each log).
-    """
-
-    def __init__(self, tmp: Path, s: Setup, args: argparse.Namespace) -> None:
-        import torch
-
-        self.tmp, self.s, self.args = tmp, s, args
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank0 = int(os.environ.get("RANK", "0")) == 0
-        """Only rank 0 opens the W&B run (HF's WandbCallback logs from rank 0 only)."""
-        self.template, _, _ = build_model(s.quick, s.device)
-        g = torch.Generator().manual_seed(2)
-        self.rows = torch.randint(0, s.config.vocab_size, (max(64, 4 * s.batch_size), s.seq_len),
-                                  generator=g)
-
-    def skip_reason(self) -> str | None:
-        return missing("wandb") or missing("transformers")
-
-    def dataset(self, steps: int) -> Any:
-        """Random token rows, enough for ``steps`` optimizer steps in one epoch (the Trainer's
-        sampler holds a permutation of the whole length: keep it small)."""
-        import torch
-
-        rows = self.rows
-        length = (steps + 1) * self.s.batch_size * self.world  # each rank gets its share
-
-        class Rows(torch.utils.data.Dataset):  # type: ignore[misc]
-            def __len__(self) -> int:
-                return length
-
-            def __getitem__(self, i: int) -> dict[str, Any]:
-                x = rows[i % len(rows)]
-                return {"input_ids": x, "labels": x}
-
-        return Rows()
-
-    def run(self, name: str, rnd: int, warmup: int, steps: int, training_threads: set[int],
-            gpulens_cb: bool, isolation: str | None = None, log_every: int | None = None) -> Rep:
-        from transformers import Trainer, TrainerCallback, TrainingArguments
-
-        s = self.s
-        win = Window(training_threads)
-        marks: list[float] = []
-
-        class Stamp(TrainerCallback):  # type: ignore[misc]
-            def on_step_end(self, targs: Any, state: Any, control: Any, **kw: Any) -> None:
-                marks.append(time.perf_counter())
-                if state.global_step == warmup:
-                    s.sync()
-                    win.open()
-                elif state.global_step == warmup + steps:
-                    s.sync()
-                    win.close()
-
-        cuda = s.device.type == "cuda"
-        targs = TrainingArguments(
-            output_dir=str(self.tmp / "hf" / f"{name}-{rnd}"), max_steps=warmup + steps,
-            per_device_train_batch_size=s.batch_size,
-            logging_steps=log_every or self.args.log_every,
-            report_to=["wandb"], save_strategy="no", eval_strategy="no",
-            optim="adamw_torch_fused" if cuda else "adamw_torch", learning_rate=1e-4,
-            lr_scheduler_type="constant", warmup_steps=0, dataloader_num_workers=0,
-            dataloader_pin_memory=cuda, disable_tqdm=True, use_cpu=not cuda, seed=0,
-            ddp_find_unused_parameters=False,  # GPT-2 uses every parameter (no extra traversal)
-        )
-        callbacks: list[Any] = []
-        if gpulens_cb:
-            from gpulens.integrations.transformers import GPUMonitorCallback
-
-            callbacks.append(GPUMonitorCallback(interval=self.args.interval))
-        callbacks.append(Stamp())
-        # W&B's default system monitor (every 15 s), as a user's run has it
-        run = wandb_init(self.tmp, f"{name}-{rnd}", stats_interval=15.0) if self.rank0 else None
-        note = "rank > 0: no W&B run"
-        try:
-            with isolation_env(isolation):
-                model = copy.deepcopy(self.template)
-                trainer = Trainer(model=model, args=targs,
-                                  train_dataset=self.dataset(warmup + steps), callbacks=callbacks)
-                trainer.train()
-            if run is not None:
-                gpu_keys = [k for k in run.summary.keys() if k.startswith("gpu/")]  # noqa: SIM118
-                note = f"{len(gpu_keys)} gpu/* keys in the W&B run"
-        finally:
-            if run is not None:
-                note += ", " + wandb_finish(run)
-        del trainer, model
-        step_s = [b - a for a, b in zip(marks[warmup - 1:], marks[warmup:], strict=False)]
-        return win.rep(rnd, step_s, steps, "block", note)
-
-
-# --- Lightning arms ------------------------------------------------------------------------------
-
-
-class LightningRunner:
-    """The same model and batches in a Lightning Trainer (its own copy of the model: Lightning
-    moves the module to the CPU at teardown)."""
-
-    def __init__(self, tmp: Path, s: Setup, args: argparse.Namespace) -> None:
-        import lightning.pytorch as pl
-        import torch
-
-        self.tmp, self.s, self.args, self.pl = tmp, s, args, pl
-        model, _, _ = build_model(s.quick, s.device)
-        batches = s.batches
-        device = s.device
-
-        class Module(pl.LightningModule):  # type: ignore[misc]
-            def __init__(self) -> None:
-                super().__init__()
-                self.net = model
-
-            def training_step(self, batch: Any, batch_idx: int) -> Any:
-                loss = self.net(input_ids=batch, labels=batch).loss
-                self.log("loss", loss, on_step=True, on_epoch=False)
-                return loss
-
-            def configure_optimizers(self) -> Any:
-                return make_optimizer(torch, self.net, device)
-
-            def train_dataloader(self) -> Any:
-                return torch.utils.data.DataLoader(Cycle(), batch_size=None)
-
-        class Cycle(torch.utils.data.IterableDataset):  # type: ignore[misc]
-            """The plain loop's batches, over and over: no epoch ends inside an arm."""
-
-            def __iter__(self) -> Any:
-                i = 0
-                while True:
-                    yield batches[i % len(batches)]
-                    i += 1
-
-        self.module = Module()
-
-    @staticmethod
-    def skip_reason() -> str | None:
-        return missing("lightning")
-
-    def run(self, name: str, rnd: int, warmup: int, steps: int, training_threads: set[int],
-            extra: str | None, isolation: str | None = None) -> Rep:
-        pl, s = self.pl, self.s
-        marks: list[float] = []
-        win = Window(training_threads)
-
-        class Timer(pl.Callback):  # type: ignore[misc]
-            def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
-                s.sync()
-                marks.append(time.perf_counter())
-                if len(marks) == warmup:
-                    win.open()
-                elif len(marks) == warmup + steps:
-                    win.close()
-
-        from lightning.pytorch.loggers import CSVLogger
-
-        callbacks: list[Any] = [Timer()]
-        if extra == "dsm":
-            from lightning.pytorch.callbacks import DeviceStatsMonitor
-
-            # on the CPU (--quick) it has only CPU figures to log
-            callbacks.append(DeviceStatsMonitor(cpu_stats=True if s.device.type == "cpu" else None))
-        elif extra == "gpulens":
-            from gpulens.integrations.lightning import GPUMonitorCallback
-
-            callbacks.append(GPUMonitorCallback(interval=self.args.interval))
-        trainer = pl.Trainer(
-            accelerator="gpu" if s.device.type == "cuda" else "cpu", devices=1,
-            max_steps=warmup + steps, max_epochs=-1,
-            limit_val_batches=0, num_sanity_val_steps=0,
-            logger=CSVLogger(str(self.tmp / "lightning"), name=f"{name}-{rnd}"),
-            log_every_n_steps=self.args.log_every, callbacks=callbacks,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        )
-        with isolation_env(isolation):
-            trainer.fit(self.module)
-        step_s = [b - a for a, b in zip(marks[warmup - 1:], marks[warmup:], strict=False)]
-        csv = Path(trainer.logger.log_dir) / "metrics.csv" if trainer.logger else None
-        header = csv.open().readline().strip().split(",") if csv and csv.exists() else []
-        del trainer
-        gpu = sum(1 for c in header if c.startswith("gpu/"))
-        return win.rep(rnd, step_s, steps, "median",
-                       f"{len(header)} columns in the CSV log, {gpu} gpu/*")
-
-
 # --- the arms, by name ---------------------------------------------------------------------------
 
 
@@ -901,30 +671,6 @@ class PlainArm(Arm):
         return self.variant.run(rnd, warmup, steps, training_threads)
 
 
-class HfArm(Arm):
-    def __init__(self, name: str, runner: HfRunner | None, why: str | None, gpulens_cb: bool,
-                 isolation: str | None, log_every: int | None = None) -> None:
-        super().__init__(name, why)
-        self.runner, self.cb, self.iso, self.log_every = runner, gpulens_cb, isolation, log_every
-
-    def run(self, rnd: int, warmup: int, steps: int, training_threads: set[int]) -> Rep:
-        assert self.runner is not None
-        return self.runner.run(self.name, rnd, warmup, steps, training_threads, self.cb,
-                               self.iso, self.log_every)
-
-
-class LightningArm(Arm):
-    def __init__(self, name: str, runner: LightningRunner | None, why: str | None,
-                 extra: str | None, isolation: str | None) -> None:
-        super().__init__(name, why)
-        self.runner, self.extra, self.iso = runner, extra, isolation
-
-    def run(self, rnd: int, warmup: int, steps: int, training_threads: set[int]) -> Rep:
-        assert self.runner is not None
-        return self.runner.run(self.name, rnd, warmup, steps, training_threads, self.extra,
-                               self.iso)
-
-
 PLAIN: dict[str, type[Variant]] = {
     "none": Variant, "gpulens": GpulensVariant, "gpulens_thread": GpulensThreadVariant,
     "gpulens_nogpm": GpulensNoGpmVariant, "gpulens_cheap": GpulensCheapVariant,
@@ -934,34 +680,15 @@ PLAIN: dict[str, type[Variant]] = {
     "gpulens_wandb": GpulensWandbVariant, "gpulens_wandb_thread": GpulensWandbThreadVariant,
 }
 PLAIN |= {paired.aa_name(b): PLAIN[b] for b in ("none", "wandb_log")}
-HF_ARMS = {"hf": (False, None), "hf_b": (False, None), "hf_gpulens": (True, None),
-           "hf_gpulens_thread": (True, "thread")}
-LIGHTNING_ARMS = {"lightning": (None, None), "lightning_b": (None, None),
-                  "lightning_gpulens": ("gpulens", None), "lightning_dsm": ("dsm", None),
-                  "lightning_gpulens_thread": ("gpulens", "thread")}
 
 
 def make_arms(names: list[str], tmp: Path, s: Setup, args: argparse.Namespace) -> dict[str, Arm]:
-    """The runnable arms (a runner that cannot be built makes its arms skip, saying why)."""
+    """The runnable arms (an arm whose tracker cannot be imported skips, saying why)."""
     arms: dict[str, Arm] = {}
-    hf: HfRunner | None = None
-    light: LightningRunner | None = None
-    hf_why = light_why = None
-    if any(n in HF_ARMS for n in names):
-        hf_why = missing("wandb") or missing("transformers")
-        hf = HfRunner(tmp, s, args) if hf_why is None else None
-    if any(n in LIGHTNING_ARMS for n in names):
-        light_why = LightningRunner.skip_reason()
-        light = LightningRunner(tmp, s, args) if light_why is None else None
     for name in names:
-        if name in PLAIN:
-            arms[name] = PlainArm(name, PLAIN[name](tmp, s, args))
-        elif name in HF_ARMS:
-            arms[name] = HfArm(name, hf, hf_why, *HF_ARMS[name])
-        elif name in LIGHTNING_ARMS:
-            arms[name] = LightningArm(name, light, light_why, *LIGHTNING_ARMS[name])
-        else:
+        if name not in PLAIN:
             raise ValueError(f"no runner for arm {name!r}")
+        arms[name] = PlainArm(name, PLAIN[name](tmp, s, args))
     return arms
 
 

@@ -21,12 +21,21 @@ The method, in one place so that every script says the same thing:
   wholly outside the A/A envelope (no overlap with the A/A arm's interval); otherwise "not
   separable". An A/A interval that itself excludes 0 is a bias of the method in that run, and is
   reported as such.
+* **Bound.** Where a run must show that an arm costs nothing measurable (``paths_aa.py``), the
+  claim is "indistinguishable within +-b pp": the arm's 95 % interval contains 0 **and** lies
+  wholly inside [-b, +b] (:func:`equivalence`). An interval that contains 0 but reaches past
+  +-b is "unresolved" (too few rounds for that claim), never "indistinguishable"; one that
+  excludes 0 is "differs", whatever its size, and the verdict above says whether it also
+  leaves the A/A envelope.
 * **Rounds.** With ``s`` the standard deviation of the A/A arm's per-round differences, the
   95 % half-width of a mean over ``n`` rounds is ``1.96 s / sqrt(n)``. A difference ``d`` clears
   both 0 and an A/A interval of the same width when ``d >= 2 * 1.96 s / sqrt(n)``, so resolving
   ``d`` needs ``n = ceil((2 * 1.96 s / d)^2)`` rounds (``rounds_needed``), and ``n`` rounds
   resolve ``2 * 1.96 s / sqrt(n)`` (``resolvable_pp``). A pilot's ``s`` sets ``n``; the time
-  budget caps it, and the report says when the cap left the target unresolved.
+  budget caps it, and the report says when the cap left the target unresolved. The same ``n``
+  with ``d = b`` gives an interval of half-width ``b / 2``: about a true difference of 0 it
+  lies inside +-b unless its mean strays past ``b / 2`` (about 1 run in 20), so it is the
+  number of rounds a bound of +-b asks for.
 
 Standard library only: the scripts that import it run on machines with nothing else.
 """
@@ -142,6 +151,18 @@ def verdict(est: Estimate, envelope: Estimate | None, than: str) -> str:
     if est.hi < 0 and est.hi < envelope.lo:
         return f"lower than {than}"
     return "not separable"
+
+
+def equivalence(est: Estimate, bound_pp: float) -> str:
+    """``"within +-b pp"`` where the 95 % interval contains 0 and lies inside [-b, +b];
+    ``"differs"`` where it excludes 0; ``"unresolved"`` otherwise (module doc)."""
+    if not est.has_interval:
+        return "unresolved"
+    if est.lo > 0 or est.hi < 0:
+        return "differs"
+    if -bound_pp <= est.lo and est.hi <= bound_pp:
+        return f"within +-{bound_pp:g} pp"
+    return "unresolved"
 
 
 def fmt_pp(x: float) -> str:
@@ -285,15 +306,19 @@ def compare(values: Mapping[str, Mapping[int, float]], baseline_of: Mapping[str,
     return out
 
 
-def table(comparisons: Sequence[Comparison]) -> str:
-    """The Markdown table of comparisons (see the module doc for each column)."""
+def table(comparisons: Sequence[Comparison], bound_pp: float | None = None) -> str:
+    """The Markdown table of comparisons (see the module doc for each column); with
+    ``bound_pp`` a last column says whether each difference is within +-bound
+    (:func:`equivalence`)."""
+    extra = f" | within +-{bound_pp:g} pp?" if bound_pp is not None else ""
     lines = ["| arm | against | difference (pp): mean [95 % CI] | per-round range (pp) "
-             "| A/A envelope (pp): interval; range | verdict |",
-             "|---|---|---|---|---|---|"]
+             f"| A/A envelope (pp): interval; range | verdict{extra} |",
+             "|---|---|---|---|---|---|" + ("---|" if extra else "")]
     for c in comparisons:
         e = c.est
+        cell = f" | {equivalence(e, bound_pp)}" if bound_pp is not None else ""
         lines.append(f"| {c.arm} | {c.than} | {fmt_est(e)} | [{fmt_pp(e.min)}, {fmt_pp(e.max)}] "
-                     f"| {fmt_envelope(c.envelope)} | {c.verdict} |")
+                     f"| {fmt_envelope(c.envelope)} | {c.verdict}{cell} |")
     return "\n".join(lines)
 
 

@@ -3,17 +3,20 @@
 #   bash benchmarks/run_on_device.sh checks      # ~5 min: examples end to end (device_check.sh),
 #                                                #   NVML costs and buffers, GPM refresh, fidelity
 #   bash benchmarks/run_on_device.sh peers       # ~9 min: overhead, the peers suite with A/A arm
-#   bash benchmarks/run_on_device.sh paths       # ~9 min: overhead, W&B and HF suites
-#   bash benchmarks/run_on_device.sh lightning   # ~6 min: overhead, the Lightning suite
-#   bash benchmarks/run_on_device.sh ddp         # ~6 min, 2 GPUs: the HF callback under DDP
+#   bash benchmarks/run_on_device.sh wandb       # ~6 min: overhead, the W&B suite (plain loops
+#                                                #   against W&B's own system metrics)
+#   bash benchmarks/run_on_device.sh paths-hf    # <9 min: HF logging every step and every 10
+#                                                #   against their A/A arms (paths_aa.py)
+#   bash benchmarks/run_on_device.sh paths-lw    # <9 min: Lightning and the W&B sink's loop
+#   bash benchmarks/run_on_device.sh paths-ddp   # <6 min, 2 GPUs: HF logging every step, DDP
 # Each part installs the carried wheels (benchmarks/device_setup.sh, ~20 s), prints the hardware,
 # runs its scripts each under a time limit of its own (one hang cannot take the other figures),
 # and leaves at most 8 files under $OUT (the device tool brings back no more): run.log and the
 # scripts' Markdown and JSON. The overhead scripts rewrite their JSON after every round, so a
 # time limit still leaves figures.
-# Environment: GPULENS_BENCH_BUDGET_S (seconds for an overhead script's rounds; defaults per
-# part below), GPULENS_BENCH_ARGS (extra arguments for the overhead scripts, e.g. --quick to try
-# a part on a CPU).
+# Environment: GPULENS_BENCH_BUDGET_S (seconds for an overhead script's rounds, per path for
+# paths_aa.py; defaults per part below), GPULENS_BENCH_ARGS (extra arguments for the overhead
+# scripts, e.g. --quick to try a part on a CPU).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export OUT="${OUT:-/tmp/gpulens-bench-out}"
@@ -75,22 +78,26 @@ main() {
     peers)
         overhead 545 470 --suite peers --steps 30 --warmup 4
         ;;
-    paths)
-        overhead 545 470 --suite "${GPULENS_BENCH_SUITES:-wandb,hf}" --steps 30 --warmup 4
+    wandb)
+        overhead 380 300 --suite wandb --steps 30 --warmup 4
         ;;
-    lightning)
-        overhead 380 300 --suite lightning --steps 30 --warmup 4
+    paths-hf | paths-lw)
+        local which=hf_ls1,hf_ls10
+        [ "$PART" = paths-lw ] && which=lightning,wandb_loop
+        step "paths_aa.py $which" 490 paths_aa.md \
+            python3 benchmarks/paths_aa.py --paths "$which" \
+            --budget-s "${GPULENS_BENCH_BUDGET_S:-200}" --json "$OUT/paths_aa.json" "${EXTRA[@]}"
         ;;
-    ddp)
+    paths-ddp)
         local n
         n=$(python3 -c "import torch; print(torch.cuda.device_count() or 2)")  # CPU try: 2
-        step "overhead_ddp.py on $n GPUs" 400 overhead_ddp.md \
+        step "paths_aa.py hf_ls1 on $n GPUs" 320 paths_aa_ddp.md \
             python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
-            benchmarks/overhead_ddp.py --budget-s "${GPULENS_BENCH_BUDGET_S:-300}" \
-            --steps 30 --warmup 3 --json "$OUT/overhead_ddp.json" "${EXTRA[@]}"
+            benchmarks/paths_aa.py --paths hf_ls1 --budget-s "${GPULENS_BENCH_BUDGET_S:-230}" \
+            --json "$OUT/paths_aa_ddp.json" "${EXTRA[@]}"
         ;;
     *)
-        echo "usage: bash benchmarks/run_on_device.sh checks|peers|paths|lightning|ddp" >&2
+        echo "usage: bash benchmarks/run_on_device.sh checks|peers|wandb|paths-hf|paths-lw|paths-ddp" >&2
         return 2
         ;;
     esac

@@ -36,7 +36,7 @@ def test_every_subcommand_and_option_says_what_it_does() -> None:
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(sub.choices) == {"watch", "record", "report", "serve"}
+    assert set(sub.choices) == {"watch", "record", "report", "serve", "tune"}
     listed = {a.dest: a.help for a in sub._choices_actions}
     for name, p in sub.choices.items():
         assert listed[name], f"{name} has no one-line help in `gpulens --help`"

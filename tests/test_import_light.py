@@ -31,7 +31,8 @@ HEAVY = (
 CORE = ("gpulens", "pynvml", "psutil")
 
 LIGHT_MODULES = (
-    "gpulens", "gpulens.schema", "gpulens.model", "gpulens.sinks", "gpulens.sinks.base"
+    "gpulens", "gpulens.schema", "gpulens.model", "gpulens.sinks", "gpulens.sinks.base",
+    "gpulens.tune",  # torch comes with a sweep, not with the package
 )
 
 _PROBE = """

@@ -120,3 +120,31 @@ def test_device_clock_sees_no_wait_while_the_host_runs_ahead() -> None:
     out = phases.collect(steps=3)
     assert out["perf/data_wait_pct"] == pytest.approx(0.0)
     assert out["perf/forward_backward_s"] == pytest.approx(0.1)
+
+
+def test_device_events_are_recorded_again_once_read() -> None:
+    """No event is made per mark once a few steps have run: read events are reused, and the
+    figures stay those of a fresh event per mark."""
+    gpu = FakeGpu()
+    made: list[FakeEvent] = []
+
+    def factory() -> FakeEvent:
+        made.append(gpu.event())
+        return made[-1]
+
+    phases = StepPhases(cuda=True, event_factory=factory)
+    phases.resume()
+    for _ in range(50):
+        gpu.queued += 0.01  # waiting for data
+        phases.step_begin()
+        gpu.queued += 0.03
+        phases.before_optimizer()
+        gpu.queued += 0.01
+        phases.step_end()
+        gpu.now = gpu.queued
+        out = phases.collect(steps=1)
+        assert out["perf/data_wait_s"] == pytest.approx(0.01)
+        assert out["perf/forward_backward_s"] == pytest.approx(0.03)
+        assert out["perf/optimizer_s"] == pytest.approx(0.01)
+        phases.resume()
+    assert len(made) <= 8  # 200 marks

@@ -5,6 +5,7 @@ from a real monitor run (simulated GPUs) checked in headless Chromium."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -79,6 +80,20 @@ def test_run_figures_are_work_over_time_not_means_of_ratios(tmp_path: Path) -> N
     e = s.efficiency
     assert e is not None and e.source == "engine" and e.unit == "tokens"
     assert e.per_joule == pytest.approx(39_000 / 1400)
+
+
+def test_mfu_while_busy_only_from_rows_that_carry_it(tmp_path: Path) -> None:
+    """An FP32 run's rows carry no MFU-while-busy (the engine leaves it out): the summary shows
+    tensor activity but no quotient of its own making."""
+    path = perf_run(tmp_path / "p.jsonl")
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    for line in lines:
+        line.pop("perf/mfu_when_tensor_active_pct", None)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    tp = summarize(load_jsonl(path)).throughput
+    assert tp is not None and tp.mfu_pct is not None
+    assert tp.tensor_active_pct == pytest.approx(17.0)
+    assert tp.mfu_when_tensor_active_pct is None
 
 
 def test_the_page_states_mfus_denominator_and_the_efficiency(tmp_path: Path) -> None:

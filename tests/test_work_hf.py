@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 from gpulens.log import reset_warnings  # noqa: E402
 from gpulens.work.flops import formula_from_config  # noqa: E402
 from gpulens.work.hf import (  # noqa: E402
@@ -154,6 +156,79 @@ def test_sliding_window_tokens_from_positions() -> None:
         work = c.take()
         assert float(work.flops) == pytest.approx(
             2 * formula.training_flops(lens, attention))  # type: ignore[arg-type]
+
+
+class OpCount(TorchDispatchMode):  # type: ignore[misc]
+    """Counts the operators dispatched while it is active that compute (views, such as a
+    slice, launch no kernel and are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if not func.is_view:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _mixed_batches() -> list[dict[str, Any]]:
+    lens = [5, 3, 8]
+    return [
+        {"input_ids": torch.ones((3, 9), dtype=torch.long),
+         "attention_mask": torch.tensor([[1] * n + [0] * (9 - n) for n in lens])},
+        {"input_ids": torch.ones((1, 16), dtype=torch.long),
+         "cu_seq_lens_q": torch.tensor([0, 5, 8, 16], dtype=torch.int32)},
+        {"input_ids": torch.ones((1, 16), dtype=torch.long),
+         "position_ids": torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)},
+        {"input_ids": torch.ones((2, 10), dtype=torch.long)},
+    ]
+
+
+def test_deferred_counts_cost_the_training_thread_one_op_a_batch_and_agree() -> None:
+    """What the callbacks use: per micro-batch at most one device operation, none at the take;
+    the sums and FLOPs run where the values are read (another thread), once, and agree with
+    take()'s on-device reduction."""
+    import threading
+
+    formula = formula_from_config(_tiny_llama().config)
+    assert formula is not None
+    eager, deferred = TokenCounter(formula, "causal"), TokenCounter(formula, "causal")
+    for batch in _mixed_batches():
+        eager.observe(batch)
+        with OpCount() as count:
+            deferred.observe(batch)
+        assert len(count.ops) <= 1, count.ops
+    expected = eager.take()
+    with OpCount() as count:
+        work = deferred.take_deferred()
+    assert count.ops == [] and set(work) == {"tokens", "flops"}
+    read: dict[str, float] = {}
+    reader = threading.Thread(target=lambda: read.update(
+        tokens=work["tokens"].item(), flops=float(work["flops"])))
+    reader.start()
+    reader.join(timeout=60)
+    assert read["tokens"] == float(expected.tokens) == 16 + 16 + 16 + 20
+    assert read["flops"] == pytest.approx(float(expected.flops), rel=1e-12)
+    assert deferred.take_deferred() == {}  # started again
+    shapes_only = TokenCounter(formula)
+    shapes_only.observe({"input_ids": torch.ones((2, 10), dtype=torch.long)})
+    plain = shapes_only.take_deferred()  # nothing to read off a device: plain numbers
+    assert plain == {"tokens": 20, "flops": pytest.approx(formula.training_flops([10, 10]))}
+
+
+def test_counts_kept_between_takes_are_folded_and_stay_right() -> None:
+    from gpulens.work.hf import FOLD_AT
+
+    counter = TokenCounter(None)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    for _ in range(FOLD_AT + 3):
+        counter.observe({"input_ids": torch.ones((2, 4), dtype=torch.long),
+                         "attention_mask": mask})
+    assert len(counter._lengths) == 3  # the first FOLD_AT were reduced into a running total
+    work = counter.take_deferred()
+    assert set(work) == {"tokens"} and work["tokens"].item() == 4.0 * (FOLD_AT + 3)
 
 
 def test_batches_without_a_padding_mask(caplog: pytest.LogCaptureFixture) -> None:

@@ -15,7 +15,7 @@ def test_a_window_by_hand() -> None:
     tokens = 4 * 8 * 4096
     out = window_perf(seconds=2.5, gpus=8, tokens=tokens, steps=4, flops_per_token=51.47e9,
                       peak_tflops=989.4, mean_sm_clock_mhz=1755.0, max_sm_clock_mhz=1980.0,
-                      energy_j=8 * 2.5 * 690.0, tensor_active_pct=80.0)
+                      energy_j=8 * 2.5 * 690.0, tensor_active_pct=80.0, dtype="bf16")
     per_gpu = tokens * 51.47e9 / 2.5 / 8 / 1e12
     mfu = 100 * per_gpu / 989.4
     assert out == pytest.approx({
@@ -46,7 +46,8 @@ def test_absent_inputs_give_absent_keys() -> None:
     assert "perf/tokens_per_j" not in window_perf(seconds=1.0, tokens=5.0, energy_j=0.0)
     # GPM absent (pre-Hopper) or tensor pipes idle: no comparison.
     for tensor in (None, 0.0):
-        out = window_perf(seconds=1.0, flops=1e12, peak_tflops=10.0, tensor_active_pct=tensor)
+        out = window_perf(seconds=1.0, flops=1e12, peak_tflops=10.0, tensor_active_pct=tensor,
+                          dtype="bf16")
         assert "perf/mfu_when_tensor_active_pct" not in out
     # A window of no length has no rate.
     assert window_perf(seconds=0.0, tokens=10.0, flops=1e9, peak_tflops=1.0) == {}
@@ -84,10 +85,56 @@ def test_samples_and_flops_sources() -> None:
 
 
 def test_tensor_cores_busy_but_slow_versus_idle() -> None:
-    busy_slow = window_perf(seconds=1.0, flops=3e14, peak_tflops=1000.0, tensor_active_pct=90.0)
-    idle = window_perf(seconds=1.0, flops=3e14, peak_tflops=1000.0, tensor_active_pct=32.0)
+    busy_slow = window_perf(seconds=1.0, flops=3e14, peak_tflops=1000.0, tensor_active_pct=90.0,
+                            dtype="bf16")
+    idle = window_perf(seconds=1.0, flops=3e14, peak_tflops=1000.0, tensor_active_pct=32.0,
+                       dtype="bf16")
     assert busy_slow["perf/mfu_when_tensor_active_pct"] == pytest.approx(33.3, abs=0.1)
     assert idle["perf/mfu_when_tensor_active_pct"] == pytest.approx(93.75)
+
+
+def test_mfu_while_tensor_cores_busy_is_a_share_or_absent() -> None:
+    """A percentage stays within 0-100: no figure for a dtype off the tensor cores (an FP32 run's
+    MFU over stray tensor activity read 302-407 % on two H200s), none above 100 % (the inputs
+    disagree: reported to the caller), never a clamped 100."""
+    base = {"seconds": 1.0, "flops": 2e13, "peak_tflops": 67.0, "tensor_active_pct": 8.0}
+    for dtype in ("fp32", "fp64", None):
+        out = window_perf(**base, dtype=dtype)  # type: ignore[arg-type]
+        assert out["perf/mfu_pct"] == pytest.approx(29.85, abs=0.01)
+        assert "perf/mfu_when_tensor_active_pct" not in out
+    over: list[float] = []
+    out = window_perf(**base, dtype="tf32", out_of_range=over)  # 29.85 % MFU, 8 % busy
+    assert "perf/mfu_when_tensor_active_pct" not in out and out["perf/mfu_pct"] > 0
+    assert over == [pytest.approx(373.1, abs=0.1)]
+    edge = window_perf(seconds=1.0, flops=5e14, peak_tflops=1000.0, tensor_active_pct=50.0,
+                       dtype="fp16")
+    assert edge["perf/mfu_when_tensor_active_pct"] == pytest.approx(100.0)
+
+
+def test_the_engine_tells_once_when_the_tensor_share_is_left_out(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from gpulens.engine.finish import Finisher
+    from gpulens.engine.spec import EngineSpec
+    from gpulens.model import GpuInfo, Row
+
+    gpu = GpuInfo(index=0, name="Simulated H100 80GB HBM3", uuid="GPU-0", pci_bus_id="0:0",
+                  mem_total_gb=80.0, power_limit_w=700.0)
+    finisher = Finisher(EngineSpec(interval=0.1, dtype="bf16"), [gpu])
+    assert finisher.peak_tflops is not None
+    caplog.set_level(logging.WARNING, logger="gpulens")
+    rows = []
+    for step, tensor in enumerate((40.0, 1.0, 1.0, 40.0), start=1):
+        rows.append(finisher.finish(Row(step=step, time=float(step), values={
+            "perf/step_time_s": 1.0, "perf/steps": 1.0, "gpu/0/tensor_active_pct": tensor,
+            "work/flops": 0.2 * finisher.peak_tflops * 1e12})).values)
+    shares = [r.get("perf/mfu_when_tensor_active_pct") for r in rows]
+    assert shares[0] == pytest.approx(50.0) and shares[3] == pytest.approx(50.0)
+    assert shares[1] is None and shares[2] is None  # 20 % MFU while busy 1 % of the time
+    assert all(r["perf/mfu_pct"] == pytest.approx(20.0) for r in rows)
+    told = [r for r in caplog.records if "mfu_when_tensor_active_pct" in r.getMessage()]
+    assert len(told) == 1 and "step 2" in told[0].getMessage()
 
 
 @pytest.mark.parametrize("kwargs", [

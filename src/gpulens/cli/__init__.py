@@ -8,6 +8,8 @@ Subcommands::
     gpulens report RUN.jsonl [-o report.html] [--markdown [FILE]] [--run last|N|ID|all]
     gpulens serve  [--port 9400] [--host 127.0.0.1]     live dashboard (/), Prometheus /metrics,
                                                     one port
+    gpulens tune   MODULE:FUNCTION [--budget S] [-o tune.html]   batch size and loader workers
+                                                    by measured throughput
 
 Importing this module is light: each subcommand imports what it needs (rich, prometheus_client,
 the monitor) when it runs.  Bad input prints one line ``gpulens: error: ...`` and exits 2.
@@ -190,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between samples (default 1.0)")
     p.add_argument("--gpus", type=gpu_list, default=None, metavar="0,1",
                    help="GPU indices to serve, comma-separated (default: all)")
+
+    from gpulens.cli.tune import HELP as TUNE
+    from gpulens.cli.tune import add_arguments as tune_arguments
+
+    tune_arguments(sub.add_parser("tune", help="batch size and loader workers by measured "
+                                  "throughput", description=TUNE, formatter_class=raw))
     return parser
 
 
@@ -229,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gpulens.cli.record import run_record
 
             return run_record(args)
+        if args.command == "tune":
+            from gpulens.cli.tune import run_tune
+
+            return run_tune(args)
         from gpulens.cli.watch import run_watch
 
         return run_watch(args)

@@ -101,6 +101,8 @@ class Engine:
                 backend=source.name if source is not None else "none",
                 interval=spec.interval,
                 meta=finisher.meta,
+                job=(spec.job.with_gpus(spec.rank[0], infos)
+                     if spec.job is not None and spec.rank is not None else spec.job),
             )
             # built by their writer threads: their modules are imported off the way to "ready"
             steplogger = StepLogger(list(spec.sinks), names=[s.name for s in spec.sinks],

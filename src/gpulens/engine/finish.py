@@ -79,6 +79,8 @@ class Finisher:
         clocks = [g.max_sm_clock_mhz for g in gpus if g.max_sm_clock_mhz]
         if clocks:
             self.max_clock_mhz = min(clocks)
+        self._tensor_ratio_out: list[float] = []
+        self._tensor_ratio_told = False
         self._kinds: dict[str, tuple[str, str] | None] = {}
         """Each row key's (GPU, figure) where the work figures need it; ``None`` otherwise."""
         self._credit_s = RULES_BURST_S
@@ -86,7 +88,7 @@ class Finisher:
         self._credit_at = time.perf_counter()
         try:
             self.rules: RuleEngine | None = RuleEngine(RulesConfig(
-                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather))
+                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather, job=spec.job))
         except Exception as exc:  # the rules are advice: never a reason not to monitor
             logger.warning("gpulens: the advice rules could not start (%r); rows go on "
                            "without them", exc)
@@ -99,7 +101,7 @@ class Finisher:
         step_time = values.get("perf/step_time_s")
         clocks: list[float] = []
         tensors: list[float] = []
-        energy = 0.0
+        energy: float = 0.0
         have_energy = False
         gpus: set[str] = set()
         kinds = self._kinds
@@ -120,12 +122,21 @@ class Finisher:
             elif kind == "energy_j":
                 energy += value
                 have_energy = True
+        n_gpus = len(gpus)
+        job_gpus = values.get("job/gpus")
+        if job_gpus is not None and job_gpus > n_gpus:
+            # a distributed job's row holds one node's GPUs at most: the job's from aggregates
+            n_gpus = int(job_gpus)
+            clocks = _one(values, "gpu/all/sm_clock_mhz_mean")
+            tensors = _one(values, "gpu/all/tensor_active_pct_mean")
+            energy = values.get("gpu/all/energy_j_sum", math.nan)
+            have_energy = math.isfinite(energy)
         if step_time is not None and any(k in work for k in
                                          (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS)):
             from gpulens.work.mfu import window_perf
 
             values.update(window_perf(
-                seconds=step_time * steps, gpus=max(1, len(gpus)),
+                seconds=step_time * steps, gpus=max(1, n_gpus),
                 tokens=work.get(WORK_TOKENS), samples=work.get(WORK_SAMPLES), steps=steps,
                 flops=work.get(WORK_FLOPS), flops_per_token=self.spec.flops_per_token,
                 flops_per_sample=self.spec.flops_per_sample,
@@ -134,7 +145,17 @@ class Finisher:
                 max_sm_clock_mhz=self.max_clock_mhz,
                 energy_j=energy if have_energy else None,
                 tensor_active_pct=sum(tensors) / len(tensors) if tensors else None,
+                dtype=self.spec.dtype, out_of_range=self._tensor_ratio_out,
             ))
+            if self._tensor_ratio_out and not self._tensor_ratio_told:
+                self._tensor_ratio_told = True
+                logger.warning(
+                    "gpulens: perf/mfu_when_tensor_active_pct is left out of the rows where it "
+                    "would exceed 100 %% (step %d: %.0f %%): the FLOPs counted, the peak and GPM's "
+                    "tensor activity disagree (FLOPs that ran off the tensor cores, a wrong GPU "
+                    "variant, a window GPM does not cover); MFU itself is still written",
+                    row.step, self._tensor_ratio_out[0])
+            self._tensor_ratio_out.clear()
         events: list[Event] = []
         if self.rules is not None:
             now = time.perf_counter()
@@ -150,6 +171,11 @@ class Finisher:
                 _tell(event)
         return Row(step=row.step, time=row.time, values=values,
                    events=row.events + tuple(events))
+
+
+def _one(values: dict[str, float], key: str) -> list[float]:
+    value = values.get(key)
+    return [value] if value is not None and math.isfinite(value) else []
 
 
 def _tell(event: Event) -> None:

@@ -2,17 +2,19 @@
 classes (:mod:`gpulens.integrations.lightning`, :mod:`gpulens.integrations.pytorch_lightning`).
 
 This module imports neither package: the hooks only use the ``trainer`` and ``pl_module`` they are
-handed. The few private Lightning attributes read here (the step and the decision of Lightning's
-logger connector) are read in one place, :func:`_lightning_log_step`, and checked in ``setup``.
+handed. The run's lifecycle is :class:`gpulens.integrations.session.TrainingSession`'s; every
+private Lightning attribute (the step and the decision of Lightning's logger connector) is read
+in :mod:`gpulens.integrations._lightning_internals`, and nowhere else.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpulens.integrations import _lightning_internals as internals
 from gpulens.integrations.phases import StepPhases
+from gpulens.integrations.session import TrainingSession
 from gpulens.log import warn_once
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
@@ -50,7 +52,8 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
       ``train/loss`` for ``self.log("loss", ...)``; names that hold a ``/`` are kept as they
       are) and ``train/epoch``, for the extra ``sinks`` (a JSONL record then has the loss, the
       step count and the step time). The loggers get them from Lightning itself, so rows sent
-      to the loggers leave ``train/*`` out.
+      to the loggers leave ``train/*`` out, and without extra sinks they are not read at all
+      (reading them makes Lightning compute its logged results a second time).
     * ``perf/data_wait_pct``, ``perf/data_wait_s``: from the end of this callback's
       ``on_train_batch_end`` (or of ``on_validation_end`` / ``on_train_epoch_start`` after it) to
       its ``on_train_batch_start`` of the next batch: fetching the next batch, moving it to the
@@ -155,16 +158,19 @@ class GPUMonitorHooks:
         self.to_loggers = to_loggers
         self.time_phases = phases
         self.count_work = work
-        self._work: _BatchWork | None = None
-        self.monitor: Monitor | None = None
-        self._phases: StepPhases | None = None
-        self._last_step = 0
-        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self.session: TrainingSession | None = None
+        self._train_keys = False
+        """Rows carry the module's logged metrics as ``train/*`` (an extra sink wants them)."""
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The running fit's monitor (``None`` outside ``fit``)."""
+        return self.session.monitor if self.session is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            _check_lightning_internals(trainer)
+            internals.check(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._stop()
@@ -173,25 +179,23 @@ class GPUMonitorHooks:
             if self.to_loggers and trainer.loggers:
                 sinks.append(LoggersSink(trainer.loggers, self.tracker_keys))
             sinks.extend(self.sinks)
-        dtype = None
+        self._train_keys = bool(trainer.is_global_zero and self.sinks)
+        dtype = work = None
         if self.count_work:
             from gpulens.work.precision import dtype_from_lightning_precision
 
             dtype = dtype_from_lightning_precision(getattr(trainer, "precision", None))
-            self._work = _BatchWork(pl_module)
-        monitor = self._settings.with_sinks(sinks, dtype=dtype)
-        self._last_step = int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+            work = _BatchWork(pl_module)
+        done = internals.steps_done(trainer)
+        phases = None
+        if self.time_phases:
+            phases = StepPhases(cuda=getattr(pl_module.device, "type", None) == "cuda")
         # Rows are stamped with Lightning's logging step, which counts the optimizer steps
         # *before* the batch (4 after the fifth): a window that starts with training (or at a
         # resumed fit's restored step) starts one below, so the first row counts every step.
-        monitor.start(step=self._last_step - 1)
-        self.monitor = monitor
-        # garbage collection or exit without on_train_end: the other ranks may be gone, so the
-        # last rows are not gathered
-        self._finalizer = weakref.finalize(self, monitor.stop, None, collective=False)
-        if self.time_phases:
-            self._phases = StepPhases(cuda=getattr(pl_module.device, "type", None) == "cuda")
-            self._phases.resume()
+        self.session = TrainingSession(
+            self._settings.with_sinks(sinks, dtype=dtype), start_step=done - 1,
+            steps_done=done, phases=phases, work=work).start()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._stop()
@@ -204,53 +208,44 @@ class GPUMonitorHooks:
         self._stop()
 
     def _stop(self, collective: bool = True) -> None:
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-            if self.monitor is not None:
-                self.monitor.stop(collective=collective)
-        self.monitor = None
-        self._phases = None
-        self._work = None
+        session, self.session = self.session, None
+        if session is not None:
+            session.stop(collective=collective)
 
     # -- step anatomy ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
-        if self._phases is not None:
-            self._phases.step_begin()
-        if self._work is not None:
-            self._work.observe(pl_module, batch)
+        session = self.session
+        if session is not None:
+            session.step_begin()
+            if isinstance(session.work, _BatchWork):
+                session.work.observe(batch)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self._phases is not None:
-            self._phases.before_optimizer()
+        if self.session is not None:
+            self.session.before_optimizer()
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._phases is not None:
-            self._phases.resume()
+        if self.session is not None:
+            self.session.resume()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._phases is not None and trainer.training:
-            self._phases.resume()
+        if self.session is not None and trainer.training:
+            self.session.resume()
 
     # -- rows ------------------------------------------------------------------------------------
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._phases is not None:
-            self._phases.step_end()
-        monitor = self.monitor
-        if monitor is None:
+        session = self.session
+        if session is None:
             return
-        step, will_log = _lightning_log_step(trainer)
+        session.step_end()
+        step, will_log = internals.log_step(trainer)
         if not will_log:
             return
-        scalars: dict[str, Any] = _logged_metrics(trainer)
-        if self._phases is not None:
-            # steps in the window: optimizer steps since the previous row, this one included
-            scalars.update(self._phases.collect(step + 1 - self._last_step))
-        work = self._work.take() if self._work is not None else {}
-        monitor.log(step, **work, **scalars)
-        self._last_step = step + 1
+        scalars = internals.logged_metrics(trainer) if self._train_keys else {}
+        # optimizer steps done: the logging step counts those before this batch's
+        session.row(step, step + 1, scalars)
 
 
 class _BatchWork:
@@ -273,7 +268,7 @@ class _BatchWork:
             has_config = getattr(model, "config", None) is not None
             self._counter = TokenCounter(model_flops(model) if has_config else None)
 
-    def observe(self, pl_module: Any, batch: Any) -> None:
+    def observe(self, batch: Any) -> None:
         try:
             for name, hook in self._hooks.items():
                 if callable(hook):
@@ -286,77 +281,15 @@ class _BatchWork:
             warn_once("lightning-work", "gpulens: cannot count the work of a batch (%r); no "
                       "throughput or MFU for it", exc)
 
-    def take(self) -> dict[str, Any]:
+    def take_deferred(self) -> dict[str, Any]:
         out, self._sums = self._sums, {}
         if self._counter is not None:
-            work = self._counter.take()
-            if work.micro_batches:
-                out["tokens"] = work.tokens
-                if work.flops is not None:
-                    out["flops"] = work.flops
+            out.update(self._counter.take_deferred())
         return out
 
-
-def _logged_metrics(trainer: Any) -> dict[str, Any]:
-    """What Lightning's logger connector hands the loggers for this step (the module's
-    step-level ``self.log`` values, tensors left as they are: the monitor converts them off the
-    training thread) and the epoch, as Lightning adds it."""
-    out: dict[str, Any] = {}
-    try:
-        metrics = trainer.logged_metrics
-    except Exception as exc:
-        warn_once("lightning-logged-metrics", "gpulens: Lightning's logged metrics cannot be "
-                  "read (%r); rows carry no train/* keys", exc)
-        metrics = {}
-    for name, value in dict(metrics).items():
-        if name in ("epoch", "step"):
-            continue
-        out[name] = value
-    out["epoch"] = int(trainer.current_epoch)
-    return out
-
-
-def _lightning_log_step(trainer: Any) -> tuple[int, bool]:
-    """The step Lightning's logger connector logs training-step metrics at right after
-    ``on_train_batch_end``, and whether it logs them for this batch.
-
-    Mirrors ``_LoggerConnector.update_train_step_metrics`` (Lightning 2.x): no log on a
-    gradient-accumulation micro-batch under automatic optimisation; otherwise when
-    ``should_update_logs`` (every ``log_every_n_steps`` counted in ``_batches_that_stepped + 1``,
-    or ``trainer.should_stop``) or ``fast_dev_run``; the step is
-    ``fit_loop.epoch_loop._batches_that_stepped`` (optimizer steps before this one, so one less
-    than ``trainer.global_step`` once this batch's optimizer step ran).
-    """
-    fit_loop = trainer.fit_loop
-    step = int(fit_loop.epoch_loop._batches_that_stepped)
-    accumulating = bool(fit_loop._should_accumulate())
-    module = trainer.lightning_module
-    if accumulating and getattr(module, "automatic_optimization", True):
-        return step, False
-    will_log = bool(trainer._logger_connector.should_update_logs) or bool(trainer.fast_dev_run)
-    return step, will_log
-
-
-def _check_lightning_internals(trainer: Any) -> None:
-    """Raise at ``setup`` (not mid-training) when this Lightning lacks what
-    :func:`_lightning_log_step` reads."""
-    fit_loop = getattr(trainer, "fit_loop", None)
-    missing = [
-        name
-        for name, ok in (
-            ("fit_loop.epoch_loop._batches_that_stepped",
-             hasattr(getattr(fit_loop, "epoch_loop", None), "_batches_that_stepped")),
-            ("fit_loop._should_accumulate", hasattr(fit_loop, "_should_accumulate")),
-            ("_logger_connector.should_update_logs",
-             hasattr(type(getattr(trainer, "_logger_connector", None)), "should_update_logs")),
-        )
-        if not ok
-    ]
-    if missing:
-        raise RuntimeError(
-            "gpulens' Lightning callback follows Lightning 2.x's logging step and needs "
-            f"{', '.join(missing)}, which this Lightning version lacks"
-        )
+    def close(self) -> None:
+        if self._counter is not None:
+            self._counter.close()
 
 
 __all__ = ["DOC", "GPUMonitorHooks", "LoggersSink"]

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
@@ -107,7 +108,7 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
     def __init__(self, monitor: Monitor, start_step: int | None = None) -> None:
         super().__init__()
         self.monitor = monitor
-        self._last_step: int | None = None
+        self._gate = StepGate()
         self._calls = 0
         if start_step is not None:
             monitor.start(step=start_step)
@@ -128,11 +129,11 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
         self._calls += 1
         step = self._calls if step is None else int(step)
         monitor = self.monitor
-        if not monitor.running:
+        action = self._gate.at(step, started=monitor.running)
+        if action is GateAction.START:
             monitor.start(step=step)
-        elif self._last_step is None or step > self._last_step:
+        elif action is GateAction.ROW:
             monitor.log(step, **_train_scalars(values))
-        self._last_step = step if self._last_step is None else max(self._last_step, step)
 
     def finish(self) -> None:
         """Write every row still waiting into the trackers' runs (before they are ended)."""

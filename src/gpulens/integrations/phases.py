@@ -61,6 +61,8 @@ _PHASES = ("data_wait", "forward_backward", "optimizer")
 
 _MAX_PENDING = 4096
 """Marks kept while waiting for their CUDA events; older ones are dropped (and counted)."""
+_MAX_FREE = 64
+"""Completed device events kept for reuse."""
 
 
 class StepPhases:
@@ -74,7 +76,8 @@ class StepPhases:
             ``torch.cuda.Event(enable_timing=True)``); anything with ``record()``, ``query()``
             and ``elapsed_time(end)`` in milliseconds, e.g. another accelerator's events.
 
-    Each mark costs a ``perf_counter`` call (plus one ``cudaEventRecord`` with ``cuda=True``).
+    Each mark costs a ``perf_counter`` call (plus one ``cudaEventRecord`` with ``cuda=True``;
+    the events are reused once read, so none is created or destroyed per mark in steady state).
     Not thread-safe: mark and collect from the training thread.
     """
 
@@ -91,6 +94,9 @@ class StepPhases:
 
         self._new_event = event_factory
         self._pending: deque[tuple[str, Any]] = deque()
+        self._free: list[Any] = []
+        """Device events read for the last time, recorded again by later marks (no event is
+        made or destroyed per mark once a few steps have run)."""
         self._last: tuple[str, Any] | None = None
         self._totals = dict.fromkeys(_PHASES, 0.0)
         self._seen = dict.fromkeys(_PHASES, False)
@@ -117,7 +123,7 @@ class StepPhases:
 
     def _mark(self, label: str) -> None:
         if self._new_event is not None and self.cuda:
-            event = self._new_event()
+            event = self._free.pop() if self._free else self._new_event()
             event.record()
             stamp: Any = event
         else:
@@ -161,11 +167,14 @@ class StepPhases:
             if self.cuda and not stamp.query():
                 return  # later marks cannot have completed before this one
             self._pending.popleft()
-            if self._last is not None:
-                phase = _PHASE_OF.get((self._last[0], label))
+            last = self._last
+            if last is not None:
+                phase = _PHASE_OF.get((last[0], label))
                 if phase is not None:
-                    self._totals[phase] += self._elapsed(self._last[1], stamp)
+                    self._totals[phase] += self._elapsed(last[1], stamp)
                     self._seen[phase] = True
+                if self.cuda and len(self._free) < _MAX_FREE:
+                    self._free.append(last[1])  # read for the last time: record it again later
             self._last = (label, stamp)
 
     def _elapsed(self, start: Any, end: Any) -> float:

@@ -76,11 +76,11 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpulens.integrations.phases import StepPhases
+from gpulens.integrations.session import TrainingSession, WorkSource
 from gpulens.monitor import Monitor
 from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
@@ -100,10 +100,15 @@ __all__ = ["GPUMonitorCallback"]
 log = logging.getLogger(__name__)
 
 
-
 class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Writes a GPU telemetry row at each Hugging Face training log (see the module docstring
     for every key and hook).
+
+    Reads only public fields of Hugging Face's ``TrainingArguments`` (``report_to``,
+    ``output_dir``, ``run_name``, ``device``, the precision flags) and ``TrainerState``
+    (``global_step``, ``is_world_process_zero``), and the ``model`` handed to
+    ``on_train_begin`` (checked against transformers 5.24). The run's lifecycle is
+    :class:`gpulens.integrations.session.TrainingSession`'s.
 
     Args:
         sinks: extra sinks (names such as ``"jsonl:runs/gpu.jsonl"``, ``"prometheus:9400"`` or
@@ -119,7 +124,9 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             measured once with ``FlopCounterMode`` on the meta device), so that rows carry
             ``perf/tokens_per_s``, ``perf/tflops``, ``perf/mfu_pct`` and
             ``perf/tokens_per_j``; the dtype comes from ``TrainingArguments`` (``bf16``,
-            ``fp16``, ``tf32``) and the model.  See :mod:`gpulens.work`.
+            ``fp16``, ``tf32``) and the model.  See :mod:`gpulens.work`.  Per micro-batch
+            this costs the training thread at most one device operation (the mask's row
+            sums); the sums and the FLOPs are computed off it.
         tracker_keys: what the W&B and MLflow runs of ``report_to`` get: ``"default"`` (a
             handful of job-level GPU figures beside HF's loss: :mod:`gpulens.sinks.layout`) or
             ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else ``"default"``.
@@ -148,105 +155,67 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self.follow_report_to = follow_report_to
         self.time_phases = phases
         self.count_work = work
-        self._tokens: Any = None
-        self.monitor: Monitor | None = None
-        self._phases: StepPhases | None = None
-        self._last_logged_step = 0
+        self.session: TrainingSession | None = None
         self._tail: tuple[int, dict[str, float]] | None = None
         self._mlflow_run: Any = None
-        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The running ``train()`` call's monitor (``None`` outside one)."""
+        return self.session.monitor if self.session is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop(collective=False)  # a previous train() that raised left it running
-        sinks = self._sinks_for(args) if state.is_world_process_zero else []
-        dtype = self._start_counting(args, kwargs.get("model"))
-        monitor = self._settings.with_sinks(sinks, dtype=dtype)
+        rank0 = bool(state.is_world_process_zero)
+        model = kwargs.get("model") if self.count_work else None
+        dtype, counter = _work_of(args, model)
+        monitor = self._settings.with_sinks(self._sinks_for(args) if rank0 else [], dtype=dtype)
         check_sinks(monitor.sinks)  # a one-line error before any run or file is made
-        if state.is_world_process_zero and self._follows(args, "mlflow"):
+        if rank0 and self._follows(args, "mlflow"):
             self._mlflow_run = _ensure_mlflow_run(args)
-        self._last_logged_step = int(state.global_step)
         self._tail = None
-        monitor.start(step=self._last_logged_step)  # a resumed run starts its windows there
-        self.monitor = monitor
-        # garbage collection or exit without on_train_end (train() raised): the other ranks may
-        # be gone, so the last rows are not gathered
-        self._finalizer = weakref.finalize(self, monitor.stop, None, collective=False)
+        step = int(state.global_step)
+        phases = None
         if self.time_phases:
-            device = getattr(args, "device", None)
-            self._phases = StepPhases(cuda=getattr(device, "type", None) == "cuda")
-            self._phases.resume()
+            phases = StepPhases(cuda=getattr(getattr(args, "device", None), "type", None) ==
+                                "cuda")
+        # a resumed run starts its windows at the restored step
+        work: WorkSource | None = counter.attach(model) if counter is not None else None
+        self.session = TrainingSession(monitor, start_step=step, steps_done=step, phases=phases,
+                                       work=work).start()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        monitor = self.monitor
+        session = self.session
         step = int(state.global_step)
-        if monitor is not None and step > self._last_logged_step:
+        if session is not None and session.steps_since_row(step) > 0:
             # the steps since the last training log (or every step, with logging_strategy
             # "no"): a last row, with the end-of-training summary's numbers if it came now
             tail = self._tail[1] if self._tail is not None and self._tail[0] == step else {}
-            if self._phases is not None:
-                tail = {**tail, **self._phases.collect(step - self._last_logged_step)}
-            monitor.log(step, **self._take_work(), **tail)
-            self._last_logged_step = step
+            session.row(step, step, tail)
         self._stop()
         run, self._mlflow_run = self._mlflow_run, None
         if run is not None:
             _end_mlflow_run(run)
 
-    def _start_counting(self, args: Any, model: Any) -> str | None:
-        """Count the work of every training forward of ``model``; the run's dtype."""
-        if not self.count_work or model is None:
-            return None
-        try:
-            from gpulens.work.hf import TokenCounter, dtype_from_training_args, model_flops
-
-            dtype = dtype_from_training_args(args, model)
-            self._tokens = TokenCounter(model_flops(model)).attach(model)
-        except Exception as exc:  # work figures are extras: never a reason to stop training
-            log.warning("gpulens: cannot count this model's tokens and FLOPs (%r); no "
-                        "throughput or MFU", exc)
-            return None
-        return dtype
-
-    def _take_work(self) -> dict[str, Any]:
-        """Tokens and FLOPs since the previous row (device tensors: converted off the training
-        thread by the monitor)."""
-        counter = self._tokens
-        if counter is None:
-            return {}
-        work = counter.take()
-        if not work.micro_batches:
-            return {}
-        out: dict[str, Any] = {"tokens": work.tokens}
-        if work.flops is not None:
-            out["flops"] = work.flops
-        return out
-
     def _stop(self, collective: bool = True) -> None:
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-            if self.monitor is not None:
-                self.monitor.stop(collective=collective)
-        if self._tokens is not None:
-            self._tokens.detach()
-            self._tokens = None
-        self.monitor = None
-        self._phases = None
+        session, self.session = self.session, None
         self._tail = None
+        if session is not None:
+            session.stop(collective=collective)
 
     # -- step anatomy ----------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._phases is not None:
-            self._phases.step_begin()
+        if self.session is not None:
+            self.session.step_begin()
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._phases is not None:
-            self._phases.before_optimizer()
+        if self.session is not None:
+            self.session.before_optimizer()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._phases is not None:
-            self._phases.step_end()
+        if self.session is not None:
+            self.session.step_end()
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._resume()
@@ -258,8 +227,8 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self._resume()
 
     def _resume(self) -> None:
-        if self._phases is not None:
-            self._phases.resume()
+        if self.session is not None:
+            self.session.resume()
 
     # -- rows ------------------------------------------------------------------------------------
     def on_log(
@@ -270,22 +239,19 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         logs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        monitor = self.monitor
-        if monitor is None or not logs:
+        session = self.session
+        if session is None or not logs:
             return
         step = int(state.global_step)
         scalars = {k: float(v) for k, v in logs.items() if _is_number(v)}
         if "loss" in logs:
-            if self._phases is not None:
-                scalars.update(self._phases.collect(step - self._last_logged_step))
-            monitor.log(step, **self._take_work(), **scalars)
-            self._last_logged_step = step
+            session.row(step, step, scalars)
             self._tail = None
-        elif not any(k.startswith("eval_") for k in logs) and step > self._last_logged_step:
+        elif session.steps_since_row(step) > 0 and not any(k.startswith("eval_") for k in logs):
             # another log between training logs, e.g. the end-of-training summary: its numbers
             # go into the row that on_train_end writes for the steps since the last one
             self._tail = (step, scalars)
-        self._resume()
+        session.resume()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _follows(self, args: Any, tracker: str) -> bool:
@@ -327,6 +293,21 @@ def _end_mlflow_run(run: Any) -> None:
     active = mlflow.active_run()
     if active is not None and active.info.run_id == run.info.run_id:
         mlflow.end_run()
+
+
+def _work_of(args: Any, model: Any) -> tuple[str | None, Any]:
+    """The run's compute dtype and an unattached token and FLOPs counter for ``model``;
+    ``(None, None)``, said once, when they cannot be had (no work is counted then)."""
+    if model is None:
+        return None, None
+    try:
+        from gpulens.work.hf import TokenCounter, dtype_from_training_args, model_flops
+
+        return dtype_from_training_args(args, model), TokenCounter(model_flops(model))
+    except Exception as exc:  # work figures are extras: never a reason to stop training
+        log.warning("gpulens: cannot count this model's tokens and FLOPs (%r); no "
+                    "throughput or MFU", exc)
+        return None, None
 
 
 def _is_number(value: Any) -> bool:

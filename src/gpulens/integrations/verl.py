@@ -56,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.schema import STEP_KEY
@@ -226,7 +227,7 @@ class MergingLogger:
         self.max_delay_s = float(max_delay_s)
         gpu, rest = _split_backends(logger, gpu_backends)
         self._state = _State(logger, monitor, handoff, gpu, rest, self.max_delay_s)
-        self._last_step: int | None = None
+        self._gate = StepGate()
         self._window_open = monitor is not None and monitor.running
         if monitor is not None and start_step is not None and not monitor.running:
             monitor.start(step=start_step)
@@ -283,14 +284,14 @@ class MergingLogger:
             state.forward(call)
             return
         placeholder: _Call | None = None
-        if not self._window_open:
+        action = self._gate.at(step, started=self._window_open)
+        if action is GateAction.START:
             monitor.start(step=step)  # the first window starts here, after this step
             self._window_open = True
             self._renew_finalizer()  # its exit hook now comes after the monitor's
-        elif self._last_step is None or step > self._last_step:
+        elif action is GateAction.ROW:
             monitor.log(step)
             placeholder = _Call(step)
-        self._last_step = step if self._last_step is None else max(self._last_step, step)
         # the call goes before any waiting row of its own step or a later one
         index = len(state.queue)
         while index > 0 and state.queue[index - 1].data is None \

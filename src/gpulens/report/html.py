@@ -106,7 +106,8 @@ function nearest(pts,px){var lo=0,hi=pts.length-1;while(hi-lo>1){var m=(lo+hi)>>
 document.querySelectorAll('svg.chart').forEach(function(svg){
  var d=svg.dataset,L=+d.left,R=+d.right,T=+d.top,B=+d.bottom,x0=+d.x0,x1=+d.x1,y0=+d.y0,
  y1=+d.y1,W=svg.viewBox.baseVal.width,cur=svg.querySelector('.cursor');
- var lines=Array.prototype.map.call(svg.querySelectorAll('polyline'),function(p){
+ var lines=Array.prototype.map.call(svg.querySelectorAll('polyline:not([data-hover=off])'),
+  function(p){
   return {label:p.getAttribute('data-label'),pts:p.getAttribute('points').split(' ')
   .map(function(s){var a=s.split(',');return [+a[0],+a[1]];})};});
  function hide(){tip.hidden=true;cur.setAttribute('visibility','hidden');}
@@ -115,7 +116,9 @@ document.querySelectorAll('svg.chart').forEach(function(svg){
   if(px<L||px>R||!lines.length){hide();return;}
   cur.setAttribute('x1',px);cur.setAttribute('x2',px);cur.setAttribute('visibility','visible');
   var x=x0+(px-L)/(R-L)*(x1-x0);
-  var out=[d.xlabel==='step'?'step '+Math.round(x):d.xlabel+' '+x.toFixed(1)];
+  if(d.xscale==='log2')x=Math.round(Math.pow(2,x));
+  var out=[d.xlabel==='step'||d.xscale==='log2'?d.xlabel+' '+Math.round(x):d.xlabel+' '+
+   x.toFixed(1)];
   lines.forEach(function(l){var p=nearest(l.pts,px);
    out.push(l.label+': '+fmt(y0+(B-p[1])/(B-T)*(y1-y0)));});
   tip.textContent=out.join('\\n');tip.style.left=(ev.pageX+14)+'px';

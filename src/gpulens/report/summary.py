@@ -356,7 +356,9 @@ class SummaryBuilder:
         if tensors and mfu is not None and math.isfinite(mfu):
             tensor = sum(tensors) / len(tensors)
             self._perf.setdefault("tensor", _Stat()).add(tensor, window)
-            self._perf.setdefault("mfu_with_tensor", _Stat()).add(float(mfu), window)
+            if "perf/mfu_when_tensor_active_pct" in values:  # the engine found it sound
+                self._perf.setdefault("tensor_busy", _Stat()).add(tensor, window)
+                self._perf.setdefault("mfu_with_tensor", _Stat()).add(float(mfu), window)
         energy = sum(v for k, v in values.items()
                      if k.endswith("/energy_j") and _GPU_KEY.match(k) and math.isfinite(v))
         if energy > 0:
@@ -387,7 +389,8 @@ class SummaryBuilder:
         out.mfu_pct = mean("perf/mfu_pct")
         out.mfu_clock_adjusted_pct = mean("perf/mfu_clock_adjusted_pct")
         out.tensor_active_pct = mean("tensor")
-        both, busy = p.get("mfu_with_tensor"), p.get("tensor")
+        # only the windows whose rows carry the quotient (a tensor-core dtype, within 100 %)
+        both, busy = p.get("mfu_with_tensor"), p.get("tensor_busy")
         if both is not None and busy is not None and busy.wsum > 0:
             out.mfu_when_tensor_active_pct = 100.0 * both.wsum / busy.wsum
         return out

@@ -31,6 +31,8 @@ class Series:
     dash: str | None = None
     width: float = 1.8
     legend: bool = True
+    hover: bool = True
+    """False for a reference line (a limit, a target): the hover read-out leaves it out."""
 
 
 def color(i: int) -> str:
@@ -128,12 +130,17 @@ def line_chart(
     y_ceiling: float | None = None,
     x_label: str = "step",
     y_label: str = "",
+    x_ticks: list[tuple[float, str]] | None = None,
+    x_log2: bool = False,
 ) -> str:
     """A ``<figure>`` with a title, a legend and the SVG chart; empty series are left out.
 
     ``y_floor``/``y_ceiling`` pin the y-axis ends (0 for most gauges, 100 for percentages);
     ``None`` lets the data decide.  ``x_label`` names the x-axis (``"step"``, or
-    ``"elapsed s"`` for wall-clock rows), ``y_label`` the y-axis (its unit).
+    ``"elapsed s"`` for wall-clock rows), ``y_label`` the y-axis (its unit).  ``x_ticks``
+    places the x ticks and their labels instead of round numbers (e.g. batch sizes on a log
+    axis); ``x_log2`` says the x values are ``log2`` of what they stand for, so the hover
+    read-out shows ``2**x``.
     """
     series = [s for s in series if s.points]
     pts = [p for s in series for p in s.points]
@@ -164,8 +171,10 @@ def line_chart(
             f'<text class="tick ytick" x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
             f"{label}</text>"
         )
-    xt = [t for t in nice_ticks(x0, x1, 6) if x0 <= t <= x1]
-    for t, label in zip(xt, tick_labels(xt), strict=True):
+    if x_ticks is None:
+        xt = [t for t in nice_ticks(x0, x1, 6) if x0 <= t <= x1]
+        x_ticks = list(zip(xt, tick_labels(xt), strict=True))
+    for t, label in x_ticks:
         x = sx(t)
         parts.append(
             f'<line class="xtick" x1="{x:.1f}" x2="{x:.1f}" y1="{TOP + ph}" y2="{TOP + ph + 4}"/>'
@@ -191,8 +200,9 @@ def line_chart(
         if len(reduced) == 1:
             cx, cy = sx(reduced[0][0]), sy(reduced[0][1])
             parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{s.color}"/>')
+        hover = "" if s.hover else ' data-hover="off"'
         parts.append(
-            f'<polyline data-label="{escape(s.label)}" fill="none" stroke="{s.color}" '
+            f'<polyline data-label="{escape(s.label)}"{hover} fill="none" stroke="{s.color}" '
             f'stroke-width="{s.width}"{dash} points="{coords}"/>'
         )
     if not series:
@@ -213,7 +223,9 @@ def line_chart(
         f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" data-points="{drawn}" '
         f'data-x0="{x0!r}" data-x1="{x1!r}" data-y0="{y0!r}" data-y1="{y1!r}" '
         f'data-left="{LEFT}" data-right="{WIDTH - RIGHT}" data-top="{TOP}" '
-        f'data-bottom="{TOP + ph}" data-xlabel="{escape(x_label)}" role="img" '
+        f'data-bottom="{TOP + ph}" data-xlabel="{escape(x_label)}" '
+        + ('data-xscale="log2" ' if x_log2 else "")
+        + 'role="img" '
         f'aria-label="{escape(title)}">'
         + "".join(parts)
         + f'<line class="cursor" x1="0" x2="0" y1="{TOP}" y2="{TOP + ph}" visibility="hidden"/>'

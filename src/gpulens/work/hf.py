@@ -21,6 +21,7 @@ transformers and torch are imported only by the functions that need them.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -146,6 +147,11 @@ class StepWork:
     micro_batches: int
 
 
+FOLD_AT = 256
+"""Micro-batches of tensor counts kept between two takes before they are reduced on the
+training thread (a few device operations), which bounds the memory they hold."""
+
+
 class TokenCounter:
     """Counts the tokens (and model FLOPs) of every training forward of a model.
 
@@ -163,16 +169,36 @@ class TokenCounter:
 
     Padding without a mask (a pad id the model only masks in the loss) cannot be told apart and
     counts as work.
+
+    **Cost on the training thread.** A micro-batch costs at most one device operation (the
+    mask's row sums, or the differences of ``cu_seq_lens_q``; packed ``position_ids`` are kept
+    as they are; shapes alone cost none), never a synchronisation. The rest (sums, the FLOPs
+    formula) waits for the take: :meth:`take` runs it on the device (a few operations per take,
+    the results left there), :meth:`take_deferred` hands it to whoever reads the values
+    (``Monitor.log`` converts them in its relay thread), so the training thread does none of it.
+    Every :data:`FOLD_AT` micro-batches without a take, the kept counts are reduced on the
+    device into running totals, so the memory they hold stays bounded.
     """
 
     def __init__(self, formula: FlopsFormula | None = None, attention: Attention = "full"):
         _check_attention(attention)
         self.formula = formula
         self.attention: Attention = attention
-        self._tokens: Any = 0
-        self._flops: Any = 0
-        self._micro = 0
         self._handle: Any = None
+        self._shape_flops: dict[tuple[int, int], float | None] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tokens: int = 0
+        """Tokens counted from shapes alone (no tensor to read)."""
+        self._flops: float = 0.0
+        self._lengths: list[Any] = []
+        """Per micro-batch, the lengths of its sequences (1-D integer tensors)."""
+        self._positions: list[Any] = []
+        """Packed micro-batches' ``position_ids`` (2-D integer tensors)."""
+        self._folded: tuple[Any, Any] | None = None
+        """Running (tokens, FLOPs) of folded tensor counts (0-d tensors on their device)."""
+        self._micro = 0
 
     def attach(self, model: torch.nn.Module) -> TokenCounter:
         """Count every training forward of ``model`` (a forward pre-hook; :meth:`detach`)."""
@@ -180,10 +206,9 @@ class TokenCounter:
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if module.training:
-                inputs = dict(kwargs)
-                if args and "input_ids" not in inputs:
-                    inputs["input_ids"] = args[0]
-                self.observe(inputs)
+                if args and "input_ids" not in kwargs:
+                    kwargs = {**kwargs, "input_ids": args[0]}
+                self.observe(kwargs)
 
         self._handle = model.register_forward_pre_hook(hook, with_kwargs=True)
         return self
@@ -193,64 +218,128 @@ class TokenCounter:
             self._handle.remove()
             self._handle = None
 
+    def close(self) -> None:
+        """Stop counting and let go of the counts kept (the end of a run)."""
+        self.detach()
+        self._reset()
+
     def observe(self, batch: Mapping[str, Any]) -> None:
         """Add one micro-batch (the model's keyword inputs)."""
         try:
-            tokens, flops = self._count(batch)
+            counted = self._keep(batch)
         except Exception as exc:  # a batch layout this does not understand: say so, go on
             warn_once("tokens:batch",
                       "gpulens: cannot count the tokens of a batch (%s: %s): throughput and "
                       "MFU are not reported for such batches", type(exc).__name__, exc)
             return
-        if tokens is None:
-            return
-        self._tokens = self._tokens + tokens
-        if flops is not None and self._flops is not None:
-            self._flops = self._flops + flops
-        else:
-            self._flops = None
-        self._micro += 1
+        if counted:
+            self._micro += 1
+            if len(self._lengths) + len(self._positions) >= FOLD_AT:
+                self._fold()
 
     def take(self) -> StepWork:
-        """The work since the previous take, and start again."""
-        work = StepWork(
-            tokens=self._tokens,
-            flops=self._flops if (self.formula is not None and self._micro) else None,
-            micro_batches=self._micro,
-        )
-        self._tokens, self._flops, self._micro = 0, 0, 0
+        """The work since the previous take, and start again. Tensor counts are reduced on
+        their device here (no synchronisation): the values are 0-d tensors there."""
+        micro = self._micro
+        tokens, flops = self._reduce_kept()
+        work = StepWork(tokens=tokens, flops=flops if (self.formula is not None and micro) else
+                        None, micro_batches=micro)
+        self._reset()
         return work
+
+    def take_deferred(self) -> dict[str, Any]:
+        """The work since the previous take as :meth:`gpulens.Monitor.log` keywords
+        (``tokens``, and ``flops`` with a formula; ``{}`` when no micro-batch was counted),
+        and start again. Nothing runs on the device here: values that need the kept tensors
+        are :class:`DeferredCount` objects whose ``item()`` reduces them where it is called
+        (``Monitor.log`` calls it in its relay thread, off the training thread)."""
+        if not self._micro:
+            self._reset()
+            return {}
+        out: dict[str, Any]
+        if self._lengths or self._positions or self._folded is not None:
+            pending = _Pending(self, self._lengths, self._positions, self._folded)
+            out = {"tokens": DeferredCount(pending, 0)}
+            if self.formula is not None:
+                out["flops"] = DeferredCount(pending, 1)
+        else:
+            out = {"tokens": self._tokens}
+            if self.formula is not None:
+                out["flops"] = self._flops
+        self._reset()
+        return out
 
     # -- one micro-batch ---------------------------------------------------------------------
 
-    def _count(self, batch: Mapping[str, Any]) -> tuple[Any, Any]:
+    def _keep(self, batch: Mapping[str, Any]) -> bool:
+        """Keep what one micro-batch's count needs; False when it has nothing to count."""
         import torch
 
         mask = batch.get("attention_mask")
-        cu = batch.get("cu_seq_lens_q")
-        pos = batch.get("position_ids")
-        ids = batch.get("input_ids")
-        if ids is None:
-            ids = batch.get("inputs_embeds")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            lengths = mask.to(torch.int64).sum(dim=1)
-            return lengths.sum(), self._flops_of_lengths(lengths)
+            self._lengths.append(mask.sum(dim=1, dtype=torch.int64))
+            return True
         if isinstance(mask, torch.Tensor):
             warn_once("tokens:mask4d",
                       "gpulens: a %d-D attention mask does not say which tokens are padding: "
                       "every position is counted as a token", mask.dim())
+        cu = batch.get("cu_seq_lens_q")
         if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
-            lengths = (cu[1:] - cu[:-1]).to(torch.int64)
-            return lengths.sum(), self._flops_of_lengths(lengths)
+            self._lengths.append(cu[1:] - cu[:-1])
+            return True
+        pos = batch.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.dim() == 2:
-            positions = pos.to(torch.int64)
-            return positions.numel(), self._flops_of_positions(positions)
+            self._positions.append(pos)
+            return True
+        ids = batch.get("input_ids")
+        if ids is None:
+            ids = batch.get("inputs_embeds")
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
             rows, length = int(ids.shape[0]), int(ids.shape[1])
-            if self.formula is None:
-                return rows * length, None
-            return rows * length, self.formula.training_flops([length] * rows, self.attention)
-        return None, None
+            self._tokens += rows * length
+            flops = self._shape_flops.get((rows, length), -1.0)
+            if flops == -1.0:
+                flops = self._shape_flops[(rows, length)] = (
+                    None if self.formula is None
+                    else self.formula.training_flops([length] * rows, self.attention))
+            if flops is not None:
+                self._flops += flops
+            return True
+        return False
+
+    def _fold(self) -> None:
+        """Reduce the kept tensor counts into running totals on their device."""
+        tokens, flops = self._reduce_tensors(self._lengths, self._positions, self._folded)
+        self._lengths, self._positions = [], []
+        self._folded = (tokens, flops)
+
+    def _reduce_kept(self) -> tuple[Any, Any]:
+        """(tokens, FLOPs) of everything kept: numbers, or 0-d tensors where tensors were."""
+        if not (self._lengths or self._positions or self._folded is not None):
+            return self._tokens, self._flops
+        tokens, flops = self._reduce_tensors(self._lengths, self._positions, self._folded)
+        return tokens + self._tokens, (flops + self._flops if flops is not None else None)
+
+    def _reduce_tensors(self, lengths: list[Any], positions: list[Any],
+                        folded: tuple[Any, Any] | None) -> tuple[Any, Any]:
+        """(tokens, FLOPs) of kept tensor counts, computed where the tensors are."""
+        import torch
+
+        tokens: Any = 0
+        flops: Any = 0.0 if self.formula is not None else None
+        if folded is not None:
+            tokens, flops = folded
+        if lengths:
+            lens = torch.cat(lengths) if len(lengths) > 1 else lengths[0]
+            tokens = tokens + lens.sum()
+            if flops is not None:
+                flops = flops + self._flops_of_lengths(lens)
+        for pos in positions:
+            positions64 = pos.to(torch.int64)
+            tokens = tokens + positions64.numel()
+            if flops is not None:
+                flops = flops + self._flops_of_positions(positions64)
+        return tokens, flops
 
     def _flops_of_lengths(self, lengths: torch.Tensor) -> Any:
         import torch
@@ -288,6 +377,78 @@ class TokenCounter:
                 per_tok = p + 1 if window is None else (p + 1).clamp(max=window)
             total = total + per_pair * per_tok.sum()
         return 3.0 * total
+
+
+class _Pending:
+    """The kept counts of one take, reduced once, by the first reader (any thread).
+
+    The reduction runs on the stream the training thread used when it took them (the kept
+    tensors were made there, so it comes after them), then moves the two sums to the host.
+    """
+
+    def __init__(self, counter: TokenCounter, lengths: list[Any], positions: list[Any],
+                 folded: tuple[Any, Any] | None) -> None:
+        self._counter = counter
+        self._parts: tuple[list[Any], list[Any], tuple[Any, Any] | None] | None = (
+            lengths, positions, folded)
+        self._plain = (counter._tokens, counter._flops)
+        self._stream = _stream_of([*lengths, *positions, *(folded or ())])
+        self._result: tuple[float, float | None] | None = None
+        self._lock = threading.Lock()
+
+    def result(self) -> tuple[float, float | None]:
+        with self._lock:
+            if self._result is None:
+                assert self._parts is not None
+                parts, self._parts = self._parts, None
+                self._result = self._reduce(*parts)
+            return self._result
+
+    def _reduce(self, lengths: list[Any], positions: list[Any],
+                folded: tuple[Any, Any] | None) -> tuple[float, float | None]:
+        import contextlib
+
+        import torch
+
+        context: Any = contextlib.nullcontext()
+        if self._stream is not None:
+            context = torch.cuda.stream(self._stream)
+        with context:
+            tokens, flops = self._counter._reduce_tensors(lengths, positions, folded)
+            host_tokens = float(tokens)  # waits for the device, on this thread
+            host_flops = float(flops) if flops is not None else None
+        plain_tokens, plain_flops = self._plain
+        return (host_tokens + plain_tokens,
+                host_flops + plain_flops if host_flops is not None else None)
+
+
+def _stream_of(tensors: list[Any]) -> Any:
+    """The training thread's current stream on the device of the first CUDA tensor, or None."""
+    for t in tensors:
+        if getattr(t, "is_cuda", False):
+            import torch
+
+            return torch.cuda.current_stream(t.device)
+    return None
+
+
+class DeferredCount:
+    """One figure (tokens or FLOPs) of a :meth:`TokenCounter.take_deferred`: ``item()`` (or
+    ``float()``) reduces the kept counts, waiting for the device if they are on one; call it off
+    the training thread. Reading either figure reduces both, once."""
+
+    def __init__(self, pending: _Pending, index: int) -> None:
+        self._pending = pending
+        self._index = index
+
+    def item(self) -> float:
+        value = self._pending.result()[self._index]
+        if value is None:
+            raise ValueError("no FLOPs formula: the FLOPs of these tokens are unknown")
+        return float(value)
+
+    def __float__(self) -> float:
+        return self.item()
 
 
 class TokensSeenDelta:

@@ -21,7 +21,8 @@ key                                 unit      what
 ``perf/samples_per_j``              samples/J samples / the GPUs' energy in the window
 ``perf/mfu_when_tensor_active_pct`` %         ``perf/mfu_pct`` / (GPM tensor-pipe active % / 100):
                                               the share of peak the tensor cores delivered *while
-                                              they were busy*
+                                              they were busy*; only for a dtype whose products
+                                              run on tensor cores, and only within 0-100
 =================================== ========= ===================================================
 
 Reading ``perf/mfu_when_tensor_active_pct`` beside ``gpu/*/tensor_active_pct``:
@@ -33,8 +34,19 @@ Reading ``perf/mfu_when_tensor_active_pct`` beside ``gpu/*/tensor_active_pct``:
 * tensor pipes active a small share of the time and this figure high — the tensor cores were
   **idle**: the step spends its time elsewhere (data loading, communication, elementwise and
   memory-bound kernels, the host).
-* above 100 %: the inputs disagree (a FLOP count too high, the wrong peak or variant, or a GPM
-  reading that does not cover the window): treat the MFU of that window with suspicion.
+
+When it is left out:
+
+* **The dtype does not run on tensor cores** (``fp32`` without TF32, ``fp64``, or no dtype):
+  the peak is then the CUDA cores' (or unknown) and the products never touch the tensor pipes,
+  so MFU divided by tensor-pipe activity measures nothing: the 302-407 % a tiny FP32 model
+  read on two H200s (issue 18) is such a quotient, an FP32 MFU over whatever little the tensor
+  pipes happened to run.
+* **It would exceed 100 %**: the tensor cores cannot deliver more than their peak while busy,
+  so the inputs disagree (FLOPs counted that ran elsewhere, say attention in FP32 or on CUDA
+  cores; a peak or GPU variant that is wrong; a GPM reading that does not cover the window).
+  The window gets no figure (absent, not clamped: a clamped 100 would look like a perfect
+  kernel); :func:`window_perf` reports it in ``out_of_range`` so that the engine says so once.
 """
 
 from __future__ import annotations
@@ -50,6 +62,9 @@ MFU_CLOCK_ADJUSTED_PCT = "perf/mfu_clock_adjusted_pct"
 TOKENS_PER_J = "perf/tokens_per_j"
 SAMPLES_PER_J = "perf/samples_per_j"
 MFU_WHEN_TENSOR_ACTIVE_PCT = "perf/mfu_when_tensor_active_pct"
+
+TENSOR_CORE_DTYPES = frozenset({"tf32", "bf16", "fp16", "fp8", "int8"})
+"""Dtypes whose products run on tensor cores (the peak of their column is a tensor-core peak)."""
 
 PERF_KEYS: tuple[str, ...] = (
     TOKENS_PER_S, SAMPLES_PER_S, TFLOPS, TFLOPS_JOB, MFU_PCT, MFU_CLOCK_ADJUSTED_PCT,
@@ -113,6 +128,8 @@ def window_perf(
     max_sm_clock_mhz: float | None = None,
     energy_j: float | None = None,
     tensor_active_pct: float | None = None,
+    dtype: str | None = None,
+    out_of_range: list[float] | None = None,
 ) -> dict[str, float]:
     """The ``perf/*`` keys (module docstring) of one window.
 
@@ -131,6 +148,10 @@ def window_perf(
             (``nvmlDeviceGetMaxClockInfo(SM)``).
         energy_j: energy of all the window's GPUs together (J).
         tensor_active_pct: GPM tensor-pipe active %, mean over the window's GPUs.
+        dtype: the run's compute dtype (``"bf16"`` ...): ``perf/mfu_when_tensor_active_pct``
+            needs one of :data:`TENSOR_CORE_DTYPES`.
+        out_of_range: where the ratio of MFU to tensor activity came out above 100 %, it is
+            left out of the result and appended here (for the caller to tell).
     """
     out: dict[str, float] = {}
     secs = _value(seconds, "seconds")
@@ -168,6 +189,10 @@ def window_perf(
     if clock is not None and clock_max is not None and clock > 0 and clock_max > 0:
         out[MFU_CLOCK_ADJUSTED_PCT] = mfu / min(1.0, clock / clock_max)
     tensor = _value(tensor_active_pct, "tensor_active_pct")
-    if tensor is not None and tensor > 0:
-        out[MFU_WHEN_TENSOR_ACTIVE_PCT] = 100.0 * mfu / tensor
+    if tensor is not None and tensor > 0 and dtype in TENSOR_CORE_DTYPES:
+        busy = 100.0 * mfu / tensor
+        if busy <= 100.0:
+            out[MFU_WHEN_TENSOR_ACTIVE_PCT] = busy
+        elif out_of_range is not None:
+            out_of_range.append(busy)
     return out

@@ -1,0 +1,346 @@
+"""Is each user path with gpulens indistinguishable from its A/A arm? Step time on a GPU, in
+blocks alternated within one process (issue 18).
+
+For each path (``--paths``): the baseline, its A/A arm (the same code again, ``<path>_b``) and
+the baseline with gpulens (``<path>_gpulens``), over one GPT-2-small-sized model (12 layers,
+768 wide, 1024 tokens; bf16 weights; fused AdamW; built from a config, no download) warmed
+once for the whole process, its batch chosen so that a step takes about ``--target-ms``:
+
+``hf_ls1``, ``hf_ls10``  Hugging Face ``Trainer``, ``report_to=["wandb"]`` (the offline run this
+                       script opens once; W&B's default system monitor), ``logging_steps`` 1 or
+                       10, token rows with an attention mask; gpulens: ``GPUMonitorCallback``.
+``lightning``          ``lightning.pytorch.Trainer``, a CSV logger, ``log_every_n_steps=1``, dict
+                       batches with an attention mask; gpulens: its ``GPUMonitorCallback``;
+                       ``--lightning-dsm`` adds ``lightning_dsm`` (``DeviceStatsMonitor``).
+``wandb_loop``         a plain loop logging the loss to that W&B run every step; gpulens:
+                       ``Monitor(sinks=["wandb"])`` and ``mon.log(step)`` every step.
+
+Under ``torchrun`` (one process per GPU, NCCL) only the HF paths run, in DDP; a block's value
+is then the slowest rank's.
+
+**The measurement** (``paths.py``): a block is one ``train()`` / ``fit()`` / loop of ``--warmup``
++ ``--steps`` optimizer steps over a fresh copy of the warmed model; gpulens's monitor starts
+and stops with its block, outside the timed steps. Each step is timed on the GPU's own timeline
+(CUDA events recorded at the end of every step; no device sync added), so host work the GPU's
+queue hides costs nothing and host work that starves the GPU shows. A block's value is the
+median of its timed steps. A round runs the three arms once each, in an order shuffled anew
+every round (seeded, recorded).
+
+**The statistics** (``paired.py``): per round, each arm's difference to the baseline in
+percentage points of the baseline's step; their mean with a 95 % bootstrap interval; the A/A
+arm's interval is the run's envelope. The claim sought is "indistinguishable within
++-``--bound-pp`` (0.3 pp)": the gpulens arm's interval contains 0 and lies inside the bound. A
+pilot of ``--pilot`` rounds measures the per-round SD (the larger of the A/A arm's and the
+gpulens arm's) and sets the rounds that bound asks for (``paired.rounds_needed``); the path's
+time budget (``--budget-s``) caps them, and the report says how many were needed and whether the
+cap left the bound unresolved.
+
+    python benchmarks/paths_aa.py --paths hf_ls1,hf_ls10 --budget-s 210       # one GPU
+    torchrun --nproc-per-node 2 benchmarks/paths_aa.py --paths hf_ls1 --budget-s 230
+    python benchmarks/paths_aa.py --quick --paths hf_ls1,lightning,wandb_loop  # CPU smoke run
+
+Writes ``$OUT/paths_aa.json`` (or ``--json``) after every round, so a time limit still leaves
+figures; prints Markdown at the end (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead_gpu as og  # the model, its warm-up, versions, hardware
+import paired
+import paths
+
+PATHS = ("hf_ls1", "hf_ls10", "lightning", "wandb_loop")
+DDP_PATHS = ("hf_ls1", "hf_ls10")
+
+
+def make_path(name: str, s: og.Setup, tmp: Path, args: argparse.Namespace) -> Any:
+    if name.startswith("hf_ls"):
+        return paths.HfPath(s, tmp, int(name[len("hf_ls"):]), ["wandb"], args.interval)
+    if name == "lightning":
+        return paths.LightningPath(s, tmp, 1, args.interval)
+    if name == "wandb_loop":
+        return paths.WandbLoopPath(s, args.interval)
+    raise ValueError(f"unknown path {name!r}; known: {', '.join(PATHS)}")
+
+
+def arms_of(name: str, dsm: bool = False) -> list[str]:
+    arms = [name, paired.aa_name(name), f"{name}_gpulens"]
+    if dsm and name == "lightning":
+        arms.append(f"{name}_dsm")  # Lightning's DeviceStatsMonitor, the built-in peer
+    return arms
+
+
+def pilot_sd(values: dict[str, dict[int, float]], name: str) -> float:
+    """The larger per-round SD (pp) of the A/A arm's and the gpulens arm's differences."""
+    sds = []
+    for arm in (paired.aa_name(name), f"{name}_gpulens"):
+        d = paired.per_round_pp(values[arm], values[name])
+        s = paired.sd(list(d.values()))
+        if math.isfinite(s):
+            sds.append(s)
+    return max(sds) if sds else math.nan
+
+
+class PathRun:
+    """Every round of one path, and how many were run and why."""
+
+    def __init__(self, name: str, dsm: bool = False) -> None:
+        self.name = name
+        self.arms = arms_of(name, dsm)
+        self.values: dict[str, dict[int, float]] = {a: {} for a in self.arms}
+        self.cpu_ms: dict[str, dict[int, float]] = {a: {} for a in self.arms}
+        self.rank_ms: dict[str, dict[int, list[float]]] = {a: {} for a in self.arms}
+        self.orders: list[list[str]] = []
+        self.round_s: list[float] = []
+        self.plan: paired.Plan | None = None
+        self.failed: str | None = None
+
+    def comparisons(self, seed: int) -> list[paired.Comparison]:
+        return paired.compare(self.values, dict.fromkeys(self.arms, self.name), seed=seed)
+
+    def as_dict(self, seed: int, bound: float) -> dict[str, Any]:
+        comps = self.comparisons(seed)
+        return {
+            "arms": {a: {"per_round_ms": {r: v * 1e3 for r, v in self.values[a].items()},
+                         "median_ms": (statistics.median(self.values[a].values()) * 1e3
+                                       if self.values[a] else None),
+                         "train_thread_cpu_ms_per_step": (
+                             statistics.median(self.cpu_ms[a].values())
+                             if self.cpu_ms[a] else None),
+                         "per_rank_ms": self.rank_ms[a]} for a in self.arms},
+            "orders": self.orders, "round_s": self.round_s,
+            "plan": self.plan.as_dict() if self.plan else None, "failed": self.failed,
+            "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est, bound)}
+                            for c in comps],
+        }
+
+
+def run_path(run: PathRun, path: Any, args: argparse.Namespace, budget_end: float,
+             agree: Callable[[Any], Any], gather: Callable[[float], list[float]],
+             report: Callable[[], None]) -> None:
+    """Shuffled rounds until the pilot's rule, ``--rounds``, ``--max-rounds`` or the budget
+    says stop (``agree``: rank 0's decision on every rank)."""
+    target = args.rounds if args.rounds is not None else max(2, args.pilot)
+    needed: int | None = None
+    cap: int | None = None
+    cap_by = "the time budget"
+    sd0 = math.nan
+    rnd = 0
+    while rnd < target:
+        left = budget_end - time.perf_counter()
+        if agree(bool(run.round_s) and left < max(run.round_s)):
+            og.log(f"{run.name}: stopping after {rnd} rounds (the time budget)")
+            break
+        t0 = time.perf_counter()
+        order = paired.round_order(run.arms, args.seed, rnd)
+        run.orders.append(order)
+        for arm in order:
+            gc.collect()
+            with contextlib.redirect_stdout(io.StringIO()):
+                block = path.block(arm, rnd, args.warmup, args.steps)
+            ranks = gather(block.value_s)
+            run.values[arm][rnd] = max(ranks)
+            run.rank_ms[arm][rnd] = [v * 1e3 for v in ranks]
+            run.cpu_ms[arm][rnd] = block.cpu_per_step_s * 1e3
+            og.log(f"{run.name} round {rnd} {arm}: {max(ranks) * 1e3:.3f} ms/step "
+                   f"(ranks {', '.join(f'{v * 1e3:.3f}' for v in ranks)}), training-thread CPU "
+                   f"{block.cpu_per_step_s * 1e3:.2f} ms/step")
+        run.round_s.append(time.perf_counter() - t0)
+        rnd += 1
+        if args.rounds is None and rnd == target:  # the pilot is over
+            sd0 = pilot_sd(run.values, run.name)
+            needed = paired.rounds_needed(sd0, args.bound_pp)
+            left = budget_end - time.perf_counter()
+            cap = rnd + max(0, int(left // max(run.round_s)))
+            if args.max_rounds < cap:
+                cap, cap_by = args.max_rounds, "--max-rounds"
+            target = agree(max(rnd, min(needed if needed is not None else rnd, cap)))
+            og.log(f"{run.name} pilot: per-round SD {sd0:.3f} pp -> {needed} rounds for "
+                   f"+-{args.bound_pp} pp; {cap_by} allows {cap}; running {target}")
+        final = pilot_sd(run.values, run.name)
+        if args.rounds is None:
+            run.plan = paired.Plan(args.pilot, sd0, needed, cap, rnd, final, args.bound_pp,
+                                   cap_by)
+        else:
+            run.plan = paired.Plan(0, final, paired.rounds_needed(final, args.bound_pp), None,
+                                   rnd, final, args.bound_pp)
+        report()
+
+
+def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace) -> str:
+    hw = meta["hardware"]
+    out = [f"## user paths against their A/A arms: {hw.get('gpu', hw['device'])} x "
+           f"{meta['world_size']}, driver {hw.get('driver', '-')}, CUDA {hw.get('cuda', '-')}, "
+           f"{hw['cpus']} CPUs; {meta['date']}; commit {meta['commit']}",
+           f"model {meta['model']['n_params'] / 1e6:.1f}M params "
+           f"{'fp32' if args.quick else 'bf16'}, batch {meta['model']['batch']} x "
+           f"{meta['model']['seq_len']} tokens per GPU; blocks of {args.steps} timed steps "
+           f"(+{args.warmup} warm-up), each step timed on the GPU timeline (on a CPU: the wall "
+           f"clock), a block's value its median; monitor interval {args.interval} s; the "
+           f"claim: the 95 % interval contains 0 and lies within +-{args.bound_pp} pp",
+           f"versions {json.dumps(meta['versions'])}", ""]
+    for run in runs:
+        out += [f"### {run.name}", ""]
+        if run.failed:
+            out += [f"FAILED: {run.failed}", ""]
+        if run.plan is not None:
+            out += [run.plan.line(), ""]
+        out += ["orders: " + "; ".join(f"{i}: {' '.join(o)}" for i, o in enumerate(run.orders)),
+                ""]
+        comps = run.comparisons(args.seed)
+        out.append(paired.table(comps, args.bound_pp))
+        out += ["", *paired.bias_notes(comps)]
+        out += ["", "| arm | step (ms), median of rounds | training-thread CPU (ms/step) |",
+                "|---|---|---|"]
+        for arm in run.arms:
+            v, c = run.values[arm], run.cpu_ms[arm]
+            if v:
+                out.append(f"| {arm} | {statistics.median(v.values()) * 1e3:.3f} | "
+                           f"{statistics.median(c.values()):.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--paths", default="hf_ls1,hf_ls10,lightning,wandb_loop")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU (gloo under torchrun), tiny model, simulated GPUs: a smoke run")
+    p.add_argument("--budget-s", type=float, default=210.0,
+                   help="seconds of rounds per path (no round starts that would end later)")
+    p.add_argument("--bound-pp", type=float, default=0.3)
+    p.add_argument("--rounds", type=int, default=None, help="exactly this many (no pilot)")
+    p.add_argument("--pilot", type=int, default=4)
+    p.add_argument("--max-rounds", type=int, default=80)
+    p.add_argument("--steps", type=int, default=None, help="timed steps per block")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per block")
+    p.add_argument("--interval", type=float, default=0.1, help="gpulens's sampling period")
+    p.add_argument("--target-ms", type=float, default=100.0)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lightning-dsm", action="store_true",
+                   help="add Lightning's DeviceStatsMonitor as a fourth arm of the lightning path")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.steps = args.steps or (6 if args.quick else 20)
+    args.warmup = max(2, args.warmup or (2 if args.quick else 3))
+    og.quiet_libraries()
+    if args.quick:
+        os.environ["GPULENS_BACKEND"] = "simulated"
+        os.environ.setdefault("GPULENS_SIMULATED_GPUS", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    names = [x.strip() for x in args.paths.split(",") if x.strip()]
+    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    allowed = DDP_PATHS if distributed else PATHS
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        print(f"paths_aa.py: unknown path(s) {bad}{' under torchrun' if distributed else ''}; "
+              f"known: {', '.join(allowed)}", file=sys.stderr)
+        return 2
+    import torch
+
+    rank, world, device = 0, 1, None
+    agree: Callable[[Any], Any] = lambda x: x  # noqa: E731
+    gather: Callable[[float], list[float]] = lambda x: [x]  # noqa: E731
+    if distributed:
+        import torch.distributed as dist
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = torch.cuda.is_available() and not args.quick
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        ctrl = dist.new_group(backend="gloo")
+        device = f"cuda:{local}" if cuda else "cpu"
+
+        def agree(x: Any) -> Any:
+            box = [x]
+            dist.broadcast_object_list(box, src=0, group=ctrl)
+            return box[0]
+
+        def gather(x: float) -> list[float]:
+            out: list[Any] = [None] * world
+            dist.all_gather_object(out, x, group=ctrl)
+            return [float(v) for v in out]
+
+    t_start = time.perf_counter()
+    if rank == 0:
+        s = og.setup(args.quick, args.target_ms, args.batch, args.seq, device)
+        agree(s.batch_size)
+    else:
+        s = og.setup(args.quick, args.target_ms, agree(None), args.seq, device)
+    if args.quick:
+        s.model.float()  # bf16 products are slow on a CPU
+    out_path = args.json or (Path(os.environ["OUT"]) / "paths_aa.json" if os.environ.get("OUT")
+                             else None)
+    tmpdir = tempfile.TemporaryDirectory(prefix=f"gpulens-paths-{rank}-")
+    tmp = Path(tmpdir.name)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": og.git_commit(),
+        "quick": args.quick, "paths": names, "world_size": world, "hardware": og.hardware(s),
+        "versions": og.versions(), "setup_s": time.perf_counter() - t_start,
+        "model": {"n_params": s.n_params, "n_layer": s.config.n_layer,
+                  "seq_len": s.seq_len, "batch": s.batch_size},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "command": " ".join([sys.executable, *sys.argv]),
+    }
+    runs: list[PathRun] = []
+
+    def report() -> None:
+        if rank == 0 and out_path is not None:
+            doc = {"meta": meta, "paths": {r.name: r.as_dict(args.seed, args.bound_pp)
+                                           for r in runs}}
+            out_path.write_text(json.dumps(doc, indent=2, default=str))
+
+    wandb_run = None
+    if rank == 0:
+        with contextlib.redirect_stdout(io.StringIO()):
+            wandb_run = paths.open_wandb_run(tmp, "paths-aa")
+    try:
+        for name in names:
+            run = PathRun(name, args.lightning_dsm)
+            runs.append(run)
+            path = make_path(name, s, tmp, args)
+            try:
+                run_path(run, path, args, time.perf_counter() + args.budget_s, agree, gather,
+                         report)
+            except Exception as exc:  # one path failing must not take the others' figures
+                run.failed = f"{type(exc).__name__}: {exc}"
+                og.log(f"{name} failed: {exc!r}")
+                report()
+                if distributed:
+                    raise  # the other ranks cannot go on alone
+    finally:
+        if wandb_run is not None:
+            with contextlib.redirect_stdout(io.StringIO()):
+                og.wandb_finish(wandb_run)
+        tmpdir.cleanup()
+    if rank == 0:
+        print(markdown(runs, meta, args))
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier(group=ctrl)
+        dist.destroy_process_group()
+    return 1 if any(r.failed for r in runs) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""The one place the Lightning callback reads a Lightning ``Trainer``'s internals.
+
+Lightning publishes no hook that says "the loggers are about to get this step's metrics, at this
+step". The callback writes its row in ``on_train_batch_end``, before Lightning's logger
+connector decides, so it repeats that decision here from the private attributes it is made of.
+Nothing else in gpulens touches a private Lightning attribute; :func:`check` verifies at
+``setup`` that they exist, so a Lightning that renamed them fails with one line before training,
+never in the middle of it.
+
+Checked against ``lightning`` 2.6.6 and ``pytorch_lightning`` 2.6.6 (the same code under two
+package names); the decision mirrors ``_LoggerConnector.update_train_step_metrics`` and
+``_TrainingEpochLoop`` of Lightning 2.x. This module imports neither package: it only reads the
+trainer it is handed.
+
+Private attributes read:
+
+* ``trainer.fit_loop.epoch_loop._batches_that_stepped``: optimizer steps taken, the step
+  Lightning logs training-step metrics at (``trainer/global_step``), one less than
+  ``trainer.global_step`` once a batch's optimizer step has run;
+* ``trainer.fit_loop._should_accumulate()``: this batch is a gradient-accumulation micro-batch;
+* ``trainer._logger_connector.should_update_logs``: this batch's step is a logging step
+  (every ``log_every_n_steps``, or the trainer is stopping).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpulens.log import warn_once
+
+CHECKED_WITH = ("lightning 2.6.6", "pytorch_lightning 2.6.6")
+
+
+def check(trainer: Any) -> None:
+    """``RuntimeError`` (one line) when this Lightning lacks what this module reads."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    missing = [
+        name
+        for name, ok in (
+            ("fit_loop.epoch_loop._batches_that_stepped",
+             hasattr(getattr(fit_loop, "epoch_loop", None), "_batches_that_stepped")),
+            ("fit_loop._should_accumulate", hasattr(fit_loop, "_should_accumulate")),
+            ("_logger_connector.should_update_logs",
+             hasattr(type(getattr(trainer, "_logger_connector", None)), "should_update_logs")),
+        )
+        if not ok
+    ]
+    if missing:
+        raise RuntimeError(
+            "gpulens' Lightning callback follows Lightning 2.x's logging step and needs "
+            f"{', '.join(missing)}, which this Lightning version lacks"
+        )
+
+
+def steps_done(trainer: Any) -> int:
+    """Optimizer steps taken so far (a resumed fit's restored count at its start)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def log_step(trainer: Any) -> tuple[int, bool]:
+    """The step Lightning logs training-step metrics at right after ``on_train_batch_end``,
+    and whether it logs them for this batch: not on a gradient-accumulation micro-batch under
+    automatic optimisation; otherwise when ``should_update_logs`` or ``fast_dev_run``."""
+    fit_loop = trainer.fit_loop
+    step = int(fit_loop.epoch_loop._batches_that_stepped)
+    accumulating = bool(fit_loop._should_accumulate())
+    module = trainer.lightning_module
+    if accumulating and getattr(module, "automatic_optimization", True):
+        return step, False
+    will_log = bool(trainer._logger_connector.should_update_logs) or bool(trainer.fast_dev_run)
+    return step, will_log
+
+
+def logged_metrics(trainer: Any) -> dict[str, Any]:
+    """What Lightning's logger connector hands the loggers for this step (the module's
+    step-level ``self.log`` values, tensors left as they are: the monitor converts them off the
+    training thread) and the epoch, as Lightning adds it. Public API (``trainer.logged_metrics``),
+    but it recomputes Lightning's results each call: read it only when a sink wants ``train/*``."""
+    out: dict[str, Any] = {}
+    try:
+        metrics = trainer.logged_metrics
+    except Exception as exc:
+        warn_once("lightning-logged-metrics", "gpulens: Lightning's logged metrics cannot be "
+                  "read (%r); rows carry no train/* keys", exc)
+        metrics = {}
+    for name, value in dict(metrics).items():
+        if name in ("epoch", "step"):
+            continue
+        out[name] = value
+    out["epoch"] = int(trainer.current_epoch)
+    return out

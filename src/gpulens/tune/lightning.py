@@ -1,0 +1,230 @@
+"""Lightning: ``tune_lightning(trainer, model, datamodule=...)``, beside or instead of
+``Tuner(trainer).scale_batch_size(model, datamodule=...)``.
+
+::
+
+    from gpulens.tune.lightning import tune_lightning
+
+    trainer = Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_epochs=3)
+    result = tune_lightning(trainer, model, datamodule=dm)   # sets dm.batch_size, dm.num_workers
+    trainer.fit(model, datamodule=dm)
+
+Each trial is a real ``fit`` of warm-up + timed steps in a short-lived ``Trainer`` with the
+accelerator, devices, nodes, strategy, precision and gradient clipping of yours (overridable
+with ``trainer_kwargs``), the trial's ``accumulate_grad_batches``, and no logger, checkpoint,
+progress bar or validation. Your trainer is not fitted (a fitted Trainer does not fit again
+from step 0); your module's ``configure_optimizers`` makes a fresh optimizer for each trial.
+
+The batch size is changed as Lightning's own ``Tuner`` changes it: the ``batch_size``
+attribute of the datamodule, the module or the module's ``hparams``, which your
+``train_dataloader()`` reads; ``num_workers`` likewise when such an attribute exists. Without
+one, the ``DataLoader`` that ``train_dataloader()`` returns (or ``train_dataloaders``) is
+rebuilt with the trial's batch size and workers (:mod:`gpulens.tune.loader`).
+
+Phases from the callback hooks: ``on_train_batch_end`` -> ``on_train_batch_start`` is the data
+wait (fetching and moving the batch, Lightning's own work between batches),
+``on_train_batch_start`` -> ``on_before_optimizer_step`` forward+backward, then the optimizer.
+The model's weights are put back after the sweep; with ``apply_choice=True`` (default) the
+chosen batch size and workers are written to the attributes they came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from lightning.pytorch import Callback, Trainer
+
+from gpulens.tune import loader as loaders
+from gpulens.tune.model import Config, TuneResult, TuneSettings
+from gpulens.tune.plain import settings_from
+from gpulens.tune.runner import make_context, restored, sweep
+from gpulens.tune.trial import Recorder
+
+
+class _TrialCallback(Callback):  # type: ignore[misc,unused-ignore]
+    """Marks the recorder from Lightning's hooks; stops the fit when the window closes."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        self.rec.step_begin(batch)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self.rec.before_optimizer()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.rec.step_end()
+        if self.rec.done:
+            trainer.should_stop = True
+
+
+def _holder(objects: list[Any], name: str) -> Any:
+    """The first object with attribute ``name`` (the datamodule, the module, its hparams)."""
+    for obj in objects:
+        if obj is None:
+            continue
+        if hasattr(obj, name):
+            return obj
+        hparams = getattr(obj, "hparams", None)
+        if hparams is not None and name in hparams:
+            return hparams
+    return None
+
+
+def _set(holder: Any, name: str, value: int) -> None:
+    if isinstance(holder, dict):  # hparams
+        holder[name] = value
+    else:
+        setattr(holder, name, value)
+
+
+def _get(holder: Any, name: str) -> Any:
+    if isinstance(holder, dict):
+        return holder[name]
+    return getattr(holder, name)
+
+
+def trainer_kwargs_of(trainer: Any) -> dict[str, Any]:
+    """What a trial's Trainer copies from yours."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    accel = type(trainer.accelerator).__name__.removesuffix("Accelerator").lower() or "auto"
+    kwargs: dict[str, Any] = {
+        "accelerator": accel, "precision": trainer.precision, "num_nodes": trainer.num_nodes,
+        "gradient_clip_val": trainer.gradient_clip_val,
+        "gradient_clip_algorithm": trainer.gradient_clip_algorithm,
+    }
+    strategy = trainer.strategy
+    if isinstance(strategy, SingleDeviceStrategy):
+        kwargs["devices"] = [strategy.root_device.index] if accel == "cuda" else 1
+    elif isinstance(strategy, DDPStrategy):
+        kwargs["strategy"] = "ddp"
+        kwargs["devices"] = trainer.num_devices
+    else:
+        kwargs["strategy"] = getattr(strategy, "strategy_name", "auto")
+        kwargs["devices"] = trainer.num_devices
+    return kwargs
+
+
+class LightningWorkload:
+    """One trial = one short ``fit`` in a fresh Trainer."""
+
+    def __init__(self, model: Any, datamodule: Any, loader: Any, base: dict[str, Any],
+                 settings: TuneSettings, batch_holder: Any, workers_holder: Any) -> None:
+        self.model, self.datamodule, self.loader = model, datamodule, loader
+        self.base, self.settings = base, settings
+        self.batch_holder, self.workers_holder = batch_holder, workers_holder
+        self._set_up = False
+
+    def run(self, config: Config, rec: Recorder) -> None:
+        trainer = Trainer(**self.base, max_steps=self.settings.warmup_steps
+                          + self.settings.steps + 1,
+                          accumulate_grad_batches=config.accumulation,
+                          callbacks=[_TrialCallback(rec)], logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0,
+                          limit_val_batches=0)
+        with warnings.catch_warnings():
+            # Lightning's advice to add loader workers: the sweep is measuring exactly that
+            warnings.filterwarnings("ignore", message=r".*does not have many workers",
+                                    category=UserWarning)
+            self._fit(trainer, config)
+
+    def _fit(self, trainer: Any, config: Config) -> None:
+        if self.loader is None and self.batch_holder is not None:
+            _set(self.batch_holder, "batch_size", config.batch_size)
+        if self.workers_holder is not None:
+            _set(self.workers_holder, "num_workers", config.num_workers)
+        own = config.pin_memory is None and config.prefetch_factor is None
+        if own and self.loader is None and None not in (self.batch_holder,
+                                                        self.workers_holder):
+            trainer.fit(self.model, datamodule=self.datamodule)  # your train_dataloader()
+            return
+        source = self.loader if self.loader is not None else self._train_loader()
+        trainer.fit(self.model, train_dataloaders=loaders.rebuild(source, config))
+
+    def _train_loader(self) -> Any:
+        dm = self.datamodule
+        if dm is None:
+            return self.model.train_dataloader()
+        if not self._set_up:
+            dm.prepare_data()
+            dm.setup("fit")
+            self._set_up = True
+        return dm.train_dataloader()
+
+    def cleanup(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+
+def tune_lightning(trainer: Any, model: Any, datamodule: Any = None, *,
+                   train_dataloaders: Any = None, settings: TuneSettings | None = None,
+                   trainer_kwargs: dict[str, Any] | None = None, apply_choice: bool = True,
+                   tokens_per_sample: float | None = None,
+                   flops_per_sample: float | None = None, progress: bool = True,
+                   **overrides: Any) -> TuneResult:
+    """Choose the batch size and loader workers of a Lightning fit by measured throughput
+    (module docstring). Under DDP every rank calls it.
+
+    Args:
+        trainer: your Trainer (its settings are copied; it is not fitted).
+        model, datamodule, train_dataloaders: as for ``trainer.fit``.
+        trainer_kwargs: override what the trials' Trainers copy (e.g. ``strategy=``).
+        tokens_per_sample, flops_per_sample: for tokens/s and MFU.
+        settings / overrides: :class:`~gpulens.tune.TuneSettings` or its fields as keywords.
+    """
+    from gpulens.work.precision import dtype_from_lightning_precision
+
+    settings = settings_from(settings, overrides)
+    holders = [datamodule, model]
+    batch_holder = _holder(holders, "batch_size")
+    workers_holder = _holder(holders, "num_workers")
+    source = train_dataloaders
+    if source is None and (batch_holder is None or workers_holder is None):
+        if datamodule is not None:
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+            source = datamodule.train_dataloader()
+        else:
+            source = model.train_dataloader()
+        loaders.check_source(source)
+    defaults = loaders.defaults(source) if source is not None else None
+    batch = _get(batch_holder, "batch_size") if batch_holder is not None else None
+    workers = _get(workers_holder, "num_workers") if workers_holder is not None else None
+    current = Config(int(batch if batch is not None else defaults.batch_size if defaults else 1),
+                     int(workers if workers is not None else
+                         defaults.num_workers if defaults else 0),
+                     accumulation=int(trainer.accumulate_grad_batches))
+    base = {**trainer_kwargs_of(trainer), **(trainer_kwargs or {})}
+    ctx = make_context(model=model, device=trainer.strategy.root_device,
+                       dtype=dtype_from_lightning_precision(trainer.precision),
+                       tokens_per_sample=tokens_per_sample, flops_per_sample=flops_per_sample)
+    workload = LightningWorkload(model, datamodule, train_dataloaders, base, settings,
+                                 batch_holder, workers_holder)
+    saved = {(id(h), name): (h, name, _get(h, name)) for h, name in
+             ((batch_holder, "batch_size"), (workers_holder, "num_workers")) if h is not None}
+    try:
+        with restored(model):
+            result = sweep(workload, ctx, settings, current=current, progress=progress,
+                           loader_defaults=dataclasses.replace(current, pin_memory=(
+                               defaults.pin_memory if defaults else None)))
+    finally:
+        for holder, name, value in saved.values():
+            _set(holder, name, value)
+        if ctx.token_counter is not None:
+            ctx.token_counter.detach()
+    if apply_choice and result.chosen is not None:
+        c = result.chosen.config
+        for holder, name, value in ((batch_holder, "batch_size", c.batch_size),
+                                    (workers_holder, "num_workers", c.num_workers)):
+            if holder is not None:
+                _set(holder, name, value)
+        if batch_holder is None or workers_holder is None:
+            result.notes.append("no batch_size / num_workers attribute to write the choice to: "
+                                "set it in your DataLoader")
+    return result

@@ -1,0 +1,50 @@
+"""``torchrun --nproc_per_node 2 tests/support/tune_ddp.py OUT_DIR``: ``gpulens.tune.tune`` under
+DDP on a CPU (gloo). Rank 1 is slower, and its loader slower still: alone it would need two
+loader workers at batch 16 where rank 0 needs one. Both ranks run out of memory at batch 32.
+Each rank writes ``OUT_DIR/rank<R>.json``: its own figures of every trial (before the ranks
+agree) and the result."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from gpulens.tune import Trial, tune
+from gpulens.tune import dist as tune_dist
+from tests.support.tune_load import ControlledStep, SlowSamples, collate_numpy
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    local: list[dict[str, Any]] = []
+    agree = tune_dist.agree
+
+    def spy(trial: Trial) -> Trial:
+        local.append(trial.to_dict())
+        return agree(trial)
+
+    tune_dist.agree = spy
+    step = ControlledStep(fixed_s=0.03 if rank == 0 else 0.04, per_sample_s=0.001, knee=16,
+                          slow_per_sample_s=0.004, oom_at=32)
+    step.model = DistributedDataParallel(step.model)
+    data = SlowSamples(per_sample_s=0.001 if rank == 0 else 0.006)
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data), drop_last=True,
+                        collate_fn=collate_numpy)
+    result = tune(loader, step, model=step.model, optimizer=step.optimizer,
+                  batch_sizes=(4, 8, 16, 32), workers=(0, 1, 2), workers_per_cpu=False,
+                  warmup_steps=1, steps=3, progress=rank == 0)
+    (out / f"rank{rank}.json").write_text(json.dumps({"local": local,
+                                                      "result": result.to_dict()}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,248 @@
+"""The lifecycle the framework callbacks share (gpulens.integrations.session): one row per log
+with phases and work, one stop, a finalizer without a reference cycle; the step gate of the
+loop-fed integrations; and the callbacks' work and logged metrics on their cheap paths."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import gpulens
+from gpulens.integrations.phases import StepPhases
+from gpulens.integrations.session import GateAction, StepGate, TrainingSession
+from gpulens.testing import MemorySink, SimulatedNVML
+from tests.support.jsonl import read_rows
+
+
+class Work:
+    """A work source that says what it was asked."""
+
+    def __init__(self) -> None:
+        self.takes = 0
+        self.closed = 0
+
+    def take_deferred(self) -> dict[str, Any]:
+        self.takes += 1
+        return {"tokens": 100}
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class StopSpy:
+    """Records every ``Monitor.stop`` call's ``collective``."""
+
+    def __init__(self, monitor: gpulens.Monitor) -> None:
+        self.calls: list[bool] = []
+        real = monitor.stop
+
+        def stop(timeout: float | None = None, *, collective: bool = True) -> Any:
+            self.calls.append(collective)
+            return real(timeout, collective=collective)
+
+        monitor.stop = stop  # type: ignore[method-assign]
+
+
+def monitor(sink: MemorySink) -> gpulens.Monitor:
+    return gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1),
+                           isolation="thread")
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """Collection off: what is freed is freed by its reference count alone."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_a_row_per_log_with_phases_and_work_then_one_stop() -> None:
+    sink, work = MemorySink(), Work()
+    mon = monitor(sink)
+    spy = StopSpy(mon)
+    session = TrainingSession(mon, start_step=3, steps_done=3, phases=StepPhases(cuda=False),
+                              work=work).start()
+    assert session.running and mon.running
+    for _ in range(2):
+        session.step_begin()
+        session.before_optimizer()
+        session.step_end()
+    assert session.steps_since_row(5) == 2
+    session.row(5, 5, {"loss": 0.5})
+    session.resume()
+    session.stop()
+    session.stop()  # idempotent
+    assert spy.calls == [True] and work.closed == 1 and not session.running
+    (row,) = sink.rows
+    assert row.step == 5 and row.values["train/loss"] == 0.5
+    assert row.values["perf/steps"] == 2  # the window began at the start step, 3
+    assert {"perf/forward_backward_s", "perf/optimizer_s"} <= set(row.values)
+    assert row.values["perf/tokens_per_s"] > 0 and work.takes == 1
+
+
+def test_a_dropped_session_stops_its_monitor_alone_without_a_cycle(no_gc: None) -> None:
+    class Callback:  # what holds a session: a framework callback
+        session: TrainingSession | None = None
+
+    sink, work = MemorySink(), Work()
+    owner = Callback()
+    mon = monitor(sink)
+    spy = StopSpy(mon)
+    owner.session = TrainingSession(mon, start_step=0, steps_done=0, work=work).start()
+    owner.session.row(1, 1, {})
+    alive = weakref.ref(owner)
+    del owner
+    assert alive() is None  # freed by its reference count: nothing points back at it
+    assert spy.calls == [False] and not mon.running  # this rank alone: no gather
+    assert work.closed == 1
+    assert [r.step for r in sink.rows] == [1]
+
+
+def test_a_start_that_fails_lets_go_of_the_work() -> None:
+    class Broken(gpulens.Monitor):
+        def start(self, step: int = 0) -> gpulens.Monitor:
+            raise ValueError("no such sink")
+
+    work = Work()
+    session = TrainingSession(Broken(interval=0.1), start_step=0, steps_done=0, work=work)
+    with pytest.raises(ValueError, match="no such sink"):
+        session.start()
+    assert work.closed == 1 and not session.running
+    session.stop()  # nothing to stop
+    assert work.closed == 1
+
+
+def test_step_gate_starts_then_ends_one_window_per_new_step() -> None:
+    gate = StepGate()
+    seen = []
+    started = False
+    for step in (5, 5, 6, 6, 4, 8):
+        action = gate.at(step, started=started)
+        started = started or action is GateAction.START
+        seen.append(action)
+    assert seen == [GateAction.START, GateAction.PASS, GateAction.ROW, GateAction.PASS,
+                    GateAction.PASS, GateAction.ROW]
+    opened = StepGate()  # a window opened before the first call (start_step=)
+    assert opened.at(7, started=True) is GateAction.ROW
+
+
+def test_hf_rows_carry_the_masked_tokens_counted_off_the_training_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny GPT-2 in a real Trainer with padded batches: each row's throughput is the real
+    (unpadded) tokens of its window, from counts the monitor read in its relay thread."""
+    transformers = pytest.importorskip("transformers")
+    import threading
+
+    from gpulens.integrations.transformers import GPUMonitorCallback
+    from gpulens.work import hf
+
+    monkeypatch.setenv("GPULENS_BACKEND", "simulated")
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
+    readers: list[str] = []
+    real_item = hf.DeferredCount.item
+
+    def item(self: Any) -> float:
+        readers.append(threading.current_thread().name)
+        return real_item(self)
+
+    monkeypatch.setattr(hf.DeferredCount, "item", item)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16,
+                                     vocab_size=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    real = 11  # tokens of every row; the other 5 are padding
+
+    class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            mask = torch.tensor([1] * real + [0] * (16 - real))
+            ids = torch.arange(16) % 64
+            return {"input_ids": ids, "attention_mask": mask,
+                    "labels": ids.masked_fill(mask == 0, -100)}
+
+    sink = tmp_path / "gpu.jsonl"
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=4, logging_steps=2,
+        per_device_train_batch_size=4, report_to=[], use_cpu=True, disable_tqdm=True,
+        save_strategy="no", dataloader_num_workers=0)
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Rows(),
+        callbacks=[GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)])
+    trainer.train()
+    rows = read_rows(sink)
+    assert [r["step"] for r in rows] == [2, 4]
+    for row in rows:  # 2 steps a window, each a batch of 4 rows
+        window = row["perf/step_time_s"] * row["perf/steps"]
+        assert row["perf/tokens_per_s"] * window == pytest.approx(2 * 4 * real)
+        assert row["perf/tflops"] > 0
+    assert readers and threading.main_thread().name not in readers
+
+
+@pytest.mark.filterwarnings(
+    # Lightning 2.6.6 with torch 2.13: a deprecation inside Lightning's own pytree helper
+    "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning",
+    "ignore:The '.*dataloader' does not have many workers:UserWarning",
+)
+def test_lightning_reads_logged_metrics_only_for_extra_sinks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading ``trainer.logged_metrics`` makes Lightning compute its results a second time;
+    the loggers leave ``train/*`` out, so without extra sinks it is never read."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from gpulens.integrations import _lightning_internals
+    from gpulens.integrations.lightning import GPUMonitorCallback
+
+    monkeypatch.setenv("GPULENS_BACKEND", "simulated")
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
+    reads: list[int] = []
+    real = _lightning_internals.logged_metrics
+
+    def spy(trainer: Any) -> dict[str, Any]:
+        reads.append(1)
+        return real(trainer)
+
+    monkeypatch.setattr(_lightning_internals, "logged_metrics", spy)
+
+    class Module(pl.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.net(batch).pow(2).mean()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=4)
+
+    def fit(callback: Any) -> Any:
+        logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+        trainer = pl.Trainer(max_steps=4, log_every_n_steps=2, logger=logger,
+                             callbacks=[callback], accelerator="cpu", devices=1,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, default_root_dir=str(tmp_path))
+        trainer.fit(Module())
+        return logger
+
+    logger = fit(GPUMonitorCallback(interval=0.05))
+    assert not reads
+    rows = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
+    assert "gpu/0/util_pct" in rows[0] and "train/" not in rows[0]
+    sink = tmp_path / "gpu.jsonl"
+    fit(GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05))
+    assert len(reads) == 2  # one a row
+    assert all("train/loss" in r for r in read_rows(sink))

@@ -1,0 +1,64 @@
+"""``gpulens tune MODULE:FUNCTION``: the report on stdout, the HTML/Markdown/JSON files, one-line
+errors, and ``--isolate`` (each trial in a fresh process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpulens.cli import main
+from gpulens.tune import Config, TuneResult
+
+JOB = "tests.support.tune_load:cli_job"
+QUICK = ["--workers", "0", "--warmup", "1", "--steps", "2", "--no-loader-options"]
+
+
+def test_tune_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    html, md, js = tmp_path / "t.html", tmp_path / "t.md", tmp_path / "t.json"
+    rc = main(["tune", JOB, "--batch-sizes", "4,8,16,32,64", *QUICK, "-o", str(html),
+               "--markdown", str(md), "--json", str(js)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "Use batch 16, 0 workers" in out and "against the current setting (batch 4" in out
+    assert "Out of memory from batch 64" in out
+    assert "gpulens tune: trial 1/~" in err and f"wrote HTML report: {html}" in err
+    result = TuneResult.from_dict(json.loads(js.read_text()))
+    assert result.chosen is not None and result.chosen.config == Config(16, 0)
+    assert result.oom_batch == 64
+    assert result.confirm is not None and result.trials[-1] is result.confirm
+    assert '<svg class="chart"' in html.read_text() and "(chosen)" in md.read_text()
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("nocolon", "expected MODULE:FUNCTION"),
+    ("tests.support.no_such_module:f", "cannot import 'tests.support.no_such_module'"),
+    ("tests.support.tune_load:missing", "has no function 'missing'"),
+    ("tests.support.tune_load:not_a_job", "returned a int, not a gpulens.tune.TuneJob"),
+])
+def test_a_bad_job_is_one_line(spec: str, message: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", spec, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gpulens tune: error: ") and message in err[0]
+
+
+def test_bad_settings_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", JOB, "--min-batch", "64", "--max-batch", "8", "--quiet"]) == 2
+    assert "max_batch (8) is below min_batch (64)" in capsys.readouterr().err
+
+
+def test_isolated_trials_run_in_fresh_processes(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    js = tmp_path / "t.json"
+    # two processes: the first describes the job and measures batch 4 (the current setting),
+    # the second runs out of memory at 64; a loader worker in each (not a daemon process)
+    rc = main(["tune", JOB + "_one_worker", "--isolate", "--batch-sizes", "4,64", "--workers", "1",
+               "--warmup", "1", "--steps", "2", "--no-loader-options", "--no-confirm",
+               "--json", str(js), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    result = TuneResult.from_dict(json.loads(js.read_text()))
+    assert [(t.config.batch_size, t.status) for t in result.trials] == [(4, "ok"), (64, "oom")]
+    assert result.chosen is not None and result.chosen.config == Config(4, 1)
+    assert result.notes[0] == "each trial ran in a fresh process"

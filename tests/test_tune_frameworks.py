@@ -1,0 +1,185 @@
+"""``tune_trainer`` (Hugging Face) and ``tune_lightning`` end to end on a CPU, with tiny models
+built in code whose step costs are set by the test: each finds the batch size past which a
+step gets slower per sample and the loader worker count that brings the data wait under 5 %,
+writes them back, and leaves the training as it found it."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from gpulens.tune import Config
+
+transformers = pytest.importorskip("transformers")
+pl = pytest.importorskip("lightning.pytorch")
+pytestmark = pytest.mark.filterwarnings(  # Lightning 2.6.6 on torch 2.13, as in its own tests
+    "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning",
+    "ignore:The number of training batches .* is smaller than the logging interval:UserWarning",
+)
+
+from gpulens.tune.hf import tune_trainer  # noqa: E402
+from gpulens.tune.lightning import tune_lightning  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cheap_gc() -> Iterator[None]:
+    """The Trainer collects Python's garbage at every ``train()`` (accelerate's
+    ``free_memory``): 1-2 s in this test process, which holds every framework. Freezing what
+    exists now leaves each collection only the objects made since."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+SIZES = (4, 8, 16, 32)
+LOAD_S = 0.002  # per sample, one sleep per batch (32 ms at batch 16, in the main process
+# without a worker)
+FAST = {"warmup_steps": 1, "steps": 3, "loader_options": False, "confirm": False,
+        "progress": False}
+
+
+def step_cost(b: int) -> float:
+    """30 ms + 1 ms/sample up to 16 samples, 5 ms/sample beyond: 32 is half as fast per
+    sample (wide margins: a framework adds its own milliseconds per step, and the machine
+    may be loaded)."""
+    return 0.03 + (0.001 * b if b <= 16 else 0.005 * b)
+
+
+class Samples(Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int = 1024) -> None:
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.x[i].sum()}
+
+    def __getitems__(self, idx: list[int]) -> list[dict[str, torch.Tensor]]:
+        time.sleep(LOAD_S * len(idx))
+        return [self[i] for i in idx]
+
+
+class Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        time.sleep(step_cost(int(x.shape[0])))
+        return {"loss": nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
+
+
+def hf_trainer(tmp_path: Path, model: nn.Module, dataset: Any, batch: int = 4,
+               **args: Any) -> Any:
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=20, per_device_train_batch_size=batch,
+        learning_rate=1e-2, report_to="none", use_cpu=True, disable_tqdm=True,
+        save_strategy="no", **args)
+    return transformers.Trainer(model=model, args=targs, train_dataset=dataset)
+
+
+def test_hf_trainer(tmp_path: Path) -> None:
+    model = Regression()
+    trainer = hf_trainer(tmp_path, model, Samples())
+    callbacks = list(trainer.callback_handler.callbacks)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    result = tune_trainer(trainer, batch_sizes=SIZES, workers=(0, 1), **FAST)
+    seen = [(t.config.batch_size, t.config.num_workers, t.data_wait_pct, t.samples_per_s)
+            for t in result.trials]
+    # on a CPU the data wait also holds the Trainer's own work between steps, so it does not
+    # fall under 5 % here: the worker sweep ends because the grid does (one worker helped)
+    assert result.chosen is not None and result.chosen.config == Config(16, 1), seen
+    assert result.current is result.trials[0] and result.current.config == Config(4, 0)
+    assert (result.speedup_pct or 0) > 0
+    at32 = result.best_at(32)
+    assert at32 is not None and at32.throughput < result.chosen.throughput
+    # the choice is in the Trainer's arguments; the rest is as it was
+    args = trainer.args
+    assert (args.per_device_train_batch_size, args.dataloader_num_workers) == (16, 1)
+    assert args.max_steps == 20 and trainer.callback_handler.callbacks == callbacks
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k])
+    assert trainer.get_train_dataloader().total_batch_size == 16
+    trainer.args.max_steps = 2
+    assert trainer.train().global_step == 2
+
+
+def test_hf_model_counts_tokens_and_flops(tmp_path: Path) -> None:
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64,
+                                     vocab_size=128, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 128, (256, 16), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = hf_trainer(tmp_path, model, dataset)
+    result = tune_trainer(trainer, batch_sizes=(4,), workers=(0,), **FAST)
+    assert len(result.trials) == 1  # the current setting is the one configuration
+    for t in result.trials:
+        assert t.ok and t.samples_per_s is not None and t.tokens_per_s is not None
+        assert t.tokens_per_s == pytest.approx(16 * t.samples_per_s)
+        assert t.tflops is not None and t.tflops > 0
+        assert t.mfu_pct is None  # no peak on a CPU
+
+
+class Module(pl.LightningModule):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        time.sleep(step_cost(int(batch["x"].shape[0])))
+        return nn.functional.mse_loss(self.linear(batch["x"]).squeeze(-1), batch["labels"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Data(pl.LightningDataModule):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 4
+        self.num_workers = 0
+
+    def setup(self, stage: str) -> None:
+        self.train = Samples()
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.train, batch_size=self.batch_size, num_workers=self.num_workers,
+                          shuffle=True, drop_last=True)
+
+
+def pl_trainer() -> Any:
+    return pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                      enable_progress_bar=False, enable_checkpointing=False,
+                      enable_model_summary=False)
+
+
+def test_lightning_with_datamodule_attributes() -> None:
+    model, dm, trainer = Module(), Data(), pl_trainer()
+    result = tune_lightning(trainer, model, datamodule=dm, batch_sizes=SIZES, workers=(0, 1),
+                            **FAST)
+    seen = [(t.config.batch_size, t.config.num_workers, t.data_wait_pct, t.samples_per_s)
+            for t in result.trials]
+    assert result.chosen is not None and result.chosen.config == Config(16, 1), seen
+    assert result.current is not None and result.current.config == Config(4, 0)
+    assert (dm.batch_size, dm.num_workers) == (16, 1)  # written back, as Tuner does
+    assert trainer.global_step == 0  # your Trainer was not fitted
+    for t in (t for t in result.trials if t.ok):
+        assert t.forward_backward_pct is not None and t.optimizer_pct is not None
+
+
+def test_lightning_with_a_dataloader_is_rebuilt() -> None:
+    model, trainer = Module(), pl_trainer()
+    loader = DataLoader(Samples(), batch_size=8, shuffle=True, drop_last=True)
+    result = tune_lightning(trainer, model, train_dataloaders=loader, batch_sizes=(8, 16, 32),
+                            workers=(0,), **FAST)
+    assert result.chosen is not None and result.chosen.config.batch_size == 16
+    assert any("no batch_size / num_workers attribute" in n for n in result.notes)
