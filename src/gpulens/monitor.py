@@ -355,13 +355,13 @@ class Monitor:
         """
         settings = self._settings
         engine_sinks: list[SinkSpec] = []
-        local: list[Sink] = []
+        local: list[Sink | SinkSpec] = []
         local_names: list[str] = []
         for name, sink in named:
             if isinstance(sink, SinkSpec) and sink.where == ENGINE:
                 engine_sinks.append(replace(sink, name=name))
             else:
-                local.append(sink.build() if isinstance(sink, SinkSpec) else sink)
+                local.append(sink)  # a spec is built by its writer thread
                 local_names.append(name)
         spec = EngineSpec(
             interval=settings.interval, gpus=settings.gpus, backend=backend,

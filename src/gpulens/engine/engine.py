@@ -40,7 +40,6 @@ from gpulens.engine.spec import EngineSpec
 from gpulens.errors import NvmlUnavailable
 from gpulens.log import logger, warn_once
 from gpulens.model import Event, Mark, Row, RunContext
-from gpulens.sinks.base import Sink
 from gpulens.sinks.writer import STALL_S, SinkStats, StepLogger
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
@@ -105,8 +104,8 @@ class Engine:
                 job=(spec.job.with_gpus(spec.rank[0], infos)
                      if spec.job is not None and spec.rank is not None else spec.job),
             )
-            sinks: list[Sink] = [s.build() for s in spec.sinks]
-            steplogger = StepLogger(sinks, names=[s.name for s in spec.sinks],
+            # built by their writer threads: their modules are imported off the way to "ready"
+            steplogger = StepLogger(list(spec.sinks), names=[s.name for s in spec.sinks],
                                     buffer_rows=spec.buffer_rows)
             steplogger.open(context)
         except BaseException:
