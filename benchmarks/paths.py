@@ -124,9 +124,10 @@ class Schedule:
     Only the last ``measured`` steps of a block count: the first ``burn`` take what the
     previous block left behind (its last log's hook runs after its last step's stamp, its
     rows reach W&B a quarter of a second later). ``measured`` is a multiple of the logging
-    interval, so each block's counted steps hold the same number of logs. gpulens's callback
-    runs throughout (its monitor starts with the run), but its hooks act only in the gpulens
-    arm's blocks: :func:`gated`.
+    interval, so each block's counted steps hold the same number of logs. gpulens runs only in
+    the gpulens arm's blocks, as if each were a training run of its own: its monitor starts at
+    a block's first step and stops at the next block's first (both in burn-in steps), so its
+    engine process and its hooks are there in its blocks and nowhere else (:func:`gated`).
     """
 
     arms: list[str]
@@ -202,13 +203,16 @@ HF_GATED = ("on_pre_optimizer_step", "on_step_end", "on_log", "on_epoch_begin", 
             "on_save")
 PL_GATED = ("on_before_optimizer_step", "on_train_batch_end", "on_train_epoch_start",
             "on_validation_end")
-PL_ALWAYS = ("setup", "teardown", "on_train_start", "on_train_end", "on_exception")
+PL_ALWAYS = ("setup", "teardown", "on_exception")
 
 
 def gated(inner: Any, on: Callable[[int], bool], framework: str) -> Any:
-    """A callback that forwards ``inner``'s per-step hooks only on the optimizer steps ``on``
-    names (and its start and end hooks always). Off, gpulens's token counter is detached from
-    the model too (its forward pre-hook is part of what is measured)."""
+    """A callback that runs ``inner`` as if each stretch of steps ``on`` names were a training
+    run of its own: at the first step of a stretch it gets its start hook (HF
+    ``on_train_begin``, Lightning ``on_train_start``: gpulens starts its monitor there, at that
+    step, and attaches its token counter), then every per-step hook, and at the first step
+    after the stretch its end hook (a last row, the monitor stopped). Between stretches it gets
+    nothing: no hook, no monitor, no engine process."""
     if framework == "hf":
         from transformers import TrainerCallback as Base
     else:
@@ -224,33 +228,35 @@ def gated(inner: Any, on: Callable[[int], bool], framework: str) -> Any:
         def state_key(self) -> str:
             return f"Gate[{type(inner).__name__}]"
 
-        def switch(self, active: bool, model: Any) -> None:
-            work = getattr(getattr(inner, "session", None), "work", None)
-            if active != self.active and work is not None and hasattr(work, "detach"):
-                if active and model is not None:
-                    work.attach(model)
-                elif not active:
-                    work.detach()
+        def switch(self, active: bool, start: str, end: str, *args: Any, **kw: Any) -> None:
+            if active and not self.active:
+                getattr(inner, start)(*args, **kw)
+            elif self.active and not active:
+                getattr(inner, end)(*args, **kw)
             self.active = active
 
-        # Hugging Face
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            inner.on_train_begin(args, state, control, **kw)
-            self.active = True  # the counter is attached: detach it for the warm-up
-            self.switch(False, kw.get("model"))
-
-        def on_train_end(self, *args: Any, **kw: Any) -> None:
-            inner.on_train_end(*args, **kw)
+        # Hugging Face (its own train begin starts nothing: the warm-up is off)
+        def on_train_begin(self, *args: Any, **kw: Any) -> None:
+            return None
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.switch(on(int(state.global_step) + 1), kw.get("model"))
+            self.switch(on(int(state.global_step) + 1), "on_train_begin", "on_train_end",
+                        args, state, control, **kw)
             if self.active:
                 inner.on_step_begin(args, state, control, **kw)
 
+        def on_train_end(self, *args: Any, **kw: Any) -> None:
+            if self.active:  # HF and Lightning alike
+                inner.on_train_end(*args, **kw)
+            self.active = False
+
         # Lightning
+        def on_train_start(self, *args: Any) -> None:
+            return None
+
         def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
             self.batches += 1
-            self.active = on(self.batches)
+            self.switch(on(self.batches), "on_train_start", "on_train_end", trainer, module)
             if self.active:
                 inner.on_train_batch_start(trainer, module, *args)
 
@@ -466,8 +472,8 @@ class WandbLoopPath:
         return Block(arm, rnd, *clock.steps(warmup))
 
     def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
-        """One loop through every block of ``schedule``; the monitor runs throughout, and
-        ``mon.log`` is called in the gpulens arm's blocks."""
+        """One loop through every block of ``schedule``; a monitor is started at the first
+        step of each gpulens block and stopped at the first step after it."""
         clock = Clock(self.s.device.type == "cuda")
         self._loop(schedule.total_steps, schedule.runs("gpulens"), clock, None)
         return schedule.values(clock)
@@ -483,18 +489,22 @@ class WandbLoopPath:
         model = copy.deepcopy(s.model)
         work = og.Setup(torch, s.device, model, og.make_optimizer(torch, model, s.device),
                         s.batches, s.batch_size, s.seq_len, s.n_params, s.config, s.quick)
-        mon = None
-        if on is not None:
-            mon = gpulens.Monitor(interval=self.interval, sinks=["wandb"])
-            if instrument is not None:
-                instrument(mon, clock)
-            mon.start()
+        mon: Any = None
         run = wandb.run
         try:
             for step in range(1, steps + 1):
+                active = on is not None and on(step)
+                if active and mon is None:
+                    mon = gpulens.Monitor(interval=self.interval, sinks=["wandb"])
+                    if instrument is not None:
+                        instrument(mon, clock)
+                    mon.start(step=step - 1)
+                elif not active and mon is not None:
+                    mon.stop()
+                    mon = None
                 loss = og.train_step(work, step)
                 run.log({"train/loss": loss})
-                if mon is not None and on is not None and on(step):
+                if mon is not None:
                     mon.log(step)
                 clock.stamp()
         finally:

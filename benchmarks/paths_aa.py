@@ -22,9 +22,10 @@ is then the slowest rank's.
 recorded at the end of every step; no device sync added), so host work the GPU's queue hides
 costs nothing and host work that starves the GPU shows. ``--mode interleaved`` (default): one
 training run goes through short blocks of every arm in turn (per round the three arms in a
-seeded shuffled order, ``--burn-steps`` + ``--measured-steps`` steps each); gpulens's callback
-is in the run from its start, but its hooks act (and its token counter is attached) only in
-the gpulens arm's blocks; a block's value is the mean of its measured steps (a whole number of
+seeded shuffled order, ``--burn-steps`` + ``--measured-steps`` steps each); gpulens runs only
+in the gpulens arm's blocks, each as if it were a training run of its own (its monitor, with
+its engine process, started at the block's first step and stopped at the next block's first,
+both in burn-in steps); a block's value is the mean of its measured steps (a whole number of
 logging periods, so costs paid on log steps count). ``--mode blocks``: one training run per arm
 and round (``--warmup`` + ``--steps`` steps) over a fresh copy of the warmed model, gpulens's
 monitor started and stopped with its block, outside the timed steps; a block's value is the
@@ -259,7 +260,7 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
            (f"mode interleaved: one training run for the pilot and one for the rest, blocks "
             f"of {args.burn_steps} + {args.measured_steps} steps of each arm in turn, a "
             f"block's value the mean of its last {args.measured_steps} steps; gpulens's "
-            f"monitor runs throughout a run, its hooks act in its own blocks"
+            f"monitor started and stopped with each of its blocks, in burn-in steps"
             if args.mode == "interleaved" else
             f"mode blocks: one training run per arm and round, {args.steps} timed steps "
             f"(+{args.warmup} warm-up), a block's value the median of its steps; the monitor "
@@ -300,14 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rounds", type=int, default=80)
     p.add_argument("--mode", choices=("interleaved", "blocks"), default="interleaved",
                    help="interleaved: one training run through short blocks of every arm, "
-                   "gpulens's hooks active in its own (its monitor runs throughout); blocks: "
-                   "one training run per arm and round, the monitor started with its block")
+                   "gpulens started and stopped with each of its blocks; blocks: one training "
+                   "run per arm and round")
     p.add_argument("--measured-steps", type=int, default=20,
                    help="interleaved: counted steps per block (a multiple of the logging "
                    "interval)")
-    p.add_argument("--burn-steps", type=int, default=4,
-                   help="interleaved: steps at the start of a block left out (the previous "
-                   "block's last log and rows land there)")
+    p.add_argument("--burn-steps", type=int, default=5,
+                   help="interleaved: steps at the start of a block left out (gpulens's start "
+                   "or stop, the previous block's last log and rows land there)")
     p.add_argument("--steps", type=int, default=None, help="blocks: timed steps per block")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per run")
     p.add_argument("--interval", type=float, default=0.1, help="gpulens's sampling period")
