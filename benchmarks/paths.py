@@ -138,6 +138,9 @@ class Schedule:
     burn: int
     warmup: int
     orders: list[list[str]] = field(init=False)
+    round_wall_s: float = field(init=False, default=float("nan"))
+    """Host wall-clock seconds a round took (starts and stops included), once :meth:`values`
+    has read the run's clock."""
 
     def __post_init__(self) -> None:
         self.orders = [paired.round_order(self.arms, self.seed, self.first_round + r)
@@ -175,6 +178,9 @@ class Schedule:
         """(round, arm) -> (mean step seconds, mean training-thread CPU seconds) of the
         counted steps."""
         wall, cpu = clock.steps(1)  # step s (from 2) is index s - 2
+        first, last = self.warmup, self.warmup + self.rounds * len(self.arms) * self.block
+        if len(clock.wall) >= last:  # stamp k ends step k + 1
+            self.round_wall_s = (clock.wall[last - 1] - clock.wall[first - 1]) / self.rounds
         sums: dict[tuple[int, str], list[float]] = {}
         for index, (w, c) in enumerate(zip(wall, cpu, strict=True)):
             where = self.place(index + 2)

@@ -220,10 +220,11 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
             run.rank_ms[arm][rnd] = [v * 1e3 for v in per_rank]
             run.cpu_ms[arm][rnd] = cpu_s * 1e3
         done += todo
-        step = statistics.median(v[0] for v in mine.values())
-        round_s = len(run.arms) * schedule.block * step
-        run.round_s.extend([wall / todo] * todo)
-        og.log(f"{run.name}: {todo} rounds in {wall:.0f} s (a round {round_s:.1f} s of steps); "
+        round_s = max(gather(schedule.round_wall_s))  # steps, starts and stops: the host's
+        if not math.isfinite(round_s):
+            round_s = wall / todo
+        run.round_s.extend([round_s] * todo)
+        og.log(f"{run.name}: {todo} rounds in {wall:.0f} s (a round {round_s:.1f} s); "
                f"{done} done")
         todo = 0
         if args.rounds is None and needed is None:  # the pilot is over
@@ -231,7 +232,7 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
             needed = paired.rounds_needed(sd0, args.bound_pp)
             overhead = max(0.0, wall - first * round_s)  # start, warm-up, stop of a run
             left = budget_end - time.perf_counter() - overhead
-            cap = done + max(0, int(left // round_s))
+            cap = done + max(0, int(0.85 * left // round_s))  # a margin: one run, all or nothing
             if args.max_rounds < cap:
                 cap, cap_by = args.max_rounds, "--max-rounds"
             target = agree(max(done, min(needed if needed is not None else done, cap)))
