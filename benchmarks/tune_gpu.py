@@ -359,7 +359,7 @@ def main() -> int:
 
     if args.smoke:
         args.seq, args.sample_ms, args.warmup, args.steps, args.rounds = 32, 0.5, 1, 2, 1
-        args.batch_sizes, args.workers, args.hf_start = "1,2,4,8", "0,1", 8
+        args.batch_sizes, args.workers, args.hf_start = "2,4,8", "0,1", 8
         args.current_batch, args.inject_oom_at = 2, args.inject_oom_at or 8
         config = GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=256,
                             bos_token_id=0, eos_token_id=0)
