@@ -123,10 +123,10 @@ def child(arm: str, work: Path, steps: int, work_s: float, db: Path | None) -> d
 
 
 # -- the parent: rounds, servers, the table -------------------------------------------------------
-def _env(arm: str, work: Path, mlflow_uri: str | None) -> dict[str, str]:
+def _env(arm: str, work: Path, mlflow_uri: str | None, src: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("MLFLOW_", "WANDB_", "GPULENS_"))}
-    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(ROOT / "src"),
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(src), str(ROOT),
                                                       os.environ.get("PYTHONPATH", "")) if p),
                GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1",
                MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="true")
@@ -147,8 +147,8 @@ def run_arm(arm: str, work: Path, args: argparse.Namespace, mlflow_uri: str | No
            str(args.steps), "--work-ms", str(args.work_ms)]
     if db is not None:
         cmd += ["--db", str(db)]
-    done = subprocess.run(cmd, cwd=work, env=_env(arm, work, mlflow_uri), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=work, env=_env(arm, work, mlflow_uri, Path(args.src)),
+                          capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"arm {arm} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -158,7 +158,7 @@ def run_arm(arm: str, work: Path, args: argparse.Namespace, mlflow_uri: str | No
 
 def _make_tables(uri: str, work: Path) -> None:
     code = "import mlflow; mlflow.MlflowClient().search_experiments()"
-    subprocess.run([sys.executable, "-c", code], env=_env("mlflow-sqlite", work, uri),
+    subprocess.run([sys.executable, "-c", code], env=_env("mlflow-sqlite", work, uri, ROOT),
                    check=True, capture_output=True, timeout=300)
 
 
@@ -187,6 +187,9 @@ def main() -> None:
     parser.add_argument("--work-ms", type=float, default=50.0, help="pure-Python work a step")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", default=None, help="folder for the raw JSON and the table")
+    parser.add_argument("--src", default=str(ROOT / "src"),
+                        help="the gpulens source tree the arms import (another checkout's src/ "
+                             "to compare two trees)")
     parser.add_argument("--quick", action="store_true", help="1 round, jsonl and none only")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -244,7 +247,7 @@ def main() -> None:
                 "python": platform.python_version(), "cpus": os.cpu_count(),
                 "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                 "versions": _versions(), "rounds": args.rounds, "steps": args.steps,
-                "work_ms": args.work_ms}
+                "work_ms": args.work_ms, "src": str(Path(args.src).resolve())}
         (out / "raw.json").write_text(json.dumps({"meta": meta, "results": results},
                                                  indent=1) + "\n")
         (out / "table.txt").write_text(text + "\n")

@@ -423,3 +423,17 @@ def test_log_ab_pairs_rounds_and_judges_against_its_aa_arm(tmp_path: Path) -> No
     assert all(v > 0 for r in got["rounds"] for v in r.values())
     assert got["verdict"] in {"higher", "lower", "not separable"}
     assert f"verdict: B against A is {got['verdict']}" in proc.stdout
+
+
+def test_start_stop_quick_prints_the_table_and_writes_raw_figures(tmp_path: Path) -> None:
+    res = tmp_path / "res"
+    out = run_script("start_stop.py", tmp_path, "--out", str(res), timeout=300)
+    cell = rf"{NUMBER} \[{NUMBER}, {NUMBER}\]"
+    assert re.search(rf"^none\s+-\s+-\s+-\s+-\s+{cell}$", out, re.M), out
+    assert re.search(rf"^jsonl\s+{cell}\s+{cell}\s+{cell}\s+{cell}\s+{cell}$", out, re.M), out
+    data = json.loads((res / "raw.json").read_text())
+    assert data["meta"]["rounds"] == 1 and data["meta"]["cpus"]
+    (jsonl,) = [r for r in data["results"] if r["arm"] == "jsonl"]
+    assert jsonl["first_row_s"] > 0 and jsonl["steps"] >= 20
+    (stats,) = jsonl["sinks"].values()
+    assert stats["written"] == jsonl["steps"] and stats["dropped"] == 0

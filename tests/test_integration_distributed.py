@@ -5,13 +5,15 @@ exactly the framework's logging steps. Every run must end by itself: no retry, a
 the job (rank, engine process) may outlive torchrun; a run that hangs is killed whole at the
 timeout (``tests/support/torchrun.py``).
 
-In-process tests of the gather's gloo group (a one-rank gloo world in this process): it is
-gpulens's own, and ``close()`` takes it down, its worker threads joined."""
+Two "nodes" on this host: two ``torchrun --nnodes 2`` launches meeting at a c10d rendezvous
+on 127.0.0.1, each with a node name of its own (``GPULENS_NODE_NAME``): the job's shape in the
+record, a rank that dies mid-run (one WARNING naming it, the rows go on, marked partial), and
+each node's Prometheus endpoint scraped by a real Prometheus.  The gather's pieces in one
+process: ``tests/test_distributed_gather.py``."""
 
 from __future__ import annotations
 
 import csv
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.jsonl import read_rows
+from tests.support.jsonl import read_lines, read_rows
 from tests.support.torchrun import kill_all_jobs, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,11 +151,14 @@ import gpulens
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 gathers = []
-real = dist.all_gather
-def spy(*args, **kwargs):  # which thread runs gpulens's all-gathers (its group's only)
-    gathers.append(threading.current_thread().name)
-    return real(*args, **kwargs)
-dist.all_gather = spy
+def spy(name):
+    real = getattr(dist, name)
+    def call(*args, **kwargs):  # gpulens's gather makes no collective: none may come
+        gathers.append((name, threading.current_thread().name))
+        return real(*args, **kwargs)
+    setattr(dist, name, call)
+for name in ("all_gather", "all_reduce", "gather", "broadcast", "barrier", "new_group"):
+    spy(name)
 waits = []
 with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
     for step in range(1, 7):
@@ -163,18 +168,19 @@ with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
         mon.log(step, loss=1.0 / step)
         waits.append(time.perf_counter() - t0)
         time.sleep(0.02)
+mine = list(gathers)
 dist.barrier()
 # one file per rank: the ranks' stdout lines interleave in torchrun's stream
 with open(f"{sys.argv[2]}.{rank}", "w") as f:
-    json.dump({"rank": rank, "waits": waits, "gathers": gathers}, f)
+    json.dump({"rank": rank, "waits": waits, "gathers": mine}, f)
 dist.destroy_process_group()
 """
 
 
 def test_log_never_waits_for_another_rank(tmp_path: Path) -> None:
-    """``log()`` is a collective, but the exchange of rows runs in gpulens's gather thread:
-    a rank that reaches ``log()`` while another is 1.5 s late goes on at once, and every row
-    still holds both ranks' GPUs."""
+    """``log()`` is a collective in name only: no rank waits for another, in ``log()`` or
+    anywhere in gpulens (it makes no collective call at all); a rank that reaches ``log()``
+    while another is 1.5 s late goes on at once, and every row still holds both ranks' GPUs."""
     import json
 
     script = tmp_path / "late.py"
@@ -191,140 +197,212 @@ def test_log_never_waits_for_another_rank(tmp_path: Path) -> None:
     # rank 0's log() at step 3 and after: no wait for rank 1 (it would be ~1.5 s inside log())
     assert max(results[0]["waits"]) < 0.5, results[0]["waits"]
     for r in results.values():
-        assert r["gathers"] and set(r["gathers"]) == {"gpulens-gather"}, r["gathers"]
+        assert r["gathers"] == [], r["gathers"]
     check_rows(jsonl(out), [1, 2, 3, 4, 5, 6])
 
 
-# -- the gather's own gloo group, in this process ----------------------------------------------
-def _threads() -> set[int]:
-    """The native threads of this process (gloo's worker threads are not Python threads)."""
-    return {int(tid) for tid in os.listdir("/proc/self/task")}
+# -- two nodes on this host -------------------------------------------------------------------
+NODE_NAMES = ("fake-a", "fake-b")
+
+DYING_RANK = """
+import os, sys, time
+import torch.distributed as dist
+import gpulens
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 13):
+        if rank == 2 and step == 5:
+            os._exit(0)  # rank 2 dies: no stop(), no goodbye (and torchrun lets the rest run)
+        mon.log(step, loss=1.0 / step)
+        time.sleep(0.05)
+"""
 
 
-def _wait_gone(tids: set[int], timeout: float = 5.0) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while tids & _threads() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return tids & _threads()
+def _nodes_env(**extra: str) -> tuple[dict[str, str], list[dict[str, str]]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"),
+               **extra)
+    return env, [{"GPULENS_NODE_NAME": name} for name in NODE_NAMES]
 
 
-@pytest.fixture
-def gloo_world() -> Iterator[Any]:
-    """A one-rank gloo world in this process; destroyed afterwards if still up."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+def test_two_nodes_shape_and_a_rank_that_dies(tmp_path: Path) -> None:
+    """Two launches of 2 ranks.  The record lists every GPU with its node; rank 2 (a node 1
+    rank that does not lead it) dies at step 5: rank 0 says so in one WARNING naming it, and
+    the rows go on to step 12 without it, marked partial."""
+    script = tmp_path / "dying.py"
+    script.write_text(DYING_RANK)
+    out = tmp_path / "rows.jsonl"
+    env, nodes = _nodes_env(GPULENS_SIMULATED_GPUS="2")
+    done = run_torchrun([str(script), str(out)], cwd=tmp_path, env=env, nodes=nodes,
+                        timeout=TORCHRUN_TIMEOUT_S)
+    assert not done.timed_out and done.returncode == 0, done.stderr[-6000:]
+    assert not done.leftovers, done.leftovers
+    lines = read_lines(out)
+    start = next(x for x in lines if x.get("event") == "run_start")
+    assert [(g["rank"], g["node"], g["node_name"]) for g in start["gpus"]] == [
+        (0, 0, start["job"]["node_names"]["0"]), (1, 0, start["job"]["node_names"]["0"]),
+        (2, 1, start["job"]["node_names"]["1"]), (3, 1, start["job"]["node_names"]["1"])]
+    assert sorted(start["job"]["node_names"].values()) == sorted(NODE_NAMES)
+    assert len({g["uuid"] for g in start["gpus"]}) == 4  # each simulated node's GPUs its own
+    rows = [x for x in lines if "event" not in x]
+    assert [r["step"] for r in rows] == list(range(1, 13))  # one writer, every step
+    assert all(r["job/nodes"] == 2 for r in rows)
+    assert [(r["job/ranks"], r["job/partial"]) for r in rows[-6:]] == [(3, 1)] * 6
+    assert all(f"gpu/{i}/util_pct" in rows[-1] for i in (0, 1, 3))
+    told = [line for line in done.stderr.splitlines() if "WARNING" in line and "rank 2 " in line]
+    assert len(told) == 1, told
+    assert "node 1" in told[0] and "marked partial" in told[0]
+
+
+SERVING_NODE = """
+import os, sys, time
+import torch.distributed as dist
+import gpulens
+
+dist.init_process_group("gloo")
+node = int(os.environ["GROUP_RANK"])
+port = sys.argv[2].split(",")[node]
+done = sys.argv[3]
+with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}", f"prometheus:{port}"]) as mon:
+    step, stop_at = 0, 4000
+    while step < stop_at:
+        step += 1
+        mon.log(step, loss=1.0 / step)
+        if stop_at == 4000 and os.path.exists(done):
+            stop_at = (step // 40 + 2) * 40  # both nodes stop at the same step
+        time.sleep(0.05)
+"""
+
+
+def test_each_node_serves_its_gpus_to_a_real_prometheus(tmp_path: Path) -> None:
+    """A job of two one-rank nodes with the large-job view (``GPULENS_FULL_GPUS=1``): each
+    node's leader serves its own GPU, labelled by node, rank and host (the node's name), and
+    writes its own record; rank 0 also serves the job's figures.  A real Prometheus scrapes
+    both endpoints."""
+    import json
+    import shutil
+    import subprocess
+    import threading
+    import urllib.parse
+    import urllib.request
+
+    exe = shutil.which("prometheus")
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("prometheus is missing in CI (apt-get install -y prometheus)")
+        pytest.skip("prometheus is not installed (apt-get install -y prometheus)")
+    script = tmp_path / "serving.py"
+    script.write_text(SERVING_NODE)
+    ports = [_free_port(), _free_port()]
+    done_flag = tmp_path / "scraped"
+    env, nodes = _nodes_env(GPULENS_SIMULATED_GPUS="1", GPULENS_FULL_GPUS="1")
+    result: dict[str, Any] = {}
+    job = threading.Thread(target=lambda: result.update(done=run_torchrun(
+        [str(script), str(tmp_path / "rows.jsonl"), ",".join(map(str, ports)),
+         str(done_flag)], cwd=tmp_path, env=env, nproc=1, nodes=nodes,
+        timeout=TORCHRUN_TIMEOUT_S)))
+    job.start()
+    prom_port = _free_port()
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: gpulens\n"
+        "    static_configs:\n      - targets: ["
+        + ", ".join(f"'127.0.0.1:{p}'" for p in ports) + "]\n")
+    log = (tmp_path / "prometheus.log").open("w")
+    prom = subprocess.Popen([exe, f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+
+    def query(expr: str) -> list[Any]:
+        url = (f"http://127.0.0.1:{prom_port}/api/v1/query?"
+               + urllib.parse.urlencode({"query": expr}))
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return list(json.loads(r.read())["data"]["result"])
+
     try:
-        yield dist
+        deadline = time.time() + TORCHRUN_TIMEOUT_S
+        gpus: list[Any] = []
+        while time.time() < deadline and job.is_alive():
+            try:
+                gpus = query("gpulens_gpu_utilization_percent")
+                if len(gpus) == 2 and query("gpulens_job_ranks") and query("gpulens_node_ranks"):
+                    break
+            except OSError:
+                pass  # still starting
+            time.sleep(0.5)
+        labels = sorted((g["metric"]["node"], g["metric"]["rank"], g["metric"]["gpu"],
+                         g["metric"]["host"]) for g in gpus)
+        assert [x[:3] for x in labels] == [("0", "0", "0"), ("1", "1", "1")], (
+            gpus, (tmp_path / "prometheus.log").read_text()[-2000:])
+        assert sorted(x[3] for x in labels) == sorted(NODE_NAMES)
+        (ranks,) = query("gpulens_job_ranks")
+        assert float(ranks["value"][1]) == 2.0
+        assert ranks["metric"]["instance"] == f"127.0.0.1:{ports[0]}"  # rank 0's endpoint
+        # node 1's own endpoint says how many of its ranks its row holds (rank 0's, every node)
+        (node1,) = query(f'gpulens_node_ranks{{instance="127.0.0.1:{ports[1]}"}}')
+        assert node1["metric"]["node"] == "1" and float(node1["value"][1]) == 1.0
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        done_flag.write_text("1")
+        prom.terminate()
+        prom.wait(timeout=30)
+        log.close()
+        job.join(TORCHRUN_TIMEOUT_S + 30)
+    done = result["done"]
+    assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
+    node1_rows = read_rows(tmp_path / "rows.node1.jsonl")
+    assert node1_rows and all("gpu/1/util_pct" in r and "gpu/0/util_pct" not in r
+                              for r in node1_rows)
 
 
-def _gather(rows: list[Any]) -> Any:
-    from gpulens.distributed import RankGather
-    from gpulens.model import GpuInfo, RunContext
+def _free_port() -> int:
+    import socket
 
-    context = RunContext(gpus=(GpuInfo(index=0, name="sim", uuid="GPU-0", pci_bus_id="0"),),
-                         hostname="h", backend="simulated", interval=0.1)
-    return RankGather(context, submit=rows.append)
-
-
-def _row(step: int) -> Any:
-    from gpulens.model import Row
-
-    return Row(step=step, time=float(step), values={"gpu/0/util_pct": 50.0 + step,
-                                                    "train/loss": 1.0 / step})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def test_gather_runs_on_a_group_of_its_own_and_close_joins_its_threads(gloo_world: Any) -> None:
-    dist = gloo_world
-    from torch.distributed import distributed_c10d
+SLOW_GPU = """
+import os, sys, time
+import torch.distributed as dist
+import gpulens
+from gpulens.testing import Constant, PerGpu, SimulatedNVML
 
-    before = _threads()
-    rows: list[Any] = []
-    gather = _gather(rows)
-    # its own group even though training uses gloo: its works never sit in the training's group
-    own = _threads() - before
-    assert own, "the gather made no gloo group (and so no threads) of its own"
-    assert len(distributed_c10d._world.pg_map) == 2
-    gather.local_row(_row(1))
-    gather.local_row(_row(2))
-    gather.exchange()
-    gather.local_row(_row(3))
-    gather.flush()  # the last exchanges, then close()
-    assert [r.step for r in rows] == [1, 2, 3]
-    assert rows[2].values["gpu/0/util_pct"] == 53.0 and "train/loss" in rows[2].values
-    assert gather.closed
-    # released in close(), not whenever the gather is garbage-collected: threads joined (the
-    # destructor's join returns only once they have ended), group unregistered
-    assert not _wait_gone(own)
-    assert list(distributed_c10d._world.pg_map) == [distributed_c10d._get_default_group()]
-    assert gather.exchange() == 0  # after close: nothing, and never on the default group
-    gather.close()  # idempotent
-    assert dist.is_initialized()
+dist.init_process_group("gloo")
+slow = sys.argv[2] != "none" and os.environ["GPULENS_NODE_NAME"] == sys.argv[2]
+# the node's 2 simulated GPUs: every GPU 60 % busy, GPU 1 of the slow node 95 %
+load = PerGpu({1: Constant(0.95)} if slow else {}, default=Constant(0.6))
+backend = SimulatedNVML(gpus=2, load=load)
+with gpulens.Monitor(interval=0.05, backend=backend, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 41):
+        time.sleep(0.15)
+        mon.log(step, loss=1.0 / step)
+"""
 
 
-def test_close_after_the_default_group_was_destroyed(gloo_world: Any,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
-    dist = gloo_world
-    before = _threads()
-    gather = _gather([])
-    own = _threads() - before
-    assert own
-    dist.destroy_process_group()  # the user's teardown came first: it unregistered ours too
-    assert own & _threads()  # the gather still holds its group
-    with caplog.at_level(logging.WARNING, logger="gpulens"):
-        gather.close()
-    assert not caplog.records
-    assert not _wait_gone(own)
-
-
-def test_rows_after_the_last_exchange_are_told(gloo_world: Any,
-                                               caplog: pytest.LogCaptureFixture) -> None:
-    from gpulens.log import reset_warnings
-
-    reset_warnings()
-    rows: list[Any] = []
-    gather = _gather(rows)
-    gather.local_row(_row(1))
-    with caplog.at_level(logging.WARNING, logger="gpulens"):
-        gather.close()  # without the last exchanges (stop() failed half-way): row 1 is lost
-        gather.local_row(_row(2))  # and row 2 came too late
-    assert gather.late_rows == 2 and rows == []
-    messages = [r.getMessage() for r in caplog.records]
-    assert any("1 row(s) of rank 0 came after the last exchange" in m for m in messages)
-    assert any("a row of rank 0 came after the ranks' last exchange" in m for m in messages)
-
-
-def test_a_failed_exchange_is_told_and_never_reaches_training(
-        gloo_world: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gather thread's all-gather fails (a rank gone, the group torn down): one WARNING
-    through the ``gpulens`` logger in this (the training) process, ``request()`` keeps
-    returning, and ``flush()`` still releases the group."""
-    from gpulens.log import reset_warnings
-
-    reset_warnings()
-    rows: list[Any] = []
-    gather = _gather(rows)
-
-    def broken(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("Connection closed by peer")
-
-    monkeypatch.setattr(gather._dist, "all_gather", broken)
-    with caplog.at_level(logging.WARNING, logger="gpulens"):
-        gather.local_row(_row(1))
-        gather.request()
-        deadline = time.monotonic() + 5
-        while not any("exchange of rows" in r.getMessage() for r in caplog.records):
-            assert time.monotonic() < deadline, "no warning for the failed exchange"
-            time.sleep(0.01)
-        t0 = time.perf_counter()
-        gather.request()  # after the failure: counted nowhere, never waits
-        assert time.perf_counter() - t0 < 0.05
-        gather.flush(5.0)
-    failed = [r for r in caplog.records if "exchange of rows" in r.getMessage()]
-    assert len(failed) == 1 and "Connection closed by peer" in failed[0].getMessage()
-    assert rows == [] and gather.closed
+@pytest.mark.parametrize("slow_node", ["fake-b", "none"])
+def test_a_slow_gpu_on_one_node_is_named_by_node_and_gpu(tmp_path: Path,
+                                                         slow_node: str) -> None:
+    """A GPU busy longer per step (GPM) on one of two nodes, from the start: slow_rank names
+    that GPU, its rank and its node within 20 steps, once; a healthy job fires nothing."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_GPU)
+    out = tmp_path / "rows.jsonl"
+    env, nodes = _nodes_env()
+    done = run_torchrun([str(script), str(out), slow_node], cwd=tmp_path, env=env,
+                        nodes=nodes, timeout=TORCHRUN_TIMEOUT_S)
+    assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
+    lines = read_lines(out)
+    start = next(x for x in lines if x.get("event") == "run_start")
+    fired = [x for x in lines if x.get("event") == "alert" and x["name"] == "slow_rank"
+             and x["state"] == "firing"]
+    if slow_node == "none":
+        assert not fired, fired
+        return
+    (gpu,) = [g for g in start["gpus"] if g["node_name"] == slow_node and g["local_rank"] == 1]
+    assert len(fired) == 1, fired
+    message = fired[0]["message"]
+    assert f"GPU {gpu['index']} (rank {gpu['rank']}, node {gpu['node']} {slow_node})" in message
+    assert fired[0]["step"] <= 20 + 1 and fired[0]["data"]["rank"] == gpu["rank"]

@@ -85,6 +85,8 @@ def test_gpm_between_two_refreshes() -> None:
     assert end > start
     assert values["sm_active_pct"] == pytest.approx(80.0, abs=1.0)
     assert set(values) == {"sm_active_pct", "sm_occupancy_pct", "tensor_active_pct",
+                           "nvlink_rx_gb_per_s", "nvlink_tx_gb_per_s", "pcie_rx_gb_per_s",
+                           "pcie_tx_gb_per_s",
                            "dram_bw_pct"}
 
 

@@ -35,6 +35,8 @@ UNIT_SUFFIXES = ("_percent", "_bytes", "_watts", "_celsius", "_hertz", "_seconds
 """A unit last (rates as ``_per_second`` / ``_per_joule``, as OpenTelemetry's units become in
 Prometheus); ``gpulens_alert`` is a state (1 firing, 0 not) with no unit, like ``ALERTS``."""
 T0 = 1_700_000_000.0
+DISTRIBUTED_ONLY = ("gpulens_train_cpu_busy_seconds", "gpulens_job_", "gpulens_rank_")
+"""Series only a distributed job's endpoints serve."""
 
 
 def binary(name: str) -> str:
@@ -124,8 +126,9 @@ def test_sink_exposition_names_labels_and_own_registry() -> None:
     util = metrics["gpulens_gpu_utilization_percent"]
     assert sorted(lbl["gpu"] for lbl, _ in util) == ["0", "1"]
     for labels, value in util:
-        assert set(labels) == {"gpu", "uuid", "name", "host"}
+        assert set(labels) == {"gpu", "uuid", "name", "host", "node", "rank"}
         assert labels["uuid"].startswith("GPU-") and labels["name"].startswith("Simulated")
+        assert labels["node"] == labels["rank"] == ""  # one process: no node, no rank
         assert 0 <= value <= 100
     used = dict((lbl["gpu"], v) for lbl, v in metrics["gpulens_gpu_memory_used_bytes"])
     total = dict((lbl["gpu"], v) for lbl, v in metrics["gpulens_gpu_memory_total_bytes"])
@@ -248,6 +251,10 @@ def exported_names() -> set[str]:
               "train/learning_rate": 1e-4, "train/grad_norm": 1.0, "host/cpu_pct": 5.0,
               "host/ram_used_gb": 3.0, "gpu/0/energy_j": 10.0}
     values.update({f"gpu/0/{k}": 1.0 for k in (*GPU_SERIES, *THROTTLE_SERIES)})
+    # a distributed job's rank 0 (gpulens.sinks.prometheus_job)
+    values.update({"job/ranks": 2.0, "job/nodes": 2.0, "job/world": 2.0, "job/partial": 0.0,
+                   "node/1/ranks": 1.0, "node/1/partial": 0.0, "rank/1/gpu_busy_s": 0.2,
+                   "rank/1/gpu_relative_score": 0.9, "rank/1/gpu_individual_score": 1.0})
     sink.write(Row(step=7, time=T0, values=values))
     names = set(exposed(sink))
     sink.close()
@@ -318,7 +325,7 @@ def dashboard_queries() -> list[str]:
 
 def instantiate(expr: str) -> str:
     """Grafana's variables as Grafana would fill them with 'All' selected."""
-    return (expr.replace("$host", ".*").replace("$gpu", ".*")
+    return (expr.replace("$host", ".*").replace("$gpu", ".*").replace("$node", ".*")
             .replace("$__rate_interval", "15s").replace("$__range", "1m"))
 
 
@@ -335,7 +342,8 @@ def test_dashboard_is_well_formed() -> None:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${DS_PROMETHEUS}"
             assert p["fieldConfig"]["defaults"]["unit"]
-    assert {v["name"] for v in dash["templating"]["list"]} == {"DS_PROMETHEUS", "host", "gpu"}
+    assert {v["name"] for v in dash["templating"]["list"]} == {"DS_PROMETHEUS", "host", "node",
+                                                               "gpu"}
 
 
 def test_real_prometheus_scrapes_and_answers_every_dashboard_query(
@@ -383,9 +391,10 @@ def test_real_prometheus_scrapes_and_answers_every_dashboard_query(
 
             empty = []
             for expr in dashboard_queries():
-                if "gpulens_train_cpu_busy_seconds" in expr:
-                    # distributed jobs only (rank/{r}/cpu_busy_s, the slow-rank rule's input);
-                    # this loop is one process (the exposition: test_throughput_mfu_alerts_...)
+                if any(name in expr for name in DISTRIBUTED_ONLY):
+                    # distributed jobs only (rank/{r}/cpu_busy_s, the slow-rank rule's input;
+                    # the job's and ranks' figures): this loop is one process (the exposition:
+                    # test_throughput_mfu_alerts_..., tests/test_integration_distributed.py)
                     continue
                 result: list[Any] = []
                 for _ in range(20):

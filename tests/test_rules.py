@@ -448,7 +448,9 @@ def test_slow_rank_from_gpm_is_named_and_chronic() -> None:
     stream = Stream(gpus=4, faults=[(ONSET, slow_rank1_gpm)])
     r = run(stream, 120, RulesConfig(gpus=GPUS[:4], distributed=True))
     e = assert_fires_once_within_20(r, "slow_rank")
-    assert e.message.startswith("a slow rank sets the pace of the job: rank 1 is chronically")
+    # GPU busy time (GPM) lags: the GPU is named (its key is the rank's)
+    assert e.message.startswith("a slow rank sets the pace of the job: GPU 1 (rank 1) is "
+                                "chronically slow")
     assert "GPM" in e.message and e.data["rank"] == 1.0 and e.data["rank/1/lag_pct"] > 20
     # a single GPU row set is not a job of ranks: no slow_rank without distributed=True
     quiet = run(stream, 120, RulesConfig(gpus=GPUS[:4]))

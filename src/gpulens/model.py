@@ -5,7 +5,8 @@ integrations and the command line all import them from here, and this module imp
 of gpulens (the keys of :attr:`Row.values` are those of :mod:`gpulens.schema`).
 
 * :class:`GpuInfo`: static facts about one monitored GPU.
-* :class:`RunContext`: what a sink may want to know when it opens.
+* :class:`RunContext`: what a sink may want to know when it opens; in a distributed job its
+  :class:`JobShape` (every rank's :class:`RankInfo`: node, local rank, GPU).
 * :class:`Row`: one step-aligned record, with the :class:`Event` objects of its step.
 * :class:`Mark` / :data:`MarkFields`: a ``log()`` call as it crosses from the client (the
   training process) to the engine.
@@ -52,6 +53,51 @@ class RunContext:
     """What else a record of the run should say: the compute dtype, each GPU's peak and its
     source (``peak_tflops``, ``peak_source``), how model FLOPs were counted ... (sinks that
     keep run metadata write it: the JSONL header, MLflow params, W&B config)."""
+    job: JobShape | None = None
+    """A distributed job's shape (every rank's node and GPU: rank 0's view; a node leader's:
+    its node's), or ``None`` for a job of one process."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank of a distributed job: where it runs and the GPU it trains on."""
+
+    rank: int
+    local_rank: int
+    node: int
+    """The node's index in the job."""
+    node_name: str
+    gpus: tuple[GpuInfo, ...] = ()
+    """The GPU(s) this rank samples (one per rank in DDP-like jobs); their ``index`` is the
+    key of their figures in rows (``gpu/{index}/...``: the global rank)."""
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """Every rank of a distributed job, as far as the start exchange found them
+    (:mod:`gpulens.distributed.start`)."""
+
+    world: int
+    """Ranks in the job."""
+    nodes: int
+    """Nodes in the job."""
+    launcher: str
+    ranks: tuple[RankInfo, ...] = ()
+    """By global rank; a rank that did not answer the start exchange is absent."""
+    view: str = "job"
+    """``"job"``: rank 0's view (every node); ``"node"``: a node leader's (its node only)."""
+    missing: tuple[int, ...] = ()
+    """Ranks that did not answer the start exchange in time."""
+
+    def node_names(self) -> dict[int, str]:
+        """Node index -> node name."""
+        return {r.node: r.node_name for r in self.ranks}
+
+    def with_gpus(self, rank: int, gpus: tuple[GpuInfo, ...]) -> JobShape:
+        """A copy with ``rank``'s GPUs filled in (the engine knows its own)."""
+        ranks = tuple(RankInfo(r.rank, r.local_rank, r.node, r.node_name, gpus)
+                      if r.rank == rank and not r.gpus else r for r in self.ranks)
+        return JobShape(self.world, self.nodes, self.launcher, ranks, self.view, self.missing)
 
 
 @dataclass(frozen=True)

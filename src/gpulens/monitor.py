@@ -294,7 +294,9 @@ class Monitor:
             link = _Link()
             gather = link.gather = self._make_gather(link)  # rank rows may come once started
             try:
-                sinks = settings.sinks if gather is None or gather.is_writer else ()
+                # rank 0: every sink; above 8 ranks another node's leader its node's (JSONL,
+                # Prometheus)
+                sinks = settings.sinks if gather is None else gather.sinks_for(settings.sinks)
                 named = _prepare(sinks)  # a one-line error before any sink opens or run is made
                 transport = self._choose_transport(backend)
                 try:
@@ -355,7 +357,9 @@ class Monitor:
         spec = EngineSpec(
             interval=settings.interval, gpus=settings.gpus, backend=backend,
             buffer_rows=settings.buffer_rows, step=int(step), sinks=tuple(engine_sinks),
-            rows_back=bool(local), gather=link.gather is not None, rank=distributed_env(),
+            rows_back=bool(local), gather=link.gather is not None,
+            rank=link.gather.placement if link.gather is not None else distributed_env(),
+            job=link.gather.shape_before_engine() if link.gather is not None else None,
             log_level=effective_level(), dtype=settings.dtype,
             flops_per_token=settings.flops_per_token,
             flops_per_sample=settings.flops_per_sample, gpm=settings.gpm,
@@ -373,14 +377,16 @@ class Monitor:
         """The rank gather of a distributed job, or ``None``."""
         if self._settings.distributed is False:
             return None
-        from gpulens.distributed import RankGather, torch_distributed_ready
+        from gpulens.distributed import torch_distributed_ready
 
         if not torch_distributed_ready():
             if self._settings.distributed:
                 raise ValueError("distributed=True, but torch.distributed is not initialised "
                                  "with more than one rank")
             return None
-        return RankGather(None, submit=link.finish_merged)
+        from gpulens.distributed.gather import JobGather
+
+        return JobGather(submit=link.finish_merged)
 
     # -- the training thread -------------------------------------------------------------------
     def log(self, step: int, *, tokens: Any = None, samples: Any = None, flops: Any = None,
@@ -453,10 +459,10 @@ class Monitor:
              ) -> dict[str, SinkStats]:
         """Close the last windows, write what every sink holds, and stop.  Idempotent.
 
-        In a distributed job ``stop()`` is a collective (the ranks' last rows meet), like
-        :meth:`log`.  ``collective=False`` (an error on the way out of one rank, when the
-        others may never reach ``stop()``) skips that: the last windows not yet gathered are
-        not written (said), and gpulens's gloo group is released at once.
+        In a distributed job every rank calls ``stop()`` (the ranks' last rows meet; nothing
+        waits for a rank that does not come longer than the gather's bounded wait).
+        ``collective=False`` (an error on the way out of one rank) skips this rank's last
+        exchange: its last windows not yet gathered are not written (said).
 
         Waits while the sinks make progress: at most ``timeout`` seconds (default
         :data:`~gpulens.sinks.writer.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and

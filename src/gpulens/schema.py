@@ -68,6 +68,16 @@ GPU_METRICS: tuple[GpuMetric, ...] = (
               "its energy rests on the power samples alone"),
     GpuMetric("temp_c", "Celsius", Agg.MEAN, "GPU core temperature", with_max=True),
     GpuMetric("sm_clock_mhz", "MHz", Agg.MEAN, "SM clock"),
+    GpuMetric("mem_clock_mhz", "MHz", Agg.MEAN, "memory clock"),
+    GpuMetric("nvlink_rx_gb_per_s", "GB/s", Agg.MEAN,
+              "NVLink data received, all links (GPM where the GPU has it, else NVML's NVLink "
+              "data counters), 1 GB = 1e9 bytes"),
+    GpuMetric("nvlink_tx_gb_per_s", "GB/s", Agg.MEAN,
+              "NVLink data sent, all links (GPM, else NVML's counters)"),
+    GpuMetric("pcie_rx_gb_per_s", "GB/s", Agg.MEAN,
+              "PCIe traffic to the GPU (GPM, else NVML's PCIe byte counters)"),
+    GpuMetric("pcie_tx_gb_per_s", "GB/s", Agg.MEAN,
+              "PCIe traffic from the GPU (GPM, else NVML's PCIe byte counters)"),
     GpuMetric("throttle_pct", "percent", Agg.MEAN,
               "share of the window with clocks held down (power cap, thermal, HW slowdown)"),
     GpuMetric("throttle_power_pct", "percent", Agg.MEAN,
@@ -96,6 +106,37 @@ GPU_ROW_KEYS: tuple[str, ...] = (
 fixed-size tensor that distributed jobs gather)."""
 
 HOST_KEYS: tuple[str, ...] = ("cpu_pct", "ram_used_gb")
+
+FULL_GPUS = 8
+"""Distributed jobs of up to this many GPUs (one per rank) keep every GPU's figures in rank 0's
+row and in the trackers; larger ones give the trackers job figures, per-node figures of the
+worst nodes and the worst GPUs in fixed slots (the tracker view's key budget)."""
+FULL_GPUS_ENV = "GPULENS_FULL_GPUS"
+
+
+def full_gpus() -> int:
+    """:data:`FULL_GPUS`, or lower where ``GPULENS_FULL_GPUS`` says (1 to 8: a smaller job
+    then gets the view of a large one; never higher, which would break the key budget)."""
+    import os
+
+    raw = os.environ.get(FULL_GPUS_ENV, "").strip()
+    if not raw:
+        return FULL_GPUS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= FULL_GPUS:
+        raise ValueError(f"{FULL_GPUS_ENV}={raw!r}: expected a whole number from 1 to "
+                         f"{FULL_GPUS}")
+    return value
+
+BOOKKEEPING_SUFFIXES = frozenset({"samples", "energy_err_j", "energy_short_window",
+                                  "power_limit_w", "torch_alloc_retries", "torch_ooms"})
+"""Per-GPU keys the trackers do not get (JSONL and Prometheus keep them): about the measurement
+rather than the GPU (samples, the energy's error bound), static (the power limit: in the run's
+config), or cumulative counts that an advice rule watches (allocator retries and OOMs).  Six
+charts a GPU fewer keep a job of 8 GPUs under the key budget."""
 
 STEP_KEY = "train/global_step"
 

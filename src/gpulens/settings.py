@@ -155,7 +155,8 @@ def simulated_from_env() -> Any:
         raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
     if count < 1:
         raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be at least 1")
-    return SimulatedNVML(gpus=count)
+    # a node name of its own (GPULENS_NODE_NAME): two simulated "nodes" on one host
+    return SimulatedNVML(gpus=count, node=os.environ.get("GPULENS_NODE_NAME", ""))
 
 
 def distributed_env() -> tuple[int, int, int] | None:

@@ -124,8 +124,17 @@ def kill_all_jobs() -> None:
         _LIVE_TAGS.discard(tag)
 
 
-def torchrun_command(script_args: Sequence[str], nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+def torchrun_command(script_args: Sequence[str], nproc: int = 2,
+                     rendezvous: tuple[int, str] | None = None) -> list[str]:
+    """torchrun's command line: ``--standalone``, or with ``rendezvous`` = (nodes,
+    "127.0.0.1:PORT") one node of a job whose launches meet at that c10d rendezvous."""
+    if rendezvous is None:
+        where = ["--standalone"]
+    else:
+        nodes, endpoint = rendezvous
+        where = ["--nnodes", str(nodes), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+                 "--rdzv_id", "gpulens-test"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node",
             str(nproc), *script_args]
 
 
@@ -137,12 +146,19 @@ def run_torchrun(
     nproc: int = 2,
     timeout: float = 240.0,
     on_timeout: Callable[[list[JobProcess]], None] | None = None,
+    nodes: Sequence[Mapping[str, str]] = (),
 ) -> TorchrunResult:
     """Run ``torchrun --standalone --nproc_per_node NPROC SCRIPT_ARGS`` in ``cwd``.
 
     ``env``: the whole environment (default: this process's). On timeout ``on_timeout`` is
     called with the job's live processes (to take their stacks) before they are killed.
     Whatever happens (timeout, an exception, Ctrl-C), no process of the job outlives the call.
+
+    ``nodes``: one launch per entry instead, all on this host, meeting at a c10d rendezvous on
+    127.0.0.1 (``--nnodes len(nodes)``), each with its entry added to the environment (say a
+    ``GPULENS_NODE_NAME`` of its own): a job of several "nodes".  The result's return code is
+    the first non-zero one (0 if all are), its output every launch's, each line prefixed with
+    ``[node i]``.
     """
     tag = f"{os.getpid()}-{uuid.uuid4().hex}"
     full_env = dict(os.environ if env is None else env)
@@ -150,37 +166,60 @@ def run_torchrun(
     _LIVE_TAGS.add(tag)
     timed_out = False
     leftovers: list[JobProcess] = []
+    launches = list(nodes) or [{}]
+    rendezvous = (len(launches), f"127.0.0.1:{_free_port()}") if nodes else None
     # Output goes to files, not pipes: a leftover process that inherited a pipe would hold it
     # open, and waiting for its end of file would look like a hang.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with contextlib.ExitStack() as stack:
+        files = [(stack.enter_context(tempfile.TemporaryFile("w+")),
+                  stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in launches]
         start = time.monotonic()
-        proc = subprocess.Popen(torchrun_command(script_args, nproc), cwd=cwd, env=full_env,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True,
-                                start_new_session=True)
+        procs = [subprocess.Popen(torchrun_command(script_args, nproc, rendezvous), cwd=cwd,
+                                  env={**full_env, **extra}, stdin=subprocess.DEVNULL,
+                                  stdout=out, stderr=err, text=True, start_new_session=True)
+                 for extra, (out, err) in zip(launches, files, strict=True)]
         try:
+            deadline = start + timeout
             try:
-                proc.wait(timeout=timeout)
+                for proc in procs:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
                 if on_timeout is not None:
                     on_timeout(job_processes(tag))
-                kill_job(tag, leader=proc.pid)
-                proc.wait()
+                for proc in procs:
+                    kill_job(tag, leader=proc.pid)
+                for proc in procs:
+                    proc.wait()
             seconds = time.monotonic() - start
             if not timed_out:
-                deadline = time.monotonic() + LEFTOVER_GRACE_S
-                while job_processes(tag) and time.monotonic() < deadline:
+                grace = time.monotonic() + LEFTOVER_GRACE_S
+                while job_processes(tag) and time.monotonic() < grace:
                     time.sleep(0.05)
                 leftovers = job_processes(tag)
         finally:
-            # torchrun's own group only while torchrun is unreaped (its pid is not reusable yet)
-            kill_job(tag, leader=proc.pid if proc.poll() is None else None)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5.0)
+            for proc in procs:
+                # torchrun's own group only while it is unreaped (its pid is not reusable yet)
+                kill_job(tag, leader=proc.pid if proc.poll() is None else None)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5.0)
             _LIVE_TAGS.discard(tag)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    return TorchrunResult(returncode=None if timed_out else proc.returncode, stdout=stdout,
-                          stderr=stderr, seconds=seconds, timed_out=timed_out,
-                          leftovers=leftovers)
+        outs, errs = [], []
+        for i, (out, err) in enumerate(files):
+            out.seek(0)
+            err.seek(0)
+            prefix = f"[node {i}] " if nodes else ""
+            outs.append("".join(prefix + line for line in out.read().splitlines(True)))
+            errs.append("".join(prefix + line for line in err.read().splitlines(True)))
+    codes = [p.returncode for p in procs]
+    return TorchrunResult(returncode=None if timed_out else next((c for c in codes if c), 0),
+                          stdout="".join(outs), stderr="".join(errs), seconds=seconds,
+                          timed_out=timed_out, leftovers=leftovers)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -102,6 +102,8 @@ class Engine:
                 backend=source.name if source is not None else "none",
                 interval=spec.interval,
                 meta=finisher.meta,
+                job=(spec.job.with_gpus(spec.rank[0], infos)
+                     if spec.job is not None and spec.rank is not None else spec.job),
             )
             sinks: list[Sink] = [s.build() for s in spec.sinks]
             steplogger = StepLogger(sinks, names=[s.name for s in spec.sinks],

@@ -88,7 +88,7 @@ class Finisher:
         self._credit_at = time.perf_counter()
         try:
             self.rules: RuleEngine | None = RuleEngine(RulesConfig(
-                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather))
+                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather, job=spec.job))
         except Exception as exc:  # the rules are advice: never a reason not to monitor
             logger.warning("gpulens: the advice rules could not start (%r); rows go on "
                            "without them", exc)
@@ -101,7 +101,7 @@ class Finisher:
         step_time = values.get("perf/step_time_s")
         clocks: list[float] = []
         tensors: list[float] = []
-        energy = 0.0
+        energy: float = 0.0
         have_energy = False
         gpus: set[str] = set()
         kinds = self._kinds
@@ -122,12 +122,21 @@ class Finisher:
             elif kind == "energy_j":
                 energy += value
                 have_energy = True
+        n_gpus = len(gpus)
+        job_gpus = values.get("job/gpus")
+        if job_gpus is not None and job_gpus > n_gpus:
+            # a distributed job's row holds one node's GPUs at most: the job's from aggregates
+            n_gpus = int(job_gpus)
+            clocks = _one(values, "gpu/all/sm_clock_mhz_mean")
+            tensors = _one(values, "gpu/all/tensor_active_pct_mean")
+            energy = values.get("gpu/all/energy_j_sum", math.nan)
+            have_energy = math.isfinite(energy)
         if step_time is not None and any(k in work for k in
                                          (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS)):
             from gpulens.work.mfu import window_perf
 
             values.update(window_perf(
-                seconds=step_time * steps, gpus=max(1, len(gpus)),
+                seconds=step_time * steps, gpus=max(1, n_gpus),
                 tokens=work.get(WORK_TOKENS), samples=work.get(WORK_SAMPLES), steps=steps,
                 flops=work.get(WORK_FLOPS), flops_per_token=self.spec.flops_per_token,
                 flops_per_sample=self.spec.flops_per_sample,
@@ -162,6 +171,11 @@ class Finisher:
                 _tell(event)
         return Row(step=row.step, time=row.time, values=values,
                    events=row.events + tuple(events))
+
+
+def _one(values: dict[str, float], key: str) -> list[float]:
+    value = values.get(key)
+    return [value] if value is not None and math.isfinite(value) else []
 
 
 def _tell(event: Event) -> None:

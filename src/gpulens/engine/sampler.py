@@ -306,10 +306,12 @@ class Sampler:
             for key, value in (
                 ("mem_used_gb", r.mem_used_gb), ("mem_pct", r.mem_pct),
                 ("power_limit_w", r.power_limit_w), ("temp_c", r.temp_c),
-                ("sm_clock_mhz", r.sm_clock_mhz),
+                ("sm_clock_mhz", r.sm_clock_mhz), ("mem_clock_mhz", r.mem_clock_mhz),
             ):
                 if value is not None:
                     row[key] = value
+            if r.links:
+                row.update(r.links)
             if r.util_pct is not None:
                 gpu.util_fast.add(t, r.util_pct)
             if r.power_w is not None:

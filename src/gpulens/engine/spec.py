@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpulens.model import JobShape
 from gpulens.sinks import SinkSpec
 
 WORK_TOKENS = "work/tokens"
@@ -46,6 +47,9 @@ class EngineSpec:
     rank 0's client sends the merged row back to be finished (:meth:`Engine.finish`)."""
     rank: tuple[int, int, int] | None = None
     """(global rank, local rank, world size) in a distributed job."""
+    job: JobShape | None = None
+    """The job's shape as this rank's gather found it (rank 0: every rank; a node's leader:
+    its node), for the run's context; the engine fills in its own GPUs."""
     log_level: int = 30
     """The client's ``gpulens`` logger level: the engine says nothing below it."""
     dtype: str | None = None

@@ -373,7 +373,8 @@ def _edge_error(power: Series, t: float) -> float:
 
 JOB_SUFFIXES = frozenset({
     "util_pct", "sm_active_pct", "tensor_active_pct", "mem_used_gb", "mem_pct", "power_w",
-    "energy_j", "temp_c", "sm_clock_mhz", "throttle_pct",
+    "energy_j", "temp_c", "sm_clock_mhz", "throttle_pct", "nvlink_rx_gb_per_s",
+    "nvlink_tx_gb_per_s", "pcie_rx_gb_per_s", "pcie_tx_gb_per_s",
 })
 """The per-GPU figures that get job-level aggregates: the headline ones (every aggregate is
 three more keys a row for every tracker to store)."""

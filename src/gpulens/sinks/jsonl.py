@@ -14,7 +14,12 @@ the sink never overwrites, it appends.  Each run is told apart by its run id:
   :attr:`~gpulens.model.RunContext.meta`: the compute ``dtype``, MFU's denominator
   (``peak_gpu``, ``peak_dtype``, ``peak_tflops`` in TFLOP/s of one GPU, ``peak_source``), how
   model FLOPs are counted (``flops_per_token`` / ``flops_per_sample``, ``flops_method`` ...);
-  ``{}`` when the run has none (no dtype given, an unknown GPU: then rows have no MFU);
+  ``{}`` when the run has none (no dtype given, an unknown GPU: then rows have no MFU).
+  In a distributed job, ``gpus`` lists every GPU of the job (rank 0's file) or of the node
+  (another node's file, :meth:`JsonlSink.for_node`), each with its ``rank``, ``local_rank``,
+  ``node`` (index) and ``node_name``, and a ``job`` object says ``world`` (ranks), ``nodes``,
+  ``launcher``, ``view`` (``"job"`` or ``"node"``), ``missing_ranks`` (ranks that did not
+  answer at start) and ``node_names`` (node index -> name);
 * a row line per :class:`~gpulens.model.Row`: ``run_id``, ``step``, ``time`` (unix seconds
   at the end of the window) and the row's keys; a value that is not finite (a NaN loss) is
   written as ``null``;
@@ -40,7 +45,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from gpulens.model import Event, Row, RunContext
+from gpulens.model import Event, GpuInfo, Row, RunContext
 
 
 def new_run_id() -> str:
@@ -74,6 +79,18 @@ class JsonlSink:
         if not arg:
             raise ValueError("the jsonl sink needs a path: 'jsonl:runs/gpu.jsonl'")
         return {"path": arg}
+
+    def for_node(self, node: int) -> JsonlSink:
+        """The record a distributed job's node ``node`` writes, beside this one (above 8
+        ranks, each node's leader): ``gpu.jsonl`` -> ``gpu.node1.jsonl``."""
+        return JsonlSink(**self.node_options({"path": str(self.path), "run_id": self.run_id},
+                                             node))
+
+    @staticmethod
+    def node_options(options: dict[str, Any], node: int) -> dict[str, Any]:
+        """The options of :meth:`for_node`'s sink, for a sink chosen by name."""
+        path = Path(options["path"])
+        return {**options, "path": str(path.with_name(f"{path.stem}.node{node}{path.suffix}"))}
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +174,15 @@ def header(context: RunContext, run_id: str | None) -> dict[str, object]:
     """The ``run_start`` line of a run, from its :class:`RunContext`."""
     from gpulens import __version__
 
-    return {
+    job = getattr(context, "job", None)
+    placed: list[tuple[GpuInfo, dict[str, object]]] = []
+    if job is not None:  # every GPU of the job (rank 0) or of the node (another leader)
+        for r in job.ranks:
+            placed += [(g, {"rank": r.rank, "local_rank": r.local_rank, "node": r.node,
+                            "node_name": r.node_name}) for g in r.gpus]
+    else:
+        placed = [(g, {}) for g in context.gpus]
+    out: dict[str, object] = {
         "event": "run_start",
         "run_id": run_id,
         "time": round(time.time(), 6),
@@ -168,12 +193,18 @@ def header(context: RunContext, run_id: str | None) -> dict[str, object]:
             {"index": g.index, "name": g.name, "uuid": g.uuid, "pci_bus_id": g.pci_bus_id,
              "mem_total_gb": _finite(g.mem_total_gb), "power_limit_w": _finite(g.power_limit_w),
              "default_power_limit_w": _finite(g.default_power_limit_w),
-             "max_sm_clock_mhz": _finite(g.max_sm_clock_mhz)}
-            for g in context.gpus
+             "max_sm_clock_mhz": _finite(g.max_sm_clock_mhz), **where}
+            for g, where in placed
         ],
         "meta": _meta(getattr(context, "meta", None)),
         "gpulens_version": __version__,
     }
+    if job is not None:
+        out["job"] = {"world": job.world, "nodes": job.nodes, "launcher": job.launcher,
+                      "view": job.view, "missing_ranks": list(job.missing),
+                      "node_names": {str(n): name for n, name in
+                                     sorted(job.node_names().items())}}
+    return out
 
 
 def _meta(meta: object) -> dict[str, object]:

@@ -39,7 +39,8 @@ same keys from that GPU, so runs of any size compare.  Beside them: the loop's o
 (``train/loss`` ...) and any key outside gpulens's own prefixes, as given; ``alerts/<rule>``
 from the first row where that rule fired on (a healthy run shows no alert chart, a run with an
 alert shows it in the ``alerts`` section, first in MLflow's order).  Everything else
-(``gpu/{i}/*``, ``gpu/all/*``, ``host/*``, the other ``perf/*``, ``rank/*``) is *detail*: W&B
+(``gpu/{i}/*``, ``gpu/all/*``, ``host/*``, the other ``perf/*``, ``rank/*``, ``job/*``,
+``node/*``) is *detail*: W&B
 logs it under the schema's names hidden from the automatic panels, MLflow leaves it out (an
 alert key before its rule first fires is neither: a W&B key defined hidden stays hidden).
 ``train/global_step`` is left out (both trackers have the step).
@@ -51,10 +52,25 @@ where Hugging Face's ``WandbCallback`` writes its loss), ``gpu`` for the wall-cl
 ``MLflowCallback`` and Lightning's ``MLFlowLogger`` put ``loss`` (the MLflow sink picks it
 when it does not write the ``train/*`` keys itself).
 
-``keys="all"`` writes every key under the schema's names, nothing hidden (as before this
-layout).  Spellings: ``WandbSink(keys="all")``, ``MlflowSink(keys="all")``, the sink names
-``"wandb:all"`` and ``"mlflow:all"`` (``"mlflow:RUN_ID,all"``), and for integrations that make
-their own tracker sinks the environment variable ``GPULENS_TRACKER_KEYS=all``.
+**The key budget of a distributed job.**  Both trackers keep every distinct key of a run (W&B
+asks for fewer than 10,000 in a whole project; MLflow makes a chart for each), so the number of
+keys must not grow with the job.  Per-unit keys (``gpu/{i}/*``, ``node/{n}/*``, ``rank/{r}/*``)
+reach the trackers only while the job has at most :data:`~gpulens.schema.FULL_GPUS` ranks
+(``job/world`` in the row; ``GPULENS_FULL_GPUS`` can lower it), and then only ``gpu/{i}/*``
+without the bookkeeping suffixes (:data:`~gpulens.schema.BOOKKEEPING_SUFFIXES`) and
+``rank/{r}/cpu_busy_s``.  Above it, the
+trackers get the job's aggregates (``gpu/all/*``), how many ranks and nodes each row holds
+(``job/*``), the least active GPUs and nodes and the slowest ranks in fixed slots
+(``gpu/worst{j}/*``, ``node/worst{j}/*``, ``rank/slowest{j}/*``: which GPU, node or rank as a
+value, never as a new key), so the count is the same at 16 GPUs as at 4,096.  Every GPU's
+figures stay in each node's JSONL record and Prometheus endpoint, labelled by node, rank and
+GPU (:mod:`gpulens.distributed`).
+
+``keys="all"`` writes every key within that budget under the schema's names, nothing hidden
+(as before this layout).  Spellings: ``WandbSink(keys="all")``, ``MlflowSink(keys="all")``,
+the sink names ``"wandb:all"`` and ``"mlflow:all"`` (``"mlflow:RUN_ID,all"``), and for
+integrations that make their own tracker sinks the environment variable
+``GPULENS_TRACKER_KEYS=all``.
 """
 
 from __future__ import annotations
@@ -66,7 +82,7 @@ from dataclasses import dataclass
 
 from gpulens.log import warn_once
 from gpulens.model import RunContext
-from gpulens.schema import STEP_KEY
+from gpulens.schema import BOOKKEEPING_SUFFIXES, FULL_GPUS, STEP_KEY, full_gpus
 
 KEY_SETS = ("default", "all")
 """The tracker key sets: ``"default"`` (the view above) and ``"all"`` (every schema key)."""
@@ -74,12 +90,33 @@ KEY_SETS = ("default", "all")
 KEYS_ENV = "GPULENS_TRACKER_KEYS"
 """Environment variable giving the key set of tracker sinks made without ``keys=``."""
 
-OWN_PREFIXES = ("gpu/", "host/", "perf/", "rank/", "alerts/")
+OWN_PREFIXES = ("gpu/", "host/", "perf/", "rank/", "alerts/", "job/", "node/")
 """Prefixes of the keys gpulens computes; any other key is the user's and passes as given."""
 
 ALERT_PREFIX = "alerts/"
 
 _GPU_INDEX = re.compile(r"^gpu/(\d+)/")
+_UNIT_KEY = re.compile(r"^(gpu|node|rank)/\d+/(.+)$")
+
+
+def within_budget(key: str, scaled: bool) -> bool:
+    """Whether a tracker gets ``key`` at all (module doc, "the key budget"): ``scaled`` for a
+    job of more than :data:`~gpulens.schema.FULL_GPUS` ranks."""
+    m = _UNIT_KEY.match(key)
+    if m is None:
+        return True
+    if scaled:
+        return False
+    kind, suffix = m.group(1), m.group(2)
+    if kind == "gpu":
+        return suffix not in BOOKKEEPING_SUFFIXES
+    return kind == "rank" and suffix == "cpu_busy_s"
+
+
+def is_scaled(values: Mapping[str, float], full: int = FULL_GPUS) -> bool:
+    """Whether a row is of a job above the budget's threshold (``job/world``, ranks, against
+    :func:`~gpulens.schema.full_gpus`)."""
+    return values.get("job/world", 0.0) > full
 
 
 @dataclass(frozen=True)
@@ -150,6 +187,7 @@ class TrackerLayout:
         self.section = check_section(section)
         self.include_train = include_train
         self._fired: set[str] = set()
+        self._full = full_gpus()
 
     def reset(self) -> None:
         """Forget the alerts seen (a new run)."""
@@ -171,14 +209,15 @@ class TrackerLayout:
         rest of gpulens's keys under the schema's names (W&B logs them hidden; MLflow drops
         them).  ``keys="all"``: every key shown, no detail."""
         train = self.include_train
+        scaled = is_scaled(values, self._full)
         if self.keys == "all":
             return ({k: v for k, v in values.items()
-                     if train or not k.startswith("train/")}, {})
+                     if (train or not k.startswith("train/")) and within_budget(k, scaled)}, {})
         shown: dict[str, float] = {}
         detail: dict[str, float] = {}
         gpus: set[str] = set()
         for key, value in values.items():
-            if key == STEP_KEY:
+            if key == STEP_KEY or not within_budget(key, scaled):
                 continue
             if key.startswith("train/"):
                 if train:
@@ -222,7 +261,10 @@ class TrackerLayout:
 def run_metadata(context: RunContext) -> dict[str, str | float | int]:
     """What the trackers record about a run: gpulens's version, the backend (``"simulated"``
     for simulated GPUs, said so plainly), hostname, sampling interval (s), the GPUs (count,
-    ``"2 x NAME"`` summary, each GPU's name as ``gpu.{i}.name``) and the run's
+    ``"2 x NAME"`` summary, each GPU's name as ``gpu.{i}.name``), a distributed job's shape
+    (``job.world``, ``job.nodes``, ``job.launcher``, ``node.{n}`` = ``"NAME: ranks 0-7, 8 x
+    GPU"``, and up to :data:`~gpulens.schema.FULL_GPUS` GPUs each GPU's ``gpu.{i}.node`` and
+    ``gpu.{i}.uuid``; every GPU's identity is in the JSONL ``run_start``) and the run's
     :attr:`~gpulens.model.RunContext.meta` (dtype, MFU peak and its source, FLOPs ...)."""
     from gpulens import __version__
 
@@ -243,8 +285,42 @@ def run_metadata(context: RunContext) -> dict[str, str | float | int]:
         out["gpus"] = ", ".join(f"{n} x {name}" for name, n in names.items())
         for g in context.gpus:
             out[f"gpu.{g.index}.name"] = g.name
+    job = getattr(context, "job", None)
+    if job is not None:  # the job's shape: a few keys a node, never one a GPU beyond 8
+        out["job.world"] = job.world
+        out["job.nodes"] = job.nodes
+        out["job.launcher"] = job.launcher
+        by_node: dict[int, list[int]] = {}
+        for r in job.ranks:
+            by_node.setdefault(r.node, []).append(r.rank)
+        node_names = job.node_names()
+        for n, ranks in sorted(by_node.items()):
+            gpus = [g for r in job.ranks if r.node == n for g in r.gpus]
+            kinds = sorted({g.name for g in gpus})
+            out[f"node.{n}"] = (f"{node_names.get(n, '?')}: ranks {_spans(sorted(ranks))}, "
+                                f"{len(gpus)} x {', '.join(kinds) or '?'}")
+        if job.world <= FULL_GPUS:
+            for r in job.ranks:
+                for g in r.gpus:
+                    out[f"gpu.{g.index}.node"] = r.node
+                    out[f"gpu.{g.index}.uuid"] = g.uuid
+        if job.missing:
+            out["job.missing_ranks"] = _spans(list(job.missing))
     for key, value in (context.meta or {}).items():
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             value = str(value)
         out.setdefault(str(key), value)
     return out
+
+
+def _spans(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts: list[str] = []
+    for v in values:
+        if parts and "-" not in parts[-1].split(", ")[-1] and int(parts[-1]) == v - 1:
+            parts[-1] = f"{parts[-1]}-{v}"
+        elif parts and "-" in parts[-1] and int(parts[-1].split("-")[1]) == v - 1:
+            parts[-1] = f"{parts[-1].split('-')[0]}-{v}"
+        else:
+            parts.append(str(v))
+    return ", ".join(parts)

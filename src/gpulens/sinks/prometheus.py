@@ -6,9 +6,12 @@ several monitors, tests, or an application's own metrics do not collide.  It bin
 unless told otherwise (``"prometheus:0.0.0.0:9400"``); port 0 picks a free port, readable as
 ``sink.port`` after ``open()``.
 
-Exposed series (labels ``gpu``, ``uuid``, ``name``, ``host`` on every GPU series; ``host`` on the
-others).  Gauges hold the mean over the latest row's window; the energy counter is the sum of the
-windows' counter differences since the sink opened.
+Exposed series (labels ``gpu``, ``uuid``, ``name``, ``host``, ``node``, ``rank`` on every GPU
+series; ``host`` on the others).  In a distributed job each node's leader serves its node's GPUs
+(``node``: the node's index, ``rank``: the global rank that trains on the GPU, ``host``: the
+node's name), rank 0 also the job's figures (:mod:`gpulens.sinks.prometheus_job`); outside one,
+``node`` and ``rank`` are empty.  Gauges hold the mean over the latest row's window; the energy
+counter is the sum of the windows' counter differences since the sink opened.
 
 ======================================================  ==========================================
 ``gpulens_gpu_info``                                    1, with ``pci_bus_id`` too
@@ -25,6 +28,11 @@ windows' counter differences since the sink opened.
 ``gpulens_gpu_energy_joules_total``                      counter
 ``gpulens_gpu_temperature_celsius`` / ``_max_celsius``  core temperature (mean / peak)
 ``gpulens_gpu_sm_clock_hertz``                          SM clock
+``gpulens_gpu_memory_clock_hertz``                      memory clock
+``gpulens_gpu_nvlink_receive_bytes_per_second``,        NVLink data, all links (GPM, else NVML's
+``..._transmit_bytes_per_second``                       counters): mean rate over the window
+``gpulens_gpu_pcie_receive_bytes_per_second``,          PCIe traffic to / from the GPU
+``..._transmit_bytes_per_second``
 ``gpulens_gpu_clocks_throttled_percent{reason}``        share of time clocks were held down;
                                                         ``reason`` = any, power, thermal
 ``gpulens_gpu_torch_allocated_bytes`` / ``_peak_bytes`` torch allocator (training process)
@@ -80,11 +88,12 @@ from typing import Any
 from gpulens.model import GpuInfo, Row, RunContext
 from gpulens.schema import GPU_METRIC_BY_KEY
 from gpulens.sinks import check_port, host_port_options, port_taken
+from gpulens.sinks.prometheus_job import job_families
 
 DEFAULT_PORT = 9400
 
 _GPU_KEY = re.compile(r"^gpu/(\d+)/([a-z0-9_]+)$")
-_GPU_LABELS = ("gpu", "uuid", "name", "host")
+_GPU_LABELS = ("gpu", "uuid", "name", "host", "node", "rank")
 
 # row suffix -> (metric name, scale to base unit)
 GPU_SERIES: dict[str, tuple[str, float]] = {
@@ -102,6 +111,11 @@ GPU_SERIES: dict[str, tuple[str, float]] = {
     "temp_c": ("gpulens_gpu_temperature_celsius", 1.0),
     "temp_c_max": ("gpulens_gpu_temperature_max_celsius", 1.0),
     "sm_clock_mhz": ("gpulens_gpu_sm_clock_hertz", 1e6),
+    "mem_clock_mhz": ("gpulens_gpu_memory_clock_hertz", 1e6),
+    "nvlink_rx_gb_per_s": ("gpulens_gpu_nvlink_receive_bytes_per_second", 1e9),
+    "nvlink_tx_gb_per_s": ("gpulens_gpu_nvlink_transmit_bytes_per_second", 1e9),
+    "pcie_rx_gb_per_s": ("gpulens_gpu_pcie_receive_bytes_per_second", 1e9),
+    "pcie_tx_gb_per_s": ("gpulens_gpu_pcie_transmit_bytes_per_second", 1e9),
     "torch_allocated_gb": ("gpulens_gpu_torch_allocated_bytes", 1e9),
     "torch_peak_gb": ("gpulens_gpu_torch_peak_bytes", 1e9),
 }
@@ -142,7 +156,7 @@ CPU_BUSY = ("gpulens_train_cpu_busy_seconds",
 ALERT = "gpulens_alert"
 PEAK = "gpulens_train_mfu_peak_flops_per_second"
 _RANK_KEY = re.compile(r"^rank/(\d+)/cpu_busy_s$")
-_ENGINE_PREFIXES = ("perf/", "alerts/", "rank/")
+_ENGINE_PREFIXES = ("perf/", "alerts/", "rank/", "node/", "job/")
 
 
 def scalar_series_name(key: str) -> tuple[str, float]:
@@ -232,6 +246,16 @@ class PrometheusSink:
     def from_spec(cls, arg: str | None) -> PrometheusSink:
         """The sink of ``"prometheus:..."``, built here."""
         return cls(**cls.check_options(cls.spec_options(arg)))
+
+    def for_node(self, node: int) -> PrometheusSink:
+        """The exporter a distributed job's node ``node`` serves (on its own host: the same
+        address and port), with its node's GPUs labelled by node and rank."""
+        return PrometheusSink(self.port, self.host, self.training, http=self.http)
+
+    @staticmethod
+    def node_options(options: dict[str, Any], node: int) -> dict[str, Any]:
+        """The options of :meth:`for_node`'s sink, for a sink chosen by name: the same."""
+        return dict(options)
 
     def open(self, context: RunContext) -> None:
         """Start the HTTP server thread; ``ValueError`` if the port cannot be bound."""
@@ -335,15 +359,15 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         context, gpu_values, energy, scalars, steps = self._sink.snapshot()
-        host = context.hostname if context is not None else ""
-        infos: dict[str, GpuInfo] = (
-            {str(g.index): g for g in context.gpus} if context is not None else {}
-        )
+        host = _host(context)
+        infos, placed = _gpus(context)
         indices = sorted(set(infos) | set(gpu_values), key=int)
 
         def labels(index: str) -> list[str]:
             info = infos.get(index)
-            return [index, info.uuid if info else "", info.name if info else "", host]
+            node, rank = placed.get(index, ("", ""))
+            return [index, info.uuid if info else "", info.name if info else "", host, node,
+                    rank]
 
         info_f = GaugeMetricFamily("gpulens_gpu_info", "GPU identity (value 1)",
                                    labels=[*_GPU_LABELS, "pci_bus_id"])
@@ -408,12 +432,13 @@ class _Collector:
                                           "training steps seen (perf/steps)", labels=["host"])
             steps_f.add_metric([host], steps_total)
             yield steps_f
+        yield from job_families(scalars, host)
         if self._sink.training:
             yield from _engine_families(context, scalars, host)
         seen: set[str] = set()
         for key, value in sorted(scalars.items()):
             if key in ("train/global_step", "perf/steps") or key.startswith(
-                    ("alerts/", "rank/")):
+                    ("alerts/", "rank/", "node/", "job/")):
                 continue
             name, scale = scalar_series_name(key)
             if name in seen:
@@ -421,6 +446,36 @@ class _Collector:
             seen.add(name)
             text = PERF_SERIES[key][2] if key in PERF_SERIES else f"{key} of the latest row"
             yield _gauge(GaugeMetricFamily, name, text, host, value * scale)
+
+
+def _host(context: RunContext | None) -> str:
+    """The ``host`` label: the node's name in a distributed job (``GPULENS_NODE_NAME`` where
+    set), else the host name."""
+    if context is None:
+        return ""
+    job = getattr(context, "job", None)
+    if job is not None and context.gpus:
+        own = context.gpus[0].index
+        for r in job.ranks:
+            if any(g.index == own for g in r.gpus):
+                return str(r.node_name)
+    return context.hostname
+
+
+def _gpus(context: RunContext | None) -> tuple[dict[str, GpuInfo], dict[str, tuple[str, str]]]:
+    """Every GPU of the context (a distributed job's node: each of its ranks') by row index,
+    and each one's (node, rank) labels ("" outside a distributed job)."""
+    if context is None:
+        return {}, {}
+    infos = {str(g.index): g for g in context.gpus}
+    placed: dict[str, tuple[str, str]] = {}
+    job = getattr(context, "job", None)
+    if job is not None:
+        for r in job.ranks:
+            for g in r.gpus:
+                infos.setdefault(str(g.index), g)
+                placed[str(g.index)] = (str(r.node), str(r.rank))
+    return infos, placed
 
 
 def _engine_families(context: RunContext | None, scalars: dict[str, float],

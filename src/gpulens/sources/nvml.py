@@ -60,6 +60,21 @@ GPM_METRICS: dict[int, str] = {
     10: "dram_bw_pct",  # NVML_GPM_METRIC_DRAM_BW_UTIL
 }
 
+GPM_RATES: dict[int, str] = {
+    21: "pcie_rx_gb_per_s",  # NVML_GPM_METRIC_PCIE_RX_PER_SEC, MiB/s
+    20: "pcie_tx_gb_per_s",  # NVML_GPM_METRIC_PCIE_TX_PER_SEC
+    60: "nvlink_rx_gb_per_s",  # NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC, all links
+    61: "nvlink_tx_gb_per_s",  # NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC
+}
+"""GPM's interconnect rates (MiB/s, given as GB/s): where the GPU has GPM they win over the
+counter rates of :meth:`NvmlDevice.read_fast` for the same keys."""
+_MIB_PER_S_TO_GB = 1.048576e-3
+# Field values (nvml.h): cumulative NVLink data KiB per link, PCIe bytes.
+_FI_NVLINK_TX_KIB, _FI_NVLINK_RX_KIB = 138, 139
+_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES = 197, 198
+_NVLINKS = 18
+"""Links asked for (one field call; links a GPU does not have answer with an error)."""
+
 _GPM_REFRESH_KEY = "dram_bw_pct"  # NaN when the counters did not refresh between two samples
 GPM_DELAY_S = 0.09
 """How long before it is read the activity shown by a GPM refresh ended (H200, driver
@@ -96,6 +111,11 @@ class FastRead:
     sm_clock_mhz: float | None
     reasons: int | None
     """Clock-event reason bit mask."""
+    mem_clock_mhz: float | None = None
+    links: dict[str, float] | None = None
+    """NVLink and PCIe receive/transmit rates since the previous read, GB/s (1e9 bytes), from
+    NVML's cumulative counters (``nvlink_rx_gb_per_s`` ...); ``None`` on the first read or
+    where the GPU has no such counter."""
 
 
 class NvmlDevice:
@@ -112,6 +132,7 @@ class NvmlDevice:
         self._gpm_spare: Any = None
         self._gpm_ok: bool | None = None
         self._mem_total_gb: float | None = None
+        self._links_prev: tuple[float, dict[str, float]] | None = None
         self.lost = False
 
     # -- the one helper every read goes through -------------------------------------------
@@ -186,6 +207,7 @@ class NvmlDevice:
             else None
         temp = self._call("temperature", lib.nvmlDeviceGetTemperature, h, 0)
         clock = self._call("sm_clock", lib.nvmlDeviceGetClockInfo, h, 1)
+        mem_clock = self._call("mem_clock", lib.nvmlDeviceGetClockInfo, h, 2)  # NVML_CLOCK_MEM
         reasons_fn = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None)
         if reasons_fn is None:  # nvidia-ml-py before 12.535
             reasons_fn = lib.nvmlDeviceGetCurrentClocksThrottleReasons
@@ -200,7 +222,43 @@ class NvmlDevice:
             temp_c=float(temp) if temp is not None else None,
             sm_clock_mhz=float(clock) if clock is not None else None,
             reasons=int(reasons) if reasons is not None else None,
+            mem_clock_mhz=float(mem_clock) if mem_clock is not None else None,
+            links=self._link_rates(),
         )
+
+    def _link_rates(self) -> dict[str, float] | None:
+        """NVLink (data, summed over links) and PCIe byte counters -> rates since the previous
+        read, GB/s.  One ``nvmlDeviceGetFieldValues`` call; a counter the GPU lacks is left
+        out (and, when none answers, never asked again)."""
+        lib = self._lib
+        read = getattr(lib, "nvmlDeviceGetFieldValues", None)
+        if read is None:  # an NVML-like backend without field values
+            return None
+        fields = [(_FI_NVLINK_RX_KIB, link) for link in range(_NVLINKS)]
+        fields += [(_FI_NVLINK_TX_KIB, link) for link in range(_NVLINKS)]
+        fields += [(_FI_PCIE_RX_BYTES, 0), (_FI_PCIE_TX_BYTES, 0)]
+        got = self._call("link_counters", read, self._handle, fields)
+        if got is None:
+            return None
+        now = time.monotonic()
+        totals: dict[str, float] = {}
+        for v in got:
+            if v.nvmlReturn != 0:
+                continue
+            key, scale = {_FI_NVLINK_RX_KIB: ("nvlink_rx_gb_per_s", 1024.0),
+                          _FI_NVLINK_TX_KIB: ("nvlink_tx_gb_per_s", 1024.0),
+                          _FI_PCIE_RX_BYTES: ("pcie_rx_gb_per_s", 1.0),
+                          _FI_PCIE_TX_BYTES: ("pcie_tx_gb_per_s", 1.0)}[int(v.fieldId)]
+            totals[key] = totals.get(key, 0.0) + _sample_value(v.valueType, v.value) * scale
+        if not totals:
+            self._unsupported.add("link_counters")
+            return None
+        prev, self._links_prev = self._links_prev, (now, totals)
+        if prev is None or now <= prev[0]:
+            return None
+        dt = now - prev[0]
+        return {k: (b - prev[1][k]) / dt / _GB for k, b in totals.items()
+                if k in prev[1] and b >= prev[1][k]}
 
     # -- costly reads, slow cadence -------------------------------------------------------
     def read_energy_mj(self) -> float | None:
@@ -285,20 +343,23 @@ class NvmlDevice:
             return None
         request = lib.c_nvmlGpmMetricsGet_t()
         request.version = lib.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(GPM_METRICS)
+        wanted = {**GPM_METRICS, **GPM_RATES}
+        request.numMetrics = len(wanted)
         request.sample1 = self._gpm_prev
         request.sample2 = current
-        for i, metric_id in enumerate(GPM_METRICS):
+        for i, metric_id in enumerate(wanted):
             request.metrics[i].metricId = metric_id
         if self._call("gpm", lib.nvmlGpmMetricsGet, request) is None:
             return None
         values: dict[str, float] = {}
         refreshed = False
-        for i, key in enumerate(GPM_METRICS.values()):
+        for i, (metric_id, key) in enumerate(wanted.items()):
             metric = request.metrics[i]
             if metric.nvmlReturn != 0:
                 continue
             value = float(metric.value)
+            if metric_id in GPM_RATES:
+                value *= _MIB_PER_S_TO_GB
             if key == _GPM_REFRESH_KEY:
                 refreshed = not math.isnan(value)
             if not math.isnan(value):

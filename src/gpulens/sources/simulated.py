@@ -41,6 +41,7 @@ import math
 import os
 import random
 import time
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +210,8 @@ class SimulatedNVML:
         gpm_delay_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         processes: Mapping[int, Sequence[tuple[int, int | None]]] | None = None,
+        node: str = "",
+        nvlink_gb_per_s: float = 0.0,
     ) -> None:
         if gpus < 0:
             raise ValueError(f"gpus must be >= 0, got {gpus}")
@@ -223,6 +226,12 @@ class SimulatedNVML:
         self.clock = clock
         self.processes = ({int(k): list(v) for k, v in processes.items()}
                           if processes is not None else None)
+        self.node = node
+        """A node name folded into the GPUs' UUIDs: simulators of two "nodes" on one host have
+        different GPUs."""
+        self.nvlink_gb_per_s = nvlink_gb_per_s
+        """NVLink data each GPU sends and receives while busy, GB/s (GPM's NVLink rates; 0, a
+        measured 0, by default: a GPU without peers)."""
         self.owner_pid = os.getpid()
         """The process that made the simulator (it runs on every GPU unless ``processes``)."""
         self.epoch = clock()
@@ -278,8 +287,9 @@ class SimulatedNVML:
         return f"MIG-5105a7ed-0001-4000-8000-{gpu:04d}{instance:08d}"
 
     def gpu_uuid(self, gpu: int) -> str:
-        """The UUID of ``gpu``."""
-        return f"GPU-5105a7ed-0000-4000-8000-{gpu:012d}"
+        """The UUID of ``gpu`` (its node's name folded in, where the simulator has one)."""
+        node = zlib.crc32(self.node.encode()) & 0xFFFF if self.node else 0
+        return f"GPU-5105a7ed-{node:04x}-4000-8000-{gpu:012d}"
 
     def _check(self, name: str, handle: _Handle | None = None) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -410,6 +420,8 @@ class SimulatedNVML:
 
     def nvmlDeviceGetClockInfo(self, h: _Handle, clock_type: int) -> int:
         self._check("nvmlDeviceGetClockInfo", h)
+        if clock_type == 2:  # NVML_CLOCK_MEM: HBM3 at its one clock
+            return 2619
         a = self.activity(h.index, self._now())
         return 345 if a < 0.02 else (1980 - (180 if a > 0.9 else 0))
 
@@ -504,6 +516,10 @@ class SimulatedNVML:
         else:
             mean = min(1.0, max(0.0, (s2.integral - s1.integral) / span))
             per_metric = {2: 100 * mean, 3: 14 * mean, 5: 93 * mean, 10: 16 * mean}
+            # interconnect rates (MiB/s): NVLink while busy, a little PCIe (inputs, logging)
+            nvlink = self.nvlink_gb_per_s * mean * 1e9 / 1048576
+            pcie = 0.5 * mean * 1e9 / 1048576
+            per_metric.update({60: nvlink, 61: nvlink, 20: pcie, 21: pcie})
         for m in request.metrics[: request.numMetrics]:
             if m.metricId in per_metric:
                 m.value, m.nvmlReturn = per_metric[m.metricId], NVML_SUCCESS

@@ -70,10 +70,17 @@ memory_alloc_retries   gpu      new ``torch_alloc_retries`` + ``torch_ooms`` >= 
 memory_creep           gpu      over the last 20 new ``torch_allocated_gb`` readings: robust
                                 (Theil-Sen) growth >= 0.5 % of total memory (< 0.1 %) and
                                 >= 70 % of reading pairs rising (< 55 %)
-slow_rank              rank     busy time per step >= 20 % above the median of the other
-                                ranks (< 10 %); from CPU time (no GPM) >= 50 % (< 25 %); a
-                                single window >= 50 % above it, with the next 3 windows
-                                < 20 %, is told once as a one-off notice
+slow_rank              rank     busy time per step >= 20 % above the typical rank's (< 10 %):
+                                the median of the other ranks, or over several nodes the
+                                median of the nodes' medians; from CPU time (no GPM) >= 50 %
+                                (< 25 %); a node whose fastest rank lags the other nodes'
+                                fastest as much is named as the node (its ranks are not named
+                                apart); the words say a GPU (GPM basis) or a rank (CPU time),
+                                with its node; a single window >= 50 % above, with the next 3
+                                windows < 20 %, is told once as a one-off notice
+comm_bound             job      SM activity (mean of the job's GPUs) <= 50 % (> 60 %) and
+                                NVLink (else PCIe) rx + tx per GPU >= 50 % of the run's busiest
+                                window (< 30 %); windows under 1 GB/s are not judged
 =====================  =======  ==============================================================
 
 Keys read, per GPU ``i`` (``gpu/{i}/<suffix>``): ``util_pct``, ``sm_active_pct``,

@@ -4,6 +4,7 @@ source of truth for thresholds) and :data:`RULE_CLASSES` (the code that judges e
 from __future__ import annotations
 
 from gpulens.engine.rules import (
+    comm_bound,
     creep,
     headroom,
     input_bound,
@@ -27,6 +28,7 @@ _ALL: tuple[tuple[RuleSpec, type[Rule]], ...] = (
     (retries.SPEC, retries.AllocRetries),
     (creep.SPEC, creep.MemoryCreep),
     (slow_rank.SPEC, slow_rank.SlowRank),
+    (comm_bound.SPEC, comm_bound.CommBound),
 )
 
 RULES: dict[str, RuleSpec] = {spec.name: spec for spec, _ in _ALL}

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpulens.engine.rules.catalog import RULES
-from gpulens.model import GpuInfo
+from gpulens.model import GpuInfo, JobShape
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class RulesConfig:
             :func:`gpulens.work.precision.normalize_dtype`); ``low_tensor_use`` judges only
             bf16/fp16 runs and stays quiet (no key) when it is unknown.
         gpus: the monitored GPUs (``RunContext.gpus``): total memory and power limit.
+        job: a distributed job's shape (``RunContext.job``), for node names in messages.
         distributed: rows hold one GPU per rank (rank 0's gathered rows); turns on
             ``slow_rank`` from GPM figures.  Rows with ``rank/{r}/cpu_busy_s`` keys turn it on
             too.
@@ -32,6 +33,8 @@ class RulesConfig:
 
     dtype: str | None = None
     gpus: Sequence[GpuInfo] = ()
+    job: JobShape | None = None
+    """A distributed job's shape (node names for the slow-rank rule's words)."""
     distributed: bool = False
     min_steps: int = 20
     min_rows: int = 10

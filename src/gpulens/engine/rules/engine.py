@@ -22,10 +22,18 @@ GPU_KEYS = frozenset({
     "util_pct", "sm_active_pct", "tensor_active_pct", "throttle_power_pct",
     "throttle_thermal_pct", "power_w", "power_limit_w", "mem_used_gb", "mem_used_gb_max",
     "mem_pct", "temp_c", "temp_c_max", "sm_clock_mhz", "torch_allocated_gb",
-    "torch_alloc_retries", "torch_ooms",
+    "torch_alloc_retries", "torch_ooms", "nvlink_rx_gb_per_s", "nvlink_tx_gb_per_s",
+    "pcie_rx_gb_per_s", "pcie_tx_gb_per_s",
 })
 """The ``gpu/{i}/<suffix>`` keys the rules read (the others are not even parsed)."""
-RANK_KEYS = frozenset({"cpu_busy_s"})
+RANK_KEYS = frozenset({"cpu_busy_s", "gpu_busy_s", "node"})
+SCALAR_KEYS = frozenset({"gpu/all/sm_active_pct_mean", "gpu/all/nvlink_rx_gb_per_s_mean",
+                         "gpu/all/nvlink_tx_gb_per_s_mean", "gpu/all/pcie_rx_gb_per_s_mean",
+                         "gpu/all/pcie_tx_gb_per_s_mean"})
+"""Job keys outside ``perf/`` that a rule reads (GPM in use across the job)."""
+NODE_KEYS = frozenset({"gpu_busy_s_min", "gpu_busy_s_median", "cpu_busy_s_min",
+                       "cpu_busy_s_median"})
+"""``node/{n}/<suffix>`` keys the slow-rank rule reads (as scalars, under their full key)."""
 """The ``rank/{r}/<suffix>`` keys the rules read."""
 
 
@@ -199,7 +207,7 @@ class RuleEngine:
             med = summaries[subject] = rule.summary(track, FIRE)
             parts.append(rule.saw(subject, med))
             data.update(rule.data(subject, {k: round(v, 6) for k, v in med.items()}))
-            if spec.subject == "rank":
+            if spec.subject == "rank" and subject.isdigit():
                 data["rank"] = float(subject)
         first, last = newly_span(tracks, newly)
         n_fire = sum(tracks[s].fire_n for s in newly)
@@ -224,8 +232,10 @@ def _parse_key(key: str) -> tuple[str, int, str] | None:
     """``("gpu", i, suffix)``, ``("rank", r, suffix)``, ``("perf", 0, key)`` for a key some
     rule reads; ``None`` for the others (``gpu/all/...``, ``train/...``, ...)."""
     head, _, rest = key.partition("/")
-    if head == "perf":
+    if head == "perf" or key in SCALAR_KEYS:
         return ("perf", 0, key)
+    if head == "node":
+        return ("perf", 0, key) if rest.partition("/")[2] in NODE_KEYS else None
     if head not in ("gpu", "rank"):
         return None
     index, _, suffix = rest.partition("/")

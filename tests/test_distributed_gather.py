@@ -1,0 +1,305 @@
+"""The two-level gather in one process: each "rank" is a :class:`JobGather` made in a thread of
+its own over one in-memory store (``torch.distributed.HashStore``), with real node files in
+``/dev/shm``.  Fast; waits on rows, never on the clock.  The same code under two real
+``torchrun`` launches: ``tests/test_integration_distributed.py``."""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+dist = pytest.importorskip("torch.distributed")
+
+from gpulens.distributed import aggregate as agg  # noqa: E402
+from gpulens.distributed import levels  # noqa: E402
+from gpulens.distributed.channel import UpChannel  # noqa: E402
+from gpulens.distributed.gather import JobGather  # noqa: E402
+from gpulens.distributed.nodering import LOST, NodeRing, sweep_stale  # noqa: E402
+from gpulens.distributed.topology import Placement, placement_from_env  # noqa: E402
+from gpulens.log import reset_warnings  # noqa: E402
+from gpulens.model import GpuInfo, Row, RunContext  # noqa: E402
+
+WAIT_S = 30.0
+"""Bounds a hang only."""
+
+
+class Job:
+    """``world`` ranks over ``nodes`` nodes, each a JobGather made in its own thread."""
+
+    def __init__(self, world: int, nodes: int, generation: int = 1) -> None:
+        self.store = dist.HashStore()
+        self.world = world
+        self.rows: dict[int, list[Row]] = {r: [] for r in range(world)}
+        self.g: dict[int, JobGather] = {}
+        per = world // nodes
+
+        def make(r: int) -> None:
+            place = Placement(rank=r, world=world, local_rank=r % per, node_index=r // per,
+                              node_name=f"node{r // per}", launcher="test")
+            self.g[r] = JobGather(self.rows[r].append, store=self.store, placement=place,
+                                  timeout=WAIT_S, generation=generation)
+
+        self._parallel(make)
+        self.shapes: dict[int, Any] = {}
+
+        def start(r: int) -> None:
+            self.shapes[r] = self.g[r].shape_before_engine()
+            gpu = GpuInfo(index=r, name="sim", uuid=f"GPU-{r}", pci_bus_id=f"0:{r}")
+            self.g[r].bind(RunContext(gpus=(gpu,), hostname="h", backend="simulated",
+                                      interval=0.1, job=self.shapes[r]))
+
+        self._parallel(start)
+
+    def _parallel(self, fn: Any) -> None:
+        threads = [threading.Thread(target=fn, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+
+    def log(self, step: int, ranks: Any = None, busy: dict[int, float] | None = None) -> None:
+        for r in ranks if ranks is not None else range(self.world):
+            sm = (busy or {}).get(r, 50.0 + r)
+            values = {f"gpu/{r}/util_pct": 60.0 + r, f"gpu/{r}/sm_active_pct": sm,
+                      f"gpu/{r}/power_w": 100.0 + r, f"gpu/{r}/energy_j": 10.0,
+                      "perf/steps": 1.0, "perf/step_time_s": 0.5, "work/cpu_s": 0.1,
+                      "work/tokens": 8.0, "train/loss": 1.0 / step,
+                      "train/global_step": float(step)}
+            self.g[r].local_row(Row(step=step, time=float(step), values=values))
+            self.g[r].request()
+
+    def wait_rows(self, rank: int, n: int) -> list[Row]:
+        deadline = time.monotonic() + WAIT_S
+        while len(self.rows[rank]) < n:
+            assert time.monotonic() < deadline, f"rank {rank}: {len(self.rows[rank])} rows"
+            time.sleep(0.01)
+        return self.rows[rank]
+
+    def stop(self) -> None:
+        self._parallel(lambda r: self.g[r].flush(WAIT_S))
+
+
+@pytest.fixture
+def fast_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(levels, "NODE_WAIT_S", 0.3)
+    monkeypatch.setattr(levels, "JOB_WAIT_S", 2.5)  # beyond the node's wait, as in production
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings() -> Iterator[None]:
+    reset_warnings()
+    yield
+
+
+# -- topology ----------------------------------------------------------------------------------
+def test_placement_from_each_launcher() -> None:
+    torchrun = placement_from_env(5, 8, {"GROUP_RANK": "1", "LOCAL_RANK": "1",
+                                         "TORCHELASTIC_RUN_ID": "x", "NODE_RANK": "7"})
+    assert (torchrun.node_index, torchrun.local_rank, torchrun.launcher) == (1, 1, "torchrun")
+    slurm = placement_from_env(3, 4, {"SLURM_NODEID": "1", "SLURM_LOCALID": "1",
+                                      "SLURMD_NODENAME": "gpu-017"})
+    assert (slurm.node_index, slurm.local_rank, slurm.node_name) == (1, 1, "gpu-017")
+    assert slurm.launcher == "slurm"
+    # srun torchrun: torchrun's own numbering wins over Slurm's node id
+    both = placement_from_env(2, 4, {"SLURM_NODEID": "0", "GROUP_RANK": "1", "LOCAL_RANK": "0"})
+    assert (both.node_index, both.launcher) == (1, "torchrun")
+    lightning = placement_from_env(2, 4, {"NODE_RANK": "1", "LOCAL_RANK": "0"})
+    assert (lightning.node_index, lightning.launcher) == (1, "lightning")
+    named = placement_from_env(1, 2, {"GPULENS_NODE_NAME": "fake-b", "LOCAL_RANK": "0"})
+    assert (named.node_index, named.node_name, named.node_key) == (None, "fake-b", "hfake-b")
+
+
+def test_nodes_known_only_by_name_are_numbered_by_name() -> None:
+    store = dist.HashStore()
+    out: dict[int, Any] = {}
+
+    def join(r: int) -> None:
+        from gpulens.distributed.start import join as do_join
+
+        place = Placement(rank=r, world=4, local_rank=None, node_index=None,
+                          node_name="b-host" if r < 2 else "a-host", launcher="unknown")
+        out[r] = do_join(store, place, 1, WAIT_S)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert [out[r].node for r in range(4)] == [1, 1, 0, 0]
+    assert out[0].members == (0, 1) and out[3].members == (2, 3)
+    assert [out[r].local_rank for r in range(4)] == [0, 1, 0, 1]
+    # the leader is a node's second rank: rank 0 merges the nodes and reduces none
+    assert (out[1].is_leader, out[0].is_leader, out[3].is_leader) == (True, False, True)
+
+
+# -- the two levels --------------------------------------------------------------------------
+def test_two_nodes_rows_meet_on_rank_0() -> None:
+    job = Job(world=4, nodes=2)
+    shape = job.shapes[0]
+    assert [(r.rank, r.node, r.node_name) for r in shape.ranks] == [
+        (0, 0, "node0"), (1, 0, "node0"), (2, 1, "node1"), (3, 1, "node1")]
+    assert all(r.gpus for r in shape.ranks if r.rank != 0)  # rank 0's engine adds its own
+    for step in (1, 2, 3):
+        job.log(step)
+    rows = job.wait_rows(0, 3)
+    job.stop()
+    assert [r.step for r in rows] == [1, 2, 3]
+    v = rows[-1].values
+    assert (v["job/ranks"], v["job/nodes"], v["job/world"], v["job/partial"]) == (4, 2, 4, 0)
+    assert all(f"gpu/{r}/util_pct" in v for r in range(4))  # a small job: every GPU
+    assert v["gpu/all/util_pct_mean"] == pytest.approx(61.5)
+    assert v["gpu/all/power_w_sum"] == pytest.approx(406.0)
+    assert v["node/1/util_pct_mean"] == pytest.approx(62.5)
+    assert v["work/tokens"] == 32.0  # the job's work, for the engine to finish
+    assert v["perf/energy_per_step_j"] == pytest.approx(40.0)
+    assert v["train/loss"] == pytest.approx(1 / 3)  # rank 0's own scalars
+    assert v["rank/3/gpu_relative_score"] == pytest.approx(50.0 / 53.0)
+    # in a small job the node leaders write nothing of their own: rank 0's row has it all
+    assert not any(job.rows[r] for r in (1, 2, 3))
+
+
+def test_a_large_job_gives_rank_0_aggregates_and_slots_not_every_gpu() -> None:
+    job = Job(world=12, nodes=2)
+    job.log(1, busy={7: 95.0, 4: 5.0})
+    rows0 = job.wait_rows(0, 1)
+    node_rows = {r: job.wait_rows(r, 1) for r in (1, 7)}  # the leaders: ranks 1 and 7
+    job.stop()
+    v = rows0[0].values
+    assert not any(k.startswith(f"gpu/{i}/") for i in range(12) for k in v)
+    assert v["job/ranks"] == 12 and v["gpu/all/sm_active_pct_min"] == 5.0
+    assert (v["gpu/worst1/gpu"], v["gpu/worst1/node"], v["gpu/worst1/sm_active_pct"]) == (
+        4.0, 0.0, 5.0)
+    assert (v["rank/slowest1/rank"], v["rank/slowest1/node"]) == (7.0, 1.0)
+    assert v["node/worst1/node"] == 0.0
+    # each node's leader writes its own node's GPUs
+    assert {k.split("/")[1] for k in node_rows[7][0].values if k.startswith("gpu/")} == {
+        str(r) for r in range(6, 12)}
+    assert node_rows[1][0].values["node/0/ranks"] == 6
+
+
+def test_a_rank_that_exited_is_told_once_and_rows_go_on_partial(
+        caplog: pytest.LogCaptureFixture) -> None:
+    job = Job(world=4, nodes=2)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ring = job.g[2].ring  # rank 2 "dies": its slot now names a process that has exited
+    assert ring is not None
+    ring.claim(job.g[2].m.slot, 2, dead.pid)
+    with caplog.at_level(logging.INFO, logger="gpulens"):
+        for step in (1, 2, 3):
+            job.log(step, ranks=[0, 1, 3])
+        rows = job.wait_rows(0, 3)
+        job.stop()
+    assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows] == [(3, 1)] * 3
+    told = [r for r in caplog.records if "rank 2 " in r.getMessage()
+            and r.levelno == logging.WARNING]
+    assert len(told) == 1 and "node 1 node1" in told[0].getMessage()
+
+
+def test_a_stalled_rank_is_waited_for_once_then_not(
+        fast_waits: None, caplog: pytest.LogCaptureFixture) -> None:
+    job = Job(world=4, nodes=2)
+    with caplog.at_level(logging.INFO, logger="gpulens"):
+        for step in range(1, 5):
+            job.log(step, ranks=[0, 1, 3])  # rank 2 (not its node's leader) is alive, silent
+        rows = job.wait_rows(0, 4)
+        job.log(5)  # it is back
+        rows = job.wait_rows(0, 5)
+        job.stop()
+    assert [r.values["job/ranks"] for r in rows] == [3, 3, 3, 3, 4]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([m for m in warnings if "rank 2" in m]) == 1, warnings
+    assert any("rank 2 sends rows again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_node_that_never_sends_is_told_once(fast_waits: None,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    job = Job(world=4, nodes=2)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        job.g[3].close()  # node 1's leader is gone
+        for step in (1, 2, 3):
+            job.log(step, ranks=[0, 1, 2])
+        rows = job.wait_rows(0, 3)
+        job.g[2].close()
+        job._parallel(lambda r: job.g[r].flush(WAIT_S) if r < 2 else None)
+    assert [(r.values["job/nodes"], r.values["job/partial"]) for r in rows] == [(1, 1)] * 3
+    said = [r.getMessage() for r in caplog.records if "node 1 (node1)" in r.getMessage()]
+    assert len(said) == 1
+
+
+# -- pieces ------------------------------------------------------------------------------------
+def test_node_ring_entries_and_loss(tmp_path: Path) -> None:
+    ring = NodeRing.create(tmp_path / "gpulens-t-n0", slots=2, ring=4, width=3)
+    other = NodeRing.attach(tmp_path / "gpulens-t-n0", slots=2, ring=4, width=3)
+    other.claim(1, 7, 123)
+    assert ring.read(1, 0) is None
+    for seq in range(6):
+        other.write(1, seq, [float(seq), 1.0, math.nan])
+    assert ring.read(1, 0) == LOST and ring.read(1, 1) == LOST  # overwritten: ring of 4
+    assert ring.read(1, 5)[:2] == [5.0, 1.0]
+    other.finish(1, 6)
+    assert ring.state(1)[1:] == (7, 123, 6, 6)
+    other.close()
+    ring.close()
+    assert not (tmp_path / "gpulens-t-n0").exists()
+    small = NodeRing.create(tmp_path / "gpulens-u-n0", 1, 1, 1)
+    with pytest.raises(ValueError, match="not a gpulens node ring"):
+        NodeRing.attach(tmp_path / "gpulens-u-n0", slots=2, ring=4, width=3)
+    small.close()
+
+
+def test_stale_node_files_of_dead_leaders_are_swept(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = NodeRing.create(tmp_path / "gpulens-new-n0", 1, 1, 1)
+    stale = NodeRing.create(tmp_path / "gpulens-old-n0", 1, 1, 1)
+    stale._cells[5] = float(dead.pid)  # its leader is gone (killed before it could clean up)
+    assert sweep_stale(tmp_path) == 1  # also run by every leader's create()
+    assert not (tmp_path / "gpulens-old-n0").exists() and (tmp_path / "gpulens-new-n0").exists()
+    live.close()
+
+
+class _NoQueues:
+    """A store without queue operations (FileStore, a TCPStore before torch 2.8)."""
+
+    def __init__(self) -> None:
+        self._s = dist.HashStore()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("queue_"):
+            raise AttributeError(name)
+        return getattr(self._s, name)
+
+
+@pytest.mark.parametrize("store", [dist.HashStore, _NoQueues])
+def test_the_channel_with_and_without_store_queues(store: Any) -> None:
+    s = store()
+    up, down = UpChannel(s, "p/", nodes=2), UpChannel(s, "p/", nodes=2)
+    for i in range(3):
+        assert up.push(i % 2, bytes([i]))
+    got = down.pop_all()
+    assert sorted(got) == [b"\x00", b"\x01", b"\x02"] and down.pop_all() == []
+    assert down.bytes_in == 3
+
+
+def test_node_summary_round_trip_is_fixed_size() -> None:
+    best = agg.BestSoFar()
+    entries = {r: agg.pack_rank(4, 1.0, {f"gpu/{r}/util_pct": 10.0 * r, "perf/steps": 1.0,
+                                         "perf/step_time_s": 1.0, "work/cpu_s": 0.5}, r, r)
+               for r in range(3)}
+    summary, _ = agg.reduce_node(0, 0, entries, 4, [3], 0, 64, best)
+    raw = summary.encode(agg.featured_slots(64))
+    alone, _ = agg.reduce_node(0, 0, {0: entries[0]}, 4, [1, 2, 3], 0, 64, best)
+    assert len(alone.encode(agg.featured_slots(64))) == len(raw)
+    back = agg.NodeSummary.decode(raw)
+    assert (back.ranks, back.expected, back.missing, back.step) == (3, 4, (3,), 4)
+    assert back.aggs["util_pct"].total == pytest.approx(30.0)
