@@ -107,7 +107,7 @@ def main() -> int:
     run = wandb.init(project="gpulens-demo", config={"steps": args.steps, "device": device})
     started = time.time()
     with mlflow.start_run(run_name="gpulens-demo") as mlrun, gpulens.Monitor(
-        interval=args.interval, sinks=["wandb", "mlflow", f"jsonl:{jsonl}"], backend=backend,
+        interval=args.interval, sinks=["wandb", "mlflow", f"jsonl:{shown(jsonl)}"], backend=backend,
         dtype="fp32", flops_per_token=flops_per_token,
     ) as mon:
         assert mon.context is not None
