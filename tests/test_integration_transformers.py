@@ -353,7 +353,7 @@ def test_unreachable_tracker_is_one_line_before_training(tmp_path: Path,
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="cannot reach the MLflow tracking server") as err:
         trainer.train()
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 60  # bounds a hang: not MLflow's minutes of retries
     assert "\n" not in str(err.value)
     assert not sink.exists()  # nothing half-made
 
