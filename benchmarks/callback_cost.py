@@ -35,6 +35,7 @@ import contextlib
 import cProfile
 import io
 import json
+import math
 import os
 import pstats
 import statistics
@@ -255,6 +256,38 @@ def report(groups: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def summarize_files(files: list[Path]) -> str:
+    """One table over several runs' JSON (trees and repetitions): per run and group, the CPU
+    spent inside gpulens per step, the per-hook split, and the end-to-end differences."""
+    lines = ["| run | gpulens from | group | inside gpulens (us/step) | of which: token counter "
+             "/ busiest hook (us/step) | gpulens - base (us/step) [95 % CI] | A/A: base_b - "
+             "base (us/step) [95 % CI] | load average |", "|---|---|---|---|---|---|---|---|"]
+    for f in files:
+        doc = json.loads(f.read_text())
+        meta = doc["meta"]
+        for group, g in doc["groups"].items():
+            inside = g["inside_gpulens_us_per_step"]
+            hooks = {k: v for k, v in inside.items()
+                     if k.startswith("on_") and k != "TokenCounter.observe"}
+            busiest = max(hooks, key=lambda k: hooks[k]) if hooks else "-"
+            d = g["differences"]
+
+            def cell(arm: str, d: dict[str, Any] = d) -> str:
+                x = d.get(arm)
+                if x is None:
+                    return "-"
+                return (f"{fmt_us(x['mean_us'])} [{fmt_us(x['ci95_us'][0])}, "
+                        f"{fmt_us(x['ci95_us'][1])}]")
+
+            lines.append(
+                f"| {f.name} | {Path(meta['gpulens_from']).parent.parent.name} | {group} "
+                f"| {inside.get('(all gpulens, nested once)', math.nan):.1f} "
+                f"| {inside.get('TokenCounter.observe', 0.0):.1f} / {busiest} "
+                f"{hooks.get(busiest, math.nan):.1f} | {cell(f'{group}_gpulens')} "
+                f"| {cell(paired.aa_name(group))} | {meta['load']} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--groups", default="hf,hf_wandb,lightning",
@@ -271,7 +304,12 @@ def main(argv: list[str] | None = None) -> int:
                    "under cProfile")
     p.add_argument("--quick", action="store_true", help="2 rounds of 6 steps: a smoke run")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="print one table over earlier runs' JSON files and exit")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(summarize_files(args.summarize))
+        return 0
     if args.quick:
         args.rounds, args.steps, args.warmup = 2, 6, 2
     args.warmup = max(2, args.warmup)

@@ -16,9 +16,11 @@ A stamp at the end of every optimizer step (HF's ``on_step_end``, Lightning's
 * the host's wall clock (``perf_counter``): the step time on a CPU;
 * the training thread's CPU time (``time.thread_time``).
 
-A block's value is the median of its timed steps (the steps after the warm-up). Both
-``callback_cost.py`` (the training thread's CPU, on a CPU) and ``paths_aa.py`` (step time
-against an A/A arm, on a GPU) run their blocks from here; ``overhead_gpu.py`` builds the model.
+A block's value is the median of its timed steps (the steps after the warm-up). Besides such
+blocks (one training run per arm), each path runs a :class:`Schedule`: one training run through
+short blocks of every arm in turn, gpulens's hooks gated to its own blocks (:func:`gated`).
+Both ``callback_cost.py`` (the training thread's CPU, on a CPU) and ``paths_aa.py`` (step time
+against an A/A arm, on a GPU) run from here; ``overhead_gpu.py`` builds the model.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead_gpu as og  # benchmarks/overhead_gpu.py: the model, its warm-up, W&B helpers
+import paired  # the seeded order of the arms
 
 Instrument = Callable[[Any, "Clock"], None]
 """Called with gpulens's callback (or monitor) of a ``gpulens`` block and the block's clock
@@ -111,6 +114,84 @@ def kind_of(arm: str) -> str:
     return "dsm" if arm.endswith("_dsm") else "base"
 
 
+@dataclass
+class Schedule:
+    """Short blocks of every arm, one after another in ONE training run (``--mode
+    interleaved`` of ``paths_aa.py``).
+
+    Steps ``1..warmup`` belong to no arm; then round after round, each runs every arm once as
+    a block of ``burn + measured`` steps, in the order ``paired.round_order`` gives (seeded).
+    Only the last ``measured`` steps of a block count: the first ``burn`` take what the
+    previous block left behind (its last log's hook runs after its last step's stamp, its
+    rows reach W&B a quarter of a second later). ``measured`` is a multiple of the logging
+    interval, so each block's counted steps hold the same number of logs. gpulens runs only in
+    the gpulens arm's blocks, as if each were a training run of its own: its monitor starts at
+    a block's first step and stops at the next block's first (both in burn-in steps), so its
+    engine process and its hooks are there in its blocks and nowhere else (:func:`gated`).
+    """
+
+    arms: list[str]
+    rounds: int
+    first_round: int
+    seed: int
+    measured: int
+    burn: int
+    warmup: int
+    orders: list[list[str]] = field(init=False)
+    round_wall_s: float = field(init=False, default=float("nan"))
+    """Host wall-clock seconds a round took (starts and stops included), once :meth:`values`
+    has read the run's clock."""
+
+    def __post_init__(self) -> None:
+        self.orders = [paired.round_order(self.arms, self.seed, self.first_round + r)
+                       for r in range(self.rounds)]
+
+    @property
+    def block(self) -> int:
+        return self.burn + self.measured
+
+    @property
+    def total_steps(self) -> int:
+        """Warm-up, the blocks, and a tail of ``burn`` steps for the last block's rows."""
+        return self.warmup + self.rounds * len(self.arms) * self.block + self.burn
+
+    def place(self, step: int) -> tuple[int, str, bool] | None:
+        """(round, arm, counted) of optimizer step ``step`` (from 1); ``None`` outside the
+        blocks."""
+        i = step - self.warmup - 1
+        if i < 0:
+            return None
+        block, pos = divmod(i, self.block)
+        rnd, k = divmod(block, len(self.arms))
+        if rnd >= self.rounds:
+            return None
+        return self.first_round + rnd, self.orders[rnd][k], pos >= self.burn
+
+    def runs(self, kind: str) -> Callable[[int], bool]:
+        """Whether step ``step`` is in a block of an arm of ``kind`` (``kind_of``)."""
+        def on(step: int) -> bool:
+            where = self.place(step)
+            return where is not None and kind_of(where[1]) == kind
+        return on
+
+    def values(self, clock: Clock) -> dict[tuple[int, str], tuple[float, float]]:
+        """(round, arm) -> (mean step seconds, mean training-thread CPU seconds) of the
+        counted steps."""
+        wall, cpu = clock.steps(1)  # step s (from 2) is index s - 2
+        first, last = self.warmup, self.warmup + self.rounds * len(self.arms) * self.block
+        if len(clock.wall) >= last:  # stamp k ends step k + 1
+            self.round_wall_s = (clock.wall[last - 1] - clock.wall[first - 1]) / self.rounds
+        sums: dict[tuple[int, str], list[float]] = {}
+        for index, (w, c) in enumerate(zip(wall, cpu, strict=True)):
+            where = self.place(index + 2)
+            if where is not None and where[2]:
+                acc = sums.setdefault(where[:2], [0.0, 0.0, 0.0])
+                acc[0] += w
+                acc[1] += c
+                acc[2] += 1
+        return {k: (v[0] / v[2], v[1] / v[2]) for k, v in sums.items()}
+
+
 def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
                       instrument: Instrument | None) -> list[Any]:
     """``[GPUMonitorCallback(interval)]`` of ``module`` for a gpulens arm, else ``[]``."""
@@ -122,6 +203,82 @@ def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
     if instrument is not None:
         instrument(callback, clock)
     return [callback]
+
+
+HF_GATED = ("on_pre_optimizer_step", "on_step_end", "on_log", "on_epoch_begin", "on_evaluate",
+            "on_save")
+PL_GATED = ("on_before_optimizer_step", "on_train_batch_end", "on_train_epoch_start",
+            "on_validation_end")
+PL_ALWAYS = ("setup", "teardown", "on_exception")
+
+
+def gated(inner: Any, on: Callable[[int], bool], framework: str) -> Any:
+    """A callback that runs ``inner`` as if each stretch of steps ``on`` names were a training
+    run of its own: at the first step of a stretch it gets its start hook (HF
+    ``on_train_begin``, Lightning ``on_train_start``: gpulens starts its monitor there, at that
+    step, and attaches its token counter), then every per-step hook, and at the first step
+    after the stretch its end hook (a last row, the monitor stopped). Between stretches it gets
+    nothing: no hook, no monitor, no engine process."""
+    if framework == "hf":
+        from transformers import TrainerCallback as Base
+    else:
+        from lightning.pytorch import Callback as Base
+
+    class Gate(Base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.active = False
+            self.batches = 0
+
+        @property
+        def state_key(self) -> str:
+            return f"Gate[{type(inner).__name__}]"
+
+        def switch(self, active: bool, start: str, end: str, *args: Any, **kw: Any) -> None:
+            if active and not self.active:
+                getattr(inner, start)(*args, **kw)
+            elif self.active and not active:
+                getattr(inner, end)(*args, **kw)
+            self.active = active
+
+        # Hugging Face (its own train begin starts nothing: the warm-up is off)
+        def on_train_begin(self, *args: Any, **kw: Any) -> None:
+            return None
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.switch(on(int(state.global_step) + 1), "on_train_begin", "on_train_end",
+                        args, state, control, **kw)
+            if self.active:
+                inner.on_step_begin(args, state, control, **kw)
+
+        def on_train_end(self, *args: Any, **kw: Any) -> None:
+            if self.active:  # HF and Lightning alike
+                inner.on_train_end(*args, **kw)
+            self.active = False
+
+        # Lightning
+        def on_train_start(self, *args: Any) -> None:
+            return None
+
+        def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
+            self.batches += 1
+            self.switch(on(self.batches), "on_train_start", "on_train_end", trainer, module)
+            if self.active:
+                inner.on_train_batch_start(trainer, module, *args)
+
+    def forward(name: str, always: bool) -> Callable[..., Any]:
+        def hook(self: Any, *args: Any, **kw: Any) -> Any:
+            if always or self.active:
+                return getattr(inner, name)(*args, **kw)
+            return None
+        return hook
+
+    for name in HF_GATED if framework == "hf" else PL_GATED:
+        setattr(Gate, name, forward(name, False))
+    if framework != "hf":
+        for name in PL_ALWAYS:
+            setattr(Gate, name, forward(name, True))
+    return Gate()
 
 
 class HfPath:
@@ -164,10 +321,25 @@ class HfPath:
 
     def block(self, arm: str, rnd: int, warmup: int, steps: int,
               instrument: Instrument | None = None) -> Block:
+        """One ``train()`` of ``warmup + steps`` steps for ``arm`` alone."""
+        clock = Clock(self.s.device.type == "cuda")
+        extra = gpulens_callbacks(arm, "gpulens.integrations.transformers", self.interval,
+                                  clock, instrument)
+        self._train(f"{arm}-{rnd}", warmup + steps, extra, clock)
+        return Block(arm, rnd, *clock.steps(warmup))
+
+    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
+        """One ``train()`` through every block of ``schedule``."""
+        clock = Clock(self.s.device.type == "cuda")
+        extra = [gated(cb, schedule.runs("gpulens"), "hf") for cb in gpulens_callbacks(
+            "gpulens", "gpulens.integrations.transformers", self.interval, clock, None)]
+        self._train(f"interleaved-{schedule.first_round}", schedule.total_steps, extra, clock)
+        return schedule.values(clock)
+
+    def _train(self, name: str, steps: int, extra: list[Any], clock: Clock) -> None:
         from transformers import Trainer, TrainerCallback, TrainingArguments
 
         s = self.s
-        clock = Clock(s.device.type == "cuda")
 
         class Stamp(TrainerCallback):  # type: ignore[misc]
             def on_step_end(self, *args: Any, **kwargs: Any) -> None:
@@ -175,7 +347,7 @@ class HfPath:
 
         cuda = s.device.type == "cuda"
         targs = TrainingArguments(
-            output_dir=str(self.tmp / "hf" / f"{arm}-{rnd}"), max_steps=warmup + steps,
+            output_dir=str(self.tmp / "hf" / name), max_steps=steps,
             per_device_train_batch_size=s.batch_size, logging_steps=self.log_every,
             report_to=self.report_to, save_strategy="no", eval_strategy="no",
             optim="adamw_torch_fused" if cuda else "adamw_torch", learning_rate=1e-4,
@@ -183,16 +355,12 @@ class HfPath:
             dataloader_pin_memory=cuda, disable_tqdm=True, use_cpu=not cuda, seed=0,
             bf16=False, ddp_find_unused_parameters=False,
         )
-        callbacks = [*gpulens_callbacks(arm, "gpulens.integrations.transformers",
-                                        self.interval, clock, instrument), Stamp()]
         model = copy.deepcopy(s.model)
-        trainer = Trainer(model=model, args=targs, train_dataset=self.dataset(warmup + steps),
-                          callbacks=callbacks)
+        trainer = Trainer(model=model, args=targs, train_dataset=self.dataset(steps),
+                          callbacks=[*extra, Stamp()])
         trainer.train()
-        step_s, cpu_s = clock.steps(warmup)
-        del trainer, model, callbacks
+        del trainer, model, extra
         gc.collect()
-        return Block(arm, rnd, step_s, cpu_s)
 
 
 class LightningPath:
@@ -214,14 +382,39 @@ class LightningPath:
             self.batches.append({"input_ids": ids, "attention_mask": mask,
                                  "labels": ids.masked_fill(mask == 0, -100)})
 
+    def _dsm(self) -> Any:
+        """Lightning's own peer; on a CPU it has only CPU figures."""
+        from lightning.pytorch.callbacks import DeviceStatsMonitor
+
+        return DeviceStatsMonitor(cpu_stats=True if self.s.device.type == "cpu" else None)
+
     def block(self, arm: str, rnd: int, warmup: int, steps: int,
               instrument: Instrument | None = None) -> Block:
+        """One ``fit()`` of ``warmup + steps`` steps for ``arm`` alone."""
+        clock = Clock(self.s.device.type == "cuda")
+        extra = gpulens_callbacks(arm, "gpulens.integrations.lightning", self.interval, clock,
+                                  instrument)
+        if kind_of(arm) == "dsm":
+            extra.append(self._dsm())
+        self._fit(f"{arm}-{rnd}", warmup + steps, extra, clock)
+        return Block(arm, rnd, *clock.steps(warmup))
+
+    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
+        """One ``fit()`` through every block of ``schedule``."""
+        clock = Clock(self.s.device.type == "cuda")
+        extra = [gated(cb, schedule.runs("gpulens"), "pl") for cb in gpulens_callbacks(
+            "gpulens", "gpulens.integrations.lightning", self.interval, clock, None)]
+        if any(kind_of(a) == "dsm" for a in schedule.arms):
+            extra.append(gated(self._dsm(), schedule.runs("dsm"), "pl"))
+        self._fit(f"interleaved-{schedule.first_round}", schedule.total_steps, extra, clock)
+        return schedule.values(clock)
+
+    def _fit(self, name: str, steps: int, extra: list[Any], clock: Clock) -> None:
         import lightning.pytorch as pl
         import torch
         from lightning.pytorch.loggers import CSVLogger
 
         s = self.s
-        clock = Clock(s.device.type == "cuda")
         batches = self.batches
         device = s.device
 
@@ -252,33 +445,23 @@ class LightningPath:
             def on_train_batch_end(self, *args: Any) -> None:
                 clock.stamp()
 
-        callbacks = [*gpulens_callbacks(arm, "gpulens.integrations.lightning", self.interval,
-                                        clock, instrument), Stamp()]
-        if kind_of(arm) == "dsm":  # Lightning's own peer; on a CPU it has only CPU figures
-            from lightning.pytorch.callbacks import DeviceStatsMonitor
-
-            callbacks.insert(0, DeviceStatsMonitor(cpu_stats=True if device.type == "cpu"
-                                                   else None))
         trainer = pl.Trainer(
             accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-            max_steps=warmup + steps, max_epochs=-1, limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=CSVLogger(str(self.tmp / "lightning"), name=f"{arm}-{rnd}"),
-            log_every_n_steps=self.log_every, callbacks=callbacks, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            max_steps=steps, max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0,
+            logger=CSVLogger(str(self.tmp / "lightning"), name=name),
+            log_every_n_steps=self.log_every, callbacks=[*extra, Stamp()],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(Module())
-        step_s, cpu_s = clock.steps(warmup)
-        del trainer, callbacks
+        del trainer, extra
         gc.collect()
-        return Block(arm, rnd, step_s, cpu_s)
 
 
 class WandbLoopPath:
     """A W&B user's plain loop on the warmed model: ``run.log({"train/loss": loss})`` every
     step (the loss read with ``.item()``) into the run the caller opened; ``gpulens``: plus
-    ``Monitor(interval, sinks=["wandb"])`` started for the block and ``mon.log(step)`` after
-    each step (rows into the same run, written from the W&B sink's own thread)."""
+    ``Monitor(interval, sinks=["wandb"])`` and ``mon.log(step)`` after each step (rows into
+    the same run, written from the W&B sink's own thread)."""
 
     name = "wandb_loop"
 
@@ -287,25 +470,44 @@ class WandbLoopPath:
 
     def block(self, arm: str, rnd: int, warmup: int, steps: int,
               instrument: Instrument | None = None) -> Block:
+        """One loop of ``warmup + steps`` steps for ``arm`` alone (its monitor started for
+        it)."""
+        clock = Clock(self.s.device.type == "cuda")
+        gpulens = kind_of(arm) == "gpulens"
+        self._loop(warmup + steps, (lambda step: True) if gpulens else None, clock, instrument)
+        return Block(arm, rnd, *clock.steps(warmup))
+
+    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
+        """One loop through every block of ``schedule``; a monitor is started at the first
+        step of each gpulens block and stopped at the first step after it."""
+        clock = Clock(self.s.device.type == "cuda")
+        self._loop(schedule.total_steps, schedule.runs("gpulens"), clock, None)
+        return schedule.values(clock)
+
+    def _loop(self, steps: int, on: Callable[[int], bool] | None, clock: Clock,
+              instrument: Instrument | None) -> None:
         import torch
         import wandb
 
         import gpulens
 
         s = self.s
-        clock = Clock(s.device.type == "cuda")
         model = copy.deepcopy(s.model)
         work = og.Setup(torch, s.device, model, og.make_optimizer(torch, model, s.device),
                         s.batches, s.batch_size, s.seq_len, s.n_params, s.config, s.quick)
-        mon = None
-        if kind_of(arm) == "gpulens":
-            mon = gpulens.Monitor(interval=self.interval, sinks=["wandb"])
-            if instrument is not None:
-                instrument(mon, clock)
-            mon.start()
+        mon: Any = None
         run = wandb.run
         try:
-            for step in range(1, warmup + steps + 1):
+            for step in range(1, steps + 1):
+                active = on is not None and on(step)
+                if active and mon is None:
+                    mon = gpulens.Monitor(interval=self.interval, sinks=["wandb"])
+                    if instrument is not None:
+                        instrument(mon, clock)
+                    mon.start(step=step - 1)
+                elif not active and mon is not None:
+                    mon.stop()
+                    mon = None
                 loss = og.train_step(work, step)
                 run.log({"train/loss": loss})
                 if mon is not None:
@@ -314,10 +516,8 @@ class WandbLoopPath:
         finally:
             if mon is not None:
                 mon.stop()
-        step_s, cpu_s = clock.steps(warmup)
         del work, model
         gc.collect()
-        return Block(arm, rnd, step_s, cpu_s)
 
 
 def open_wandb_run(tmp: Path, name: str) -> Any:
@@ -326,5 +526,5 @@ def open_wandb_run(tmp: Path, name: str) -> Any:
     return og.wandb_init(tmp, name, stats_interval=15.0)
 
 
-__all__ = ["Block", "Clock", "HfPath", "LightningPath", "WandbLoopPath", "kind_of",
-           "open_wandb_run"]
+__all__ = ["Block", "Clock", "HfPath", "LightningPath", "Schedule", "WandbLoopPath", "gated",
+           "kind_of", "open_wandb_run"]

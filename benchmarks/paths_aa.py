@@ -18,13 +18,18 @@ once for the whole process, its batch chosen so that a step takes about ``--targ
 Under ``torchrun`` (one process per GPU, NCCL) only the HF paths run, in DDP; a block's value
 is then the slowest rank's.
 
-**The measurement** (``paths.py``): a block is one ``train()`` / ``fit()`` / loop of ``--warmup``
-+ ``--steps`` optimizer steps over a fresh copy of the warmed model; gpulens's monitor starts
-and stops with its block, outside the timed steps. Each step is timed on the GPU's own timeline
-(CUDA events recorded at the end of every step; no device sync added), so host work the GPU's
-queue hides costs nothing and host work that starves the GPU shows. A block's value is the
-median of its timed steps. A round runs the three arms once each, in an order shuffled anew
-every round (seeded, recorded).
+**The measurement** (``paths.py``). Each step is timed on the GPU's own timeline (CUDA events
+recorded at the end of every step; no device sync added), so host work the GPU's queue hides
+costs nothing and host work that starves the GPU shows. ``--mode interleaved`` (default): one
+training run goes through short blocks of every arm in turn (per round the three arms in a
+seeded shuffled order, ``--burn-steps`` + ``--measured-steps`` steps each); gpulens runs only
+in the gpulens arm's blocks, each as if it were a training run of its own (its monitor, with
+its engine process, started at the block's first step and stopped at the next block's first,
+both in burn-in steps); a block's value is the mean of its measured steps (a whole number of
+logging periods, so costs paid on log steps count). ``--mode blocks``: one training run per arm
+and round (``--warmup`` + ``--steps`` steps) over a fresh copy of the warmed model, gpulens's
+monitor started and stopped with its block, outside the timed steps; a block's value is the
+median of its steps.
 
 **The statistics** (``paired.py``): per round, each arm's difference to the baseline in
 percentage points of the baseline's step; their mean with a 95 % bootstrap interval; the A/A
@@ -131,9 +136,9 @@ class PathRun:
         }
 
 
-def run_path(run: PathRun, path: Any, args: argparse.Namespace, budget_end: float,
-             agree: Callable[[Any], Any], gather: Callable[[float], list[float]],
-             report: Callable[[], None]) -> None:
+def run_blocks(run: PathRun, path: Any, args: argparse.Namespace, budget_end: float,
+               agree: Callable[[Any], Any], gather: Callable[[Any], list[Any]],
+               report: Callable[[], None]) -> None:
     """Shuffled rounds until the pilot's rule, ``--rounds``, ``--max-rounds`` or the budget
     says stop (``agree``: rank 0's decision on every rank)."""
     target = args.rounds if args.rounds is not None else max(2, args.pilot)
@@ -154,7 +159,7 @@ def run_path(run: PathRun, path: Any, args: argparse.Namespace, budget_end: floa
             gc.collect()
             with contextlib.redirect_stdout(io.StringIO()):
                 block = path.block(arm, rnd, args.warmup, args.steps)
-            ranks = gather(block.value_s)
+            ranks = [float(v) for v in gather(block.value_s)]
             run.values[arm][rnd] = max(ranks)
             run.rank_ms[arm][rnd] = [v * 1e3 for v in ranks]
             run.cpu_ms[arm][rnd] = block.cpu_per_step_s * 1e3
@@ -183,6 +188,66 @@ def run_path(run: PathRun, path: Any, args: argparse.Namespace, budget_end: floa
         report()
 
 
+def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_end: float,
+                    agree: Callable[[Any], Any], gather: Callable[[Any], list[Any]],
+                    report: Callable[[], None]) -> None:
+    """A pilot run of ``--pilot`` rounds, then one run of the rounds the pilot's noise asks
+    for (capped by the budget), each one training run through short blocks of every arm
+    (``paths.Schedule``); ``agree``: rank 0's decision on every rank."""
+    log_every = int(run.name[len("hf_ls"):]) if run.name.startswith("hf_ls") else 1
+    if args.measured_steps % log_every:
+        raise ValueError(f"--measured-steps {args.measured_steps} is not a multiple of "
+                         f"{run.name}'s logging interval {log_every}")
+    first = args.rounds if args.rounds is not None else max(2, args.pilot)
+    needed: int | None = None
+    cap: int | None = None
+    cap_by = "the time budget"
+    sd0 = math.nan
+    done = 0
+    todo = first
+    while todo > 0:
+        schedule = paths.Schedule(run.arms, todo, done, args.seed, args.measured_steps,
+                                  args.burn_steps, args.warmup)
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):
+            mine = path.interleaved(schedule)
+        wall = time.perf_counter() - t0
+        ranks = gather(mine)
+        run.orders.extend(schedule.orders)
+        for (rnd, arm), (_, cpu_s) in mine.items():
+            per_rank = [r[(rnd, arm)][0] for r in ranks]
+            run.values[arm][rnd] = max(per_rank)
+            run.rank_ms[arm][rnd] = [v * 1e3 for v in per_rank]
+            run.cpu_ms[arm][rnd] = cpu_s * 1e3
+        done += todo
+        round_s = max(gather(schedule.round_wall_s))  # steps, starts and stops: the host's
+        if not math.isfinite(round_s):
+            round_s = wall / todo
+        run.round_s.extend([round_s] * todo)
+        og.log(f"{run.name}: {todo} rounds in {wall:.0f} s (a round {round_s:.1f} s); "
+               f"{done} done")
+        todo = 0
+        if args.rounds is None and needed is None:  # the pilot is over
+            sd0 = pilot_sd(run.values, run.name)
+            needed = paired.rounds_needed(sd0, args.bound_pp)
+            overhead = max(0.0, wall - first * round_s)  # start, warm-up, stop of a run
+            left = budget_end - time.perf_counter() - overhead
+            cap = done + max(0, int(0.85 * left // round_s))  # a margin: one run, all or nothing
+            if args.max_rounds < cap:
+                cap, cap_by = args.max_rounds, "--max-rounds"
+            target = agree(max(done, min(needed if needed is not None else done, cap)))
+            todo = target - done
+            og.log(f"{run.name} pilot: per-round SD {sd0:.3f} pp -> {needed} rounds for "
+                   f"+-{args.bound_pp} pp; {cap_by} allows {cap}; running {todo} more")
+        final = pilot_sd(run.values, run.name)
+        if args.rounds is None:
+            run.plan = paired.Plan(first, sd0, needed, cap, done, final, args.bound_pp, cap_by)
+        else:
+            run.plan = paired.Plan(0, final, paired.rounds_needed(final, args.bound_pp), None,
+                                   done, final, args.bound_pp)
+        report()
+
+
 def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace) -> str:
     hw = meta["hardware"]
     out = [f"## user paths against their A/A arms: {hw.get('gpu', hw['device'])} x "
@@ -190,10 +255,17 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
            f"{hw['cpus']} CPUs; {meta['date']}; commit {meta['commit']}",
            f"model {meta['model']['n_params'] / 1e6:.1f}M params "
            f"{'fp32' if args.quick else 'bf16'}, batch {meta['model']['batch']} x "
-           f"{meta['model']['seq_len']} tokens per GPU; blocks of {args.steps} timed steps "
-           f"(+{args.warmup} warm-up), each step timed on the GPU timeline (on a CPU: the wall "
-           f"clock), a block's value its median; monitor interval {args.interval} s; the "
-           f"claim: the 95 % interval contains 0 and lies within +-{args.bound_pp} pp",
+           f"{meta['model']['seq_len']} tokens per GPU; each step timed on the GPU timeline "
+           f"(on a CPU: the wall clock); monitor interval {args.interval} s; the claim: the "
+           f"95 % interval contains 0 and lies within +-{args.bound_pp} pp",
+           (f"mode interleaved: one training run for the pilot and one for the rest, blocks "
+            f"of {args.burn_steps} + {args.measured_steps} steps of each arm in turn, a "
+            f"block's value the mean of its last {args.measured_steps} steps; gpulens's "
+            f"monitor started and stopped with each of its blocks, in burn-in steps"
+            if args.mode == "interleaved" else
+            f"mode blocks: one training run per arm and round, {args.steps} timed steps "
+            f"(+{args.warmup} warm-up), a block's value the median of its steps; the monitor "
+            f"starts and stops with its block"),
            f"versions {json.dumps(meta['versions'])}", ""]
     for run in runs:
         out += [f"### {run.name}", ""]
@@ -228,8 +300,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="exactly this many (no pilot)")
     p.add_argument("--pilot", type=int, default=4)
     p.add_argument("--max-rounds", type=int, default=80)
-    p.add_argument("--steps", type=int, default=None, help="timed steps per block")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per block")
+    p.add_argument("--mode", choices=("interleaved", "blocks"), default="interleaved",
+                   help="interleaved: one training run through short blocks of every arm, "
+                   "gpulens started and stopped with each of its blocks; blocks: one training "
+                   "run per arm and round")
+    p.add_argument("--measured-steps", type=int, default=20,
+                   help="interleaved: counted steps per block (a multiple of the logging "
+                   "interval)")
+    p.add_argument("--burn-steps", type=int, default=5,
+                   help="interleaved: steps at the start of a block left out (gpulens's start "
+                   "or stop, the previous block's last log and rows land there)")
+    p.add_argument("--steps", type=int, default=None, help="blocks: timed steps per block")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per run")
     p.add_argument("--interval", type=float, default=0.1, help="gpulens's sampling period")
     p.add_argument("--target-ms", type=float, default=100.0)
     p.add_argument("--batch", type=int, default=None)
@@ -257,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rank, world, device = 0, 1, None
     agree: Callable[[Any], Any] = lambda x: x  # noqa: E731
-    gather: Callable[[float], list[float]] = lambda x: [x]  # noqa: E731
+    gather: Callable[[Any], list[Any]] = lambda x: [x]  # noqa: E731
     if distributed:
         import torch.distributed as dist
 
@@ -275,10 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             dist.broadcast_object_list(box, src=0, group=ctrl)
             return box[0]
 
-        def gather(x: float) -> list[float]:
+        def gather(x: Any) -> list[Any]:
             out: list[Any] = [None] * world
             dist.all_gather_object(out, x, group=ctrl)
-            return [float(v) for v in out]
+            return out
 
     t_start = time.perf_counter()
     if rank == 0:
@@ -318,9 +400,10 @@ def main(argv: list[str] | None = None) -> int:
             run = PathRun(name, args.lightning_dsm)
             runs.append(run)
             path = make_path(name, s, tmp, args)
+            runner = run_interleaved if args.mode == "interleaved" else run_blocks
             try:
-                run_path(run, path, args, time.perf_counter() + args.budget_s, agree, gather,
-                         report)
+                runner(run, path, args, time.perf_counter() + args.budget_s, agree, gather,
+                       report)
             except Exception as exc:  # one path failing must not take the others' figures
                 run.failed = f"{type(exc).__name__}: {exc}"
                 og.log(f"{name} failed: {exc!r}")

@@ -86,7 +86,7 @@ main() {
         [ "$PART" = paths-lw ] && which=lightning,wandb_loop
         step "paths_aa.py $which" 490 paths_aa.md \
             python3 benchmarks/paths_aa.py --paths "$which" \
-            --budget-s "${GPULENS_BENCH_BUDGET_S:-200}" --json "$OUT/paths_aa.json" "${EXTRA[@]}"
+            --budget-s "${GPULENS_BENCH_BUDGET_S:-190}" --json "$OUT/paths_aa.json" "${EXTRA[@]}"
         ;;
     paths-ddp)
         local n

@@ -2,8 +2,10 @@
 
 Each arm is a fresh Python process, as a user's script is (a tracker library not yet
 imported), running the same loop: ``--steps`` steps of ``--work-ms`` of pure-Python work each
-(it needs the GIL, so a gpulens thread that takes it shows), a ``Monitor.log`` per step, more
-steps until the sink's first row is in its store, then ``stop()``.  Arms:
+(it needs the GIL, so a gpulens thread that takes it shows), a ``Monitor.log`` every
+``--log-every`` steps (a row every half second by default, as a trainer that logs every few
+steps: a tracker then keeps up, so ``stop()`` times what stopping costs, not a backlog), more
+steps until the sink has caught up (below), then ``stop()``.  Arms:
 
 * ``none``: the loop without gpulens (the baseline of ``loop_s``);
 * ``jsonl``: ``sinks=["jsonl:PATH"]`` (first row: a row line in the file);
@@ -16,9 +18,11 @@ steps until the sink's first row is in its store, then ``stop()``.  Arms:
 
 Per arm and round (arms shuffled in each round): ``init_s`` (``Monitor(...)``), ``start_s``
 (``start()`` on the calling thread), ``first_row_s`` (from the ``start()`` call to the first
-row in the store), ``stop_s`` (``stop()``), ``loop_s`` (the first ``--steps`` steps), and the
-sink's figures.  Printed: medians with [min, max] over the rounds; written: every round's
-figures, raw, as JSON.
+row in the store), ``stop_s`` (``stop()``, called once the sink has caught up: every row but
+the newest stored, so it times stopping, not the flush of what piled up while the sink
+opened), ``loop_s`` (the first ``--steps`` steps, against the ``none`` arm's), and the sink's
+figures.  Printed: medians with [min, max] over the rounds; written: every round's figures,
+raw, as JSON, with the load average before and after (the machine may be shared).
 
     python benchmarks/start_stop.py [--rounds 7] [--out benchmarks/results/<date>-cpu-start-stop]
 
@@ -55,13 +59,14 @@ def _spin(seconds: float) -> None:
         total += sum(i * i for i in range(200))
 
 
-def _metrics_in(db: Path) -> int:
-    """Metric rows in an MLflow sqlite store (0 while it has no table yet)."""
+def _losses_in(db: Path) -> int:
+    """``train/loss`` points in an MLflow sqlite store, one a row (0 while it has no table)."""
     if not db.exists():
         return 0
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
-            return int(conn.execute("SELECT COUNT(*) FROM metrics").fetchone()[0])
+            return int(conn.execute("SELECT COUNT(*) FROM metrics WHERE key = 'train/loss'")
+                       .fetchone()[0])
     except sqlite3.Error:
         return 0
 
@@ -73,7 +78,8 @@ def _jsonl_rows(path: Path) -> int:
                if line.strip() and '"event"' not in line)
 
 
-def child(arm: str, work: Path, steps: int, work_s: float, db: Path | None) -> dict[str, Any]:
+def child(arm: str, work: Path, steps: int, work_s: float, log_every: int,
+          db: Path | None) -> dict[str, Any]:
     out: dict[str, Any] = {"arm": arm}
     if arm == "none":
         t = time.perf_counter()
@@ -85,16 +91,18 @@ def child(arm: str, work: Path, steps: int, work_s: float, db: Path | None) -> d
 
     sinks = {"jsonl": [f"jsonl:{work / 'rows.jsonl'}"], "mlflow-sqlite": ["mlflow"],
              "mlflow-server": ["mlflow"], "wandb-offline": ["wandb"]}[arm]
-    before = _metrics_in(db) if db is not None else 0
+    before = _losses_in(db) if db is not None else 0
 
-    def first_row(mon: Any) -> bool:
+    def stored(mon: Any) -> int:
+        """Rows of this run in the sink's store so far."""
         if arm == "jsonl":
-            return _jsonl_rows(work / "rows.jsonl") > 0
+            return _jsonl_rows(work / "rows.jsonl")
         if arm == "wandb-offline":  # written in this process: the sink's own figures
             writer = mon._steplogger
-            return writer is not None and any(s.written for s in writer.stats().values())
+            return max((s.written for s in writer.stats().values()), default=0) \
+                if writer is not None else 0
         assert db is not None
-        return _metrics_in(db) > before
+        return _losses_in(db) - before
 
     t = time.perf_counter()
     mon = gpulens.Monitor(interval=0.1, sinks=sinks, backend="simulated")
@@ -102,23 +110,32 @@ def child(arm: str, work: Path, steps: int, work_s: float, db: Path | None) -> d
     t0 = time.perf_counter()
     mon.start()
     out["start_s"] = time.perf_counter() - t0
-    step, loop_start, first = 0, time.perf_counter(), None
-    while step < steps or first is None:
+    # step on until the first row is stored and the sink has caught up (all but the newest
+    # row stored): stop() then times stopping, not the flush of a backlog left by the open
+    step, logged, loop_start, first, caught_up = 0, 0, time.perf_counter(), None, None
+    while step < steps or caught_up is None:
         step += 1
         _spin(work_s)
-        mon.log(step, loss=1.0 / step)
-        if first is None and first_row(mon):
-            first = time.perf_counter() - t0
+        if step % log_every == 0:
+            mon.log(step, loss=1.0 / step)
+            logged += 1
+            have = stored(mon)
+            now = time.perf_counter() - t0
+            if first is None and have > 0:
+                first = now
+            if first is not None and caught_up is None and have >= logged - 1:
+                caught_up = now
         if step == steps:
             out["loop_s"] = time.perf_counter() - loop_start
-        if first is None and time.perf_counter() - t0 > FIRST_ROW_TIMEOUT_S:
+        if caught_up is None and time.perf_counter() - t0 > FIRST_ROW_TIMEOUT_S:
             break
-    out["first_row_s"] = first
-    out["steps"] = step
+    out["first_row_s"], out["caught_up_s"] = first, caught_up
+    out["steps"], out["rows_logged"] = step, logged
     t = time.perf_counter()
     stats = mon.stop()
     out["stop_s"] = time.perf_counter() - t
     out["sinks"] = {k: {"written": v.written, "dropped": v.dropped} for k, v in stats.items()}
+    out["rows_stored"] = stored(mon) if arm != "wandb-offline" else None
     return out
 
 
@@ -141,13 +158,13 @@ def _env(arm: str, work: Path, mlflow_uri: str | None, src: Path) -> dict[str, s
 
 
 def run_arm(arm: str, work: Path, args: argparse.Namespace, mlflow_uri: str | None,
-            db: Path | None) -> dict[str, Any]:
+            db: Path | None, src: str) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--child", arm, "--work", str(work), "--steps",
-           str(args.steps), "--work-ms", str(args.work_ms)]
+           str(args.steps), "--work-ms", str(args.work_ms), "--log-every", str(args.log_every)]
     if db is not None:
         cmd += ["--db", str(db)]
-    done = subprocess.run(cmd, cwd=work, env=_env(arm, work, mlflow_uri, Path(args.src)),
+    done = subprocess.run(cmd, cwd=work, env=_env(arm, work, mlflow_uri, Path(src)),
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"arm {arm} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -169,27 +186,30 @@ def _fmt(values: list[float]) -> str:
 
 
 def table(results: list[dict[str, Any]], arms: list[str]) -> str:
-    lines = [f"{'arm':<15}" + "".join(f"{f:>26}" for f in FIGURES)]
+    lines = [f"{'arm':<24}" + "".join(f"{f:>26}" for f in FIGURES)]
     for arm in arms:
         rows = [r for r in results if r["arm"] == arm]
         cells = []
         for figure in FIGURES:
             values = [float(r[figure]) for r in rows if r.get(figure) is not None]
             cells.append(f"{_fmt(values):>26}")
-        lines.append(f"{arm:<15}" + "".join(cells))
+        lines.append(f"{arm:<24}" + "".join(cells))
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=20, help="steps timed as loop_s")
+    parser.add_argument("--steps", type=int, default=40, help="steps timed as loop_s")
     parser.add_argument("--work-ms", type=float, default=50.0, help="pure-Python work a step")
+    parser.add_argument("--log-every", type=int, default=10, help="steps between log() calls")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", default=None, help="folder for the raw JSON and the table")
     parser.add_argument("--src", default=str(ROOT / "src"),
-                        help="the gpulens source tree the arms import (another checkout's src/ "
-                             "to compare two trees)")
+                        help="the gpulens source tree the arms import")
+    parser.add_argument("--baseline-src", default=None,
+                        help="another tree's src/: each gpulens arm runs with it too, as "
+                             "'ARM@baseline', in the same rounds")
     parser.add_argument("--quick", action="store_true", help="1 round, jsonl and none only")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -197,7 +217,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         result = child(args.child, Path(args.work), args.steps, args.work_ms / 1000,
-                       Path(args.db) if args.db else None)
+                       args.log_every, Path(args.db) if args.db else None)
         print(json.dumps(result))
         return
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -216,29 +236,34 @@ def main() -> None:
             sqlite_db.parent.mkdir(parents=True)
             _make_tables(f"sqlite:///{sqlite_db}", sqlite_db.parent)
         if "mlflow-server" in arms:
+            sys.path.insert(0, str(ROOT))
             from tests.support.mlflow_server import start_mlflow_server
 
             server = start_mlflow_server(base / "mlflow-server")
+        runs = [(arm, args.src) for arm in arms]
+        if args.baseline_src:
+            runs += [(f"{arm}@baseline", args.baseline_src) for arm in arms if arm != "none"]
         for round_no in range(args.rounds):
-            order = arms[:]
+            order = runs[:]
             random.shuffle(order)
-            for arm in order:
-                work = base / f"r{round_no}-{arm}"
+            for label, src in order:
+                arm = label.partition("@")[0]
+                work = base / f"r{round_no}-{label}"
                 uri, db = None, None
                 if arm == "mlflow-sqlite":
                     uri, db = f"sqlite:///{sqlite_db}", sqlite_db
                 elif arm == "mlflow-server":
                     uri, db = server.uri, server.root / "mlflow.db"
-                result = run_arm(arm, work, args, uri, db)
-                result["round"] = round_no
+                result = run_arm(arm, work, args, uri, db, src)
+                result["round"], result["arm"], result["src"] = round_no, label, src
                 results.append(result)
-                print(f"round {round_no} {arm}: " + ", ".join(
+                print(f"round {round_no} {label}: " + ", ".join(
                     f"{f} {result[f]:.3f}" for f in FIGURES if result.get(f) is not None),
                     flush=True)
     finally:
         if server is not None:
             server.stop()
-    text = table(results, arms)
+    text = table(results, [label for label, _ in runs])
     print(text)
     if args.out:
         out = Path(args.out)
@@ -247,7 +272,10 @@ def main() -> None:
                 "python": platform.python_version(), "cpus": os.cpu_count(),
                 "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                 "versions": _versions(), "rounds": args.rounds, "steps": args.steps,
-                "work_ms": args.work_ms, "src": str(Path(args.src).resolve())}
+                "work_ms": args.work_ms, "log_every": args.log_every,
+                "src": str(Path(args.src).resolve()),
+                "baseline_src": str(Path(args.baseline_src).resolve()) if args.baseline_src
+                else None}
         (out / "raw.json").write_text(json.dumps({"meta": meta, "results": results},
                                                  indent=1) + "\n")
         (out / "table.txt").write_text(text + "\n")

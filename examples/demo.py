@@ -39,6 +39,14 @@ def _nvml_answers() -> bool:
         source.close()
 
 
+def shown(path: Path) -> str:
+    """``path`` as the user would type it here: relative to the current folder when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=120, help="training steps (default 120)")
@@ -99,7 +107,7 @@ def main() -> int:
     run = wandb.init(project="gpulens-demo", config={"steps": args.steps, "device": device})
     started = time.time()
     with mlflow.start_run(run_name="gpulens-demo") as mlrun, gpulens.Monitor(
-        interval=args.interval, sinks=["wandb", "mlflow", f"jsonl:{jsonl}"], backend=backend,
+        interval=args.interval, sinks=["wandb", "mlflow", f"jsonl:{shown(jsonl)}"], backend=backend,
         dtype="fp32", flops_per_token=flops_per_token,
     ) as mon:
         assert mon.context is not None
@@ -126,13 +134,14 @@ def main() -> int:
 
     # gpu.jsonl keeps every demo run (the jsonl sink appends); this one is the last run
     from gpulens.report import load_jsonl
+    from gpulens.report.text import sized
 
     record = load_jsonl(jsonl)
     rows = [{"step": r.step, **r.values} for r in record.rows]
     report = out / "report.html"
     from gpulens.cli import main as cli_main
 
-    cli_main(["report", str(jsonl), "-o", str(report)])
+    cli_main(["report", shown(jsonl), "-o", shown(report)])
 
     last = rows[-1]
     gpu_ids = sorted({k.split("/")[1] for k in last if k.startswith("gpu/") and
@@ -153,10 +162,10 @@ def main() -> int:
     total_j = sum(r.get("perf/energy_per_step_j") or 0.0 for r in rows)
     print(f"  energy for the whole run: {total_j:.0f} J ({total_j / 3600:.3f} Wh)")
     if "perf/tokens_per_s" in last:
-        mfu = last.get("perf/mfu_pct")
+        mfu, tflops = last.get("perf/mfu_pct"), last.get("perf/tflops")
         print(f"  throughput {last['perf/tokens_per_s']:.0f} tokens/s  "
-              f"{last.get('perf/tflops', float('nan')):.4f} TFLOP/s per GPU  "
-              f"MFU {'n/a' if mfu is None else format(mfu, '.4f')} % of "
+              f"{'n/a' if tflops is None else sized(tflops)} TFLOP/s per GPU  "
+              f"MFU {'n/a' if mfu is None else sized(mfu)} % of "
               f"{record.meta.get('peak_tflops', 'n/a')} TFLOP/s "
               f"({record.meta.get('peak_gpu', 'no peak')}, {record.meta.get('peak_dtype', '?')})")
     for e in record.events:
@@ -164,13 +173,14 @@ def main() -> int:
             print(f"  advice at step {e.step}: {e.name} {e.state}: {e.message}")
     offline = sorted(glob.glob(str(wandb_run_dir)))
     print("\nWhere the results are:")
-    print(f"  JSONL record : {jsonl}   (run {record.selected[0].run_id}; "
+    print(f"  JSONL record : {shown(jsonl)}   (run {record.selected[0].run_id}; "
           f"{len(record.runs)} run(s) in the file)")
-    print(f"  HTML report  : {report}   (open it in a browser)")
-    print(f"  MLflow       : run {mlrun.info.run_id} in {out / 'mlflow.db'}")
-    print(f"                 open: .venv/bin/mlflow ui --backend-store-uri {mlflow_uri}")
-    print(f"  W&B offline  : {offline[0] if offline else wandb_run_dir}")
-    print(f"                 upload: .venv/bin/wandb sync {wandb_run_dir}")
+    print(f"  HTML report  : {shown(report)}   (open it in a browser)")
+    print(f"  MLflow       : run {mlrun.info.run_id} in {shown(out / 'mlflow.db')}")
+    print(f"                 open: .venv/bin/mlflow ui --backend-store-uri "
+          f"sqlite:///{shown(out / 'mlflow.db')}")
+    print(f"  W&B offline  : {shown(Path(offline[0]) if offline else wandb_run_dir)}")
+    print(f"                 upload: .venv/bin/wandb sync {shown(wandb_run_dir)}")
     return 0
 
 

@@ -240,15 +240,26 @@ def _paths_checks(data: dict[str, Any], out: str, names: list[str]) -> None:
         assert f"### {name}" in out and f"| {name}_gpulens | {name} |" in out
 
 
-def test_paths_aa_quick_alternates_blocks_of_each_user_path(tmp_path: Path) -> None:
-    names = ["hf_ls1", "lightning", "wandb_loop"]
+def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> None:
+    """The default: one training run through short blocks of every arm, gpulens's hooks
+    active in its own blocks."""
+    names = ["hf_ls1", "hf_ls10", "lightning", "wandb_loop"]
     out = run_script("paths_aa.py", tmp_path, "--paths", ",".join(names), "--rounds", "2",
-                     "--steps", "3", "--warmup", "2", "--lightning-dsm",
+                     "--measured-steps", "10", "--burn-steps", "2", "--lightning-dsm",
                      "--json", str(tmp_path / "p.json"), timeout=600)
     data = json.loads((tmp_path / "p.json").read_text())
     _paths_checks(data, out, names)
-    assert data["meta"]["world_size"] == 1
-    assert "within +-0.3 pp?" in out
+    assert data["meta"]["world_size"] == 1 and data["meta"]["args"]["mode"] == "interleaved"
+    assert "within +-0.3 pp?" in out and "mode interleaved" in out
+
+
+def test_paths_aa_quick_blocks_mode_runs_one_training_per_arm(tmp_path: Path) -> None:
+    out = run_script("paths_aa.py", tmp_path, "--mode", "blocks", "--paths", "lightning",
+                     "--rounds", "2", "--steps", "3", "--warmup", "2",
+                     "--json", str(tmp_path / "p.json"), timeout=600)
+    data = json.loads((tmp_path / "p.json").read_text())
+    _paths_checks(data, out, ["lightning"])
+    assert "mode blocks" in out
 
 
 def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) -> None:
@@ -256,7 +267,7 @@ def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) ->
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(BENCH / "paths_aa.py"), "--quick", "--paths", "hf_ls1", "--rounds", "2",
-         "--steps", "3", "--warmup", "2", "--json", str(json_path)],
+         "--measured-steps", "4", "--burn-steps", "2", "--json", str(json_path)],
         cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -458,6 +469,34 @@ def test_start_stop_quick_prints_the_table_and_writes_raw_figures(tmp_path: Path
     data = json.loads((res / "raw.json").read_text())
     assert data["meta"]["rounds"] == 1 and data["meta"]["cpus"]
     (jsonl,) = [r for r in data["results"] if r["arm"] == "jsonl"]
-    assert jsonl["first_row_s"] > 0 and jsonl["steps"] >= 20
+    assert 0 < jsonl["first_row_s"] <= jsonl["caught_up_s"] and jsonl["steps"] >= 40
     (stats,) = jsonl["sinks"].values()
-    assert stats["written"] == jsonl["steps"] and stats["dropped"] == 0
+    assert stats["written"] == jsonl["rows_logged"] == jsonl["rows_stored"]
+    assert stats["dropped"] == 0
+
+
+def test_interleaved_schedule_counts_whole_logging_periods_per_block() -> None:
+    """Every block of every arm counts the same number of steps and of logs (every 10 steps),
+    after a burn-in that takes the previous block's last log; rounds keep the seeded order."""
+    sys.path.insert(0, str(BENCH))
+    import paths  # benchmarks/paths.py
+
+    arms = ["hf_ls10", "hf_ls10_b", "hf_ls10_gpulens"]
+    sch = paths.Schedule(arms, rounds=4, first_round=2, seed=0, measured=20, burn=3, warmup=5)
+    assert sch.orders == [paired.round_order(arms, 0, r) for r in range(2, 6)]
+    counted: dict[tuple[int, str], list[int]] = {}
+    for step in range(1, sch.total_steps + 1):
+        where = sch.place(step)
+        if step <= 5 or step > sch.total_steps - 3:
+            assert where is None
+        elif where[2]:
+            counted.setdefault(where[:2], []).append(step)
+    assert set(counted) == {(r, a) for r in range(2, 6) for a in arms}
+    for steps in counted.values():
+        assert len(steps) == 20 and steps == list(range(steps[0], steps[0] + 20))
+        # a log at step L lands in the interval of step L + 1: two logs in every block
+        assert sum(1 for s in steps if (s - 1) % 10 == 0) == 2
+    on = sch.runs("gpulens")
+    assert [s for s in range(1, sch.total_steps + 1) if on(s)] == sorted(
+        s for s in range(1, sch.total_steps + 1)
+        if (w := sch.place(s)) is not None and w[1] == "hf_ls10_gpulens")

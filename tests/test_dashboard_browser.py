@@ -227,3 +227,39 @@ def test_ranges_and_a_record_drawn_on_elapsed_time(browser: Chromium, tmp_path: 
     finally:
         server.close()
     assert json.dumps(st)  # the state is plain data
+
+
+def test_serve_prints_its_address_once_a_page_opened_then_shows_data_within_1s(
+        browser: Chromium, tmp_path: Path) -> None:
+    """``gpulens serve`` prints the dashboard's address; a page opened at once has charts with
+    data within 1 s of its opening, measured by the page itself (navigation start to its first
+    drawing with rows: ``performance.now()``, so the test's own polling does not count)."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "gpulens.cli", "serve", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, GPULENS_BACKEND="simulated",
+                                     GPULENS_SIMULATED_GPUS="2"))
+    assert proc.stderr is not None
+    try:
+        line = proc.stderr.readline()
+        found = re.search(r"dashboard on (http://127\.0\.0\.1:\d+/)", line)
+        assert found, line
+        page = browser.open(found.group(1), width=1400, height=900)
+        first_ms = page.wait_for("window.gpulens && window.gpulens.state().firstDataMs",
+                                 timeout=30)
+        print(f"page opened to first data: {first_ms} ms")
+        assert first_ms < 1000, f"first data {first_ms} ms after the page opened"
+        charts = state(page)["charts"]
+        assert charts["power"]["series"] == 2
+        # ticks of a clock, not training steps: no training panel (step time, loss ...)
+        assert not [c for c in charts.values() if c["section"] == "training"], charts
+        shot = page.screenshot(tmp_path / "serve-first-data.png", full_page=False)
+        keep(shot)
+        no_errors(page)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err

@@ -7,6 +7,7 @@ The page itself is tested in headless Chromium (tests/test_dashboard_browser.py)
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import re
 import signal
@@ -24,10 +25,11 @@ import pytest
 
 import gpulens
 from gpulens.dashboard import DashboardServer, PortInUse
-from gpulens.log import reset_warnings
+from gpulens.log import NOTICE, logger, reset_warnings, set_verbosity
 from gpulens.model import Event, GpuInfo, Row, RunContext
 from gpulens.sinks import parse_sink, resolve_sink
 from gpulens.sinks.dashboard import DashboardSink
+from gpulens.testing import SimulatedNVML
 from tests.support.sse import DashboardReader, StreamEnded
 
 CONTEXT = RunContext(
@@ -363,6 +365,55 @@ def test_sink_serves_from_the_engine_process(monkeypatch: pytest.MonkeyPatch) ->
     page.close()
 
 
+def _said_addresses(caplog: pytest.LogCaptureFixture, count: int) -> list[str]:
+    """The addresses gpulens said (NOTICE records), waiting until ``count`` were said."""
+    deadline = time.monotonic() + 30
+    while True:
+        said = [m.group(1) for r in caplog.records if r.levelno == NOTICE
+                for m in [re.fullmatch(r"gpulens: live dashboard on (http://\S+/)",
+                                       r.getMessage())] if m]
+        if len(said) >= count or time.monotonic() > deadline:
+            return said
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_the_page_says_its_address_once_it_is_served(
+        isolation: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A sink object and a sink by name (port 0: chosen where the server runs, in the engine
+    process by default): each address is said once, at NOTICE, when the page is served."""
+    sink = DashboardSink(port=0)
+    with (caplog.at_level(logging.INFO, logger="gpulens"),
+          gpulens.Monitor(backend=SimulatedNVML(gpus=1), interval=0.05,
+                          sinks=[sink, "dashboard:0"], isolation=isolation)):
+        said = _said_addresses(caplog, 2)
+        assert len(said) == 2 and sink.url in said, said
+        for url in said:
+            with DashboardReader(url) as page:  # served when it was said
+                page.until(lambda p: p.hello is not None)
+    caplog.clear()
+    level = logger.level
+    set_verbosity("error")  # the user asked for errors only
+    try:
+        with gpulens.Monitor(backend=SimulatedNVML(gpus=1), interval=0.05,
+                             sinks=["dashboard:0"], isolation=isolation) as mon:
+            mon.log(1)
+    finally:
+        logger.setLevel(level)
+    assert not [r for r in caplog.records if r.levelno == NOTICE]
+
+
+def test_a_user_who_configured_no_logging_reads_the_address_on_stderr() -> None:
+    code = ("import gpulens, time\n"
+            "with gpulens.Monitor(interval=0.05, sinks=['dashboard:0']) as mon:\n"
+            "    time.sleep(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=cli_env(1))
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(r"gpulens: live dashboard on http://127\.0\.0\.1:\d+/\n", proc.stderr), \
+        proc.stderr
+
+
 # -- gpulens serve, gpulens record --------------------------------------------------------------
 def cli_env(gpus: int = 2) -> dict[str, str]:
     return dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS=str(gpus))
@@ -439,3 +490,4 @@ def test_record_with_a_dashboard_sink() -> None:
     finally:
         _, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
+    assert f"gpulens: live dashboard on http://127.0.0.1:{port}/\n" in err

@@ -336,3 +336,17 @@ def test_bad_arguments_fail_at_construction() -> None:
         GPUMonitorCallback(interval=-1)
     with pytest.raises(ValueError, match="backend"):
         GPUMonitorCallback(backend="nvidia")
+
+
+def test_a_gpu_that_does_not_exist_stops_fit_before_any_step(
+        pkg: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No driver answers (GPULENS_SIMULATED_GPUS=0) and the callback names GPUs 0 and 1:
+    ``fit()`` raises the one-line error before the first step, and no record is made."""
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "0")
+    pl, ours = pkg
+    sink = tmp_path / "gpu.jsonl"
+    callback = ours.GPUMonitorCallback(sinks=[f"jsonl:{sink}"], gpus=[0, 1], interval=0.05)
+    with pytest.raises(ValueError, match=r"^GPU 0 does not exist: no NVIDIA driver answered"):
+        fit(pl, callback, [], tmp_path)
+    assert callback.monitor is None
+    assert not sink.exists()

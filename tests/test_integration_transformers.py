@@ -191,7 +191,8 @@ def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path,
     assert [h["gpulens/step"] for h in gpu_rows] == [4, 8, 12]
     for row in gpu_rows:
         assert "train/loss" not in row or row in loss_rows  # HF's loss, not written twice
-        assert "perf/data_wait_pct" in row
+        # the tracker view's name, once (not also the schema's perf/data_wait_pct)
+        assert "train/data_wait_pct" in row and "perf/data_wait_pct" not in row
     # W&B's own step only counts commits: never pushed to the training step
     assert [h["_step"] for h in history] == list(range(len(history)))
 
@@ -355,3 +356,30 @@ def test_unreachable_tracker_is_one_line_before_training(tmp_path: Path,
     assert time.monotonic() - t0 < 60  # bounds a hang: not MLflow's minutes of retries
     assert "\n" not in str(err.value)
     assert not sink.exists()  # nothing half-made
+
+
+def test_a_gpu_that_does_not_exist_stops_train_before_any_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No driver answers (GPULENS_SIMULATED_GPUS=0) and the callback names GPUs 0 and 1:
+    ``train()`` raises the one-line error before the first step, and no record is made."""
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "0")
+    sink = tmp_path / "gpu.jsonl"
+    model = Regression()
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], gpus=[0, 1],
+                                                        interval=0.05), model=model)
+    with pytest.raises(ValueError, match=r"^GPU 0 does not exist: no NVIDIA driver answered"):
+        trainer.train()
+    assert model.calls == 0 and trainer.state.global_step == 0
+    assert not sink.exists()
+
+
+def test_a_dashboard_sink_says_where_its_page_is(tmp_path: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    from gpulens.log import NOTICE
+
+    callback = GPUMonitorCallback(sinks=["dashboard:0"], interval=0.05)
+    trainer = make_trainer(tmp_path, callback, max_steps=4)
+    trainer.train()
+    told = [r.getMessage() for r in caplog.records if "dashboard" in r.getMessage()]
+    assert len(told) == 1 and told[0].startswith("gpulens: live dashboard on http://127.0.0.1:")
+    assert [r.levelno for r in caplog.records if "dashboard" in r.getMessage()] == [NOTICE]

@@ -113,8 +113,8 @@ def test_the_page_states_mfus_denominator_and_the_efficiency(tmp_path: Path) -> 
     assert f"<th>Efficiency</th><td>{figure(39_000 / 1400)} tokens/J</td>" in page
     assert f"efficiency: {figure(39_000 / 1400)} tokens/J" in md
     assert "<th>Throughput</th><td>3,900 tokens/s (all GPUs)</td>" in page
-    assert "throughput: 3,900 tokens/s" in md and "MFU: 2.4% (clock-adjusted 2.6%)" in md
-    assert '<div class="v">2.4 %</div><div class="l">MFU (of the dense bf16 peak)' in page
+    assert "throughput: 3,900 tokens/s" in md and "MFU: 2.37% (clock-adjusted 2.63%)" in md
+    assert '<div class="v">2.37 %</div><div class="l">MFU (of the dense bf16 peak)' in page
     assert re.search(r"\| MFU \| `[▁-█]+` \| ", md)
 
 
@@ -126,7 +126,7 @@ def test_work_handed_in_is_the_efficiency_the_engines_mfu_stays(tmp_path: Path) 
     text = md.read_text()
     assert "efficiency: 10 tokens/J" in text  # 14,000 tokens / 1400 J, as asked
     assert "throughput: 1,400 tokens/s" in text and "throughput: 3,900" not in text
-    assert "MFU: 2.4%" in text
+    assert "MFU: 2.37%" in text
 
 
 @pytest.mark.parametrize(
@@ -226,3 +226,36 @@ def test_the_gpu_check_script_runs_every_view_quick(tmp_path: Path) -> None:
     assert table["watch --record line"].startswith("train step 30 loss ")
     assert {p.name for p in tmp_path.iterdir()} >= {"run.jsonl", "report.html", "report.md",
                                                     "metrics.txt", "watch.txt"}
+
+
+def test_a_small_mfu_keeps_its_digits_in_every_view(tmp_path: Path) -> None:
+    """The demo's figures (a tiny fp32 model on a CPU against an H100's peak): MFU 0.0339 %
+    and 0.0136 TFLOP/s per GPU are shown with three significant digits by the report (HTML,
+    Markdown, the terminal summary) and by ``gpulens watch --record``, never as 0.0 or 0."""
+    from gpulens.cli.watch.training import plain_training, training_pieces
+    from gpulens.report.tail import RecordTail
+    from gpulens.report.text import render_text
+
+    lines: list[dict[str, Any]] = [{**header("tiny", T0), "meta": META}]
+    for s in range(1, 11):
+        lines.append(row("tiny", s, T0 + s, **{
+            "train/loss": 2.0, "perf/step_time_s": 1.0, "perf/steps": 1,
+            "gpu/0/util_pct": 50.0, "gpu/0/energy_j": 100.0, "perf/tokens_per_s": 1000.0,
+            "perf/tflops": 0.01361, "perf/tflops_job": 0.01361, "perf/mfu_pct": 0.03391,
+            "perf/mfu_clock_adjusted_pct": 0.03512}))
+    path = write(tmp_path / "tiny.jsonl", lines)
+    record = load_jsonl(path)
+    s = summarize(record)
+    page, md, text = render_html(record, s), render_markdown(record, s), render_text(s)
+    for shown in (md, text):
+        assert "achieved: 0.0136 TFLOP/s per GPU" in shown
+        assert "MFU: 0.0339% (clock-adjusted 0.0351%)" in shown
+    assert "<th>MFU</th><td>0.0339 %</td>" in page
+    assert "<th>Achieved</th><td>0.0136 TFLOP/s per GPU; 0.0136 for the job</td>" in page
+    assert '<div class="v">0.0339 %</div>' in page
+    for view in (page, md, text):
+        assert "MFU: 0.0%" not in view and "0.0 %" not in view and " 0 TFLOP" not in view
+    status = RecordTail(path).poll()
+    assert "MFU 0.0339% TFLOP/s/GPU 0.0136" in plain_training(status, T0 + 11)
+    pieces = dict((p, t) for p, t in training_pieces(status, T0 + 11))
+    assert pieces[3] == "MFU 0.0339%" and pieces[5] == "0.0136 TFLOP/s/GPU"

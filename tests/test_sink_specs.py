@@ -262,11 +262,20 @@ def test_a_sink_object_that_fails_to_open_is_one_warning_and_counted(
     assert (mon.sink_stats["GatedSink"].written, mon.sink_stats["GatedSink"].dropped) == (0, 3)
 
 
+class Wrapper(MemorySink):
+    """A sink made in code around another sink's spec (built where the wrapper is)."""
+
+    def __init__(self, inner: SinkSpec) -> None:
+        super().__init__()
+        self.inner = inner.build()
+
+
 def test_a_spec_made_in_code_builds_where_it_runs(tmp_path: Path) -> None:
     spec = SinkSpec(name="custom", kind="", options={"inner": parse_sink(
-        f"jsonl:{tmp_path / 'x.jsonl'}")}, target="gpulens.cli.record:WallClockRows",
-        where=ENGINE)
+        f"jsonl:{tmp_path / 'x.jsonl'}")}, target=f"{__name__}:Wrapper", where=ENGINE)
     prepared = spec.prepared()
     assert Path(prepared.options["inner"].options["path"]).is_absolute()
+    built = prepared.build()
+    assert isinstance(built, Wrapper) and type(built.inner).__name__ == "JsonlSink"
     with pytest.raises(ValueError, match="needs a target"):
         SinkSpec(name="x", kind="")

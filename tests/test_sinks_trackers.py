@@ -58,9 +58,11 @@ def test_wandb_rows_on_their_own_step_axis(wandb_offline: Path) -> None:
     assert len(history) == 6
     defs = {d.name: d for d in read_metric_definitions(path) if d.name}
     assert defs["gpulens/step"].hidden
-    for key in ("gpu/0/power_w", "gpu/1/sm_active_pct", "host/cpu_pct", "perf/step_time_s",
-                "train/loss"):
+    # perf/step_time_s is shown as train/step_time_s, and not logged twice (01368f6)
+    for key in ("gpu/0/power_w", "gpu/1/sm_active_pct", "host/cpu_pct", "perf/steps",
+                "train/step_time_s", "train/loss"):
         assert defs[key].step_metric == "gpulens/step", key
+    assert "perf/step_time_s" not in defs
 
 
 def _user_and_gpulens(run: Any, mon: gpulens.Monitor, steps: int, *, user_step: bool,

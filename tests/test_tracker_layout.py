@@ -75,8 +75,12 @@ def test_default_view_is_a_handful_of_keys_beside_the_loss(gpus: int) -> None:
     if gpus > 1:
         assert shown["train/gpu_mem_used_gb_max"] == values["gpu/all/mem_used_gb_max"]
     assert shown["train/mfu_pct"] == values["perf/mfu_pct"]
-    # the rest is detail, under the schema's names
+    # the rest is detail, under the schema's names; a figure shown is not detail again
     assert f"gpu/{gpus - 1}/power_w" in detail and "host/cpu_pct" in detail
+    assert "perf/steps" in detail and "gpu/0/sm_active_pct" in detail
+    for key in ("perf/step_time_s", "perf/mfu_pct", "perf/tokens_per_s",
+                "gpu/all/power_w_mean", "gpu/all/mem_used_gb_max"):
+        assert key not in detail, key
     assert "train/global_step" not in shown and "train/global_step" not in detail
 
 
@@ -159,9 +163,13 @@ def test_wandb_default_view_hides_detail_and_records_the_run(wandb_offline: Path
     shown = {k for k, d in defs.items() if not d.hidden}
     assert shown == HEADLINE | {"train/loss", "train/learning_rate", "train/grad_norm"}
     # every per-GPU figure is still logged, for the saved view, but out of the automatic panels
-    for key in ("gpu/0/power_w", "gpu/1/sm_active_pct", "gpu/all/power_w_mean",
+    for key in ("gpu/0/power_w", "gpu/1/sm_active_pct", "gpu/all/power_w_max",
                 "host/cpu_pct", "perf/steps"):
         assert defs[key].hidden and defs[key].step_metric == "gpulens/step", key
+    # a figure the view shows is stored once, under the view's name
+    for key in ("perf/step_time_s", "perf/energy_per_step_j", "gpu/all/power_w_mean",
+                "gpu/all/sm_active_pct_mean"):
+        assert key not in defs, key
     rows = [h for h in read_history(path) if "gpu/1/power_w" in h]
     assert [h["gpulens/step"] for h in rows] == [1, 2, 3, 4]
     assert all(h["train/gpu_power_w_mean"] == pytest.approx(

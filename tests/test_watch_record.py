@@ -100,7 +100,7 @@ def test_plain_mode_adds_the_training_to_each_line(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.splitlines()
     assert re.search(r" gpu1 SM \d+% .* \| train step 7 loss 2\.93 tok/s 16391 MFU 41\.2% "
-                     r"TFLOP/s/GPU 312\.5 alerts input_bound$", line), line
+                     r"TFLOP/s/GPU 312 alerts input_bound$", line), line
     assert f"following the training record {path}" in proc.stderr
 
 

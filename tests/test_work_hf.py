@@ -218,6 +218,37 @@ def test_deferred_counts_cost_the_training_thread_one_op_a_batch_and_agree() -> 
     assert plain == {"tokens": 20, "flops": pytest.approx(formula.training_flops([10, 10]))}
 
 
+def test_deferred_sums_reach_the_host_through_a_polled_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the sums are read like a logged CUDA tensor: a copy to host memory with an
+    event behind it, polled (``transport.relay.stage``), never a blocking ``.item()``."""
+    from gpulens.transport import relay
+
+    polls: list[int] = []
+
+    class SlowEvent:
+        def __init__(self) -> None:
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            polls.append(self.queries)
+            return self.queries > 3
+
+    def stage(value: Any, event: Any = None) -> Any:  # what a CUDA tensor gets
+        return relay.Staged(value.clone(), SlowEvent())
+
+    monkeypatch.setattr(relay, "stage", stage)
+    formula = formula_from_config(_tiny_llama().config)
+    counter = TokenCounter(formula)
+    counter.observe({"input_ids": torch.ones((2, 6), dtype=torch.long),
+                     "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])})
+    work = counter.take_deferred()
+    assert float(work["tokens"]) == 10.0
+    assert float(work["flops"]) == pytest.approx(formula.training_flops([6, 4]))
+    assert polls.count(4) == 2  # both sums waited for their events by polling
+
+
 def test_counts_kept_between_takes_are_folded_and_stay_right() -> None:
     from gpulens.work.hf import FOLD_AT
 

@@ -31,14 +31,20 @@ logger = logging.getLogger("gpulens")
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR, "critical": logging.CRITICAL}
 
+NOTICE = 25
+"""Between INFO and WARNING: what the user must hear to use what they asked for (the address of
+a page gpulens serves), no fault.  Heard by default like a WARNING (``gpulens: <message>``);
+silenced with the WARNINGs (``GPULENS_VERBOSITY=error``).  See :func:`say`."""
+logging.addLevelName(NOTICE, "NOTICE")
+
 
 class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """stderr, at WARNING and above, only while the application configured no root handler
-    (then the record reaches the user through the root logger instead, once)."""
+    """stderr, at :data:`NOTICE` and above, only while the application configured no root
+    handler (then the record reaches the user through the root logger instead, once)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.setLevel(logging.WARNING)
+        self.setLevel(NOTICE)
         self.setFormatter(_Formatter())
         self.enabled = True
 
@@ -58,11 +64,40 @@ class _DefaultHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 class _Formatter(logging.Formatter):
     """``gpulens: WARNING: <message>`` (messages start with ``gpulens:`` already, for users
-    who read them through their own handlers)."""
+    who read them through their own handlers); on a terminal, wrapped at its width between
+    words (:func:`fit_terminal`)."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = record.getMessage().removeprefix("gpulens: ")
-        return f"gpulens: {record.levelname}: {text}"
+        level = "" if record.levelno == NOTICE else f"{record.levelname}: "
+        return fit_terminal(f"gpulens: {level}{text}", sys.stderr)
+
+
+def fit_terminal(text: str, stream: Any) -> str:
+    """``text`` as it should be written to ``stream``: unchanged unless ``stream`` is a
+    terminal, else wrapped at the terminal's width between words (the terminal itself would
+    cut words in two), the lines after the first indented by two spaces.  One message stays
+    one message: no line of it is a new one."""
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        return text
+    if not tty:
+        return text
+    import textwrap
+
+    width = 0
+    with contextlib.suppress(ValueError):  # COLUMNS first, as shutil.get_terminal_size
+        width = int(os.environ.get("COLUMNS", "0"))
+    if width <= 0:  # then the size of this stream's terminal (stdout may be a file)
+        try:
+            width = os.get_terminal_size(stream.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            return text
+    if width < 20:
+        return text
+    return "\n".join(textwrap.fill(line, width, subsequent_indent="  ", break_long_words=False,
+                                   break_on_hyphens=False) for line in text.splitlines())
 
 
 _default_handler = _DefaultHandler()
@@ -106,6 +141,23 @@ def warn_once(cause: str, message: str, *args: object) -> None:
     logger.warning(message, *args)
 
 
+def say(message: str, *args: object) -> None:
+    """Tell the user what they need to use what they asked for (the address of a page gpulens
+    serves): a :data:`NOTICE` record of the ``gpulens`` logger, heard as a WARNING would be
+    (``gpulens: <message>`` on stderr, or through the application's own handlers), also from
+    the engine process.  It is no warning, yet unheard it is lost.  Silent when the
+    ``gpulens`` logger is set above WARNING (``GPULENS_VERBOSITY=error``)."""
+    if not _hears_notices(logger):
+        return
+    logger.handle(logger.makeRecord(logger.name, NOTICE, "(gpulens)", 0, message, args, None))
+
+
+def _hears_notices(target: logging.Logger) -> bool:
+    """A logger set no quieter than WARNING hears :data:`NOTICE` (the library default leaves
+    the ``gpulens`` logger at WARNING, which would drop a level below it)."""
+    return target.getEffectiveLevel() <= logging.WARNING
+
+
 def reset_warnings() -> None:
     """Forget which causes were warned about (tests)."""
     with _lock:
@@ -145,7 +197,7 @@ def reemit(payload: LogPayload) -> None:
     same name, at its level (it reaches the user once, by whatever handlers they set)."""
     name, levelno, message, created = payload
     target = logging.getLogger(name)
-    if not target.isEnabledFor(levelno):
+    if not (target.isEnabledFor(levelno) or (levelno == NOTICE and _hears_notices(target))):
         return
     record = target.makeRecord(name, levelno, "(gpulens engine process)", 0, message, (),
                                None)

@@ -84,7 +84,9 @@ class Monitor:
     Args:
         gpus: CUDA device numbers to watch, as this process numbers them (after
             ``CUDA_VISIBLE_DEVICES``).  ``None``: every GPU this process can see, or in a
-            distributed job (``WORLD_SIZE`` > 1) only this rank's GPU (``LOCAL_RANK``).
+            distributed job (``WORLD_SIZE`` > 1) only this rank's GPU (``LOCAL_RANK``).  A
+            GPU named that does not exist (no driver, or fewer GPUs) is a ``ValueError`` at
+            :meth:`start`.
         interval: seconds between cheap samples (utilization, memory, power, temperature,
             clocks); must be > 0.  Energy and the driver's buffered samples are read every
             ``max(1 s, interval)`` (the buffered samples also a fifth of a second after each
@@ -99,8 +101,8 @@ class Monitor:
             one that then fails to open is a WARNING, its rows counted as dropped.
         backend: ``"nvml"``, ``"simulated"``, ``"auto"``/``None`` (NVML if a driver answers),
             or an NVML-like object such as :class:`gpulens.testing.SimulatedNVML`.  The
-            environment variable ``GPULENS_BACKEND`` (with ``GPULENS_SIMULATED_GPUS=N``) picks
-            one when the argument is ``None``.
+            environment variable ``GPULENS_BACKEND`` (with ``GPULENS_SIMULATED_GPUS=N``; 0 is
+            a machine where no driver answers) picks one when the argument is ``None``.
         buffer_rows: rows each sink may fall behind before the oldest are dropped (counted).
         gpm, energy, driver_samples: switch off a costly read (GPM activity; the energy
             counter, 3-15 ms a call on an H200; the driver's buffered power and utilization
@@ -122,6 +124,11 @@ class Monitor:
             sample (:func:`gpulens.work.hf.model_flops` computes them for a Hugging Face
             model).  With the work of each step (``log(step, tokens=...)``) they give
             ``perf/tflops`` and ``perf/mfu_pct``.
+        require_gpu: no GPU to monitor (no driver, or none visible) is a ``ValueError`` at
+            :meth:`start`, not a warning and host-only rows (``gpulens watch``).
+        wall_clock: each :meth:`log` is a tick of a clock, not a training step (``gpulens
+            record``, ``serve``): no ``perf/*`` or ``train/global_step`` in the rows, and
+            only the advice rules about the hardware (power cap, heat) judge them.
 
     Rows are finished by the engine a little after ``log()`` (once the data covering the
     window has been read: usually a quarter of a second, at most about 10 s on a starved
@@ -150,6 +157,8 @@ class Monitor:
         dtype: Any = None,
         flops_per_token: float | None = None,
         flops_per_sample: float | None = None,
+        require_gpu: bool = False,
+        wall_clock: bool = False,
     ) -> None:
         if isinstance(sinks, (str, bytes, SinkSpec, Sink)):
             sinks = [sinks]
@@ -158,7 +167,7 @@ class Monitor:
             sinks=tuple(as_sink(s) for s in sinks), backend=backend, buffer_rows=buffer_rows,
             distributed=distributed, gpm=gpm, energy=energy, driver_samples=driver_samples,
             isolation=isolation, dtype=dtype, flops_per_token=flops_per_token,
-            flops_per_sample=flops_per_sample))
+            flops_per_sample=flops_per_sample, require_gpu=require_gpu, wall_clock=wall_clock))
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Monitor:
@@ -346,13 +355,13 @@ class Monitor:
         """
         settings = self._settings
         engine_sinks: list[SinkSpec] = []
-        local: list[Sink] = []
+        local: list[Sink | SinkSpec] = []
         local_names: list[str] = []
         for name, sink in named:
             if isinstance(sink, SinkSpec) and sink.where == ENGINE:
                 engine_sinks.append(replace(sink, name=name))
             else:
-                local.append(sink.build() if isinstance(sink, SinkSpec) else sink)
+                local.append(sink)  # a spec is built by its writer thread
                 local_names.append(name)
         spec = EngineSpec(
             interval=settings.interval, gpus=settings.gpus, backend=backend,
@@ -364,6 +373,7 @@ class Monitor:
             flops_per_token=settings.flops_per_token,
             flops_per_sample=settings.flops_per_sample, gpm=settings.gpm,
             energy=settings.energy, driver_samples=settings.driver_samples,
+            require_gpu=settings.require_gpu, wall_clock=settings.wall_clock,
         )
         link.writer = StepLogger(local, names=local_names, buffer_rows=settings.buffer_rows)
         link.transport = transport

@@ -80,6 +80,11 @@ class Settings:
     flops_per_token: float | None = None
     flops_per_sample: float | None = None
     """Model FLOPs (forward + backward) per token / per sample, > 0."""
+    require_gpu: bool = False
+    """No GPU to monitor is a ``ValueError`` at start, not a warning (``gpulens watch``)."""
+    wall_clock: bool = False
+    """Each ``log()`` is a tick of a clock, not a training step (``gpulens record``,
+    ``serve``): no per-step figures, only the advice rules about the hardware."""
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -114,7 +119,7 @@ class Settings:
         if self.distributed is not None and not isinstance(self.distributed, bool):
             raise ValueError(f"distributed must be True, False or None, got "
                              f"{self.distributed!r}")
-        for name in ("gpm", "energy", "driver_samples"):
+        for name in ("gpm", "energy", "driver_samples", "require_gpu", "wall_clock"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         isolation = self.isolation
@@ -145,7 +150,7 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
 
 def simulated_from_env() -> Any:
     """The simulated GPUs ``GPULENS_BACKEND=simulated`` asks for (``GPULENS_SIMULATED_GPUS``,
-    default 2)."""
+    default 2; 0 is a machine where no NVIDIA driver answers, to test the path without GPUs)."""
     from gpulens.sources.simulated import SimulatedNVML
 
     raw = os.environ.get("GPULENS_SIMULATED_GPUS", "2")
@@ -153,10 +158,13 @@ def simulated_from_env() -> Any:
         count = int(raw)
     except ValueError:
         raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} is not a whole number") from None
-    if count < 1:
-        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be at least 1")
-    # a node name of its own (GPULENS_NODE_NAME): two simulated "nodes" on one host
-    return SimulatedNVML(gpus=count, node=os.environ.get("GPULENS_NODE_NAME", ""))
+    if count < 0:
+        raise ValueError(f"GPULENS_SIMULATED_GPUS={raw!r} must be 0 (a machine without a "
+                         "driver) or more")
+    # 0: no driver answers; a node name of its own (GPULENS_NODE_NAME): two simulated "nodes"
+    # on one host
+    return SimulatedNVML(gpus=count, driver_loaded=count > 0,
+                         node=os.environ.get("GPULENS_NODE_NAME", ""))
 
 
 def distributed_env() -> tuple[int, int, int] | None:

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from gpulens.cli._common import CliError, gpu_list, positive_float
+from gpulens.log import fit_terminal
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -90,10 +91,12 @@ line): the report shows the last run unless --run chooses.
 """
 
 SERVE = """\
-Serve live GPU metrics on an HTTP endpoint for Prometheus to scrape (/metrics): utilization,
-SM and tensor activity, memory (bytes), power, energy (a counter), temperature, clocks and
-throttling, labelled by GPU, uuid, model and host.  Binds 127.0.0.1 unless --host says
-otherwise.
+Serve this machine's GPUs on one port: a live dashboard to open in a browser (/: activity,
+memory, power, temperature, clocks, every GPU on one chart per metric) and an endpoint for
+Prometheus to scrape (/metrics: utilization, SM and tensor activity, memory in bytes, power,
+energy as a counter, temperature, clocks and throttling, labelled by GPU, uuid, model and
+host).  Both addresses are printed once the first sample is in.
+Binds 127.0.0.1 unless --host says otherwise.
 
   gpulens serve --port 9400
   gpulens serve --host 0.0.0.0 --port 9400 --gpus 0,1
@@ -183,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which run of the file: the last (default), the N-th (1-based; -1 is "
                         "the last), the run with id ID (or a unique prefix), or all")
 
-    p = sub.add_parser("serve", help="Prometheus exporter of live GPU metrics",
-                       description=SERVE, formatter_class=raw)
+    p = sub.add_parser("serve", help="live dashboard and Prometheus metrics of this "
+                       "machine's GPUs", description=SERVE, formatter_class=raw)
     p.add_argument("--port", type=_port, default=9400, help="TCP port (9400; 0 = any free)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (127.0.0.1: this machine only; 0.0.0.0 for all)")
@@ -245,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_watch(args)
     except CliError as e:
-        print(f"gpulens {args.command}: error: {e}", file=sys.stderr)
+        print(fit_terminal(f"gpulens {args.command}: error: {e}", sys.stderr), file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         return 130

@@ -18,10 +18,11 @@ count wall-clock intervals, not training steps, so they sit on a wall-clock axis
 ``record/elapsed_s`` (seconds from the start of the record to the end of the row's window) is
 in every row, and W&B plots against it; ``train/global_step`` and the per-step figures
 (``perf/steps``, ``perf/step_time_s``, ``perf/energy_per_step_j``, every ``perf/*``) are left
-out.  The row's ``step`` (the JSONL ``step`` field, MLflow's step) counts the intervals: 1, 2,
-... ``--summary-interval S`` prints a summary of the last S seconds every S seconds; at the
-end a summary of the whole record is printed (``--quiet``: not) and written
-(``--summary-json``, ``--summary-md``).
+out, and only the advice rules about the hardware judge them: the engine knows the rows are
+ticks of a clock (``Monitor(wall_clock=True)``).  The row's ``step`` (the JSONL ``step``
+field, MLflow's step) counts the intervals: 1, 2, ... ``--summary-interval S`` prints a
+summary of the last S seconds every S seconds; at the end a summary of the whole record is
+printed (``--quiet``: not) and written (``--summary-json``, ``--summary-md``).
 
 Sink set-up problems that can be found cheaply (a path that cannot be written, an MLflow
 server that refuses connections, a port in use, W&B without a login) are reported in one line
@@ -49,48 +50,6 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WAITED = {*FORWARDED, signal.SIGCHLD}
 ELAPSED_KEY = "record/elapsed_s"
 """Seconds from the start of the record to the end of the row's window."""
-STEP_KEY = "train/global_step"
-
-
-class WallClockRows:
-    """Wraps a sink for rows that count wall-clock intervals: leaves out ``train/global_step``
-    and every ``perf/*`` figure (per-step figures mean nothing here); ``record/elapsed_s``
-    comes in the row itself.
-
-    ``inner`` is a sink, or the :class:`~gpulens.sinks.SinkSpec` of one, built here (so a
-    wrapped JSONL or MLflow sink is built, wrapped and written in the engine process:
-    :func:`wall_clock`).
-    """
-
-    def __init__(self, inner: Any) -> None:
-        from gpulens.sinks import SinkSpec
-
-        if isinstance(inner, SinkSpec):
-            inner = inner.build()
-        self.inner = inner
-        self.on_training_thread = bool(getattr(inner, "on_training_thread", False))
-
-    def open(self, context: Any) -> None:
-        self.inner.open(context)
-
-    def write(self, row: Any) -> None:
-        from gpulens.model import Row
-
-        values = {k: v for k, v in row.values.items()
-                  if k != STEP_KEY and not k.startswith("perf/")}
-        self.inner.write(Row(step=row.step, time=row.time, values=values, events=row.events))
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def wall_clock(spec: Any) -> Any:
-    """The spec of ``spec``'s sink wrapped in :class:`WallClockRows`: same name (the one the
-    user wrote, in every message), built where ``spec``'s sink runs."""
-    from gpulens.sinks import SinkSpec
-
-    return SinkSpec(name=spec.name, kind="", options={"inner": spec},
-                    target=f"{__name__}:WallClockRows", where=spec.where)
 
 
 class PeriodSummary:
@@ -169,7 +128,7 @@ def _forward(info: Any, pid: int) -> None:
 
 
 def _sinks(texts: list[str]) -> list[Any]:
-    """The ``--sink`` sinks, as specs, set for wall-clock rows and wrapped for them."""
+    """The ``--sink`` sinks, as specs, set for wall-clock rows where they need to know."""
     from gpulens.sinks import parse_sink
     from gpulens.sinks.wandb import AXIS_KEY
 
@@ -180,7 +139,7 @@ def _sinks(texts: list[str]) -> list[Any]:
             spec = spec.with_options(training=False)  # rows count intervals, not steps
         if spec.kind == "wandb" and spec.options.get("step_metric", AXIS_KEY) == AXIS_KEY:
             spec = spec.with_options(step_metric=ELAPSED_KEY)
-        out.append(wall_clock(spec))
+        out.append(spec)
     return out
 
 
@@ -205,7 +164,7 @@ def run_record(args: argparse.Namespace) -> int:
         extra: list[Any] = [summary] if period is None else [summary, period]
         settings = Settings(gpus=tuple(args.gpus) if args.gpus else None,
                             interval=monitor_interval(args.interval),
-                            sinks=(*_sinks(args.sink), *extra))
+                            sinks=(*_sinks(args.sink), *extra), wall_clock=True)
         if any(text.strip().lower().startswith("wandb") for text in args.sink):
             # a command of its own can afford importing wandb (a second) to check the login
             # now; a training process's start() leaves that to the sink's opening

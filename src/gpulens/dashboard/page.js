@@ -76,7 +76,7 @@
 
   const S = {run: null, title: "gpulens", ctx: {}, keys: [], col: new Map(), rows: [],
     events: [], maxRows: 8192, range: Infinity, xcol: -1, xmode: "step", charts: new Map(),
-    ended: false, lastRowAt: 0, drawn: 0, errors: []};
+    ended: false, lastRowAt: 0, drawn: 0, errors: [], firstDataMs: null};
   const $ = (id) => document.getElementById(id);
   const el = (tag, cls, text) => {
     const e = document.createElement(tag);
@@ -264,6 +264,8 @@
     const last = S.rows[S.rows.length - 1];
     document.body.dataset.rows = String(S.rows.length);
     document.body.dataset.lastStep = last ? String(last[0]) : "";
+    // ms from the page's opening (navigation start) to its first charts with data
+    if (last && S.firstDataMs === null) S.firstDataMs = Math.round(performance.now());
     S.drawn++;
     status();
   }
@@ -445,6 +447,7 @@
     state: () => ({
       rows: S.rows.length, keys: S.keys.length, events: S.events.length, drawn: S.drawn,
       xmode: S.xmode, ended: S.ended, live: !!S.live, range: S.range, errors: S.errors.slice(),
+      firstDataMs: S.firstDataMs,
       lastStep: S.rows.length ? S.rows[S.rows.length - 1][0] : null,
       charts: Object.fromEntries([...S.charts].map(([id, c]) => [id, {
         points: c.points, series: c.series.length, title: c.spec.title,

@@ -61,7 +61,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 
-from gpulens.log import logger, warn_once
+from gpulens.log import logger, say, warn_once
 from gpulens.model import Event, Row, RunContext
 
 DEFAULT_PORT = 8765
@@ -317,6 +317,9 @@ class DashboardServer:
         keepalive_s: seconds between keep-alive comments on an idle stream.
         send_timeout_s: a send to a page that stalls this long ends its connection (counted
             as a slow page).
+        announce: say ``gpulens: live dashboard on URL`` when it starts serving
+            (:func:`gpulens.log.say`: heard by default, from the engine process too); off for
+            a caller that says where it serves itself (``gpulens serve``).
 
     Nothing happens in the constructor: :meth:`bind` takes the port (``PortInUse`` or
     ``ValueError`` if it cannot), :meth:`start` serves, :meth:`publish` sends rows,
@@ -328,7 +331,7 @@ class DashboardServer:
                  max_clients: int = DEFAULT_MAX_CLIENTS, backlog: int = DEFAULT_BACKLOG,
                  metrics: MetricsProvider | None = None, title: str = "gpulens",
                  keepalive_s: float = KEEPALIVE_S,
-                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+                 send_timeout_s: float = SEND_TIMEOUT_S, announce: bool = True) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"dashboard: port must be 0-65535, not {port!r}")
         if history_rows < 16:
@@ -342,6 +345,7 @@ class DashboardServer:
         self.title = title
         self.keepalive_s = keepalive_s
         self.send_timeout_s = send_timeout_s
+        self.announce = announce
         self.run_id = secrets.token_hex(6)
         self._cond = threading.Condition()
         self.history_rows = history_rows
@@ -379,7 +383,8 @@ class DashboardServer:
                 target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
                 name="gpulens-dashboard", daemon=True)
             self._thread.start()
-            logger.info("gpulens: live dashboard on %s", self.url)
+            if self.announce:
+                say("gpulens: live dashboard on %s", self.url)
 
     def close(self, timeout: float = 2.0) -> None:
         """Tell every page the run ended, stop serving, free the port.  Idempotent."""
@@ -413,6 +418,13 @@ class DashboardServer:
             s.history_rows = len(self._history.rows)
             s.thinned = self._history.thinned
             return s
+
+    def wait_for_rows(self, count: int, timeout: float) -> bool:
+        """Wait until ``count`` rows were published (or the server closes); whether they
+        were, within ``timeout`` seconds."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._stats.rows >= count or self._closing, timeout)
+            return self._stats.rows >= count
 
     def history_bytes(self) -> int:
         """Bytes held by the history's row texts (``sys.getsizeof`` of each)."""

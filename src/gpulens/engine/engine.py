@@ -40,7 +40,6 @@ from gpulens.engine.spec import EngineSpec
 from gpulens.errors import NvmlUnavailable
 from gpulens.log import logger, warn_once
 from gpulens.model import Event, Mark, Row, RunContext
-from gpulens.sinks.base import Sink
 from gpulens.sinks.writer import STALL_S, SinkStats, StepLogger
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
@@ -105,8 +104,8 @@ class Engine:
                 job=(spec.job.with_gpus(spec.rank[0], infos)
                      if spec.job is not None and spec.rank is not None else spec.job),
             )
-            sinks: list[Sink] = [s.build() for s in spec.sinks]
-            steplogger = StepLogger(sinks, names=[s.name for s in spec.sinks],
+            # built by their writer threads: their modules are imported off the way to "ready"
+            steplogger = StepLogger(list(spec.sinks), names=[s.name for s in spec.sinks],
                                     buffer_rows=spec.buffer_rows)
             steplogger.open(context)
         except BaseException:
@@ -150,6 +149,12 @@ class Engine:
         except NvmlUnavailable as exc:
             if backend == "nvml":
                 raise ValueError(f"backend='nvml' was asked for, but {exc}") from exc
+            if self.spec.gpus:
+                raise ValueError(f"GPU {self.spec.gpus[0]} does not exist: no NVIDIA driver "
+                                 f"answered ({exc})") from None
+            if self.spec.require_gpu:
+                raise ValueError(f"no GPU to monitor: no NVIDIA driver answered ({exc}); "
+                                 "GPULENS_BACKEND=simulated gives simulated GPUs") from None
             warn_once("no-nvml", "gpulens: %s; logging host and training metrics only, no GPU "
                       "metrics (set GPULENS_BACKEND=simulated for simulated GPUs)", exc)
             return None
@@ -161,11 +166,15 @@ class Engine:
         rank = self.spec.rank
         gpus = self.spec.gpus
         if not visible:
-            warn_once("no-visible-gpu", "gpulens: NVML works but this process sees no GPU "
-                      "(CUDA_VISIBLE_DEVICES=%r); no GPU metrics",
-                      os.environ.get("CUDA_VISIBLE_DEVICES"))
+            cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
             if gpus:
-                raise ValueError(f"GPU {gpus[0]} does not exist: this process sees no GPU")
+                raise ValueError(f"GPU {gpus[0]} does not exist: this process sees no GPU "
+                                 f"(CUDA_VISIBLE_DEVICES={cvd!r})")
+            if self.spec.require_gpu:
+                raise ValueError(f"no GPU to monitor: NVML works but this process sees no GPU "
+                                 f"(CUDA_VISIBLE_DEVICES={cvd!r})")
+            warn_once("no-visible-gpu", "gpulens: NVML works but this process sees no GPU "
+                      "(CUDA_VISIBLE_DEVICES=%r); no GPU metrics", cvd)
             return []
         if gpus is None:
             if rank is not None:

@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Sequence
 
-from gpulens.engine.rules import RuleEngine, RulesConfig
+from gpulens.engine.rules import RULES, RuleEngine, RulesConfig
 from gpulens.engine.spec import (
     WORK_FLOPS,
     WORK_KEYS,
@@ -41,6 +41,7 @@ from gpulens.engine.spec import (
 )
 from gpulens.log import logger
 from gpulens.model import Event, GpuInfo, Row
+from gpulens.schema import STEP_KEY
 
 _GPU = re.compile(r"^gpu/(\d+)/(sm_clock_mhz|energy_j|tensor_active_pct)$")
 RULES_CPU_SHARE = 0.02
@@ -88,7 +89,8 @@ class Finisher:
         self._credit_at = time.perf_counter()
         try:
             self.rules: RuleEngine | None = RuleEngine(RulesConfig(
-                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather, job=spec.job))
+                dtype=spec.dtype, gpus=tuple(gpus), distributed=spec.gather, job=spec.job,
+                training=not spec.wall_clock))
         except Exception as exc:  # the rules are advice: never a reason not to monitor
             logger.warning("gpulens: the advice rules could not start (%r); rows go on "
                            "without them", exc)
@@ -96,6 +98,9 @@ class Finisher:
 
     def finish(self, row: Row) -> Row:
         values = dict(row.values)
+        if self.spec.wall_clock:  # ticks of a clock: no step, so no per-step figure
+            for key in [k for k in values if k.startswith("perf/") or k == STEP_KEY]:
+                del values[key]
         work = {k: values.pop(k) for k in WORK_KEYS if k in values}
         steps = values.get("perf/steps", 1.0) or 1.0
         step_time = values.get("perf/step_time_s")
@@ -179,10 +184,17 @@ def _one(values: dict[str, float], key: str) -> list[float]:
 
 
 def _tell(event: Event) -> None:
-    """A rule's event, as the user hears it through the ``gpulens`` logger."""
+    """A rule's event, as the user hears it through the ``gpulens`` logger: a rule that fires
+    is one WARNING line (its title, and where the rest is); what it saw and what to try follow
+    at INFO, and are in the rows' events (the dashboard, the report, the JSONL record)."""
     if event.kind == "alert" and event.state == "firing":
-        logger.warning("gpulens: %s at step %d: %s%s", event.name, event.step, event.message,
-                       f" Try: {event.advice}" if event.advice else "")
+        spec = RULES.get(event.name)
+        title = spec.title if spec is not None else event.message.split(". ", 1)[0]
+        logger.warning("gpulens: %s at step %d: %s (alerts/%s; the dashboard and gpulens "
+                       "report say what was seen and what to try)", event.name, event.step,
+                       title, event.name)
+        logger.info("gpulens: %s at step %d: %s%s", event.name, event.step, event.message,
+                    f" Try: {event.advice}" if event.advice else "")
     else:
         logger.info("gpulens: %s %s at step %d: %s", event.name, event.state, event.step,
                     event.message)

@@ -28,7 +28,14 @@ class EngineSpec:
     """Seconds between cheap samples."""
     gpus: tuple[int, ...] | None = None
     """CUDA device numbers to watch (as the training process numbers them); ``None``: every
-    visible GPU, or this rank's in a distributed job."""
+    visible GPU, or this rank's in a distributed job.  A number that names no GPU is an
+    error, also where no driver answers."""
+    require_gpu: bool = False
+    """No GPU to monitor is an error (``ValueError`` at start), not a warning."""
+    wall_clock: bool = False
+    """Each mark is a tick of a wall clock, not a training step (``gpulens record``,
+    ``serve``): rows carry no per-step figures and only the rules about the hardware judge
+    them."""
     backend: Any = "auto"
     """``"auto"``, ``"nvml"`` or an NVML-like object (:class:`gpulens.testing.SimulatedNVML`)."""
     buffer_rows: int = 10_000

@@ -14,10 +14,12 @@ from typing import Any
 
 from gpulens.integrations import _lightning_internals as internals
 from gpulens.integrations.phases import StepPhases
-from gpulens.integrations.session import TrainingSession
+from gpulens.integrations.session import TrainingSession, monitor_for_run
 from gpulens.log import warn_once
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
+from gpulens.settings import Settings
+from gpulens.sinks import SinkSpec, as_sink
 from gpulens.sinks.base import Sink
 
 DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on the steps where
@@ -112,17 +114,28 @@ class LoggersSink:
 
         self.loggers = list(loggers)
         self._layout = TrackerLayout(keys, section="", include_train=False)
+        self._trackers = [type(lg).__name__ in TRACKER_LOGGERS and self._layout.keys != "all"
+                          for lg in self.loggers]
+        self._keys: set[str] = set()
+        self._train: list[str] = []
+        """The ``train/*`` keys of rows with the key set ``_keys`` (rows repeat their keys)."""
 
     def open(self, context: RunContext) -> None:
         self._layout.reset()
 
     def write(self, row: Row) -> None:
-        metrics = {k: v for k, v in row.values.items() if not k.startswith("train/")}
+        values = row.values
+        if values.keys() != self._keys:  # a set comparison, in C: rows repeat their keys
+            self._keys = set(values)
+            self._train = [k for k in values if k.startswith("train/")]
+        metrics = dict(values)
+        for key in self._train:
+            del metrics[key]
         view: dict[str, float] | None = None
-        for logger in self.loggers:
-            if type(logger).__name__ in TRACKER_LOGGERS and self._layout.keys != "all":
+        for logger, tracker in zip(self.loggers, self._trackers, strict=True):
+            if tracker:
                 if view is None:
-                    view = self._layout.split(row.values)[0]
+                    view = self._layout.split(values)[0]
                 logger.log_metrics(view, step=row.step)
             else:
                 logger.log_metrics(metrics, step=row.step)
@@ -148,10 +161,10 @@ class GPUMonitorHooks:
     ) -> None:
         super().__init__()
         self.sinks: list[str | Sink] = list(sinks or ())
-        # the core's own argument checks, now rather than at train start (nothing starts here);
-        # the monitor that runs is made from it with the run's sinks
-        self._settings = Monitor(gpus=gpus, interval=interval, sinks=self.sinks,
-                                 backend=backend)
+        # the arguments checked now, by the core's own checks (nothing starts here); each
+        # fit's monitor is made from them with that fit's sinks and dtype
+        self.settings = Settings(gpus=None if gpus is None else tuple(gpus), interval=interval,
+                                 sinks=tuple(as_sink(s) for s in self.sinks), backend=backend)
         from gpulens.sinks.layout import resolve_keys
 
         self.tracker_keys = resolve_keys(tracker_keys)
@@ -174,12 +187,12 @@ class GPUMonitorHooks:
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._stop()
-        sinks: list[str | Sink] = []
+        sinks: list[SinkSpec | Sink] = []
         if trainer.is_global_zero:
             if self.to_loggers and trainer.loggers:
                 sinks.append(LoggersSink(trainer.loggers, self.tracker_keys))
-            sinks.extend(self.sinks)
-        self._train_keys = bool(trainer.is_global_zero and self.sinks)
+            sinks.extend(self.settings.sinks)
+        self._train_keys = bool(trainer.is_global_zero and self.settings.sinks)
         dtype = work = None
         if self.count_work:
             from gpulens.work.precision import dtype_from_lightning_precision
@@ -194,7 +207,7 @@ class GPUMonitorHooks:
         # *before* the batch (4 after the fifth): a window that starts with training (or at a
         # resumed fit's restored step) starts one below, so the first row counts every step.
         self.session = TrainingSession(
-            self._settings.with_sinks(sinks, dtype=dtype), start_step=done - 1,
+            monitor_for_run(self.settings, sinks, dtype), start_step=done - 1,
             steps_done=done, phases=phases, work=work).start()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -41,14 +41,27 @@ at the loop's own steps (Accelerate's tracker, verl's logger).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from enum import Enum
 from typing import Any, Protocol
 
 from gpulens.integrations.phases import StepPhases
 from gpulens.monitor import Monitor
+from gpulens.settings import Settings, normalize_run_dtype
+from gpulens.sinks import SinkSpec, as_sink
+from gpulens.sinks.base import Sink
 
-__all__ = ["GateAction", "StepGate", "TrainingSession", "WorkSource"]
+__all__ = ["GateAction", "StepGate", "TrainingSession", "WorkSource", "monitor_for_run"]
+
+
+def monitor_for_run(settings: Settings, sinks: Iterable[str | SinkSpec | Sink],
+                    dtype: Any = None) -> Monitor:
+    """The (unstarted) monitor of one training run: the callback's settings, checked when the
+    callback was made, with the run's sinks and, where the settings name no dtype, the run's."""
+    return Monitor.from_settings(replace(
+        settings, sinks=tuple(as_sink(s) for s in sinks),
+        dtype=settings.dtype if settings.dtype is not None else normalize_run_dtype(dtype)))
 
 
 class WorkSource(Protocol):

@@ -80,9 +80,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpulens.integrations.phases import StepPhases
-from gpulens.integrations.session import TrainingSession, WorkSource
+from gpulens.integrations.session import TrainingSession, WorkSource, monitor_for_run
 from gpulens.monitor import Monitor
-from gpulens.sinks import SinkSpec, check_sinks, sink_spec
+from gpulens.settings import Settings
+from gpulens.sinks import SinkSpec, as_sink, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
 from gpulens.sinks.wandb import WandbSink
 
@@ -148,10 +149,10 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
 
         self.tracker_keys = resolve_keys(tracker_keys)
         self.sinks: list[str | Sink] = list(sinks or ())
-        # the core's own argument checks, now rather than at train begin (nothing starts here);
-        # the monitor that runs is made from it with the run's sinks
-        self._settings = Monitor(gpus=gpus, interval=interval, sinks=self.sinks,
-                                 backend=backend)
+        # the arguments checked now, by the core's own checks (nothing starts here); each
+        # train() call's monitor is made from them with that call's sinks and dtype
+        self.settings = Settings(gpus=None if gpus is None else tuple(gpus), interval=interval,
+                                 sinks=tuple(as_sink(s) for s in self.sinks), backend=backend)
         self.follow_report_to = follow_report_to
         self.time_phases = phases
         self.count_work = work
@@ -170,7 +171,7 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         rank0 = bool(state.is_world_process_zero)
         model = kwargs.get("model") if self.count_work else None
         dtype, counter = _work_of(args, model)
-        monitor = self._settings.with_sinks(self._sinks_for(args) if rank0 else [], dtype=dtype)
+        monitor = monitor_for_run(self.settings, self._sinks_for(args) if rank0 else [], dtype)
         check_sinks(monitor.sinks)  # a one-line error before any run or file is made
         if rank0 and self._follows(args, "mlflow"):
             self._mlflow_run = _ensure_mlflow_run(args)
@@ -266,7 +267,7 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         if self._follows(args, "mlflow"):
             # a spec: built and written in the engine process, off the training process
             sinks.append(sink_spec("mlflow", include_train=False, keys=self.tracker_keys))
-        sinks.extend(self.sinks)
+        sinks.extend(self.settings.sinks)
         if not sinks:
             path = os.path.join(str(args.output_dir), "gpulens.jsonl")
             log.info("gpulens: no W&B/MLflow in report_to and no sinks given; rows go to %s", path)

@@ -37,6 +37,7 @@ from gpulens.report.text import (
     figure,
     gpu_cells,
     mfu_notes,
+    sized,
     sparkline,
 )
 
@@ -330,18 +331,18 @@ def _perf_table(record: Record, t: Throughput) -> str:
     if t.work is not None:
         rows.append(("Work", f"{figure(t.work)} {unit}"))
     if t.tflops is not None:
-        job = f"; {t.tflops_job:.1f} for the job" if t.tflops_job is not None else ""
-        rows.append(("Achieved", f"{t.tflops:.1f} TFLOP/s per GPU{job}"))
+        job = f"; {sized(t.tflops_job)} for the job" if t.tflops_job is not None else ""
+        rows.append(("Achieved", f"{sized(t.tflops)} TFLOP/s per GPU{job}"))
     if t.mfu_pct is not None:
-        rows.append(("MFU", f"{t.mfu_pct:.1f} %"))
+        rows.append(("MFU", f"{sized(t.mfu_pct)} %"))
     if t.mfu_clock_adjusted_pct is not None:
-        rows.append(("MFU, clock-adjusted", f"{t.mfu_clock_adjusted_pct:.1f} % (against the "
+        rows.append(("MFU, clock-adjusted", f"{sized(t.mfu_clock_adjusted_pct)} % (against the "
                      "peak at the SM clock the GPUs ran)"))
     if t.tensor_active_pct is not None:
         rows.append(("Tensor cores active (GPM)", f"{t.tensor_active_pct:.1f} % of the time"))
     if t.mfu_when_tensor_active_pct is not None:
         rows.append(("MFU while tensor cores were busy",
-                     f"{t.mfu_when_tensor_active_pct:.1f} % ({_busy_or_idle(t)})"))
+                     f"{sized(t.mfu_when_tensor_active_pct)} % ({_busy_or_idle(t)})"))
     if t.per_j is not None:
         rows.append((f"{unit.capitalize()} per joule", f"{figure(t.per_j)} {unit}/J"))
     body = "".join(f"<tr><th>{escape(a)}</th><td>{escape(b)}</td></tr>" for a, b in rows)
@@ -385,7 +386,7 @@ def _kpis(summary: RunSummary) -> str:
         items.append((f"{figure(t.per_s)} {t.unit}/s", f"throughput ({t.unit} per second)"))
     if t is not None and t.mfu_pct is not None:
         peak = summary.meta.get("peak_dtype")
-        items.append((f"{t.mfu_pct:.1f} %", f"MFU (of the dense {peak} peak)" if peak
+        items.append((f"{sized(t.mfu_pct)} %", f"MFU (of the dense {peak} peak)" if peak
                       else "MFU"))
     e = summary.efficiency
     if e is not None and e.per_joule is not None:

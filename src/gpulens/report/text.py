@@ -38,6 +38,18 @@ def figure(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
 
+def sized(v: float) -> str:
+    """A figure with three significant digits and no more decimals than that needs:
+    ``"989"``, ``"60.6"``, ``"2.43"``, ``"0.0339"``, so that a small MFU or TFLOP/s reads as
+    what it is, never ``"0.0"``."""
+    a = abs(v)
+    if a >= 100 or not math.isfinite(v):
+        return f"{v:.0f}"
+    if a == 0:
+        return "0"
+    return f"{v:.{2 - math.floor(math.log10(a))}f}"
+
+
 def duration(seconds: float | None) -> str:
     """``"2 h 05 min"``, ``"3 min 12 s"``, ``"4.2 s"``."""
     if seconds is None:
@@ -204,11 +216,11 @@ def throughput_pieces(t: Throughput, rate: bool = True) -> list[str]:
     if rate and t.per_s is not None:
         out.append(f"throughput: {figure(t.per_s)} {t.unit}/s")
     if t.tflops is not None:
-        out.append(f"achieved: {t.tflops:.1f} TFLOP/s per GPU")
+        out.append(f"achieved: {sized(t.tflops)} TFLOP/s per GPU")
     if t.mfu_pct is not None:
-        clock = (f" (clock-adjusted {t.mfu_clock_adjusted_pct:.1f}%)"
+        clock = (f" (clock-adjusted {sized(t.mfu_clock_adjusted_pct)}%)"
                  if t.mfu_clock_adjusted_pct is not None else "")
-        out.append(f"MFU: {t.mfu_pct:.1f}%{clock}")
+        out.append(f"MFU: {sized(t.mfu_pct)}%{clock}")
     return out
 
 

@@ -18,9 +18,10 @@ the engine (its own process, by default), so its threads (one per open page, plu
 loop) and the encoding of rows never take the training process's GIL.  The page then lives as
 long as the monitor: ``stop()`` ends it (the page keeps what it shows and says that the run
 ended).  A port in use is a ``ValueError`` from ``start()``; port 0 is chosen where the server
-runs, and its address told at INFO.  A :class:`DashboardSink` object given to a monitor (one
-with a ``metrics`` provider or a server of its own, as ``gpulens serve`` makes) is served from
-the training process.
+runs.  When the page is served, gpulens says where: ``gpulens: live dashboard on
+http://127.0.0.1:8765/`` on stderr (:func:`gpulens.log.say`, from the engine process too).
+A :class:`DashboardSink` object given to a monitor (one with a ``metrics`` provider or a
+server of its own, as ``gpulens serve`` makes) is served from the training process.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class DashboardSink:
     @staticmethod
     def prepare_options(options: dict[str, Any]) -> dict[str, Any]:
         """At start: ``ValueError`` (the words of :meth:`bind`) if the port is taken.  Port 0
-        is bound where the sink runs; the page's address is then told at INFO."""
+        is bound where the sink runs, which says the page's address once it serves."""
         host, port = options.get("host", "127.0.0.1"), options.get("port", DEFAULT_PORT)
         taken = port_taken(host, port)
         if taken is not None:

@@ -39,10 +39,12 @@ same keys from that GPU, so runs of any size compare.  Beside them: the loop's o
 (``train/loss`` ...) and any key outside gpulens's own prefixes, as given; ``alerts/<rule>``
 from the first row where that rule fired on (a healthy run shows no alert chart, a run with an
 alert shows it in the ``alerts`` section, first in MLflow's order).  Everything else
-(``gpu/{i}/*``, ``gpu/all/*``, ``host/*``, the other ``perf/*``, ``rank/*``, ``job/*``,
-``node/*``) is *detail*: W&B
-logs it under the schema's names hidden from the automatic panels, MLflow leaves it out (an
-alert key before its rule first fires is neither: a W&B key defined hidden stays hidden).
+(``gpu/{i}/*``, the other ``gpu/all/*`` and ``perf/*``, ``host/*``, ``rank/*``, ``job/*``,
+``node/*``) is *detail*: W&B logs it under the schema's names hidden from the automatic panels,
+MLflow leaves it out (an alert key before its rule first fires is neither: a W&B key defined
+hidden stays hidden).  A figure shown under a view name is not detail too (W&B stores
+``train/step_time_s``, not also ``perf/step_time_s``).  MLflow sorts the charts of a section by
+key, so the loss is among them, not first (the 8th of 11 in the demo's run).
 ``train/global_step`` is left out (both trackers have the step).
 
 The section is ``train`` for training rows (where gpulens itself writes ``train/loss``, and
@@ -240,12 +242,10 @@ class TrackerLayout:
         one = next(iter(gpus)) if len(gpus) == 1 else None
         for h in HEADLINES:
             found: float | None
-            if h.source:
-                found = values.get(h.source)
-            else:
-                found = values.get(f"gpu/all/{h.suffix}_{h.agg}")
-                if found is None and one is not None:
-                    found = values.get(f"gpu/{one}/{h.suffix}")
+            source = h.source or f"gpu/all/{h.suffix}_{h.agg}"
+            found = values.get(source)
+            if found is None and not h.source and one is not None:
+                found = values.get(f"gpu/{one}/{h.suffix}")
             if found is None:
                 continue
             name = self.name(h.name, training)
@@ -255,6 +255,9 @@ class TrackerLayout:
                           "figure stays in the JSONL record)", name)
                 continue
             shown[name] = found
+            # once under the view's name, not twice (a GPU's own key stays: the saved view
+            # draws every GPU)
+            detail.pop(source, None)
         return shown, detail
 
 

@@ -19,7 +19,6 @@ What the run gets (:mod:`gpulens.sinks.layout` for the choice of keys):
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import math
 import os
@@ -29,7 +28,6 @@ import sys
 import threading
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -334,8 +332,12 @@ def check_tracking_store(uri: str | None) -> None:
             "MLFLOW_ALLOW_FILE_STORE", "").strip().lower() not in ("true", "1")
         if refused:
             raise ValueError(_file_store_refused(uri))
-        folder = Path(urllib.request.url2pathname(parsed.path)) if scheme == "file" \
-            else Path(uri)
+        if scheme == "file":
+            from urllib.request import url2pathname  # here: ~10 ms to import, and rarely used
+
+            folder = Path(url2pathname(parsed.path))
+        else:
+            folder = Path(uri)
     elif scheme == "sqlite":
         folder = Path(parsed.path[1:]).parent  # sqlite:///relative.db, sqlite:////abs.db
     else:
@@ -355,6 +357,8 @@ def _file_store_refused(uri: str) -> str:
 
 
 def _mlflow_version_text() -> str:
+    import importlib.metadata  # here: ~10 ms to import, and only a file store needs it
+
     try:
         return importlib.metadata.version("mlflow")
     except importlib.metadata.PackageNotFoundError:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from gpulens.log import logger, warn_once
 from gpulens.model import Row, RunContext
-from gpulens.sinks import unique_names
+from gpulens.sinks import SinkSpec, unique_names
 from gpulens.sinks.base import Sink
 
 TRAINING_THREAD_ROWS_PER_LOG = 2
@@ -74,12 +74,14 @@ def one_line(exc: BaseException) -> str:
 
 class _Delivery:
     """A sink, its bounded buffer and (unless on the training thread) its worker thread, which
-    opens the sink, then writes it."""
+    builds the sink (given as a :class:`~gpulens.sinks.SinkSpec`: its module is imported
+    there) and opens it, then writes it."""
 
-    def __init__(self, sink: Sink, name: str, capacity: int) -> None:
-        self.sink = sink
+    def __init__(self, sink: Sink | SinkSpec, name: str, capacity: int) -> None:
+        self._spec = sink if isinstance(sink, SinkSpec) else None
+        self.sink: Sink | None = None if isinstance(sink, SinkSpec) else sink
         self.name = name
-        self.on_training_thread = bool(getattr(sink, "on_training_thread", False))
+        self.on_training_thread = bool(getattr(self.sink, "on_training_thread", False))
         self.capacity = capacity
         self.buffer: deque[tuple[Row, float]] = deque()
         self.stats = SinkStats()
@@ -100,6 +102,7 @@ class _Delivery:
         """Open here (a training-thread sink: ``ValueError`` if it cannot), or start the
         worker, which opens it."""
         if self.on_training_thread:
+            assert self.sink is not None
             open_sink(self.sink, self.name, context)
             self.opened = True
             return
@@ -139,6 +142,8 @@ class _Delivery:
         failed (rows kept) or rows are left."""
         if time.monotonic() < self._retry_at or not self.opened:
             return False
+        sink = self.sink
+        assert sink is not None
         written = 0
         while self.buffer and not self.abandoned:
             if deadline is not None and time.monotonic() > deadline:
@@ -147,7 +152,7 @@ class _Delivery:
                 return False
             row = self.buffer[0][0]
             try:
-                self.sink.write(row)
+                sink.write(row)
             except Exception as exc:
                 self._failed(exc)
                 return False
@@ -177,6 +182,9 @@ class _Delivery:
 
     def _run(self, context: RunContext) -> None:
         try:
+            if self._spec is not None:
+                self.sink = self._spec.build()
+            assert self.sink is not None
             self.sink.open(context)
         except Exception as exc:
             self.why = f"it could not open: {one_line(exc)}"
@@ -220,10 +228,12 @@ class _Delivery:
         return lost
 
     def close_sink(self) -> None:
-        if not self.opened or (self._thread is not None and self._thread.is_alive()):
+        sink = self.sink
+        if sink is None or not self.opened or (self._thread is not None and
+                                               self._thread.is_alive()):
             return  # never opened; or still inside a write: never close a sink under it
         try:
-            self.sink.close()
+            sink.close()
         except Exception as exc:
             if self.stats.failures:
                 return  # the cause its writes failed of, told already
@@ -245,7 +255,7 @@ def open_sink(sink: Sink, name: str, context: RunContext) -> None:
 class StepLogger:
     """Fans rows out to sinks (see module doc)."""
 
-    def __init__(self, sinks: list[Sink], *, names: list[str] | None = None,
+    def __init__(self, sinks: list[Sink | SinkSpec], *, names: list[str] | None = None,
                  buffer_rows: int = 10_000) -> None:
         names = names if names is not None else unique_names(sinks)
         self._deliveries = [_Delivery(s, n, buffer_rows) for s, n in zip(sinks, names,
@@ -269,7 +279,7 @@ class StepLogger:
         except Exception:
             for d in opened:
                 with contextlib.suppress(Exception):
-                    d.sink.close()
+                    d.sink.close()  # type: ignore[union-attr]
             raise
         for d in self._deliveries:
             if not d.on_training_thread:

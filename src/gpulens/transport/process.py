@@ -86,6 +86,23 @@ _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20
 
 
+def how_it_ended(proc: subprocess.Popen[bytes], wait_s: float = 1.0) -> str:
+    """How the engine process ended, in words: ``"exit code 1"``, ``"killed by SIGTERM"``.
+    Its pipe closes a moment before the kernel reports the exit: wait up to ``wait_s`` for
+    that (called where nothing else waits: the link thread as it ends, a failed start)."""
+    try:
+        code = proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        return f"it closed its pipe and had not exited {wait_s:g} s later"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}"
+    return f"exit code {code}"
+
+
 class ProcessTransport:
     """:class:`~gpulens.transport.base.Transport` to an engine in a process of its own.
 
@@ -177,9 +194,8 @@ class ProcessTransport:
                 raise ValueError(got.text)
             if isinstance(got, Failed):
                 raise SpawnFailed(f"the engine process failed: {got.kind}: {got.text}")
-            code = self._proc.poll()
-            raise SpawnFailed(f"the engine process ended before it started (exit code "
-                              f"{code})")
+            raise SpawnFailed(f"the engine process ended before it started "
+                              f"({how_it_ended(self._proc)})")
         except BaseException:
             for fd in child_ends:
                 with contextlib.suppress(OSError):
@@ -231,11 +247,11 @@ class ProcessTransport:
                 self._startup.put(None)
             elif self._final is None and not self._killing:
                 self.died = True
-                code = self._proc.poll() if self._proc is not None else None
+                how = how_it_ended(self._proc) if self._proc is not None else "gone"
                 lost = ", ".join(self._sink_names)
                 logger.warning(
-                    "gpulens: the engine process ended unexpectedly (exit code %s); GPU rows "
-                    "stop, training goes on%s", code,
+                    "gpulens: the engine process ended unexpectedly (%s); GPU rows "
+                    "stop, training goes on%s", how,
                     f"; rows it had not yet written to {lost} are lost (counted in stop()'s "
                     "figures)" if lost else "")
             self._set_stopped()

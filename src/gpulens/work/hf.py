@@ -383,7 +383,10 @@ class _Pending:
     """The kept counts of one take, reduced once, by the first reader (any thread).
 
     The reduction runs on the stream the training thread used when it took them (the kept
-    tensors were made there, so it comes after them), then moves the two sums to the host.
+    tensors were made there, so it comes after them). Its two sums reach the host without a
+    blocking wait: each starts its copy to pinned host memory with an event behind it, and
+    the reader polls the event (:func:`gpulens.transport.relay.stage`): a thread blocked in a
+    device copy holds the training thread up too (``transport/relay.py``).
     """
 
     def __init__(self, counter: TokenCounter, lengths: list[Any], positions: list[Any],
@@ -410,16 +413,30 @@ class _Pending:
 
         import torch
 
+        from gpulens.transport.relay import stage
+
         context: Any = contextlib.nullcontext()
         if self._stream is not None:
             context = torch.cuda.stream(self._stream)
         with context:
             tokens, flops = self._counter._reduce_tensors(lengths, positions, folded)
-            host_tokens = float(tokens)  # waits for the device, on this thread
-            host_flops = float(flops) if flops is not None else None
+            staged = [stage(x.to(torch.float64)) if isinstance(x, torch.Tensor) else x
+                      for x in (tokens, flops)]
+        host_tokens, host_flops = (_landed(x) for x in staged)
         plain_tokens, plain_flops = self._plain
+        assert host_tokens is not None
         return (host_tokens + plain_tokens,
                 host_flops + plain_flops if host_flops is not None else None)
+
+
+def _landed(value: Any) -> float | None:
+    """A staged device copy's value once its event says it landed (polled); a number or a
+    host tensor as it is."""
+    from gpulens.transport.relay import Staged
+
+    if isinstance(value, Staged):
+        value = value.value()
+    return None if value is None else float(value)
 
 
 def _stream_of(tensors: list[Any]) -> Any:
@@ -434,8 +451,9 @@ def _stream_of(tensors: list[Any]) -> Any:
 
 class DeferredCount:
     """One figure (tokens or FLOPs) of a :meth:`TokenCounter.take_deferred`: ``item()`` (or
-    ``float()``) reduces the kept counts, waiting for the device if they are on one; call it off
-    the training thread. Reading either figure reduces both, once."""
+    ``float()``) reduces the kept counts and returns once their sums have reached the host
+    (polling an event, never a blocking device read); call it off the training thread. Reading
+    either figure reduces both, once."""
 
     def __init__(self, pending: _Pending, index: int) -> None:
         self._pending = pending

@@ -52,16 +52,15 @@ def run_watch(args: argparse.Namespace) -> int:
     import gpulens
 
     try:
-        monitor = gpulens.Monitor(gpus=args.gpus, interval=monitor_interval(args.interval))
+        # no GPU is this command's error, not a warning about host-only rows
+        monitor = gpulens.Monitor(gpus=args.gpus, interval=monitor_interval(args.interval),
+                                  require_gpu=True)
         monitor.start()
     except (ValueError, ImportError, OSError) as e:
         raise CliError(str(e)) from None
     try:
         ctx = monitor.context
-        assert ctx is not None
-        if not ctx.gpus:
-            raise CliError("no GPUs to watch (no NVIDIA driver answered; "
-                           "GPULENS_BACKEND=simulated shows simulated GPUs)")
+        assert ctx is not None and ctx.gpus
         views = [GpuView(info=g, history=deque(maxlen=args.history)) for g in ctx.gpus]
         stop = threading.Event()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpulens.report.tail import TrainingStatus
+from gpulens.report.text import sized
 
 
 def rate(v: float) -> str:
@@ -40,13 +41,13 @@ def training_pieces(status: TrainingStatus, now: float) -> list[tuple[int, str]]
     elif "perf/samples_per_s" in v:
         out.append((2, f"{rate(v['perf/samples_per_s'])} samples/s"))
     if "perf/mfu_pct" in v:
-        out.append((3, f"MFU {v['perf/mfu_pct']:.1f}%"))
+        out.append((3, f"MFU {sized(v['perf/mfu_pct'])}%"))
         if "perf/mfu_clock_adjusted_pct" in v:
-            out.append((6, f"clock-adj. {v['perf/mfu_clock_adjusted_pct']:.1f}%"))
+            out.append((6, f"clock-adj. {sized(v['perf/mfu_clock_adjusted_pct'])}%"))
         if "perf/tflops" in v:
-            out.append((5, f"{v['perf/tflops']:.0f} TFLOP/s/GPU"))
+            out.append((5, f"{sized(v['perf/tflops'])} TFLOP/s/GPU"))
     elif "perf/tflops" in v:
-        out.append((3, f"{v['perf/tflops']:.0f} TFLOP/s/GPU"))
+        out.append((3, f"{sized(v['perf/tflops'])} TFLOP/s/GPU"))
     if "perf/tokens_per_j" in v:
         out.append((7, f"{rate(v['perf/tokens_per_j'])} tok/J"))
     ago = _ago(status, now)
@@ -121,9 +122,10 @@ def plain_training(status: TrainingStatus, now: float) -> str:
     parts = [f"train step {status.step}"]
     for key, label, fmt in (("train/loss", "loss", ".4g"), ("perf/tokens_per_s", "tok/s", ".0f"),
                             ("perf/samples_per_s", "samples/s", ".4g"),
-                            ("perf/mfu_pct", "MFU", ".1f"), ("perf/tflops", "TFLOP/s/GPU", ".1f")):
+                            ("perf/mfu_pct", "MFU", ""), ("perf/tflops", "TFLOP/s/GPU", "")):
         if key in v:
-            parts.append(f"{label} {v[key]:{fmt}}" + ("%" if label == "MFU" else ""))
+            text = format(v[key], fmt) if fmt else sized(v[key])
+            parts.append(f"{label} {text}" + ("%" if label == "MFU" else ""))
     firing = status.firing
     parts.append("alerts " + (",".join(firing) if firing else "-"))
     if status.ended:

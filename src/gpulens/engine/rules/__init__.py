@@ -14,6 +14,13 @@ judge, e.g. ``low_tensor_use`` of a run whose dtype is unknown, has no key: not 
 absent, never 0).  The engine never raises out of :meth:`~RuleEngine.feed`: a rule that fails is
 switched off with one WARNING through the ``gpulens`` logger, and its key disappears.
 
+Training rows and wall-clock rows.  Most rules judge training steps (:attr:`RuleSpec.training`):
+their evidence (step time, step anatomy, the allocator) or their advice (batch size, loaders)
+is about a training loop.  Rows that are ticks of a clock (``gpulens record`` and ``serve``:
+``Monitor(wall_clock=True)``, :attr:`RulesConfig.training` ``False``) hold no training step,
+so only ``power_capped`` and ``thermal``, facts of the hardware, judge them: a clock tick taken
+for a step made an idle GPU look "input-bound".
+
 How a rule decides (the same machinery for every rule)
 ------------------------------------------------------
 Each row gives each subject of a rule an *observation*: at fire level (every condition of the

@@ -29,6 +29,10 @@ class RulesConfig:
         min_span_s: the least wall-clock time (s) the evidence of a rule on sampled GPU
             figures covers.
         disabled: names of rules to leave out.
+        training: the rows are training steps (``log()`` in a training loop).  ``False``:
+            ticks of a wall clock (``gpulens record``, ``serve``): only the rules that judge
+            the hardware run (:attr:`RuleSpec.training`); no rule about training steps judges
+            rows that hold none.
     """
 
     dtype: str | None = None
@@ -40,6 +44,7 @@ class RulesConfig:
     min_rows: int = 10
     min_span_s: float = 2.0
     disabled: frozenset[str] = frozenset()
+    training: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled) - set(RULES)

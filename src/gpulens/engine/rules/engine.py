@@ -56,6 +56,7 @@ class RuleEngine:
         self._rules: list[Rule] = [
             cls(RULES[name], self.config) for name, cls in RULE_CLASSES.items()
             if name not in self.config.disabled
+            and (self.config.training or not RULES[name].training)
         ]
         self._tracks: dict[str, dict[str, Track]] = {r.spec.name: {} for r in self._rules}
         self._judged: set[str] = set()

@@ -12,7 +12,7 @@ SPEC = RuleSpec("power_capped", "gpu", "info", "power-capped: clocks held down a
               "share of the window with clocks held down by the power cap"),
     Threshold("power_share", "gpu/{i}/power_w / gpu/{i}/power_limit_w", ">=", 0.95, 0.90, "",
               "mean board power as a share of the enforced limit"),
-))
+), training=False)
 
 
 class PowerCapped(Rule):

@@ -53,6 +53,11 @@ class RuleSpec:
     thresholds: tuple[Threshold, ...]
     fire_share: float = 0.8
     """Share of the evidence at fire level that makes the rule fire."""
+    training: bool = True
+    """The rule judges training steps (its evidence or its advice is about them): it runs only
+    on rows that ``log()`` wrote for training steps, never on the wall-clock rows of ``gpulens
+    record`` and ``serve`` (:attr:`RulesConfig.training`).  ``False``: a fact of the hardware
+    (the power cap, heat), true whatever runs."""
     clear_share: float = 0.8
     """Share of the evidence at clear level that clears it."""
 

@@ -10,7 +10,7 @@ from gpulens.engine.rules.spec import RuleSpec, Threshold
 SPEC = RuleSpec("thermal", "gpu", "warning", "thermal slowdown: clocks held down by heat", (
     Threshold("throttle_thermal", "gpu/{i}/throttle_thermal_pct", ">=", 10.0, 2.0, "%",
               "share of the window with clocks held down by temperature"),
-))
+), training=False)
 
 
 class Thermal(Rule):
