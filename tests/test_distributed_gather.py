@@ -166,6 +166,27 @@ def test_two_nodes_rows_meet_on_rank_0() -> None:
     assert not any(job.rows[r] for r in (1, 2, 3))
 
 
+def test_steps_that_go_backwards_keep_the_gather_going() -> None:
+    """A loop that counts each epoch's steps from 1 (or logs a step twice) gets every row: the
+    keys (step, seq) stay distinct (a repeated key made the gather fail, once, for good)."""
+    job = Job(world=4, nodes=2)
+    steps = [1, 2, 3, 1, 2, 3, 3, 1]
+    for step in steps:
+        job.log(step)
+    rows = job.wait_rows(0, len(steps))
+    job.stop()
+    assert [r.step for r in rows] == steps
+    assert all(r.values["job/ranks"] == 4 and r.values["job/partial"] == 0 for r in rows)
+
+
+def test_keys_count_repeats_and_epochs() -> None:
+    keys = levels._Keys()
+    got = [keys.next(s) for s in (5, 6, 6, 2, 7, 7, 1)]
+    e = levels.EPOCH
+    assert got == [(5, 0), (6, 0), (6, 1), (2, e), (7, e), (7, e + 1), (1, 2 * e)]
+    assert float(2 * e + 1) == 2 * e + 1  # the wire's float keeps it exact
+
+
 def test_a_large_job_gives_rank_0_aggregates_and_slots_not_every_gpu() -> None:
     job = Job(world=12, nodes=2)
     job.log(1, busy={7: 95.0, 4: 5.0})

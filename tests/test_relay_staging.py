@@ -22,8 +22,9 @@ class FakeEvent:
         self.recorded = 0
         self.queries = 0
 
-    def record(self) -> None:
+    def record(self, stream: Any = None) -> None:
         self.recorded += 1
+        self.queries = 0
 
     def query(self) -> bool:
         self.queries += 1
@@ -34,6 +35,7 @@ class FakeCudaTensor:
     """Looks like a CUDA tensor to ``stage``; fails the test if anything reads it blocking."""
 
     is_cuda = True
+    device = torch.device("cpu", 0)  # stands for cuda:0 (an index, as the event pool needs)
 
     def __init__(self, value: float) -> None:
         self.host = torch.tensor(value)
@@ -68,7 +70,9 @@ def test_stage_leaves_numbers_and_cpu_tensors_alone() -> None:
 
 def test_the_relay_thread_reads_a_cuda_value_only_after_its_event(monkeypatch: Any) -> None:
     event = FakeEvent(pending=5)
-    monkeypatch.setattr(relay_mod, "_cuda_event", lambda: event)
+    monkeypatch.setattr(relay_mod, "_cuda_event", lambda device: event)
+    monkeypatch.setattr(relay_mod, "_record", lambda done, value: done.record())
+    monkeypatch.setattr(relay_mod, "EVENTS", relay_mod.EventPool())
     sent: list[MarkFields] = []
     got = threading.Event()
 
@@ -85,3 +89,32 @@ def test_the_relay_thread_reads_a_cuda_value_only_after_its_event(monkeypatch: A
     assert tensor.copies == [("cpu", True)]
     assert event.queries > 5
     assert sent[0][0] == 7 and sent[0][3] == {"loss": 0.75, "lr": 0.1}
+
+
+def test_events_come_back_to_their_pool_and_are_reused(monkeypatch: Any) -> None:
+    made: list[FakeEvent] = []
+
+    def make(device: Any) -> FakeEvent:
+        made.append(FakeEvent(pending=1))
+        return made[-1]
+
+    monkeypatch.setattr(relay_mod, "_cuda_event", make)
+    monkeypatch.setattr(relay_mod, "_record", lambda done, value: done.record())
+    monkeypatch.setattr(relay_mod, "EVENTS", relay_mod.EventPool())
+    first, second = stage(FakeCudaTensor(1.0)), stage(FakeCudaTensor(2.0))
+    assert len(made) == 2  # both in flight: two events
+    assert float(first.value()) == 1.0 and float(second.value()) == 2.0
+    third = stage(FakeCudaTensor(3.0))
+    assert len(made) == 2 and third.done in made  # a returned event, recorded again
+    assert float(third.value()) == 3.0
+
+
+def test_polls_back_off_to_a_few_a_step(monkeypatch: Any) -> None:
+    """A copy that lands late is polled at doubling intervals up to POLL_MAX_S, not 2,000
+    times a second (each poll is a driver call and a turn of the GIL beside training)."""
+    slept: list[float] = []
+    monkeypatch.setattr(relay_mod, "_sleep", slept.append)
+    staged = stage(FakeCudaTensor(4.0), event=lambda: FakeEvent(pending=8))
+    assert float(staged.value()) == 4.0
+    assert slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.016, 0.016, 0.016]
+    assert relay_mod.POLL_MAX_S == 0.016

@@ -44,16 +44,31 @@ class _Pending:
     node_out: dict[str, float] = field(default_factory=dict)
 
 
+EPOCH = 1 << 24
+"""A key's ``seq`` is ``epoch * EPOCH + n`` (see :class:`_Keys`); it travels as a float, exact
+up to 2**53."""
+
+
 class _Keys:
-    """Keys of one rank's rows, in order."""
+    """Keys of one rank's rows, in order: ``(step, seq)``.  ``n`` counts the rows of one step
+    logged several times in a row; ``epoch`` counts how often the steps went backwards (a loop
+    that counts each epoch's steps from 1, a monitor restarted at step 0).  Every rank logs the
+    same steps, so the ranks agree on both, and a key is never used twice (a repeated key made
+    the gather fail and stop writing rows)."""
 
     def __init__(self) -> None:
-        self._last = (-1, -1)
+        self._step: int | None = None
+        self._n = 0
+        self._epoch = 0
 
     def next(self, step: int) -> Key:
-        n = self._last[1] + 1 if self._last[0] == step else 0
-        self._last = (step, n)
-        return self._last
+        if step == self._step:
+            self._n += 1
+        else:
+            if self._step is not None and step < self._step:
+                self._epoch += 1
+            self._step, self._n = step, 0
+        return step, self._epoch * EPOCH + self._n
 
 
 def _alive(pid: int) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -51,48 +52,111 @@ def to_float(name: str, value: Any) -> float | None:
     return number
 
 
-POLL_S = 0.0005
-"""How often the relay thread asks whether a staged device copy has landed."""
+POLL_FIRST_S = 0.001
+POLL_MAX_S = 0.016
+"""The relay thread asks whether a staged device copy has landed first after
+:data:`POLL_FIRST_S`, then at doubling intervals up to :data:`POLL_MAX_S`.  A row is finished
+at least 0.2 s after its mark (the driver's buffers lag that much), so a copy read up to 16 ms
+late costs nothing, while each poll is a driver call and a turn of the GIL beside the training
+thread: a fixed 0.5 ms poll (the earlier design) woke the thread 2,000 times a second whenever
+the device ran behind the host, which is most of the time in training
+(``benchmarks/step_cost_gpu.py`` compares the two)."""
+
+
+_sleep = time.sleep
 
 
 class Staged:
     """A device tensor's copy to host memory, started on the training thread, and the event
     recorded behind it on the tensor's stream."""
 
-    __slots__ = ("done", "host")
+    __slots__ = ("done", "host", "release")
 
-    def __init__(self, host: Any, done: Any) -> None:
+    def __init__(self, host: Any, done: Any, release: Callable[[Any], None] | None = None
+                 ) -> None:
         self.host = host
         self.done = done
+        self.release = release
 
     def value(self) -> Any:
-        """The host copy, once the event says it has landed (polled: never a blocking wait)."""
+        """The host copy, once the event says it has landed (polled at backing-off intervals:
+        never a blocking wait).  The event goes back to its pool."""
+        wait = POLL_FIRST_S
         while not self.done.query():
-            time.sleep(POLL_S)
+            _sleep(wait)
+            wait = min(wait * 2, POLL_MAX_S)
+        release, self.release = self.release, None
+        if release is not None:
+            release(self.done)
         return self.host
 
 
-def _cuda_event() -> Any:
+class EventPool:
+    """CUDA events to record behind staged copies, kept for reuse (one pool per device: an
+    event records only on a stream of its own device).  ``take`` runs on the training thread,
+    ``give`` on the relay thread; a deque's appends and pops are atomic."""
+
+    KEEP = 64
+    """Events kept per device beyond which returned ones are let go."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, deque[Any]] = {}
+
+    def take(self, device: Any) -> tuple[Any, Callable[[Any], None]]:
+        """An event on ``device`` (reused, or new) and the function that returns it."""
+        index = device.index if device.index is not None else -1
+        free = self._free.get(index)
+        if free is None:
+            free = self._free.setdefault(index, deque())
+        try:
+            event = free.pop()
+        except IndexError:
+            event = _cuda_event(device)
+
+        def give(done: Any, free: deque[Any] = free) -> None:
+            if len(free) < self.KEEP:
+                free.append(done)
+
+        return event, give
+
+
+def _cuda_event(device: Any) -> Any:
     import torch
 
-    make: Any = torch.cuda.Event
-    return make()
+    with torch.cuda.device(device):
+        make: Any = torch.cuda.Event
+        return make()
+
+
+def _record(event: Any, value: Any) -> None:
+    """Record ``event`` on the training thread's current stream of ``value``'s device."""
+    import torch
+
+    event.record(torch.cuda.current_stream(value.device))
+
+
+EVENTS = EventPool()
 
 
 def stage(value: Any, event: Callable[[], Any] | None = None) -> Any:
     """On the training thread: a CUDA tensor becomes a :class:`Staged` copy (an asynchronous
-    copy to pinned host memory and an event recorded after it, on the tensor's current stream);
-    anything else is returned as it is.  Never waits for the device; on any error the value is
-    returned as it is (the relay then reads it, as before)."""
+    copy to pinned host memory and an event recorded after it, on the current stream of the
+    tensor's device, from a pool); anything else is returned as it is.  Never waits for the
+    device; on any error the value is returned as it is (the relay then reads it, as before).
+    ``event``: a factory of events to use instead of the pool (tests)."""
     if getattr(value, "is_cuda", False) is not True:
         return value
     try:
         host = value.detach().to("cpu", non_blocking=True)
-        done = (event or _cuda_event)()
-        done.record()
+        if event is not None:
+            done, release = event(), None
+            done.record()
+        else:
+            done, release = EVENTS.take(value.device)
+            _record(done, value)
     except Exception:
         return value
-    return Staged(host, done)
+    return Staged(host, done, release)
 
 
 def _plain(scalars: dict[str, Any]) -> bool:
