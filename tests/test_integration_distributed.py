@@ -14,16 +14,18 @@ process: ``tests/test_distributed_gather.py``."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.jsonl import read_lines, read_rows
-from tests.support.torchrun import kill_all_jobs, run_torchrun
+from tests.support.torchrun import TorchrunResult, kill_all_jobs, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -62,17 +64,33 @@ def check_rows(rows: list[dict[str, Any]], steps: list[int]) -> None:
             <= row["gpu/all/util_pct_max"]
 
 
-def test_plain_loop_ddp(tmp_path: Path) -> None:
+def needs(package: str) -> None:
+    """Skip unless ``package`` is installed; found, not imported (importing Lightning here
+    would cost seconds of CPU that only the ranks need)."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed")
+
+
+@pytest.fixture(scope="module")
+def plain_loop_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One DDP run of the plain loop example (20 steps, a row every 5, 100 tokens a step),
+    read by the tests of the group ``plain-loop-ddp``."""
+    tmp_path = tmp_path_factory.mktemp("plain-loop-ddp")
     out = tmp_path / "rows.jsonl"
-    torchrun([str(EXAMPLES / "plain_loop.py"), "--out", str(out), "--steps", "30",
-              "--log-every", "10"], tmp_path)
-    rows = jsonl(out)
-    check_rows(rows, [10, 20, 30])
+    torchrun([str(EXAMPLES / "plain_loop.py"), "--out", str(out), "--steps", "20",
+              "--log-every", "5", "--tokens-per-step", "100"], tmp_path)
+    return jsonl(out)
+
+
+@pytest.mark.xdist_group("plain-loop-ddp")
+def test_plain_loop_ddp(plain_loop_rows: list[dict[str, Any]]) -> None:
+    rows = plain_loop_rows
+    check_rows(rows, [5, 10, 15, 20])
     assert all("train/loss" in r and "perf/data_wait_pct" in r for r in rows)
 
 
 def test_hf_trainer_ddp(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    needs("transformers")
     torchrun([str(EXAMPLES / "hf_trainer.py"), "--output-dir", str(tmp_path / "out"),
               "--max-steps", "12", "--logging-steps", "4"], tmp_path)
     rows = jsonl(tmp_path / "out" / "gpulens.jsonl")
@@ -82,7 +100,7 @@ def test_hf_trainer_ddp(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
 def test_lightning_ddp(tmp_path: Path, package: str) -> None:
-    pytest.importorskip(package)
+    needs(package)
     sink = tmp_path / "rows.jsonl"
     torchrun([str(EXAMPLES / "lightning_fit.py"), "--package", package, "--save-dir",
               str(tmp_path), "--max-steps", "12", "--log-every", "4", "--sink",
@@ -131,11 +149,11 @@ def test_a_rank_that_raises_ends_the_job_and_gpulens_does_not_hold_it(tmp_path: 
     assert not done.leftovers
 
 
-def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(tmp_path: Path) -> None:
-    out = tmp_path / "rows.jsonl"
-    torchrun([str(EXAMPLES / "plain_loop.py"), "--out", str(out), "--steps", "20",
-              "--log-every", "5", "--tokens-per-step", "100"], tmp_path)
-    rows = jsonl(out)
+@pytest.mark.xdist_group("plain-loop-ddp")
+def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(
+        plain_loop_rows: list[dict[str, Any]]) -> None:
+    rows = plain_loop_rows
+    assert len(rows) == 4
     for row in rows:  # both ranks' tokens: 2 ranks x 100 tokens x 5 steps a window
         window = row["perf/step_time_s"] * row["perf/steps"]
         assert row["perf/tokens_per_s"] * window == pytest.approx(1000.0)
@@ -204,20 +222,47 @@ def test_log_never_waits_for_another_rank(tmp_path: Path) -> None:
 # -- two nodes on this host -------------------------------------------------------------------
 NODE_NAMES = ("fake-a", "fake-b")
 
-DYING_RANK = """
+NODES = """
 import os, sys, time
 import torch.distributed as dist
 import gpulens
+from gpulens.testing import Constant, PerGpu, SimulatedNVML
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
-    for step in range(1, 13):
-        if rank == 2 and step == 5:
-            os._exit(0)  # rank 2 dies: no stop(), no goodbye (and torchrun lets the rest run)
-        mon.log(step, loss=1.0 / step)
-        time.sleep(0.05)
+out = sys.argv[1]
+
+
+def slow_gpu(slow_node):
+    slow = os.environ["GPULENS_NODE_NAME"] == slow_node
+    # the node's 2 simulated GPUs: every GPU 60 % busy, GPU 1 of the slow node 95 %
+    load = PerGpu({1: Constant(0.95)} if slow else {}, default=Constant(0.6))
+    backend = SimulatedNVML(gpus=2, load=load)
+    with gpulens.Monitor(interval=0.05, backend=backend,
+                         sinks=[f"jsonl:{out}/slow-{slow_node}.jsonl"]) as mon:
+        for step in range(1, 41):
+            time.sleep(0.15)
+            mon.log(step, loss=1.0 / step)
+
+
+def dying():
+    with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{out}/dying.jsonl"]) as mon:
+        for step in range(1, 13):
+            if rank == 2 and step == 5:
+                os._exit(0)  # rank 2 dies: no stop(), no goodbye (and torchrun lets the rest run)
+            mon.log(step, loss=1.0 / step)
+            time.sleep(0.05)
+
+
+# one monitor after another, each with its own record; the ranks begin each one together
+for phase in sys.argv[2:]:
+    dist.barrier()
+    print(f"gpulens-test phase {phase}", file=sys.stderr, flush=True)
+    dying() if phase == "dying" else slow_gpu(phase)
 """
+NODE_PHASES = ("none", "fake-b", "dying")
+"""The phases of the shared two-node job, in order: a healthy job, a slow GPU on node
+``fake-b``, a rank that dies (last: the job goes on without it)."""
 
 
 def _nodes_env(**extra: str) -> tuple[dict[str, str], list[dict[str, str]]]:
@@ -227,19 +272,46 @@ def _nodes_env(**extra: str) -> tuple[dict[str, str], list[dict[str, str]]]:
     return env, [{"GPULENS_NODE_NAME": name} for name in NODE_NAMES]
 
 
-def test_two_nodes_shape_and_a_rank_that_dies(tmp_path: Path) -> None:
+@dataclass
+class NodesJob:
+    """The shared two-node job: its result and the folder of its records."""
+
+    done: TorchrunResult
+    out: Path
+
+    def phase_stderr(self, phase: str) -> list[str]:
+        """The lines each launch wrote from the start of ``phase`` on (the ranks begin a phase
+        together, after a barrier)."""
+        lines: list[str] = []
+        for node in range(len(NODE_NAMES)):
+            own = [x for x in self.done.stderr.splitlines() if x.startswith(f"[node {node}] ")]
+            begin = next(i for i, x in enumerate(own) if f"gpulens-test phase {phase}" in x)
+            lines += own[begin:]
+        return lines
+
+
+@pytest.fixture(scope="module")
+def nodes_job(tmp_path_factory: pytest.TempPathFactory) -> NodesJob:
+    """Two launches of 2 ranks, one torchrun job: the tests of the group ``two-nodes`` read
+    each phase's record (:data:`NODE_PHASES`)."""
+    tmp_path = tmp_path_factory.mktemp("two-nodes")
+    script = tmp_path / "nodes.py"
+    script.write_text(NODES)
+    env, nodes = _nodes_env(GPULENS_SIMULATED_GPUS="2")
+    done = run_torchrun([str(script), str(tmp_path), *NODE_PHASES], cwd=tmp_path, env=env,
+                        nodes=nodes, timeout=TORCHRUN_TIMEOUT_S)
+    assert not done.timed_out and done.returncode == 0, done.stderr[-6000:]
+    return NodesJob(done, tmp_path)
+
+
+@pytest.mark.xdist_group("two-nodes")
+def test_two_nodes_shape_and_a_rank_that_dies(nodes_job: NodesJob) -> None:
     """Two launches of 2 ranks.  The record lists every GPU with its node; rank 2 (a node 1
     rank that does not lead it) dies at step 5: rank 0 says so in one WARNING naming it, and
     the rows go on to step 12 without it, marked partial."""
-    script = tmp_path / "dying.py"
-    script.write_text(DYING_RANK)
-    out = tmp_path / "rows.jsonl"
-    env, nodes = _nodes_env(GPULENS_SIMULATED_GPUS="2")
-    done = run_torchrun([str(script), str(out)], cwd=tmp_path, env=env, nodes=nodes,
-                        timeout=TORCHRUN_TIMEOUT_S)
-    assert not done.timed_out and done.returncode == 0, done.stderr[-6000:]
+    done = nodes_job.done
     assert not done.leftovers, done.leftovers
-    lines = read_lines(out)
+    lines = read_lines(nodes_job.out / "dying.jsonl")
     start = next(x for x in lines if x.get("event") == "run_start")
     assert [(g["rank"], g["node"], g["node_name"]) for g in start["gpus"]] == [
         (0, 0, start["job"]["node_names"]["0"]), (1, 0, start["job"]["node_names"]["0"]),
@@ -251,13 +323,35 @@ def test_two_nodes_shape_and_a_rank_that_dies(tmp_path: Path) -> None:
     assert all(r["job/nodes"] == 2 for r in rows)
     assert [(r["job/ranks"], r["job/partial"]) for r in rows[-6:]] == [(3, 1)] * 6
     assert all(f"gpu/{i}/util_pct" in rows[-1] for i in (0, 1, 3))
-    told = [line for line in done.stderr.splitlines() if "WARNING" in line and "rank 2 " in line]
+    told = [line for line in nodes_job.phase_stderr("dying")
+            if "WARNING" in line and "rank 2 " in line]
     assert len(told) == 1, told
     assert "node 1" in told[0] and "marked partial" in told[0]
 
 
+@pytest.mark.xdist_group("two-nodes")
+@pytest.mark.parametrize("slow_node", ["fake-b", "none"])
+def test_a_slow_gpu_on_one_node_is_named_by_node_and_gpu(nodes_job: NodesJob,
+                                                         slow_node: str) -> None:
+    """A GPU busy longer per step (GPM) on one of two nodes, from the start: slow_rank names
+    that GPU, its rank and its node within 20 steps, once; a healthy job fires nothing."""
+    lines = read_lines(nodes_job.out / f"slow-{slow_node}.jsonl")
+    start = next(x for x in lines if x.get("event") == "run_start")
+    fired = [x for x in lines if x.get("event") == "alert" and x["name"] == "slow_rank"
+             and x["state"] == "firing"]
+    if slow_node == "none":
+        assert not fired, fired
+        return
+    (gpu,) = [g for g in start["gpus"] if g["node_name"] == slow_node and g["local_rank"] == 1]
+    assert len(fired) == 1, fired
+    message = fired[0]["message"]
+    assert f"GPU {gpu['index']} (rank {gpu['rank']}, node {gpu['node']} {slow_node})" in message
+    assert fired[0]["step"] <= 20 + 1 and fired[0]["data"]["rank"] == gpu["rank"]
+
+
 SERVING_NODE = """
 import os, sys, time
+import torch
 import torch.distributed as dist
 import gpulens
 
@@ -266,12 +360,13 @@ node = int(os.environ["GROUP_RANK"])
 port = sys.argv[2].split(",")[node]
 done = sys.argv[3]
 with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}", f"prometheus:{port}"]) as mon:
-    step, stop_at = 0, 4000
-    while step < stop_at:
+    step, stop = 0, torch.zeros(1)
+    while step < 4000 and not stop.item():
         step += 1
         mon.log(step, loss=1.0 / step)
-        if stop_at == 4000 and os.path.exists(done):
-            stop_at = (step // 40 + 2) * 40  # both nodes stop at the same step
+        # both nodes stop at the same step, the first after either saw the test's flag
+        stop = torch.tensor([float(os.path.exists(done))])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         time.sleep(0.05)
 """
 
@@ -306,7 +401,7 @@ def test_each_node_serves_its_gpus_to_a_real_prometheus(tmp_path: Path) -> None:
     job.start()
     prom_port = _free_port()
     (tmp_path / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: gpulens\n"
+        "global:\n  scrape_interval: 250ms\nscrape_configs:\n  - job_name: gpulens\n"
         "    static_configs:\n      - targets: ["
         + ", ".join(f"'127.0.0.1:{p}'" for p in ports) + "]\n")
     log = (tmp_path / "prometheus.log").open("w")
@@ -331,7 +426,7 @@ def test_each_node_serves_its_gpus_to_a_real_prometheus(tmp_path: Path) -> None:
                     break
             except OSError:
                 pass  # still starting
-            time.sleep(0.5)
+            time.sleep(0.1)
         labels = sorted((g["metric"]["node"], g["metric"]["rank"], g["metric"]["gpu"],
                          g["metric"]["host"]) for g in gpus)
         assert [x[:3] for x in labels] == [("0", "0", "0"), ("1", "1", "1")], (
@@ -362,47 +457,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-SLOW_GPU = """
-import os, sys, time
-import torch.distributed as dist
-import gpulens
-from gpulens.testing import Constant, PerGpu, SimulatedNVML
-
-dist.init_process_group("gloo")
-slow = sys.argv[2] != "none" and os.environ["GPULENS_NODE_NAME"] == sys.argv[2]
-# the node's 2 simulated GPUs: every GPU 60 % busy, GPU 1 of the slow node 95 %
-load = PerGpu({1: Constant(0.95)} if slow else {}, default=Constant(0.6))
-backend = SimulatedNVML(gpus=2, load=load)
-with gpulens.Monitor(interval=0.05, backend=backend, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
-    for step in range(1, 41):
-        time.sleep(0.15)
-        mon.log(step, loss=1.0 / step)
-"""
-
-
-@pytest.mark.parametrize("slow_node", ["fake-b", "none"])
-def test_a_slow_gpu_on_one_node_is_named_by_node_and_gpu(tmp_path: Path,
-                                                         slow_node: str) -> None:
-    """A GPU busy longer per step (GPM) on one of two nodes, from the start: slow_rank names
-    that GPU, its rank and its node within 20 steps, once; a healthy job fires nothing."""
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_GPU)
-    out = tmp_path / "rows.jsonl"
-    env, nodes = _nodes_env()
-    done = run_torchrun([str(script), str(out), slow_node], cwd=tmp_path, env=env,
-                        nodes=nodes, timeout=TORCHRUN_TIMEOUT_S)
-    assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
-    lines = read_lines(out)
-    start = next(x for x in lines if x.get("event") == "run_start")
-    fired = [x for x in lines if x.get("event") == "alert" and x["name"] == "slow_rank"
-             and x["state"] == "firing"]
-    if slow_node == "none":
-        assert not fired, fired
-        return
-    (gpu,) = [g for g in start["gpus"] if g["node_name"] == slow_node and g["local_rank"] == 1]
-    assert len(fired) == 1, fired
-    message = fired[0]["message"]
-    assert f"GPU {gpu['index']} (rank {gpu['rank']}, node {gpu['node']} {slow_node})" in message
-    assert fired[0]["step"] <= 20 + 1 and fired[0]["data"]["rank"] == gpu["rank"]
