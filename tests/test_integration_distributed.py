@@ -7,14 +7,23 @@ timeout (``tests/support/torchrun.py``).
 
 Two "nodes" on this host: two ``torchrun --nnodes 2`` launches meeting at a c10d rendezvous
 on 127.0.0.1, each with a node name of its own (``GPULENS_NODE_NAME``): the job's shape in the
-record, a rank that dies mid-run (one WARNING naming it, the rows go on, marked partial), and
-each node's Prometheus endpoint scraped by a real Prometheus.  The gather's pieces in one
-process: ``tests/test_distributed_gather.py``."""
+record, a rank that dies mid-run (one WARNING naming it, the rows go on, marked partial), a
+slow GPU named by node and GPU, and each node's Prometheus endpoint scraped by a real
+Prometheus.  The gather's pieces in one process: ``tests/test_distributed_gather.py``.
+
+Launches are shared where tests only read what a job wrote: each launch costs seconds of CPU
+before the first step (torchrun's agent and every rank import torch; a Lightning rank imports
+Lightning for ~4 s).  One launch of 2 ranks runs every example and the late-rank script one
+after another (``ddp_examples``, ``tests/support/ddp_scripts.py``); one two-node job runs a
+healthy phase, a slow-GPU phase and a dying-rank phase, each with a monitor and a record of
+its own (``nodes_job``).  Each group of tests that share a launch is an ``xdist_group``, so
+that pytest-xdist runs it on one worker, once."""
 
 from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -42,7 +51,9 @@ def _no_job_left() -> Iterator[None]:
 
 def torchrun(args: list[str], cwd: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
-    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1")
+    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"),
+                                                      env.get("PYTHONPATH", "")) if p))
     done = run_torchrun(args, cwd=cwd, env=env, timeout=TORCHRUN_TIMEOUT_S)
     assert not done.timed_out, (f"torchrun hung: killed after {TORCHRUN_TIMEOUT_S:.0f} s",
                                 done.stdout[-2000:], done.stderr[-6000:])
@@ -64,54 +75,143 @@ def check_rows(rows: list[dict[str, Any]], steps: list[int]) -> None:
             <= row["gpu/all/util_pct_max"]
 
 
+def installed(package: str) -> bool:
+    """Found, not imported: importing Lightning here would cost seconds of CPU that only the
+    ranks need."""
+    return importlib.util.find_spec(package) is not None
+
+
 def needs(package: str) -> None:
-    """Skip unless ``package`` is installed; found, not imported (importing Lightning here
-    would cost seconds of CPU that only the ranks need)."""
-    if importlib.util.find_spec(package) is None:
+    if not installed(package):
         pytest.skip(f"{package} is not installed")
 
 
+LATE_RANK = """
+import json, sys, threading, time
+import torch.distributed as dist
+import gpulens
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+gathers = []
+reals = {}
+def spy(name):
+    real = reals[name] = getattr(dist, name)
+    def call(*args, **kwargs):  # gpulens's gather makes no collective: none may come
+        gathers.append((name, threading.current_thread().name))
+        return real(*args, **kwargs)
+    setattr(dist, name, call)
+for name in ("all_gather", "all_reduce", "gather", "broadcast", "barrier", "new_group"):
+    spy(name)
+waits = []
+with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 7):
+        if rank == 1 and step == 3:
+            time.sleep(1.5)  # rank 1 comes late to step 3's log()
+        t0 = time.perf_counter()
+        mon.log(step, loss=1.0 / step)
+        waits.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+mine = list(gathers)
+dist.barrier()
+# one file per rank: the ranks' stdout lines interleave in torchrun's stream
+with open(f"{sys.argv[2]}.{rank}", "w") as f:
+    json.dump({"rank": rank, "waits": waits, "gathers": mine}, f)
+for name, real in reals.items():
+    setattr(dist, name, real)
+dist.destroy_process_group()
+"""
+
+
+@dataclass
+class Examples:
+    """The shared DDP launch of the examples (and the late-rank script): where each wrote."""
+
+    out: Path
+    ran: list[str]
+    """The names of the scripts it ran (a framework that is not installed is left out)."""
+
+
 @pytest.fixture(scope="module")
-def plain_loop_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """One DDP run of the plain loop example (20 steps, a row every 5, 100 tokens a step),
-    read by the tests of the group ``plain-loop-ddp``."""
-    tmp_path = tmp_path_factory.mktemp("plain-loop-ddp")
-    out = tmp_path / "rows.jsonl"
-    torchrun([str(EXAMPLES / "plain_loop.py"), "--out", str(out), "--steps", "20",
-              "--log-every", "5", "--tokens-per-step", "100"], tmp_path)
-    return jsonl(out)
+def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Examples:
+    """One ``torchrun --nproc_per_node 2`` launch that runs, one after another in the same two
+    ranks, each as its script (``tests/support/ddp_scripts.py``): the plain loop (20 steps, a
+    row every 5, 100 tokens a step), the Hugging Face Trainer (12 steps, a row every 4),
+    Lightning and pytorch_lightning (12 steps, a row every 4), and :data:`LATE_RANK`.  The
+    ranks import torch and the frameworks once for all of them.  Read by the tests of the
+    group ``ddp-examples``."""
+    out = tmp_path_factory.mktemp("ddp-examples")
+    (out / "late.py").write_text(LATE_RANK)
+    scripts: dict[str, list[str]] = {
+        "plain": [str(EXAMPLES / "plain_loop.py"), "--out", str(out / "plain.jsonl"),
+                  "--steps", "20", "--log-every", "5", "--tokens-per-step", "100"]}
+    for package in ("lightning", "pytorch_lightning"):
+        if installed(package):
+            scripts[package] = [
+                str(EXAMPLES / "lightning_fit.py"), "--package", package, "--save-dir",
+                str(out / package), "--max-steps", "12", "--log-every", "4", "--sink",
+                f"jsonl:{out / package / 'rows.jsonl'}"]
+    if installed("transformers"):
+        scripts["hf"] = [str(EXAMPLES / "hf_trainer.py"), "--output-dir", str(out / "hf"),
+                         "--max-steps", "12", "--logging-steps", "4"]
+    scripts["late"] = [str(out / "late.py"), str(out / "late.jsonl"), str(out / "result")]
+    torchrun([str(ROOT / "tests" / "support" / "ddp_scripts.py"),
+              json.dumps(list(scripts.values()))], out)
+    return Examples(out, list(scripts))
 
 
-@pytest.mark.xdist_group("plain-loop-ddp")
-def test_plain_loop_ddp(plain_loop_rows: list[dict[str, Any]]) -> None:
-    rows = plain_loop_rows
+@pytest.mark.xdist_group("ddp-examples")
+def test_plain_loop_ddp(ddp_examples: Examples) -> None:
+    rows = jsonl(ddp_examples.out / "plain.jsonl")
     check_rows(rows, [5, 10, 15, 20])
     assert all("train/loss" in r and "perf/data_wait_pct" in r for r in rows)
 
 
-def test_hf_trainer_ddp(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("ddp-examples")
+def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(ddp_examples: Examples) -> None:
+    rows = jsonl(ddp_examples.out / "plain.jsonl")
+    assert len(rows) == 4
+    for row in rows:  # both ranks' tokens: 2 ranks x 100 tokens x 5 steps a window
+        window = row["perf/step_time_s"] * row["perf/steps"]
+        assert row["perf/tokens_per_s"] * window == pytest.approx(1000.0)
+        assert row["rank/0/cpu_busy_s"] > 0 and row["rank/1/cpu_busy_s"] > 0
+        assert not any(k.startswith("work/") for k in row)
+
+
+@pytest.mark.xdist_group("ddp-examples")
+def test_hf_trainer_ddp(ddp_examples: Examples) -> None:
     needs("transformers")
-    torchrun([str(EXAMPLES / "hf_trainer.py"), "--output-dir", str(tmp_path / "out"),
-              "--max-steps", "12", "--logging-steps", "4"], tmp_path)
-    rows = jsonl(tmp_path / "out" / "gpulens.jsonl")
+    rows = jsonl(ddp_examples.out / "hf" / "gpulens.jsonl")
     check_rows(rows, [4, 8, 12])
     assert all("train/loss" in r for r in rows)
 
 
+@pytest.mark.xdist_group("ddp-examples")
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
-def test_lightning_ddp(tmp_path: Path, package: str) -> None:
+def test_lightning_ddp(ddp_examples: Examples, package: str) -> None:
     needs(package)
-    sink = tmp_path / "rows.jsonl"
-    torchrun([str(EXAMPLES / "lightning_fit.py"), "--package", package, "--save-dir",
-              str(tmp_path), "--max-steps", "12", "--log-every", "4", "--sink",
-              f"jsonl:{sink}"], tmp_path)
-    check_rows(jsonl(sink), [3, 7, 11])
-    (metrics,) = tmp_path.rglob("metrics.csv")  # one logger file: rank 0's
+    save_dir = ddp_examples.out / package
+    check_rows(jsonl(save_dir / "rows.jsonl"), [3, 7, 11])
+    (metrics,) = save_dir.rglob("metrics.csv")  # one logger file: rank 0's
     with open(metrics) as f:
         logged = list(csv.DictReader(f))
     loss_steps = sorted({int(r["step"]) for r in logged if r["train_loss"]})
     gpu_steps = sorted({int(r["step"]) for r in logged if r.get("gpu/1/util_pct")})
     assert loss_steps == gpu_steps == [3, 7, 11]
+
+
+@pytest.mark.xdist_group("ddp-examples")
+def test_log_never_waits_for_another_rank(ddp_examples: Examples) -> None:
+    """``log()`` is a collective in name only: no rank waits for another, in ``log()`` or
+    anywhere in gpulens (it makes no collective call at all); a rank that reaches ``log()``
+    while another is 1.5 s late goes on at once, and every row still holds both ranks' GPUs."""
+    out = ddp_examples.out
+    results = {rank: json.loads((out / f"result.{rank}").read_text()) for rank in (0, 1)}
+    # rank 0's log() at step 3 and after: no wait for rank 1 (it would be ~1.5 s inside log())
+    assert max(results[0]["waits"]) < 0.5, results[0]["waits"]
+    for r in results.values():
+        assert r["gathers"] == [], r["gathers"]
+    check_rows(jsonl(out / "late.jsonl"), [1, 2, 3, 4, 5, 6])
 
 
 RAISING_RANK = """
@@ -147,76 +247,6 @@ def test_a_rank_that_raises_ends_the_job_and_gpulens_does_not_hold_it(tmp_path: 
     assert not done.timed_out, done.stderr[-4000:]
     assert done.returncode != 0 and "rank 1 fails at step 5" in done.stderr
     assert not done.leftovers
-
-
-@pytest.mark.xdist_group("plain-loop-ddp")
-def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(
-        plain_loop_rows: list[dict[str, Any]]) -> None:
-    rows = plain_loop_rows
-    assert len(rows) == 4
-    for row in rows:  # both ranks' tokens: 2 ranks x 100 tokens x 5 steps a window
-        window = row["perf/step_time_s"] * row["perf/steps"]
-        assert row["perf/tokens_per_s"] * window == pytest.approx(1000.0)
-        assert row["rank/0/cpu_busy_s"] > 0 and row["rank/1/cpu_busy_s"] > 0
-        assert not any(k.startswith("work/") for k in row)
-
-
-LATE_RANK = """
-import json, sys, threading, time
-import torch.distributed as dist
-import gpulens
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-gathers = []
-def spy(name):
-    real = getattr(dist, name)
-    def call(*args, **kwargs):  # gpulens's gather makes no collective: none may come
-        gathers.append((name, threading.current_thread().name))
-        return real(*args, **kwargs)
-    setattr(dist, name, call)
-for name in ("all_gather", "all_reduce", "gather", "broadcast", "barrier", "new_group"):
-    spy(name)
-waits = []
-with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
-    for step in range(1, 7):
-        if rank == 1 and step == 3:
-            time.sleep(1.5)  # rank 1 comes late to step 3's log()
-        t0 = time.perf_counter()
-        mon.log(step, loss=1.0 / step)
-        waits.append(time.perf_counter() - t0)
-        time.sleep(0.02)
-mine = list(gathers)
-dist.barrier()
-# one file per rank: the ranks' stdout lines interleave in torchrun's stream
-with open(f"{sys.argv[2]}.{rank}", "w") as f:
-    json.dump({"rank": rank, "waits": waits, "gathers": mine}, f)
-dist.destroy_process_group()
-"""
-
-
-def test_log_never_waits_for_another_rank(tmp_path: Path) -> None:
-    """``log()`` is a collective in name only: no rank waits for another, in ``log()`` or
-    anywhere in gpulens (it makes no collective call at all); a rank that reaches ``log()``
-    while another is 1.5 s late goes on at once, and every row still holds both ranks' GPUs."""
-    import json
-
-    script = tmp_path / "late.py"
-    script.write_text(LATE_RANK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
-    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT / "src"))
-    out = tmp_path / "rows.jsonl"
-    result = tmp_path / "result"
-    done = run_torchrun([str(script), str(out), str(result)], cwd=tmp_path, env=env,
-                        timeout=TORCHRUN_TIMEOUT_S)
-    assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
-    results = {rank: json.loads((tmp_path / f"result.{rank}").read_text()) for rank in (0, 1)}
-    # rank 0's log() at step 3 and after: no wait for rank 1 (it would be ~1.5 s inside log())
-    assert max(results[0]["waits"]) < 0.5, results[0]["waits"]
-    for r in results.values():
-        assert r["gathers"] == [], r["gathers"]
-    check_rows(jsonl(out), [1, 2, 3, 4, 5, 6])
 
 
 # -- two nodes on this host -------------------------------------------------------------------
@@ -376,7 +406,6 @@ def test_each_node_serves_its_gpus_to_a_real_prometheus(tmp_path: Path) -> None:
     node's leader serves its own GPU, labelled by node, rank and host (the node's name), and
     writes its own record; rank 0 also serves the job's figures.  A real Prometheus scrapes
     both endpoints."""
-    import json
     import shutil
     import subprocess
     import threading
