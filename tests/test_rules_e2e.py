@@ -205,7 +205,7 @@ def worker(out: str, steps: int) -> None:
     slow = {"on": False}
 
     class SlowBackward(torch.autograd.Function):
-        """Identity forward; in backward, matrix products: 8x as many on rank 1 once slow."""
+        """Identity forward; in backward, matrix products: 4x as many on rank 1 once slow."""
 
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -215,9 +215,10 @@ def worker(out: str, steps: int) -> None:
         def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
             # every rank does some work of its own in backward, so that a step's CPU time is
             # mostly compute and not the few milliseconds a loaded machine jitters by; rank 1
-            # then does 8x as much (a CPU-time lag well past the rule's 50 %)
+            # then does 4x as much (its CPU time per step ~2.5x the other's, with the forward:
+            # a lag well past the rule's 50 %, and past the ~30 % a loaded host jitters by)
             a = torch.randn(256, 256)
-            for _ in range(80 if rank == 1 and slow["on"] else 10):
+            for _ in range(40 if rank == 1 and slow["on"] else 10):
                 a = a @ a
                 a = a / a.norm()
             return grad
