@@ -43,6 +43,7 @@ def main(out: Path) -> None:
                   warmup_steps=1, steps=3, progress=rank == 0)
     (out / f"rank{rank}.json").write_text(json.dumps({"local": local,
                                                       "result": result.to_dict()}))
+    tune_dist.agree = agree
     dist.destroy_process_group()
 
 
