@@ -34,14 +34,14 @@ STORE_TIMEOUT = timedelta(seconds=120)
 
 def fresh_store(index: int, kept: list[Any]) -> None:
     """Point this rank's ``MASTER_PORT`` at a new store for script ``index`` (module doc)."""
-    import torch.distributed as dist
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not re-exported
 
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["AGENT_PORT"]),
-                          is_master=False, timeout=STORE_TIMEOUT)
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["AGENT_PORT"]),
+                     is_master=False, timeout=STORE_TIMEOUT)
     key = f"gpulens-test/ddp-scripts/{index}/port"
     if int(os.environ["RANK"]) == 0:
-        own = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                            timeout=STORE_TIMEOUT)
+        own = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                       timeout=STORE_TIMEOUT)
         kept.append(own)  # serves until the job ends
         agent.set(key, str(own.port))
     os.environ["MASTER_PORT"] = agent.get(key).decode()

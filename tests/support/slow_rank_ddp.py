@@ -59,7 +59,8 @@ def worker(out: str, steps: int) -> None:
     with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{out}"], backend=sim) as mon:
         for step in range(1, steps + 1):
             slow["on"] = step > SLOW_RANK_AFTER
-            loss = SlowBackward.apply(model(torch.randn(2048, 64))).pow(2).mean()
+            y = SlowBackward.apply(model(torch.randn(2048, 64)))  # type: ignore[no-untyped-call]
+            loss = y.pow(2).mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
