@@ -11,6 +11,7 @@ by their CPU time.  Rank 0 writes the rows and the engine's verdicts to the JSON
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -65,7 +66,9 @@ def worker(out: str, steps: int) -> None:
             opt.step()
             opt.zero_grad()
             mon.log(step, loss=loss.item())
+    # free the DDP model before destroying the group (docs/design-notes.md, "DDP exit")
     del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
