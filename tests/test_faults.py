@@ -27,6 +27,8 @@ from tests.support.mlflow_server import start_mlflow_server
 from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
+HANG_S = 120.0
+"""Bounds a wait for something that takes seconds (a tracker's first rows, a failure told)."""
 
 
 def _python(code: str, env: dict[str, str] | None = None,
@@ -160,6 +162,8 @@ def mlflow_server_gone(
     server = start_mlflow_server(tmp_path_factory.mktemp("mlflow-gone"))
     heard = _Heard()
     log = logging.getLogger("gpulens")
+    level = log.level
+    log.setLevel(logging.WARNING)  # as caplog.at_level(WARNING) would: heard whatever was set
     log.addHandler(heard)
     monitors: list[gpulens.Monitor] = []
     try:
@@ -189,16 +193,18 @@ def mlflow_server_gone(
                         if r.info.run_id != gone_run]
                 return runs[0] if runs else None
 
+            # the bounds only bound a hang: the engine processes import MLflow first
             wait_until(lambda: (r := dies_run()) is not None and delivered(r),
-                       what="the first rows of 'dies' in MLflow")
-            wait_until(lambda: delivered(gone_run) == [1, 2], what="rows 1-2 of 'gone'")
+                       timeout=HANG_S, interval=0.1, what="the first rows of 'dies' in MLflow")
+            wait_until(lambda: delivered(gone_run) == [1, 2], timeout=HANG_S, interval=0.1,
+                       what="rows 1-2 of 'gone'")
             server.kill()
             for step in range(4, 9):
                 time.sleep(0.05)
                 dies.log(step)
             # heard while training goes on, not only at stop
             wait_until(lambda: any("failed to write" in r.getMessage() for r in heard.records),
-                       what="the failure, told")
+                       timeout=HANG_S, interval=0.05, what="the failure, told")
             dies_stats = dies.stop(timeout=4)
             result = {"dies": TrackerGone(dies_stats, heard.take())}
             for step in range(3, 23):
@@ -209,6 +215,7 @@ def mlflow_server_gone(
         yield result
     finally:
         log.removeHandler(heard)
+        log.setLevel(level)
         for mon in monitors:
             mon.stop(timeout=1)
         server.stop()
