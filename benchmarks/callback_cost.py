@@ -181,6 +181,8 @@ def run_group(group: str, s: og.Setup, tmp: Path, args: argparse.Namespace) -> G
     arms = list(res.blocks)
     for rnd in range(args.rounds):
         for arm in paired.round_order(arms, args.seed, rnd):
+            if args.quick:
+                og.collect(True)  # the collection after each block scans only what it made
             instrument = instrumenter(hooks, args.warmup, args.steps, res.inside)
             with contextlib.redirect_stdout(io.StringIO()):
                 block = path.block(arm, rnd, args.warmup, args.steps, instrument)
