@@ -335,7 +335,7 @@ def phase(name: str, times: dict[str, float]) -> Iterator[None]:
         log(f"{name}: {times[name]:.1f} s")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch-sizes", default="1,2,4,8,12,16,24,32,48,64,96,128,192,256,384")
@@ -358,7 +358,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny GPT-2, small grid, OOM injected at 8: the plumbing")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from transformers import GPT2Config
 
     if args.smoke:

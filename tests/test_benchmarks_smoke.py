@@ -17,6 +17,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.inprocess import run_main
+from tests.support.wandb_offline import reset_wandb
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 NUMBER = r"-?\d+(?:\.\d+)?"
@@ -66,6 +69,18 @@ def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 600) -> s
     )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+def run_inprocess(name: str, tmp_path: Path, *args: str, preload: tuple[str, ...] = ()) -> str:
+    """Run ``benchmarks/<name> --quick ...``'s ``main`` in this process
+    (``tests.support.inprocess``: torch, transformers and Lightning are not imported again,
+    and what the script changes in the process is put back); return its stdout."""
+    reset_wandb()  # its next run reads the environment of this test
+    return run_main(BENCH / name, ["--quick", *args], tmp_path, bench_env(tmp_path), preload)
+
+
+#: What the scripts that train through the frameworks import (``run_main``'s preload).
+FRAMEWORKS = ("torch", "transformers", "transformers.trainer", "lightning.pytorch", "wandb")
 
 
 def table_rows(out: str, first_col: str) -> dict[str, list[str]]:
@@ -244,9 +259,9 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
     """The default: one training run through short blocks of every arm, gpulens's hooks
     active in its own blocks."""
     names = ["hf_ls1", "hf_ls10", "lightning", "wandb_loop"]
-    out = run_script("paths_aa.py", tmp_path, "--paths", ",".join(names), "--rounds", "2",
-                     "--measured-steps", "10", "--burn-steps", "2", "--lightning-dsm",
-                     "--json", str(tmp_path / "p.json"), timeout=600)
+    out = run_inprocess("paths_aa.py", tmp_path, "--paths", ",".join(names), "--rounds", "2",
+                        "--measured-steps", "10", "--burn-steps", "2", "--lightning-dsm",
+                        "--json", str(tmp_path / "p.json"), preload=FRAMEWORKS)
     data = json.loads((tmp_path / "p.json").read_text())
     _paths_checks(data, out, names)
     assert data["meta"]["world_size"] == 1 and data["meta"]["args"]["mode"] == "interleaved"
@@ -254,9 +269,9 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
 
 
 def test_paths_aa_quick_blocks_mode_runs_one_training_per_arm(tmp_path: Path) -> None:
-    out = run_script("paths_aa.py", tmp_path, "--mode", "blocks", "--paths", "lightning",
-                     "--rounds", "2", "--steps", "3", "--warmup", "2",
-                     "--json", str(tmp_path / "p.json"), timeout=600)
+    out = run_inprocess("paths_aa.py", tmp_path, "--mode", "blocks", "--paths", "lightning",
+                        "--rounds", "2", "--steps", "3", "--warmup", "2",
+                        "--json", str(tmp_path / "p.json"), preload=FRAMEWORKS)
     data = json.loads((tmp_path / "p.json").read_text())
     _paths_checks(data, out, ["lightning"])
     assert "mode blocks" in out
@@ -280,8 +295,8 @@ def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) ->
 
 
 def test_callback_cost_quick_splits_the_callbacks_cpu_by_hook(tmp_path: Path) -> None:
-    out = run_script("callback_cost.py", tmp_path, "--groups", "hf,lightning",
-                     "--json", str(tmp_path / "c.json"), timeout=600)
+    out = run_inprocess("callback_cost.py", tmp_path, "--groups", "hf,lightning",
+                        "--json", str(tmp_path / "c.json"), preload=FRAMEWORKS)
     data = json.loads((tmp_path / "c.json").read_text())
     for group, hook in (("hf", "on_log"), ("lightning", "on_train_batch_end")):
         g = data["groups"][group]
