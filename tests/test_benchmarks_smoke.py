@@ -120,7 +120,7 @@ def table_lines(out: str, header_start: str) -> list[list[str]]:
 
 def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
     out = run_script("bench_log.py", tmp_path, "--json", str(tmp_path / "log.json"),
-                     "--tracemalloc", "--rss-sinks", "none,object", "--rss-seconds", "1")
+                     "--tracemalloc", "--rss-sinks", "none,object", "--rss-seconds", "0.5")
     rows = table_rows(out, "figure")
     assert re.fullmatch(rf"{NUMBER} us", rows["log() median, 8 simulated GPUs, 10 Hz"][0])
     assert re.fullmatch(rf"{NUMBER} ms/step", rows["5 ms step loop, without gpulens"][0])
@@ -440,7 +440,8 @@ def test_log_ab_pairs_rounds_and_judges_against_its_aa_arm(tmp_path: Path) -> No
     src = str(ROOT / "src")
     proc = subprocess.run(
         [sys.executable, str(BENCH / "log_ab.py"), "--a", src, "--b", src, "--rounds", "2",
-         "--calls", "50", "--gap-us", "200", "--json", str(tmp_path / "ab.json")],
+         "--calls", "50", "--gap-us", "200", "--settle-s", "0.1", "--json",
+         str(tmp_path / "ab.json")],
         cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = table_rows(proc.stdout, "figure")
