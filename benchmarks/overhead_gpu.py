@@ -938,7 +938,8 @@ def quiet_libraries() -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="CPU, tiny model, simulated GPUs for gpulens: a smoke test")
+                   help="CPU, a tiny model of torch alone, simulated GPUs for gpulens: a smoke "
+                   "test")
     p.add_argument("--suite", default="peers",
                    help=f"comma-separated suites: {', '.join(SUITES)} (default peers)")
     p.add_argument("--arms", default="", help="more arms by name (see the module doc)")

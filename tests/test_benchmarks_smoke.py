@@ -1,6 +1,12 @@
 """Smoke tests of the benchmark scripts: they run on the CPU with simulated GPUs and print their
 figures. No timing is asserted (the figures depend on the machine); the structure is. The
-statistics of the A/A method (``benchmarks/paired.py``) are unit-tested here too."""
+statistics of the A/A method (``benchmarks/paired.py``) are unit-tested here too.
+
+Each script runs whole in its ``--quick`` mode: in a subprocess, or, for those that train
+through the frameworks and leave no process-wide state behind (``paths_aa.py`` in one
+process, ``callback_cost.py``), its ``main`` in this process (``tests.support.inprocess``:
+torch, transformers and Lightning are not imported again), which also checks that it left no
+thread or process running."""
 
 from __future__ import annotations
 
@@ -27,8 +33,8 @@ SIGNED = r"[+-]\d+\.\d+"
 EST = rf"{SIGNED} \[{SIGNED}, {SIGNED}\]"
 VERDICT = r"(not separable|higher than \S+|lower than \S+)"
 
-# Each script runs whole, in subprocesses that import torch: a loaded machine with the suite
-# in several workers can take minutes. The timeouts bound a hang.
+# A loaded machine with the suite in several workers can take minutes over a script that
+# imports torch. The timeouts bound a hang.
 pytestmark = pytest.mark.timeout(900)
 
 
