@@ -10,7 +10,7 @@ exits 1 when a check fails. Scenarios (the test each came from):
   ``test_engine_process_killed_mid_run_training_goes_on``): worst ``log()`` after the engine
   process was killed, beside ``log()`` while it lives; bound 50 ms. Also ``stop()`` after the
   death, beside a normal ``stop()``; bound 5 s.
-- ``log() with the MLflow server gone`` (tests/test_sinks_trackers.py,
+- ``log() with the MLflow server gone`` (tests/test_faults.py,
   ``test_mlflow_server_gone_mid_run``): worst ``log()`` after the tracking server stopped,
   beside ``log()`` while it answers; bound 50 ms. ``stop(timeout=3)`` then; bound 15 s.
 - ``forked child's exit`` (``test_a_forked_child_leaves_the_parents_sampler_alone``): a child

@@ -91,10 +91,11 @@ class MlflowServer:
         """The last few thousand characters of the server's stdout and stderr."""
         return _log_tail(self.log_path)
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S, *, kill: bool = False) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL after ``timeout_s`` seconds;
-        ``kill``: SIGKILL at once (gone as a crash leaves it, without uvicorn's graceful
-        shutdown, which takes seconds).
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S, *, kill: bool = False,
+             sig: signal.Signals = signal.SIGTERM) -> None:
+        """Stop the whole process group: ``sig`` (SIGTERM), then SIGKILL after ``timeout_s``
+        seconds; ``kill``: SIGKILL at once (gone as a crash leaves it, without uvicorn's
+        graceful shutdown, which takes seconds).
 
         Idempotent. The group's leader is reaped; any process left in the group afterwards is
         killed too, so no uvicorn worker outlives the test session.
@@ -104,7 +105,7 @@ class MlflowServer:
         self._stopped = True
         pgid = self.process.pid  # start_new_session=True: the leader's pid is the group id
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL if kill else signal.SIGTERM)
+            os.killpg(pgid, signal.SIGKILL if kill else sig)
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -121,6 +122,11 @@ class MlflowServer:
             time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        """The server dies: SIGKILL to the whole group at once (no graceful shutdown, which
+        takes uvicorn a second or two); returns once the group is gone.  Idempotent."""
+        self.stop(sig=signal.SIGKILL)
 
 
 # The process-group leader: runs the command, passes on its exit code, and kills the whole
