@@ -83,12 +83,37 @@ def test_hydra_app_off_by_default_on_with_plus_flag(tmp_path: Path) -> None:
     assert all("gpu/0/util_pct" in r and "train/loss" in r for r in rows)
 
 
-def test_hydra_app_config_group(tmp_path: Path) -> None:
-    sink = tmp_path / "group.jsonl"
+@pytest.fixture(scope="module")
+def hydra_group_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Hydra example with the ``gpu_monitor`` config group and a relative sink path, run as
+    a user runs it, in a folder of its own and without ``GPULENS_EXAMPLE_OUT``: its run dir is
+    ``outputs/hydra_app/<time>/`` there.  Returns that folder.  One launch (torch and Hydra:
+    ~3 s of CPU) for the two tests below."""
+    cwd = tmp_path_factory.mktemp("hydra-group")
     run_example([str(EXAMPLES / "hydra_app" / "train.py"), "+gpu_monitor=default",
-                 "gpu_monitor.interval=0.05", f"gpu_monitor.sinks=[jsonl:{sink}]"], tmp_path,
-                {"GPULENS_EXAMPLE_OUT": str(tmp_path / "out")})
-    assert len(jsonl(sink)) == 8
+                 "gpu_monitor.interval=0.05", "gpu_monitor.sinks=[jsonl:gpu.jsonl]"], cwd)
+    return cwd
+
+
+def hydra_run_dir(cwd: Path) -> Path:
+    (run_dir,) = (cwd / "outputs" / "hydra_app").iterdir()
+    return run_dir
+
+
+@pytest.mark.xdist_group("hydra_group_run")
+def test_hydra_app_config_group(hydra_group_run: Path) -> None:
+    assert len(jsonl(hydra_run_dir(hydra_group_run) / "gpu.jsonl")) == 8
+
+
+@pytest.mark.xdist_group("hydra_group_run")
+def test_hydra_example_writes_under_its_run_dir(hydra_group_run: Path) -> None:
+    """A relative sink path lands in the Hydra run dir, not where the app was started (what a
+    newcomer meets first: the run dir is ignored by git and removed by ``make clean``,
+    tests/test_first_contact.py)."""
+    run_dir = hydra_run_dir(hydra_group_run)
+    assert len(read_rows(run_dir / "gpu.jsonl")) == 8
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+    assert sorted(p.name for p in hydra_group_run.iterdir()) == ["outputs"]  # nothing else left
 
 
 def test_verl_style_one_wandb_record_per_step(tmp_path: Path) -> None:
