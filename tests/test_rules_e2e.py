@@ -115,6 +115,9 @@ def test_simulated_faults_fire_their_rules_and_the_healthy_half_fires_nothing() 
 # -- a Hugging Face Trainer whose dataset turns slow ------------------------------------------
 
 SLOW_AFTER_STEPS = 40
+SLOW_STEPS = 20
+"""The rule must fire within this many steps of the onset: the run ends there (a later firing
+would fail the check as no firing does)."""
 
 
 def test_hf_trainer_with_a_dataset_that_turns_slow_is_input_bound(
@@ -159,7 +162,7 @@ def test_hf_trainer_with_a_dataset_that_turns_slow_is_input_bound(
 
     sink = tmp_path / "rows.jsonl"
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=SLOW_AFTER_STEPS + 30, logging_steps=1,
+        output_dir=str(tmp_path / "out"), max_steps=SLOW_AFTER_STEPS + SLOW_STEPS, logging_steps=1,
         per_device_train_batch_size=batch, learning_rate=1e-3, report_to="none",
         save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
     trainer = transformers.Trainer(
@@ -167,7 +170,7 @@ def test_hf_trainer_with_a_dataset_that_turns_slow_is_input_bound(
         callbacks=[GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)])
     trainer.train()
     rows = read_rows(sink)
-    assert [r["step"] for r in rows] == list(range(1, SLOW_AFTER_STEPS + 31))
+    assert [r["step"] for r in rows] == list(range(1, SLOW_AFTER_STEPS + SLOW_STEPS + 1))
     healthy = [r["perf/data_wait_pct"] for r in rows[5:SLOW_AFTER_STEPS]]
     slow = [r["perf/data_wait_pct"] for r in rows[SLOW_AFTER_STEPS + 1:]]
     # the engine's verdicts, as the record keeps them; judged on input_bound only: the
@@ -177,7 +180,7 @@ def test_hf_trainer_with_a_dataset_that_turns_slow_is_input_bound(
     fired = {e["step"] for e in events if e["name"] == "input_bound" and e["state"] == "firing"}
     assert len(fired) == 1, (events, healthy, slow)
     (step,) = fired
-    assert SLOW_AFTER_STEPS < step <= SLOW_AFTER_STEPS + 20, (step, healthy, slow)
+    assert SLOW_AFTER_STEPS < step <= SLOW_AFTER_STEPS + SLOW_STEPS, (step, healthy, slow)
 
 
 # -- DDP with a rank slow in backward compute (torchrun, gloo) --------------------------------
