@@ -23,6 +23,10 @@ LIMIT_S = 240.0  # bounds a hang: a loaded machine with the suite in workers is 
 
 def run_example(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    # one intra-op thread: torch's default (one per core) spins while its threads wait for
+    # each other, seconds of CPU per launch on this 2-core machine with the suite in several
+    # workers (hf_trainer.py: 6.5-7.8 s of CPU, 4.3 s with one thread)
+    environ["OMP_NUM_THREADS"] = "1"
     environ.update(env or {})
     started = time.monotonic()
     done = subprocess.run([sys.executable, *args], cwd=cwd, env=environ, capture_output=True,

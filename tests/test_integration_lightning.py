@@ -332,7 +332,8 @@ def cli_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
          f"--trainer.logger={pl_name}.loggers.CSVLogger", f"--trainer.logger.save_dir={log_dir}",
          f"--trainer.callbacks+={ours}.GPUMonitorCallback", "--trainer.callbacks.interval=0.05"],
         capture_output=True, text=True, timeout=240, cwd=tmp_path,
-        env=dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1"))
+        env=dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1",
+                 OMP_NUM_THREADS="1"))  # one intra-op thread: see run_example, test_examples
     assert done.returncode == 0, done.stderr[-4000:]
     return CliRun(log_dir=log_dir, sink=sink)
 
