@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from tests.support.jsonl import read_rows
+from tests.support.shared_run import shared_run
 from tests.support.wandb_reader import find_run_file, read_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,11 +93,12 @@ def hydra_group_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Hydra example with the ``gpu_monitor`` config group and a relative sink path, run as
     a user runs it, in a folder of its own and without ``GPULENS_EXAMPLE_OUT``: its run dir is
     ``outputs/hydra_app/<time>/`` there.  Returns that folder.  One launch (torch and Hydra:
-    ~3 s of CPU) for the two tests below."""
-    cwd = tmp_path_factory.mktemp("hydra-group")
-    run_example([str(EXAMPLES / "hydra_app" / "train.py"), "+gpu_monitor=default",
-                 "gpu_monitor.interval=0.05", "gpu_monitor.sinks=[jsonl:gpu.jsonl]"], cwd)
-    return cwd
+    ~3 s of CPU) for the two tests below, whichever workers they run in."""
+    def run(cwd: Path) -> None:
+        run_example([str(EXAMPLES / "hydra_app" / "train.py"), "+gpu_monitor=default",
+                     "gpu_monitor.interval=0.05", "gpu_monitor.sinks=[jsonl:gpu.jsonl]"], cwd)
+
+    return shared_run(tmp_path_factory, "hydra-config-group", run)
 
 
 def hydra_run_dir(cwd: Path) -> Path:
@@ -104,12 +106,10 @@ def hydra_run_dir(cwd: Path) -> Path:
     return run_dir
 
 
-@pytest.mark.xdist_group("hydra_group_run")
 def test_hydra_app_config_group(hydra_group_run: Path) -> None:
     assert len(jsonl(hydra_run_dir(hydra_group_run) / "gpu.jsonl")) == 8
 
 
-@pytest.mark.xdist_group("hydra_group_run")
 def test_hydra_example_writes_under_its_run_dir(hydra_group_run: Path) -> None:
     """A relative sink path lands in the Hydra run dir, not where the app was started (what a
     newcomer meets first: the run dir is ignored by git and removed by ``make clean``,

@@ -10,7 +10,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch import nn
 
 from tests.support.jsonl import read_rows
 from tests.support.mlflow_server import MlflowTracking
+from tests.support.shared_run import shared_run
 from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history
 
@@ -289,67 +289,59 @@ CLI_TRAINER_ARGS = [
 ]
 
 
-@dataclass(frozen=True)
-class CliRun:
-    """What one ``fit`` of the LightningCLI program left: the CSV logger's folder and the JSONL
-    record of the callback the YAML config added."""
-
-    log_dir: Path
-    sink: Path
-
-
 @pytest.fixture(scope="module", params=sorted(PACKAGES))
-def cli_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CliRun:
-    """One ``fit`` per package of the LightningCLI program in a new interpreter, as a user runs
-    it from a shell (each launch imports torch and Lightning: ~5 s of CPU), with a
+def cli_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``fit`` per package and session of the LightningCLI program in a new interpreter, as
+    a user runs it from a shell (each launch imports torch and Lightning: ~5 s of CPU), with a
     ``GPUMonitorCallback`` added both ways a user adds one:
 
-    * in the YAML config (``class_path`` / ``init_args``): its rows go to its JSONL sink only
-      (``to_loggers: false``);
+    * in the YAML config (``class_path`` / ``init_args``): its rows go to its JSONL sink
+      ``gpu.jsonl`` only (``to_loggers: false``);
     * on the command line (``--trainer.callbacks+=...``): its rows go to the CSV logger the
-      command line names, and nowhere else (no sinks).
+      command line names (under ``logs/``), and nowhere else (no sinks).
 
     So the CSV logger's GPU keys come from the command-line callback alone, and the JSONL
-    record from the YAML one alone."""
+    record from the YAML one alone. Returns the folder the program ran in."""
     name = request.param
     pl_name, ours = PACKAGES[name]
     if importlib.util.find_spec(pl_name.partition(".")[0]) is None:  # no import: ~4 s of CPU
         pytest.skip(f"{pl_name} is not installed")
-    tmp_path = tmp_path_factory.mktemp(f"cli-{name}")
-    log_dir, sink, config = tmp_path / "logs", tmp_path / "gpu.jsonl", tmp_path / "config.yaml"
-    config.write_text(
-        "trainer:\n"
-        "  callbacks:\n"
-        f"    - class_path: {ours}.GPUMonitorCallback\n"
-        "      init_args:\n"
-        "        interval: 0.05\n"
-        "        to_loggers: false\n"
-        f"        sinks: ['jsonl:{sink}']\n"
-    )
-    script = write_cli_script(tmp_path, pl_name)
-    done = subprocess.run(
-        [sys.executable, str(script), "fit", f"--config={config}", *CLI_TRAINER_ARGS,
-         f"--trainer.logger={pl_name}.loggers.CSVLogger", f"--trainer.logger.save_dir={log_dir}",
-         f"--trainer.callbacks+={ours}.GPUMonitorCallback", "--trainer.callbacks.interval=0.05"],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
-        env=dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1",
-                 OMP_NUM_THREADS="1"))  # one intra-op thread: see run_example, test_examples
-    assert done.returncode == 0, done.stderr[-4000:]
-    return CliRun(log_dir=log_dir, sink=sink)
+
+    def fit(folder: Path) -> None:
+        config = folder / "config.yaml"
+        config.write_text(
+            "trainer:\n"
+            "  callbacks:\n"
+            f"    - class_path: {ours}.GPUMonitorCallback\n"
+            "      init_args:\n"
+            "        interval: 0.05\n"
+            "        to_loggers: false\n"
+            f"        sinks: ['jsonl:{folder / 'gpu.jsonl'}']\n"
+        )
+        script = write_cli_script(folder, pl_name)
+        done = subprocess.run(
+            [sys.executable, str(script), "fit", f"--config={config}", *CLI_TRAINER_ARGS,
+             f"--trainer.logger={pl_name}.loggers.CSVLogger",
+             f"--trainer.logger.save_dir={folder / 'logs'}",
+             f"--trainer.callbacks+={ours}.GPUMonitorCallback",
+             "--trainer.callbacks.interval=0.05"],
+            capture_output=True, text=True, timeout=240, cwd=folder,
+            env=dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1",
+                     OMP_NUM_THREADS="1"))  # one intra-op thread: see run_example, test_examples
+        assert done.returncode == 0, done.stderr[-4000:]
+
+    return shared_run(tmp_path_factory, f"lightning-cli-{name}", fit)
 
 
-# the two tests share one launch per package: one worker runs both
-@pytest.mark.xdist_group("lightning_cli")
-def test_lightning_cli_adds_callback_from_command_line(cli_run: CliRun) -> None:
-    (metrics,) = cli_run.log_dir.rglob("metrics.csv")
+def test_lightning_cli_adds_callback_from_command_line(cli_run: Path) -> None:
+    (metrics,) = (cli_run / "logs").rglob("metrics.csv")
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
     assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [3, 7]
 
 
-@pytest.mark.xdist_group("lightning_cli")
-def test_lightning_cli_adds_callback_from_yaml(cli_run: CliRun) -> None:
-    assert [r["step"] for r in read_rows(cli_run.sink)] == [3, 7]
+def test_lightning_cli_adds_callback_from_yaml(cli_run: Path) -> None:
+    assert [r["step"] for r in read_rows(cli_run / "gpu.jsonl")] == [3, 7]
 
 
 def test_bad_arguments_fail_at_construction() -> None:
