@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import os
 import statistics
 import sys
@@ -194,12 +195,18 @@ class Schedule:
 
 def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
                       instrument: Instrument | None) -> list[Any]:
-    """``[GPUMonitorCallback(interval)]`` of ``module`` for a gpulens arm, else ``[]``."""
+    """``[GPUMonitorCallback(interval)]`` of ``module`` for a gpulens arm, else ``[]``;
+    ``GPULENS_PATHS_MONITOR_KW`` (JSON) replaces fields of its settings."""
     if kind_of(arm) != "gpulens":
         return []
     import importlib
 
     callback = importlib.import_module(module).GPUMonitorCallback(interval=interval)
+    extra = json.loads(os.environ.get("GPULENS_PATHS_MONITOR_KW") or "{}")
+    if extra:  # which reads cost, e.g. {"gpm": false, "energy": false, "driver_samples": false}
+        import dataclasses
+
+        callback.settings = dataclasses.replace(callback.settings, **extra)
     if instrument is not None:
         instrument(callback, clock)
     return [callback]

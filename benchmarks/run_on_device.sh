@@ -14,7 +14,8 @@
 # and leaves at most 8 files under $OUT (the device tool brings back no more): run.log and the
 # scripts' Markdown and JSON. The overhead scripts rewrite their JSON after every round, so a
 # time limit still leaves figures.
-# Environment: GPULENS_BENCH_BUDGET_S (seconds for an overhead script's rounds, per path for
+# Environment: GPULENS_BENCH_PATHS (paths-hf/-lw: the paths to run instead of the part's two),
+# GPULENS_BENCH_BUDGET_S (seconds for an overhead script's rounds, per path for
 # paths_aa.py; defaults per part below), GPULENS_BENCH_ARGS (extra arguments for the overhead
 # scripts, e.g. --quick to try a part on a CPU).
 set -uo pipefail
@@ -84,6 +85,7 @@ main() {
     paths-hf | paths-lw)
         local which=hf_ls1,hf_ls10
         [ "$PART" = paths-lw ] && which=lightning,wandb_loop
+        which=${GPULENS_BENCH_PATHS:-$which}
         step "paths_aa.py $which" 490 paths_aa.md \
             python3 benchmarks/paths_aa.py --paths "$which" \
             --budget-s "${GPULENS_BENCH_BUDGET_S:-190}" --json "$OUT/paths_aa.json" "${EXTRA[@]}"

@@ -23,6 +23,11 @@ from tests.support.wandb_reader import find_run_file, read_history
 
 ON = {"trainer": {"enable_gpu_monitoring": True, "gpu_monitor_interval": 0.05}}
 GPU_KEY = "gpu/0/util_pct"
+ROW_WAIT_S = 600.0
+"""``max_delay_s`` of the loggers of tests that count every row: a late row is waited for (the
+calls after it queue behind it; ``log()`` never blocks), so a row is given up on only if it
+never comes (``close()`` stops the monitor, which finishes every row), not because a loaded
+machine starved this process or the engine for longer than the default 10 s."""
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +75,7 @@ def assert_rows_follow_their_step(calls: list[tuple[int, dict[str, Any]]]) -> No
 
 def test_calls_go_through_at_once_and_rows_follow_on_their_step() -> None:
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON)
+    logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
     for step in range(1, 9):
         logger.log(data={"actor/loss": float(step), "gpu/0/util_pct_mine": -1.0}, step=step)
     logger.close()
@@ -110,7 +115,7 @@ def test_nothing_waits_for_a_later_call_when_steps_are_long() -> None:
 def test_two_calls_at_one_step_do_not_stall() -> None:
     """verl's SFT trainer logs training, then validation, at the same step."""
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON)
+    logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
     for step in range(1, 9):
         time.sleep(0.05)
         for kind in ("train", "val"):
@@ -128,7 +133,7 @@ def test_two_calls_at_one_step_do_not_stall() -> None:
 def test_start_step_from_the_first_call_or_given() -> None:
     """A run resumed at step 100: the first row counts only the steps run since."""
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON)
+    logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
     for step in range(101, 104):
         time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0}, step=step)
@@ -136,7 +141,7 @@ def test_start_step_from_the_first_call_or_given() -> None:
     assert [(s, d["perf/steps"]) for s, d in rec.gpu_calls()] == [(102, 1), (103, 1)]
 
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON, start_step=100)
+    logger = MergingLogger.from_config(rec, ON, start_step=100, max_delay_s=ROW_WAIT_S)
     for step in range(101, 104):
         time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0}, step=step)
@@ -146,7 +151,7 @@ def test_start_step_from_the_first_call_or_given() -> None:
 
 def test_gpu_keys_go_to_the_trackers_not_the_console() -> None:
     tracking = BackendTracking(["console", "wandb", "mlflow"])
-    logger = MergingLogger.from_config(tracking, ON)
+    logger = MergingLogger.from_config(tracking, ON, max_delay_s=ROW_WAIT_S)
     for step in range(1, 5):
         time.sleep(0.05)
         logger.log(data={"actor/loss": float(step)}, step=step)
@@ -158,7 +163,8 @@ def test_gpu_keys_go_to_the_trackers_not_the_console() -> None:
         assert [s for s, _ in rec.gpu_calls()] == [2, 3, 4]
 
     tracking = BackendTracking(["console", "wandb"])
-    logger = MergingLogger.from_config(tracking, ON, gpu_backends=["console"])
+    logger = MergingLogger.from_config(tracking, ON, gpu_backends=["console"],
+                                       max_delay_s=ROW_WAIT_S)
     for step in (1, 2):
         time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0}, step=step)
@@ -174,7 +180,7 @@ def test_nothing_lost_when_the_logger_is_dropped_without_close() -> None:
     rec = Recorder()
 
     def fit() -> None:
-        logger = MergingLogger.from_config(rec, ON)
+        logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
         for step in range(1, 7):
             time.sleep(0.05)
             logger.log(data={"actor/loss": 1.0}, step=step)
@@ -269,7 +275,7 @@ def test_wandb_gets_one_record_per_step_on_the_trainer_step(wandb_offline: Path)
             wandb.log(data=data, step=step)
 
     wandb.init(project="gpulens-test")
-    logger = MergingLogger.from_config(Tracking(), ON)
+    logger = MergingLogger.from_config(Tracking(), ON, max_delay_s=ROW_WAIT_S)
     for step in range(1, 7):
         time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0 / step}, step=step)
