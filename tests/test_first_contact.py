@@ -1,18 +1,16 @@
 """What a newcomer meets before any GPU figure: `make` says what it installs while pip is
-quiet, and the Hydra example leaves its output under its run dir, which git ignores and
-`make clean` removes."""
+quiet, and the Hydra example leaves its output under its run dir (tests/test_examples.py:
+test_hydra_example_writes_under_its_run_dir, which shares a run of the example), which git
+ignores and `make clean` removes."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from tests.support.jsonl import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,19 +107,3 @@ def test_git_ignores_the_hydra_outputs() -> None:
         proc = subprocess.run([git, "-C", str(ROOT), "check-ignore", "-q", "--no-index", path],
                               capture_output=True, timeout=120)
         assert proc.returncode == 0, f"{path} is not ignored"
-
-
-def test_hydra_example_writes_under_its_run_dir(tmp_path: Path) -> None:
-    """A relative sink path lands in the Hydra run dir, not where the app was started."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "hydra_app" / "train.py"),
-         "+trainer.enable_gpu_monitoring=true", "+trainer.gpu_monitor_interval=0.05",
-         "+trainer.gpu_monitor_sinks=[jsonl:gpu.jsonl]"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = (tmp_path / "outputs" / "hydra_app").iterdir()
-    assert len(read_rows(run_dir / "gpu.jsonl")) == 8
-    assert (run_dir / ".hydra" / "config.yaml").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"]  # nothing else left

@@ -31,6 +31,16 @@ def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
 
 
+@pytest.fixture
+def mlflow_run_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hugging Face logs to MLflow asynchronously, and ending the run joins MLflow's logging
+    thread, which sits up to 1 s in a wait for its queue (~0.7 s a run here). With MLflow's own
+    ``MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS`` that thread waits on its stop event instead (it
+    sends the metrics in batches at most 1 s apart, all of them when the run ends), so the
+    run ends at once; the numbers the run holds are the same."""
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")
+
+
 class Regression(nn.Module):
     """y = w.x with a loss, the smallest model the Trainer accepts; ``fail_at`` raises in the
     forward pass of that call (to test the exception path). ``forward_s``: the
@@ -279,6 +289,7 @@ def _mlflow_steps(tracking: MlflowTracking, run: Any, key: str) -> list[int]:
     return sorted(m.step for m in tracking.client().get_metric_history(run.info.run_id, key))
 
 
+@pytest.mark.usefixtures("mlflow_run_ends_at_once")
 def test_every_train_call_writes_into_the_mlflow_run_of_its_loss(
         tmp_path: Path, mlflow_tracking: MlflowTracking,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,6 +313,7 @@ def test_every_train_call_writes_into_the_mlflow_run_of_its_loss(
     assert perf.value == 4
 
 
+@pytest.mark.usefixtures("mlflow_run_ends_at_once")
 def test_hyper_parameter_trials_each_write_into_their_own_runs(
         tmp_path: Path, mlflow_tracking: MlflowTracking, wandb_offline: Path) -> None:
     """As a search backend does: train(trial=...) again and again on one Trainer. Hugging Face
@@ -335,6 +347,7 @@ class TokenRegression(Regression):
     {"logging_strategy": "epoch", "num_train_epochs": 2, "max_steps": -1},
     {"logging_strategy": "no"},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.usefixtures("mlflow_run_ends_at_once")
 def test_logging_options_one_at_a_time(tmp_path: Path, mlflow_tracking: MlflowTracking,
                                        wandb_offline: Path, options: dict[str, Any]) -> None:
     """Rows on HF's logging steps, in both trackers, whatever logging option is on; the end of

@@ -16,6 +16,8 @@ import pytest
 
 from gpulens import Monitor
 from gpulens.integrations.verl import MergingLogger, RowHandoff
+from gpulens.testing import MemorySink
+from tests.support.wait import wait_until
 from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history
 
@@ -93,13 +95,19 @@ def test_nothing_waits_for_a_later_call_when_steps_are_long() -> None:
     """verl's steps last seconds: each call goes out at once, and the row of a step goes out
     at the next call (before that step's metrics), not held back any longer."""
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON)
+    # rows reach this process's sinks together: when this one has a step's row, so has the
+    # logger's hand-off, and the step has lasted longer than its row took to be finished
+    arrived = MemorySink()
+    logger = MergingLogger.from_config(rec, ON, sinks=[arrived])
     for step in range(1, 5):
+        time.sleep(0.05)  # the step's own work, so that its window holds GPU samples
         logger.log(data={"actor/loss": 1.0}, step=step)
         assert rec.calls[-1] == (step, {"actor/loss": 1.0})  # forwarded inside log()
         if step > 2:
             assert [s for s, _ in rec.gpu_calls()] == list(range(2, step))
-        time.sleep(1.6)  # longer than a row takes to be finished
+        if step > 1:  # the first call starts the first window: no row of its own
+            wait_until(lambda s=step: s in [r.step for r in arrived.rows], timeout=120,
+                       what=f"the row of step {step} in this process")
     logger.close()
     assert [s for s, _ in rec.gpu_calls()] == [2, 3, 4]
 
