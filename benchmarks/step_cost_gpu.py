@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import paired  # noqa: E402
+import paired
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"small": (1024, 4), "medium": (4096, 4)}

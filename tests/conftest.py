@@ -15,6 +15,11 @@ Fixtures
 - ``wandb_offline`` (function): a fresh ``WANDB_DIR`` with W&B offline and quiet; finishes any
   run still open at teardown. Read the run back with ``tests.support.wandb_reader``, after
   ``wait_for_finished_run``.
+
+And a guard: a run that leaves anything new in the repository's folder or the current directory
+(``mlflow.db``, ``mlruns/``, ``wandb/``, ``lightning_logs/`` ...) fails, naming what it left:
+every test writes under its own ``tmp_path``. The controller checks once every worker is done
+(under pytest-xdist the workers share the folder, so no worker could tell whose file it is).
 """
 
 from __future__ import annotations
@@ -71,6 +76,25 @@ def _offline_session_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     reset_wandb()  # finish what is open, stop the wandb-core service this session started
 
 
+# -- the guard: nothing new in the work tree -----------------------------------------------------
+_REPO = Path(__file__).resolve().parents[1]
+_TOOL_CACHES = frozenset({".pytest_cache", ".mypy_cache", ".ruff_cache", "__pycache__",
+                          ".coverage", ".hypothesis"})
+"""Made by the tools themselves (``make test`` runs mypy beside pytest), not by a test."""
+_folders_before = pytest.StashKey[dict[Path, frozenset[str]]]()
+
+
+def _entries(folder: Path) -> frozenset[str]:
+    return frozenset(name for name in os.listdir(folder)
+                     if name not in _TOOL_CACHES and not name.startswith(".coverage."))
+
+
+def _left_behind(before: dict[Path, frozenset[str]]) -> dict[Path, list[str]]:
+    """What is in each folder now that was not there when the run began."""
+    now = {folder: sorted(_entries(folder) - names) for folder, names in before.items()}
+    return {folder: names for folder, names in now.items() if names}
+
+
 # -- one MLflow server for all xdist workers ----------------------------------------------------
 # The controller (the pytest process that starts the workers) starts the server in a thread at
 # configure time, so the workers start meanwhile, and tells each worker the path of a file it
@@ -119,14 +143,34 @@ def _xdist_controller(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller, or a run without workers
+        config.stash[_folders_before] = {
+            folder: _entries(folder) for folder in {_REPO, Path.cwd().resolve()}}
     if _xdist_controller(config):
         config.stash[_shared_mlflow] = _SharedMlflow()
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    shared = config.stash.get(_shared_mlflow, None)
-    if shared is not None:
-        shared.stop()
+_left = pytest.StashKey[dict[Path, list[str]]]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The guard (module docstring): in the controller, after every worker has finished."""
+    before = session.config.stash.get(_folders_before, None)
+    if before is None:
+        return
+    left = session.config.stash[_left] = _left_behind(before)
+    if left and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
+                            config: pytest.Config) -> None:
+    for folder, names in config.stash.get(_left, {}).items():
+        terminalreporter.write_sep("=", "files left in the work tree", red=True, bold=True)
+        terminalreporter.write_line(
+            f"the tests left {', '.join(names)} in {folder}: every test writes under its own "
+            "tmp_path (run the test files one at a time to find which)", red=True)
 
 
 @pytest.hookimpl(optionalhook=True)

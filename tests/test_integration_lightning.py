@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import importlib
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from torch import nn
 
 from tests.support.jsonl import read_rows
 from tests.support.mlflow_server import MlflowTracking
+from tests.support.shared_run import shared_run
 from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history
 
@@ -286,47 +289,59 @@ CLI_TRAINER_ARGS = [
 ]
 
 
-def run_cli(tmp_path: Path, pl_name: str, args: list[str]) -> None:
-    """Run the LightningCLI program in a new interpreter, as a user would from a shell."""
-    script = write_cli_script(tmp_path, pl_name)
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                          timeout=240, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
+@pytest.fixture(scope="module", params=sorted(PACKAGES))
+def cli_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``fit`` per package and session of the LightningCLI program in a new interpreter, as
+    a user runs it from a shell (each launch imports torch and Lightning: ~5 s of CPU), with a
+    ``GPUMonitorCallback`` added both ways a user adds one:
 
+    * in the YAML config (``class_path`` / ``init_args``): its rows go to its JSONL sink
+      ``gpu.jsonl`` only (``to_loggers: false``);
+    * on the command line (``--trainer.callbacks+=...``): its rows go to the CSV logger the
+      command line names (under ``logs/``), and nowhere else (no sinks).
 
-@pytest.mark.parametrize("name", sorted(PACKAGES))
-def test_lightning_cli_adds_callback_from_command_line(name: str, tmp_path: Path) -> None:
+    So the CSV logger's GPU keys come from the command-line callback alone, and the JSONL
+    record from the YAML one alone. Returns the folder the program ran in."""
+    name = request.param
     pl_name, ours = PACKAGES[name]
-    pytest.importorskip(pl_name)
-    log_dir = tmp_path / "logs"
-    run_cli(tmp_path, pl_name, ["fit", *CLI_TRAINER_ARGS,
-                 f"--trainer.logger={pl_name}.loggers.CSVLogger",
-                 f"--trainer.logger.save_dir={log_dir}",
-                 f"--trainer.callbacks+={ours}.GPUMonitorCallback",
-                 "--trainer.callbacks.interval=0.05"])
-    (metrics,) = log_dir.rglob("metrics.csv")
+    if importlib.util.find_spec(pl_name.partition(".")[0]) is None:  # no import: ~4 s of CPU
+        pytest.skip(f"{pl_name} is not installed")
+
+    def fit(folder: Path) -> None:
+        config = folder / "config.yaml"
+        config.write_text(
+            "trainer:\n"
+            "  callbacks:\n"
+            f"    - class_path: {ours}.GPUMonitorCallback\n"
+            "      init_args:\n"
+            "        interval: 0.05\n"
+            "        to_loggers: false\n"
+            f"        sinks: ['jsonl:{folder / 'gpu.jsonl'}']\n"
+        )
+        script = write_cli_script(folder, pl_name)
+        done = subprocess.run(
+            [sys.executable, str(script), "fit", f"--config={config}", *CLI_TRAINER_ARGS,
+             f"--trainer.logger={pl_name}.loggers.CSVLogger",
+             f"--trainer.logger.save_dir={folder / 'logs'}",
+             f"--trainer.callbacks+={ours}.GPUMonitorCallback",
+             "--trainer.callbacks.interval=0.05"],
+            capture_output=True, text=True, timeout=240, cwd=folder,
+            env=dict(os.environ, GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1",
+                     OMP_NUM_THREADS="1"))  # one intra-op thread: see run_example, test_examples
+        assert done.returncode == 0, done.stderr[-4000:]
+
+    return shared_run(tmp_path_factory, f"lightning-cli-{name}", fit)
+
+
+def test_lightning_cli_adds_callback_from_command_line(cli_run: Path) -> None:
+    (metrics,) = (cli_run / "logs").rglob("metrics.csv")
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
     assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [3, 7]
 
 
-@pytest.mark.parametrize("name", sorted(PACKAGES))
-def test_lightning_cli_adds_callback_from_yaml(name: str, tmp_path: Path) -> None:
-    pl_name, ours = PACKAGES[name]
-    pytest.importorskip(pl_name)
-    sink = tmp_path / "gpu.jsonl"
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        "trainer:\n"
-        "  logger: false\n"
-        "  callbacks:\n"
-        f"    - class_path: {ours}.GPUMonitorCallback\n"
-        "      init_args:\n"
-        "        interval: 0.05\n"
-        f"        sinks: ['jsonl:{sink}']\n"
-    )
-    run_cli(tmp_path, pl_name, ["fit", f"--config={config}", *CLI_TRAINER_ARGS])
-    assert [r["step"] for r in read_rows(sink)] == [3, 7]
+def test_lightning_cli_adds_callback_from_yaml(cli_run: Path) -> None:
+    assert [r["step"] for r in read_rows(cli_run / "gpu.jsonl")] == [3, 7]
 
 
 def test_bad_arguments_fail_at_construction() -> None:

@@ -31,38 +31,60 @@ def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
 
 
+@pytest.fixture
+def mlflow_run_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hugging Face logs to MLflow asynchronously, and ending the run joins MLflow's logging
+    thread, which sits up to 1 s in a wait for its queue (~0.7 s a run here). With MLflow's own
+    ``MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS`` that thread waits on its stop event instead (it
+    sends the metrics in batches at most 1 s apart, all of them when the run ends), so the
+    run ends at once; the numbers the run holds are the same."""
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")
+
+
 class Regression(nn.Module):
     """y = w.x with a loss, the smallest model the Trainer accepts; ``fail_at`` raises in the
-    forward pass of that call (to test the exception path)."""
+    forward pass of that call (to test the exception path). ``forward_s``: the
+    ``perf_counter`` seconds each forward pass took."""
 
     def __init__(self, fail_at: int | None = None) -> None:
         super().__init__()
         self.linear = nn.Linear(8, 1)
         self.calls = 0
         self.fail_at = fail_at
+        self.forward_s: list[float] = []
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
         self.calls += 1
         if self.fail_at is not None and self.calls >= self.fail_at:
             raise RuntimeError("boom")
         pred = self.linear(x).squeeze(-1)
-        return {"loss": nn.functional.mse_loss(pred, labels), "logits": pred}
+        out = {"loss": nn.functional.mse_loss(pred, labels), "logits": pred}
+        self.forward_s.append(time.perf_counter() - t0)
+        return out
 
 
 class Points(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """``n`` samples, each fetched in at least ``delay_s`` seconds; ``fetch_s``: the
+    ``perf_counter`` seconds each fetch took, in the order of the fetches."""
+
     def __init__(self, n: int = 256, delay_s: float = 0.0) -> None:
         gen = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 8, generator=gen)
         self.y = self.x.sum(-1)
         self.delay_s = delay_s
+        self.fetch_s: list[float] = []
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
-        return {"x": self.x[i], "labels": self.y[i]}
+        sample = {"x": self.x[i], "labels": self.y[i]}
+        self.fetch_s.append(time.perf_counter() - t0)
+        return sample
 
 
 def make_trainer(tmp_path: Path, callback: GPUMonitorCallback, *, report_to: Any = "none",
@@ -163,19 +185,29 @@ def test_evaluation_logs_make_no_row(tmp_path: Path) -> None:
 
 
 def test_data_wait_share_follows_a_slow_dataloader(tmp_path: Path) -> None:
-    def run(delay_s: float, name: str) -> float:
-        sink = tmp_path / f"{name}.jsonl"
-        trainer = make_trainer(tmp_path / name,
-                               GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
-                               max_steps=8, logging_steps=8, dataset=Points(delay_s=delay_s))
-        trainer.train()
-        (row,) = read_jsonl(sink)
-        return float(row["perf/data_wait_pct"])
+    """The loader's time lands in the data wait, the model's in forward/backward.
 
-    slow = run(0.01, "slow")  # 4 samples x 10 ms per step: fetching dominates a tiny model
-    fast = run(0.0, "fast")
-    assert slow > 70.0
-    assert fast < slow / 2
+    Compared within the run on one clock (the phases and the dataset's and model's own timings
+    are all ``perf_counter`` readings of the training thread): each fetch lies inside a data
+    wait and each forward pass inside a forward/backward phase, so the sums compare the same
+    way however long the process is starved of CPU (a stall inside a fetch lengthens both
+    sides, one elsewhere only a phase), where shares between two runs would not."""
+    sink = tmp_path / "gpu.jsonl"
+    model, data = Regression(), Points(delay_s=0.01)  # 4 samples x >= 10 ms per step
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+                           max_steps=8, logging_steps=8, model=model, dataset=data)
+    trainer.train()
+    (row,) = read_jsonl(sink)
+    assert row["perf/steps"] == 8
+    wait, work, opt = (8 * row[f"perf/{p}_s"] for p in ("data_wait", "forward_backward",
+                                                       "optimizer"))
+    # the fetches of the 8 steps' batches (the loader may fetch one batch ahead: inside the
+    # last step's data wait too, but left out here)
+    fetched = sum(data.fetch_s[:8 * 4])
+    assert len(data.fetch_s) >= 8 * 4 and fetched >= 8 * 4 * 0.01
+    assert wait >= fetched - 1e-6
+    assert len(model.forward_s) == 8 and work >= sum(model.forward_s) - 1e-6
+    assert row["perf/data_wait_pct"] == pytest.approx(100 * wait / (wait + work + opt))
 
 
 def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path,
@@ -257,6 +289,7 @@ def _mlflow_steps(tracking: MlflowTracking, run: Any, key: str) -> list[int]:
     return sorted(m.step for m in tracking.client().get_metric_history(run.info.run_id, key))
 
 
+@pytest.mark.usefixtures("mlflow_run_ends_at_once")
 def test_every_train_call_writes_into_the_mlflow_run_of_its_loss(
         tmp_path: Path, mlflow_tracking: MlflowTracking,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,6 +313,7 @@ def test_every_train_call_writes_into_the_mlflow_run_of_its_loss(
     assert perf.value == 4
 
 
+@pytest.mark.usefixtures("mlflow_run_ends_at_once")
 def test_hyper_parameter_trials_each_write_into_their_own_runs(
         tmp_path: Path, mlflow_tracking: MlflowTracking, wandb_offline: Path) -> None:
     """As a search backend does: train(trial=...) again and again on one Trainer. Hugging Face
@@ -313,6 +347,7 @@ class TokenRegression(Regression):
     {"logging_strategy": "epoch", "num_train_epochs": 2, "max_steps": -1},
     {"logging_strategy": "no"},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.usefixtures("mlflow_run_ends_at_once")
 def test_logging_options_one_at_a_time(tmp_path: Path, mlflow_tracking: MlflowTracking,
                                        wandb_offline: Path, options: dict[str, Any]) -> None:
     """Rows on HF's logging steps, in both trackers, whatever logging option is on; the end of

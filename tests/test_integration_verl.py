@@ -16,11 +16,18 @@ import pytest
 
 from gpulens import Monitor
 from gpulens.integrations.verl import MergingLogger, RowHandoff
+from gpulens.testing import MemorySink
+from tests.support.wait import wait_until
 from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history
 
 ON = {"trainer": {"enable_gpu_monitoring": True, "gpu_monitor_interval": 0.05}}
 GPU_KEY = "gpu/0/util_pct"
+ROW_WAIT_S = 600.0
+"""``max_delay_s`` of the loggers of tests that count every row: a late row is waited for (the
+calls after it queue behind it; ``log()`` never blocks), so a row is given up on only if it
+never comes (``close()`` stops the monitor, which finishes every row), not because a loaded
+machine starved this process or the engine for longer than the default 10 s."""
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +75,7 @@ def assert_rows_follow_their_step(calls: list[tuple[int, dict[str, Any]]]) -> No
 
 def test_calls_go_through_at_once_and_rows_follow_on_their_step() -> None:
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON)
+    logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
     for step in range(1, 9):
         logger.log(data={"actor/loss": float(step), "gpu/0/util_pct_mine": -1.0}, step=step)
     logger.close()
@@ -88,13 +95,19 @@ def test_nothing_waits_for_a_later_call_when_steps_are_long() -> None:
     """verl's steps last seconds: each call goes out at once, and the row of a step goes out
     at the next call (before that step's metrics), not held back any longer."""
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON)
+    # rows reach this process's sinks together: when this one has a step's row, so has the
+    # logger's hand-off, and the step has lasted longer than its row took to be finished
+    arrived = MemorySink()
+    logger = MergingLogger.from_config(rec, ON, sinks=[arrived])
     for step in range(1, 5):
+        time.sleep(0.05)  # the step's own work, so that its window holds GPU samples
         logger.log(data={"actor/loss": 1.0}, step=step)
         assert rec.calls[-1] == (step, {"actor/loss": 1.0})  # forwarded inside log()
         if step > 2:
             assert [s for s, _ in rec.gpu_calls()] == list(range(2, step))
-        time.sleep(1.6)  # longer than a row takes to be finished
+        if step > 1:  # the first call starts the first window: no row of its own
+            wait_until(lambda s=step: s in [r.step for r in arrived.rows], timeout=120,
+                       what=f"the row of step {step} in this process")
     logger.close()
     assert [s for s, _ in rec.gpu_calls()] == [2, 3, 4]
 
@@ -102,7 +115,7 @@ def test_nothing_waits_for_a_later_call_when_steps_are_long() -> None:
 def test_two_calls_at_one_step_do_not_stall() -> None:
     """verl's SFT trainer logs training, then validation, at the same step."""
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON)
+    logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
     for step in range(1, 9):
         time.sleep(0.05)
         for kind in ("train", "val"):
@@ -120,7 +133,7 @@ def test_two_calls_at_one_step_do_not_stall() -> None:
 def test_start_step_from_the_first_call_or_given() -> None:
     """A run resumed at step 100: the first row counts only the steps run since."""
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON)
+    logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
     for step in range(101, 104):
         time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0}, step=step)
@@ -128,7 +141,7 @@ def test_start_step_from_the_first_call_or_given() -> None:
     assert [(s, d["perf/steps"]) for s, d in rec.gpu_calls()] == [(102, 1), (103, 1)]
 
     rec = Recorder()
-    logger = MergingLogger.from_config(rec, ON, start_step=100)
+    logger = MergingLogger.from_config(rec, ON, start_step=100, max_delay_s=ROW_WAIT_S)
     for step in range(101, 104):
         time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0}, step=step)
@@ -138,7 +151,7 @@ def test_start_step_from_the_first_call_or_given() -> None:
 
 def test_gpu_keys_go_to_the_trackers_not_the_console() -> None:
     tracking = BackendTracking(["console", "wandb", "mlflow"])
-    logger = MergingLogger.from_config(tracking, ON)
+    logger = MergingLogger.from_config(tracking, ON, max_delay_s=ROW_WAIT_S)
     for step in range(1, 5):
         time.sleep(0.05)
         logger.log(data={"actor/loss": float(step)}, step=step)
@@ -150,7 +163,8 @@ def test_gpu_keys_go_to_the_trackers_not_the_console() -> None:
         assert [s for s, _ in rec.gpu_calls()] == [2, 3, 4]
 
     tracking = BackendTracking(["console", "wandb"])
-    logger = MergingLogger.from_config(tracking, ON, gpu_backends=["console"])
+    logger = MergingLogger.from_config(tracking, ON, gpu_backends=["console"],
+                                       max_delay_s=ROW_WAIT_S)
     for step in (1, 2):
         time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0}, step=step)
@@ -166,7 +180,7 @@ def test_nothing_lost_when_the_logger_is_dropped_without_close() -> None:
     rec = Recorder()
 
     def fit() -> None:
-        logger = MergingLogger.from_config(rec, ON)
+        logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
         for step in range(1, 7):
             time.sleep(0.05)
             logger.log(data={"actor/loss": 1.0}, step=step)
@@ -261,7 +275,7 @@ def test_wandb_gets_one_record_per_step_on_the_trainer_step(wandb_offline: Path)
             wandb.log(data=data, step=step)
 
     wandb.init(project="gpulens-test")
-    logger = MergingLogger.from_config(Tracking(), ON)
+    logger = MergingLogger.from_config(Tracking(), ON, max_delay_s=ROW_WAIT_S)
     for step in range(1, 7):
         time.sleep(0.05)
         logger.log(data={"actor/loss": 1.0 / step}, step=step)

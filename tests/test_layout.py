@@ -8,11 +8,17 @@
   the distributed gather) nor the test doubles of :mod:`gpulens.testing`.
 * No file under ``src/`` is longer than 600 lines.
 * :mod:`gpulens.model` imports nothing of gpulens but :mod:`gpulens.schema`.
+* No block of six or more code lines stands in two files of one group (the rules; the sinks;
+  the integrations: the framework callbacks, the session they share, the others).  A line is
+  compared without its white space and comments; blank and comment-only lines are passed
+  over.  What two files of a group share belongs in one helper.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -34,6 +40,14 @@ SINK_MACHINERY: dict[str, frozenset[str]] = {
 CLIENT = ("gpulens.monitor", "gpulens.integrations", "gpulens.cli", "gpulens.distributed",
           "gpulens.testing")
 MAX_LINES = 600
+SHARED_LINES = 6
+"""Code lines in a row that two files of a group may not share."""
+GROUPS: dict[str, list[Path]] = {
+    "rules": sorted((PACKAGE / "engine" / "rules").glob("*.py")),
+    "sinks": sorted((PACKAGE / "sinks").glob("*.py")),
+    # the framework callbacks, the session they share and the other integrations
+    "integrations": sorted((PACKAGE / "integrations").glob("*.py")),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -119,3 +133,67 @@ def test_model_imports_only_the_schema_of_gpulens() -> None:
     ours = sorted({module for module, _ in _imports(path)
                    if _within(module, "gpulens") and module != "gpulens.schema"})
     assert not ours, f"gpulens.model imports {ours}"
+
+
+def _code_lines(text: str) -> list[tuple[int, str]]:
+    """``(line number, the line without white space and comment)`` of each line that has code
+    (docstrings count as code; a ``#`` inside a string is not a comment)."""
+    cut: dict[int, int] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            cut[tok.start[0]] = tok.start[1]
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        code = "".join(line[:cut.get(number, len(line))].split())
+        if code:
+            out.append((number, code))
+    return out
+
+
+def shared_blocks(files: dict[str, str], n: int = SHARED_LINES) -> list[str]:
+    """Each longest run of ``n`` or more code lines (:func:`_code_lines`) that two of ``files``
+    (name -> text) share, as ``"a.py:3-10 ~ b.py:40-47"``."""
+    lines = {name: _code_lines(text) for name, text in files.items()}
+    seen: dict[tuple[str, ...], list[tuple[str, int]]] = {}
+    for name, code in lines.items():
+        for k in range(len(code) - n + 1):
+            seen.setdefault(tuple(c for _, c in code[k:k + n]), []).append((name, k))
+    # a window that stands in two files; windows that follow one another on both sides
+    # make one block
+    starts = sorted({(a, i, b, j) for places in seen.values() for a, i in places
+                     for b, j in places if a < b})
+    blocks: list[str] = []
+    taken = set(starts)
+    for a, i, b, j in starts:
+        if (a, i - 1, b, j - 1) in taken:
+            continue  # inside a block begun above
+        length = n
+        while (a, i + length - n + 1, b, j + length - n + 1) in taken:
+            length += 1
+        blocks.append(f"{a}:{lines[a][i][0]}-{lines[a][i + length - 1][0]} ~ "
+                      f"{b}:{lines[b][j][0]}-{lines[b][j + length - 1][0]}")
+    return blocks
+
+
+def test_shared_blocks_finds_a_copied_block_whatever_its_spacing_and_comments() -> None:
+    body = [f"x{k} = f(x{k - 1}, {k})" for k in range(1, 9)]
+    one = "def a():\n" + "".join(f"    {line}\n" for line in body) + "    return 1\n"
+    # the same eight lines at another indentation, spaced out and commented
+    two = ("class B:\n    def b(self):\n" + "".join(
+        f"        {line.replace(' = ', '=')}  # step {k}\n\n        # a note\n"
+        for k, line in enumerate(body)) + "        return 2\n")
+    assert shared_blocks({"one.py": one, "two.py": two}) == ["one.py:2-9 ~ two.py:3-24"]
+    # five lines in common are allowed; a string holding "#" is code, not a comment
+    five = "".join(f"{line}\n" for line in body[:5]) + "y = '# not a comment'\n"
+    assert shared_blocks({"one.py": one, "five.py": five}) == []
+    assert shared_blocks({"one.py": one}) == []  # a file may repeat itself: not this check
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_no_block_of_six_lines_stands_in_two_files_of_a_group(group: str) -> None:
+    paths = GROUPS[group]
+    assert len(paths) >= 5 and all(p.is_file() for p in paths), paths
+    shared = shared_blocks({str(p.relative_to(PACKAGE)): p.read_text(encoding="utf-8")
+                            for p in paths})
+    assert not shared, (f"the {group} share blocks of {SHARED_LINES}+ lines (move them into "
+                        f"one helper): " + "; ".join(shared))

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +117,7 @@ import gpulens
 from gpulens.testing import SimulatedNVML
 from gpulens.testing import Constant
 
-path = sys.argv[1]
-time.sleep(1.5)  # the watch starts first: it waits for the file
+path = sys.argv[1]  # the watch is already waiting for it
 with gpulens.Monitor(backend=SimulatedNVML(gpus=1, load=Constant(0.15)), interval=0.05,
                      sinks=[f"jsonl:{path}"], dtype="bf16", flops_per_token=7.44e8) as mon:
     for step in range(1, 61):
@@ -161,9 +159,14 @@ def test_live_view_follows_a_training_at_80_columns(tmux: list[str], tmp_path: P
             steps.append(int(m["step"]))
 
         settled(tmux, check, timeout=120)
-        time.sleep(1.0)
-        settled(tmux, check)
-        assert steps[-1] > steps[0]  # it follows the training as it goes
+        first = steps[-1]
+
+        def later(screen: str) -> None:
+            check(screen)
+            assert steps[-1] > first, f"still step {first}"
+
+        settled(tmux, later, timeout=120)  # it follows the training as it goes
+        assert steps[-1] > steps[0]
         screen = wait_for(tmux, r"Alerts firing: input_bound \(step \d+\)", timeout=120)
         assert re.search(r"^  try \(input_bound\): Feed the GPUs faster", screen, re.M), screen
         assert trainer.wait(timeout=240) == 0, trainer.stderr.read() if trainer.stderr else ""

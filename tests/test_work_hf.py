@@ -284,11 +284,12 @@ def test_tokens_seen_delta() -> None:
     assert input_tokens_mode(SimpleNamespace(include_num_input_tokens_seen="no")) == "no"
 
 
-def test_dtype_from_training_args() -> None:
+def test_dtype_from_training_args(tmp_path: Path) -> None:
     assert dtype_from_training_args(SimpleNamespace(bf16=True, fp16=False)) == "bf16"
     assert dtype_from_training_args(SimpleNamespace(bf16=False, fp16=True)) == "fp16"
     assert dtype_from_training_args(SimpleNamespace(bf16=False, fp16=False, tf32=True)) == "tf32"
-    real = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    real = transformers.TrainingArguments(output_dir=str(tmp_path / "unused"), use_cpu=True,
+                                          report_to=[])
     assert dtype_from_training_args(real) == "fp32"
     half_model = _tiny_llama().to(torch.bfloat16)  # a model loaded in bf16, no autocast
     assert dtype_from_training_args(real, half_model) == "bf16"

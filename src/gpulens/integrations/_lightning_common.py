@@ -13,13 +13,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpulens.integrations import _lightning_internals as internals
-from gpulens.integrations.phases import StepPhases
-from gpulens.integrations.session import TrainingSession, monitor_for_run
+from gpulens.integrations.session import SessionCallback, TrainingSession, monitor_for_run
 from gpulens.log import warn_once
 from gpulens.model import Row, RunContext
-from gpulens.monitor import Monitor
-from gpulens.settings import Settings
-from gpulens.sinks import SinkSpec, as_sink
+from gpulens.sinks import SinkSpec
 from gpulens.sinks.base import Sink
 
 DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on the steps where
@@ -145,7 +142,7 @@ class LoggersSink:
             logger.save()
 
 
-class GPUMonitorHooks:
+class GPUMonitorHooks(SessionCallback):
     """Hook implementations; mixed into each package's ``Callback``."""
 
     def __init__(
@@ -159,26 +156,10 @@ class GPUMonitorHooks:
         work: bool = True,
         tracker_keys: str | None = None,
     ) -> None:
-        super().__init__()
-        self.sinks: list[str | Sink] = list(sinks or ())
-        # the arguments checked now, by the core's own checks (nothing starts here); each
-        # fit's monitor is made from them with that fit's sinks and dtype
-        self.settings = Settings(gpus=None if gpus is None else tuple(gpus), interval=interval,
-                                 sinks=tuple(as_sink(s) for s in self.sinks), backend=backend)
-        from gpulens.sinks.layout import resolve_keys
-
-        self.tracker_keys = resolve_keys(tracker_keys)
+        super().__init__(sinks, interval, gpus, backend, tracker_keys, phases, work)
         self.to_loggers = to_loggers
-        self.time_phases = phases
-        self.count_work = work
-        self.session: TrainingSession | None = None
         self._train_keys = False
         """Rows carry the module's logged metrics as ``train/*`` (an extra sink wants them)."""
-
-    @property
-    def monitor(self) -> Monitor | None:
-        """The running fit's monitor (``None`` outside ``fit``)."""
-        return self.session.monitor if self.session is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -200,15 +181,12 @@ class GPUMonitorHooks:
             dtype = dtype_from_lightning_precision(getattr(trainer, "precision", None))
             work = _BatchWork(pl_module)
         done = internals.steps_done(trainer)
-        phases = None
-        if self.time_phases:
-            phases = StepPhases(cuda=getattr(pl_module.device, "type", None) == "cuda")
         # Rows are stamped with Lightning's logging step, which counts the optimizer steps
         # *before* the batch (4 after the fifth): a window that starts with training (or at a
         # resumed fit's restored step) starts one below, so the first row counts every step.
         self.session = TrainingSession(
             monitor_for_run(self.settings, sinks, dtype), start_step=done - 1,
-            steps_done=done, phases=phases, work=work).start()
+            steps_done=done, phases=self._phases(pl_module.device), work=work).start()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._stop()
@@ -219,11 +197,6 @@ class GPUMonitorHooks:
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._stop()
-
-    def _stop(self, collective: bool = True) -> None:
-        session, self.session = self.session, None
-        if session is not None:
-            session.stop(collective=collective)
 
     # -- step anatomy ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,

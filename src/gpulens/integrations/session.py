@@ -34,6 +34,9 @@ What it guarantees:
   the monitor and the counter, never the session or the callback, so a dropped callback is
   collected as soon as its last reference goes.
 
+:class:`SessionCallback` is what the two callbacks hold between hooks: their arguments, checked
+when the callback is made, and the running session.
+
 :class:`StepGate` is the window rule of the integrations that are fed by a loop's own log calls
 at the loop's own steps (Accelerate's tracker, verl's logger).
 """
@@ -41,7 +44,7 @@ at the loop's own steps (Accelerate's tracker, verl's logger).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from enum import Enum
 from typing import Any, Protocol
@@ -52,7 +55,8 @@ from gpulens.settings import Settings, normalize_run_dtype
 from gpulens.sinks import SinkSpec, as_sink
 from gpulens.sinks.base import Sink
 
-__all__ = ["GateAction", "StepGate", "TrainingSession", "WorkSource", "monitor_for_run"]
+__all__ = ["GateAction", "SessionCallback", "StepGate", "TrainingSession", "WorkSource",
+           "monitor_for_run"]
 
 
 def monitor_for_run(settings: Settings, sinks: Iterable[str | SinkSpec | Sink],
@@ -169,6 +173,48 @@ class TrainingSession:
             values.update(self.work.take_deferred())
         self.monitor.log(step, **values)
         self.steps_done = int(steps_done)
+
+
+class SessionCallback:
+    """What a framework callback keeps between hooks (mixed into the Hugging Face and Lightning
+    callbacks): its arguments, checked when it is made by the core's own checks (nothing starts
+    then; each training run's monitor is made from them with that run's sinks and dtype), and
+    the :class:`TrainingSession` of the running training run.
+
+    Args: as the callbacks' (``sinks``, ``interval``, ``gpus``, ``backend``, ``tracker_keys``,
+    ``phases``, ``work``).
+    """
+
+    def __init__(self, sinks: Sequence[str | Sink] | None, interval: float,
+                 gpus: Sequence[int] | None, backend: str | None, tracker_keys: str | None,
+                 phases: bool, work: bool) -> None:
+        super().__init__()
+        from gpulens.sinks.layout import resolve_keys
+
+        self.sinks: list[str | Sink] = list(sinks or ())
+        self.settings = Settings(gpus=None if gpus is None else tuple(gpus), interval=interval,
+                                 sinks=tuple(as_sink(s) for s in self.sinks), backend=backend)
+        self.tracker_keys = resolve_keys(tracker_keys)
+        self.time_phases = phases
+        self.count_work = work
+        self.session: TrainingSession | None = None
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The running training run's monitor (``None`` outside one)."""
+        return self.session.monitor if self.session is not None else None
+
+    def _phases(self, device: Any) -> StepPhases | None:
+        """The phase timer of a run on ``device`` (on the GPU's timeline for a CUDA device);
+        ``None`` when phases are off."""
+        if not self.time_phases:
+            return None
+        return StepPhases(cuda=getattr(device, "type", None) == "cuda")
+
+    def _stop(self, collective: bool = True) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.stop(collective=collective)
 
 
 class GateAction(Enum):

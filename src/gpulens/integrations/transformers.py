@@ -79,11 +79,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpulens.integrations.phases import StepPhases
-from gpulens.integrations.session import TrainingSession, WorkSource, monitor_for_run
-from gpulens.monitor import Monitor
-from gpulens.settings import Settings
-from gpulens.sinks import SinkSpec, as_sink, check_sinks, sink_spec
+from gpulens.integrations.session import (
+    SessionCallback,
+    TrainingSession,
+    WorkSource,
+    monitor_for_run,
+)
+from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
 from gpulens.sinks.wandb import WandbSink
 
@@ -101,7 +103,7 @@ __all__ = ["GPUMonitorCallback"]
 log = logging.getLogger(__name__)
 
 
-class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
+class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Writes a GPU telemetry row at each Hugging Face training log (see the module docstring
     for every key and hook).
 
@@ -145,25 +147,10 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         work: bool = True,
         tracker_keys: str | None = None,
     ) -> None:
-        from gpulens.sinks.layout import resolve_keys
-
-        self.tracker_keys = resolve_keys(tracker_keys)
-        self.sinks: list[str | Sink] = list(sinks or ())
-        # the arguments checked now, by the core's own checks (nothing starts here); each
-        # train() call's monitor is made from them with that call's sinks and dtype
-        self.settings = Settings(gpus=None if gpus is None else tuple(gpus), interval=interval,
-                                 sinks=tuple(as_sink(s) for s in self.sinks), backend=backend)
+        super().__init__(sinks, interval, gpus, backend, tracker_keys, phases, work)
         self.follow_report_to = follow_report_to
-        self.time_phases = phases
-        self.count_work = work
-        self.session: TrainingSession | None = None
         self._tail: tuple[int, dict[str, float]] | None = None
         self._mlflow_run: Any = None
-
-    @property
-    def monitor(self) -> Monitor | None:
-        """The running ``train()`` call's monitor (``None`` outside one)."""
-        return self.session.monitor if self.session is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -177,13 +164,10 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             self._mlflow_run = _ensure_mlflow_run(args)
         self._tail = None
         step = int(state.global_step)
-        phases = None
-        if self.time_phases:
-            phases = StepPhases(cuda=getattr(getattr(args, "device", None), "type", None) ==
-                                "cuda")
         # a resumed run starts its windows at the restored step
         work: WorkSource | None = counter.attach(model) if counter is not None else None
-        self.session = TrainingSession(monitor, start_step=step, steps_done=step, phases=phases,
+        self.session = TrainingSession(monitor, start_step=step, steps_done=step,
+                                       phases=self._phases(getattr(args, "device", None)),
                                        work=work).start()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -200,10 +184,8 @@ class GPUMonitorCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             _end_mlflow_run(run)
 
     def _stop(self, collective: bool = True) -> None:
-        session, self.session = self.session, None
         self._tail = None
-        if session is not None:
-            session.stop(collective=collective)
+        super()._stop(collective)
 
     # -- step anatomy ----------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

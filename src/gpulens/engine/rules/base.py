@@ -1,5 +1,6 @@
 """The machinery every rule shares: observation levels, a subject's evidence (:class:`Track`),
-one row split by subject (:class:`RowView`) and the base class :class:`Rule`.
+one row split by subject (:class:`RowView`), the base class :class:`Rule` and, for the rules
+judged one GPU at a time, :class:`GpuRule` (the walk over the row's GPUs is there, once).
 """
 
 from __future__ import annotations
@@ -101,6 +102,16 @@ class RowView:
     levels: dict[str, dict[str, int]] = field(default_factory=dict)
     """Levels already observed in this row, by rule and subject (for suppression)."""
 
+    def obs(self, level: int, figures: dict[str, float], *, force: bool = False,
+            sampled: bool = True) -> Obs:
+        """An observation at this row's time and step (see :class:`Obs`)."""
+        return Obs(self.time, self.step, level, figures, force=force, sampled=sampled)
+
+
+def pick(figures: Mapping[str, float], keys: Iterable[str]) -> dict[str, float]:
+    """The figures among ``keys`` that ``figures`` has (in the order of ``keys``)."""
+    return {k: figures[k] for k in keys if k in figures}
+
 
 def fmt(v: float, unit: str = "") -> str:
     if unit == "%":
@@ -163,3 +174,31 @@ class Rule:
         if all(t.at_fire(v) for t, v in checks):
             return FIRE
         return BETWEEN
+
+    def judge(self, **values: float) -> int:
+        """:meth:`level` of the spec's thresholds named by the keywords, each against its
+        value: ``self.judge(sm_busy=sm, tensor_share=share)``."""
+        return self.level((self.spec.threshold(name), v) for name, v in values.items())
+
+
+class GpuRule(Rule):
+    """A rule judged on each GPU of a row apart (subject ``"gpu"``): :meth:`observe` walks the
+    row's GPUs, :meth:`observe_gpu` says what one GPU's figures show."""
+
+    active_only = False
+    """Judge only the GPUs the job has been seen using (:attr:`RowView.active`)."""
+
+    def observe(self, view: RowView) -> dict[str, Obs]:
+        out: dict[str, Obs] = {}
+        for i, g in view.gpus.items():
+            if self.active_only and i not in view.active:
+                continue
+            o = self.observe_gpu(view, i, g)
+            if o is not None:
+                out[str(i)] = o
+        return out
+
+    def observe_gpu(self, view: RowView, i: int, g: Mapping[str, float]) -> Obs | None:
+        """GPU ``i``'s observation from its figures ``g`` in this row; ``None`` where the row
+        lacks what the rule reads."""
+        raise NotImplementedError

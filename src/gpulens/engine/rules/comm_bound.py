@@ -74,11 +74,9 @@ class CommBound(Rule):
             return {}
         self.peak = max(self.peak, rate)
         share = 100 * rate / self.peak
-        level = self.level([(self.spec.threshold("sm_active"), sm),
-                            (self.spec.threshold("link_share"), share)])
-        return {"job": Obs(view.time, view.step, level,
-                           {"sm_active_pct": sm, "link_gb_per_s": rate, "link_share_pct": share,
-                            "link_peak_gb_per_s": self.peak})}
+        return {"job": view.obs(self.judge(sm_active=sm, link_share=share), {
+            "sm_active_pct": sm, "link_gb_per_s": rate, "link_share_pct": share,
+            "link_peak_gb_per_s": self.peak})}
 
     def saw(self, subject: str, med: Mapping[str, float]) -> str:
         return (f"the GPUs' SMs were active {fmt(med['sm_active_pct'], '%')} of the time while "

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from gpulens.engine.rules.base import Obs, RowView, Rule, Track, fmt
+from gpulens.engine.rules.base import GpuRule, Obs, RowView, Track, fmt
 from gpulens.engine.rules.spec import RuleSpec, Threshold
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def theil_sen(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return median, ((m - above) + 0.5 * (above - below)) / m
 
 
-class MemoryCreep(Rule):
+class MemoryCreep(GpuRule):
     advice = ("Something keeps tensors alive across steps: a loss summed without .item() or "
               ".detach(), outputs appended to a list, a cache that only grows. Check what "
               "the loop keeps between steps.")
@@ -53,36 +53,31 @@ class MemoryCreep(Rule):
         self._readings: dict[int, deque[tuple[float, float]]] = {}
         self._read_at: dict[int, float] = {}
 
-    def observe(self, view: RowView) -> dict[str, Obs]:
-        s, out = self.spec, {}
-        for i, g in view.gpus.items():
-            alloc = g.get("torch_allocated_gb")
-            total = view.mem_total_gb.get(i)
-            if alloc is None or not total:
-                continue
-            r = self._readings.setdefault(i, deque(maxlen=CREEP_READINGS))
-            if r and r[-1][0] >= view.step:
-                r.clear()  # the step went back: a new phase, a new baseline
-            last_t = self._read_at.get(i, -math.inf)
-            if r and alloc == r[-1][1] and view.time - last_t < READING_GAP_S:
-                continue  # the same reading carried into another window: not a new one
-            self._read_at[i] = view.time
-            r.append((float(view.step), alloc))
-            if len(r) < CREEP_READINGS // 2:
-                continue
-            xs, ys = [p[0] for p in r], [p[1] for p in r]
-            slope, rising = theil_sen(xs, ys)
-            growth_gb = slope * (xs[-1] - xs[0])
-            growth = 100 * growth_gb / total
-            lvl = self.level([(s.threshold("growth"), growth),
-                              (s.threshold("rising"), 100 * rising)])
-            used = max(max(ys), g.get("mem_used_gb_max", g.get("mem_used_gb", 0.0)))
-            free = total - used  # what the device has left (NVML), not only the allocator
-            out[str(i)] = Obs(view.time, view.step, lvl, sampled=False, figures={
-                "torch_allocated_gb": alloc, "first_gb": ys[0], "first_step": xs[0],
-                "slope_gb_per_step": slope, "growth_gb": growth_gb, "growth_pct": growth,
-                "rising_pct": 100 * rising, "free_gb": free})
-        return out
+    def observe_gpu(self, view: RowView, i: int, g: Mapping[str, float]) -> Obs | None:
+        alloc = g.get("torch_allocated_gb")
+        total = view.mem_total_gb.get(i)
+        if alloc is None or not total:
+            return None
+        r = self._readings.setdefault(i, deque(maxlen=CREEP_READINGS))
+        if r and r[-1][0] >= view.step:
+            r.clear()  # the step went back: a new phase, a new baseline
+        last_t = self._read_at.get(i, -math.inf)
+        if r and alloc == r[-1][1] and view.time - last_t < READING_GAP_S:
+            return None  # the same reading carried into another window: not a new one
+        self._read_at[i] = view.time
+        r.append((float(view.step), alloc))
+        if len(r) < CREEP_READINGS // 2:
+            return None
+        xs, ys = [p[0] for p in r], [p[1] for p in r]
+        slope, rising = theil_sen(xs, ys)
+        growth_gb = slope * (xs[-1] - xs[0])
+        growth = 100 * growth_gb / total
+        used = max(max(ys), g.get("mem_used_gb_max", g.get("mem_used_gb", 0.0)))
+        free = total - used  # what the device has left (NVML), not only the allocator
+        return view.obs(self.judge(growth=growth, rising=100 * rising), sampled=False, figures={
+            "torch_allocated_gb": alloc, "first_gb": ys[0], "first_step": xs[0],
+            "slope_gb_per_step": slope, "growth_gb": growth_gb, "growth_pct": growth,
+            "rising_pct": 100 * rising, "free_gb": free})
 
     summarised = "figures are the latest fit"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpulens.engine.rules.base import Obs, RowView, Rule, fmt
+from gpulens.engine.rules.base import GpuRule, Obs, RowView, fmt
 from gpulens.engine.rules.spec import RuleSpec, Threshold
 
 SPEC = RuleSpec("memory_headroom", "gpu", "warning", "little device memory left", (
@@ -13,23 +13,19 @@ SPEC = RuleSpec("memory_headroom", "gpu", "warning", "little device memory left"
 ))
 
 
-class MemoryHeadroom(Rule):
+class MemoryHeadroom(GpuRule):
     advice = ("The next longer batch may run out of memory: activation checkpointing, a "
               "smaller micro-batch with gradient accumulation, or "
               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut fragmentation.")
 
-    def observe(self, view: RowView) -> dict[str, Obs]:
-        t, out = self.spec.threshold("headroom"), {}
-        for i, g in view.gpus.items():
-            used = g.get("mem_used_gb_max", g.get("mem_used_gb"))
-            total = view.mem_total_gb.get(i)
-            if used is None or not total:
-                continue
-            headroom = 100 * (1 - used / total)
-            out[str(i)] = Obs(view.time, view.step, self.level([(t, headroom)]),
-                               {"mem_used_gb_max": used, "mem_total_gb": total,
-                                "headroom_pct": headroom})
-        return out
+    def observe_gpu(self, view: RowView, i: int, g: Mapping[str, float]) -> Obs | None:
+        used = g.get("mem_used_gb_max", g.get("mem_used_gb"))
+        total = view.mem_total_gb.get(i)
+        if used is None or not total:
+            return None
+        headroom = 100 * (1 - used / total)
+        return view.obs(self.judge(headroom=headroom), {
+            "mem_used_gb_max": used, "mem_total_gb": total, "headroom_pct": headroom})
 
     def saw(self, subject: str, med: Mapping[str, float]) -> str:
         return (f"{self.label(subject)} peaked at {fmt(med['mem_used_gb_max'], 'GB')} of "

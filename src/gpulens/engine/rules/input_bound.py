@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-from gpulens.engine.rules.base import Obs, RowView, Rule, fmt
+from gpulens.engine.rules.base import Obs, RowView, Rule, fmt, pick
 from gpulens.engine.rules.spec import RuleSpec, Threshold
 
 SPEC = RuleSpec("input_bound", "job", "warning", "input-bound: the GPUs wait for data", (
@@ -25,15 +25,11 @@ class InputBound(Rule):
               "the storage's read rate.")
 
     def observe(self, view: RowView) -> dict[str, Obs]:
-        s = self.spec
         wait = view.scalars.get("perf/data_wait_pct")
         if wait is not None:
-            fig = {"perf/data_wait_pct": wait}
-            for k in ("perf/data_wait_s", "perf/step_time_s"):
-                if k in view.scalars:
-                    fig[k] = view.scalars[k]
-            lvl = self.level([(s.threshold("data_wait"), wait)])
-            return {"job": Obs(view.time, view.step, lvl, fig, sampled=False)}
+            fig = {"perf/data_wait_pct": wait,
+                   **pick(view.scalars, ("perf/data_wait_s", "perf/step_time_s"))}
+            return {"job": view.obs(self.judge(data_wait=wait), fig, sampled=False)}
         step_time = view.scalars.get("perf/step_time_s")
         utils = [g["util_pct"] for i, g in view.gpus.items()
                  if i in view.active and "util_pct" in g]
@@ -45,8 +41,7 @@ class InputBound(Rule):
         util = statistics.fmean(utils)
         idle_s = (1 - util / 100) * step_time
         fig = {"util_pct": util, "idle_s": idle_s, "perf/step_time_s": step_time}
-        lvl = self.level([(s.threshold("gpu_util"), util), (s.threshold("idle_s"), idle_s)])
-        return {"job": Obs(view.time, view.step, lvl, fig)}
+        return {"job": view.obs(self.judge(gpu_util=util, idle_s=idle_s), fig)}
 
     def saw(self, subject: str, med: Mapping[str, float]) -> str:
         if "perf/data_wait_pct" in med:

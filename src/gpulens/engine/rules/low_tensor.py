@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpulens.engine.rules.base import Obs, RowView, Rule, fmt
+from gpulens.engine.rules.base import GpuRule, Obs, RowView, fmt
 from gpulens.engine.rules.spec import RuleSpec, Threshold
 from gpulens.work.precision import normalize_dtype
 
@@ -17,7 +17,7 @@ SPEC = RuleSpec("low_tensor_use", "gpu", "warning",
 ))
 
 
-class LowTensorUse(Rule):
+class LowTensorUse(GpuRule):
     advice = ("Matrix products are not running on tensor cores: check that the forward pass "
               "runs under torch.autocast(dtype=torch.bfloat16) (or the model is cast), that "
               "matmul dimensions are multiples of 8 (16 for bf16/fp16 on Hopper), and that "
@@ -26,16 +26,15 @@ class LowTensorUse(Rule):
     def observe(self, view: RowView) -> dict[str, Obs]:
         if normalize_dtype(self.config.dtype) not in ("bf16", "fp16"):
             return {}
-        s, out = self.spec, {}
-        for i, g in view.gpus.items():
-            sm, tensor = g.get("sm_active_pct"), g.get("tensor_active_pct")
-            if sm is None or tensor is None:
-                continue
-            share = tensor / sm if sm > 0 else 0.0
-            lvl = self.level([(s.threshold("sm_busy"), sm), (s.threshold("tensor_share"), share)])
-            out[str(i)] = Obs(view.time, view.step, lvl,
-                               {"sm_active_pct": sm, "tensor_active_pct": tensor})
-        return out
+        return super().observe(view)
+
+    def observe_gpu(self, view: RowView, i: int, g: Mapping[str, float]) -> Obs | None:
+        sm, tensor = g.get("sm_active_pct"), g.get("tensor_active_pct")
+        if sm is None or tensor is None:
+            return None
+        share = tensor / sm if sm > 0 else 0.0
+        return view.obs(self.judge(sm_busy=sm, tensor_share=share),
+                        {"sm_active_pct": sm, "tensor_active_pct": tensor})
 
     def saw(self, subject: str, med: Mapping[str, float]) -> str:
         return (f"{self.label(subject)} in a {normalize_dtype(self.config.dtype)} run: SMs "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpulens.engine.rules.base import Obs, RowView, Rule, fmt
+from gpulens.engine.rules.base import GpuRule, Obs, RowView, fmt
 from gpulens.engine.rules.spec import RuleSpec, Threshold
 
 SPEC = RuleSpec("power_capped", "gpu", "info", "power-capped: clocks held down at the limit", (
@@ -15,25 +15,19 @@ SPEC = RuleSpec("power_capped", "gpu", "info", "power-capped: clocks held down a
 ), training=False)
 
 
-class PowerCapped(Rule):
+class PowerCapped(GpuRule):
     advice = ("The GPU works at its power limit and lowers its clocks to stay under it. If the "
               "limit was lowered (nvidia-smi -q -d POWER: Current vs Default Power Limit), "
               "raise it (nvidia-smi -pl); otherwise this is the card's ceiling: more work per "
               "step will not run faster, and energy per step is the figure to improve.")
 
-    def observe(self, view: RowView) -> dict[str, Obs]:
-        s, out = self.spec, {}
-        for i, g in view.gpus.items():
-            thr, power = g.get("throttle_power_pct"), g.get("power_w")
-            limit = g.get("power_limit_w", view.power_limit_w.get(i))
-            if thr is None or power is None or not limit:
-                continue
-            share = power / limit
-            lvl = self.level([(s.threshold("throttle_power"), thr),
-                              (s.threshold("power_share"), share)])
-            out[str(i)] = Obs(view.time, view.step, lvl, {
-                "throttle_power_pct": thr, "power_w": power, "power_limit_w": limit})
-        return out
+    def observe_gpu(self, view: RowView, i: int, g: Mapping[str, float]) -> Obs | None:
+        thr, power = g.get("throttle_power_pct"), g.get("power_w")
+        limit = g.get("power_limit_w", view.power_limit_w.get(i))
+        if thr is None or power is None or not limit:
+            return None
+        return view.obs(self.judge(throttle_power=thr, power_share=power / limit), {
+            "throttle_power_pct": thr, "power_w": power, "power_limit_w": limit})
 
     def saw(self, subject: str, med: Mapping[str, float]) -> str:
         return (f"{self.label(subject)} held its clocks down for the power cap "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from gpulens.engine.rules.base import CLEAR, FIRE, Obs, RowView, Rule, Track
+from gpulens.engine.rules.base import CLEAR, FIRE, GpuRule, Obs, RowView, Track, pick
 from gpulens.engine.rules.spec import RuleSpec, Threshold
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ SPEC = RuleSpec("memory_alloc_retries", "gpu", "warning",
 ), fire_share=0.2, clear_share=1.0)
 
 
-class AllocRetries(Rule):
+class AllocRetries(GpuRule):
     advice = ("The caching allocator could not find memory: each retry frees its cache and "
               "synchronises the device. Reduce the (micro-)batch or sequence length, set "
               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and avoid shapes that change "
@@ -37,21 +37,16 @@ class AllocRetries(Rule):
             return 0.0
         return value - prev if value >= prev else value  # a reset counter restarts from 0
 
-    def observe(self, view: RowView) -> dict[str, Obs]:
-        t, out = self.spec.threshold("new_events"), {}
-        for i, g in view.gpus.items():
-            retries = self._new(i, "torch_alloc_retries", g.get("torch_alloc_retries"))
-            ooms = self._new(i, "torch_ooms", g.get("torch_ooms"))
-            if retries is None and ooms is None:
-                continue
-            new = (retries or 0.0) + (ooms or 0.0)
-            fig = {"new_retries": retries or 0.0, "new_ooms": ooms or 0.0}
-            for k in ("torch_alloc_retries", "torch_ooms"):
-                if k in g:
-                    fig[k] = g[k]
-            out[str(i)] = Obs(view.time, view.step, FIRE if t.at_fire(new) else CLEAR, fig,
-                               force=bool(ooms), sampled=False)
-        return out
+    def observe_gpu(self, view: RowView, i: int, g: Mapping[str, float]) -> Obs | None:
+        retries = self._new(i, "torch_alloc_retries", g.get("torch_alloc_retries"))
+        ooms = self._new(i, "torch_ooms", g.get("torch_ooms"))
+        if retries is None and ooms is None:
+            return None
+        new = (retries or 0.0) + (ooms or 0.0)
+        fired = self.spec.threshold("new_events").at_fire(new)
+        return view.obs(FIRE if fired else CLEAR, {
+            "new_retries": retries or 0.0, "new_ooms": ooms or 0.0,
+            **pick(g, ("torch_alloc_retries", "torch_ooms"))}, force=bool(ooms), sampled=False)
 
     summarised = "counts are totals"
 

@@ -104,9 +104,8 @@ class SlowRank(Rule):
                 level = self.level([(lag_t, lag)])
                 if level == FIRE:
                     slow_nodes.add(n)
-                out[f"node{n}"] = Obs(view.time, view.step, level,
-                                      {"busy_s": fastest, "others_busy_s": ref, "lag_pct": lag},
-                                      sampled=self.sampled)
+                out[f"node{n}"] = view.obs(level, {"busy_s": fastest, "others_busy_s": ref,
+                                                   "lag_pct": lag}, sampled=self.sampled)
         typical = statistics.median(m for _, m in nodes.values()) if len(nodes) >= 2 else None
         for r, b in busy.items():
             ref = typical if typical is not None else statistics.median(
@@ -121,7 +120,7 @@ class SlowRank(Rule):
             figures = {"busy_s": b, "others_busy_s": ref, "lag_pct": lag}
             if node is not None:
                 figures["node"] = node
-            out[str(r)] = Obs(view.time, view.step, level, figures, sampled=self.sampled)
+            out[str(r)] = view.obs(level, figures, sampled=self.sampled)
         return out
 
     def _node(self, n: int) -> str:

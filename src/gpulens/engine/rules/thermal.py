@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpulens.engine.rules.base import Obs, RowView, Rule, fmt
+from gpulens.engine.rules.base import GpuRule, Obs, RowView, fmt, pick
 from gpulens.engine.rules.spec import RuleSpec, Threshold
 
 SPEC = RuleSpec("thermal", "gpu", "warning", "thermal slowdown: clocks held down by heat", (
@@ -13,24 +13,18 @@ SPEC = RuleSpec("thermal", "gpu", "warning", "thermal slowdown: clocks held down
 ), training=False)
 
 
-class Thermal(Rule):
+class Thermal(GpuRule):
     advice = ("Check cooling: airflow, blocked intakes, fans or chassis faults, the room's "
               "temperature. A GPU hotter than its neighbours under the same load may need "
               "service; nvidia-smi -q -d TEMPERATURE,PERFORMANCE shows its slowdown "
               "temperature.")
 
-    def observe(self, view: RowView) -> dict[str, Obs]:
-        t, out = self.spec.threshold("throttle_thermal"), {}
-        for i, g in view.gpus.items():
-            thr = g.get("throttle_thermal_pct")
-            if thr is None:
-                continue
-            fig = {"throttle_thermal_pct": thr}
-            for k in ("temp_c", "temp_c_max", "sm_clock_mhz"):
-                if k in g:
-                    fig[k] = g[k]
-            out[str(i)] = Obs(view.time, view.step, self.level([(t, thr)]), fig)
-        return out
+    def observe_gpu(self, view: RowView, i: int, g: Mapping[str, float]) -> Obs | None:
+        thr = g.get("throttle_thermal_pct")
+        if thr is None:
+            return None
+        return view.obs(self.judge(throttle_thermal=thr), {
+            "throttle_thermal_pct": thr, **pick(g, ("temp_c", "temp_c_max", "sm_clock_mhz"))})
 
     def saw(self, subject: str, med: Mapping[str, float]) -> str:
         text = (f"{self.label(subject)} held its clocks down for temperature "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpulens.engine.rules.base import BETWEEN, FIRE, Obs, RowView, Rule, fmt
+from gpulens.engine.rules.base import BETWEEN, FIRE, GpuRule, Obs, RowView, fmt
 from gpulens.engine.rules.spec import RuleSpec, Threshold
 
 SPEC = RuleSpec("under_used", "gpu", "warning", "GPU under-used: little work per step", (
@@ -15,29 +15,25 @@ SPEC = RuleSpec("under_used", "gpu", "warning", "GPU under-used: little work per
 ))
 
 
-class UnderUsed(Rule):
+class UnderUsed(GpuRule):
     advice = ("Give the GPU more work per step: a larger (micro-)batch, sequence packing, "
               "torch.compile or CUDA graphs to cut kernel-launch overhead; if steps wait on "
               "the host, more DataLoader workers.")
 
-    def observe(self, view: RowView) -> dict[str, Obs]:
-        s, out = self.spec, {}
-        suppressed = view.levels.get("input_bound", {}).get("job") == FIRE
-        for i, g in view.gpus.items():
-            if i not in view.active:
-                continue
-            if "sm_active_pct" in g:
-                fig = {"sm_active_pct": g["sm_active_pct"]}
-                lvl = self.level([(s.threshold("sm_active"), g["sm_active_pct"])])
-            elif "util_pct" in g:
-                fig = {"util_pct": g["util_pct"]}
-                lvl = self.level([(s.threshold("util"), g["util_pct"])])
-            else:
-                continue
-            if suppressed and lvl == FIRE:
-                lvl = BETWEEN
-            out[str(i)] = Obs(view.time, view.step, lvl, fig)
-        return out
+    active_only = True
+
+    def observe_gpu(self, view: RowView, i: int, g: Mapping[str, float]) -> Obs | None:
+        if "sm_active_pct" in g:
+            fig = {"sm_active_pct": g["sm_active_pct"]}
+            lvl = self.judge(sm_active=g["sm_active_pct"])
+        elif "util_pct" in g:
+            fig = {"util_pct": g["util_pct"]}
+            lvl = self.judge(util=g["util_pct"])
+        else:
+            return None
+        if lvl == FIRE and view.levels.get("input_bound", {}).get("job") == FIRE:
+            lvl = BETWEEN  # quiet in rows where input_bound is at fire level
+        return view.obs(lvl, fig)
 
     def saw(self, subject: str, med: Mapping[str, float]) -> str:
         if "sm_active_pct" in med:
