@@ -19,8 +19,9 @@ Lightning for ~4 s).  One launch of 2 ranks runs every example, the slow-rank jo
 the late-rank script one after another (``ddp_examples``, ``tests/support/ddp_scripts.py``);
 one two-node job runs a
 healthy phase, a slow-GPU phase and a dying-rank phase, each with a monitor and a record of
-its own (``nodes_job``).  Each group of tests that share a launch is an ``xdist_group``, so
-that pytest-xdist runs it on one worker, once."""
+its own (``nodes_job``).  Each launch is made once per session, whichever pytest-xdist workers
+its tests land on (``tests/support/shared_run.py``); each group of tests that share one is also
+an ``xdist_group``, so that one worker runs them while the others go on with other tests."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ import pytest
 
 from tests.support import slow_rank_ddp
 from tests.support.jsonl import read_lines, read_rows
-from tests.support.torchrun import TorchrunResult, kill_all_jobs, run_torchrun
+from tests.support.shared_run import shared_run
+from tests.support.torchrun import kill_all_jobs, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -139,8 +141,12 @@ def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
     4), the Hugging Face Trainer (12 steps, a row every 4), and :data:`LATE_RANK`.  The ranks
     import torch and the frameworks once for all of them (a framework that is not installed is
     left out).  Returns the folder they wrote in, read by the tests of the group
-    ``ddp-examples``."""
-    out = tmp_path_factory.mktemp("ddp-examples")
+    ``ddp-examples``, once per session whatever the workers (``tests/support/shared_run.py``).
+    """
+    return shared_run(tmp_path_factory, "ddp-examples", _launch_ddp_examples)
+
+
+def _launch_ddp_examples(out: Path) -> None:
     (out / "late.py").write_text(LATE_RANK)
     (out / "tune").mkdir()
     # the scripts that time CPU (slow_rank's evidence) or fork loader workers (tune) first,
@@ -162,7 +168,6 @@ def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          "--max-steps", "12", "--logging-steps", "4"]
     scripts["late"] = [str(out / "late.py"), str(out / "late.jsonl"), str(out / "result")]
     torchrun([str(SUPPORT / "ddp_scripts.py"), json.dumps(list(scripts.values()))], out)
-    return out
 
 
 @pytest.mark.xdist_group("ddp-examples")
@@ -371,17 +376,25 @@ def _nodes_env(**extra: str) -> tuple[dict[str, str], list[dict[str, str]]]:
 
 @dataclass
 class NodesJob:
-    """The shared two-node job: its result and the folder of its records."""
+    """The shared two-node job: the folder of its records, its output and what outlived it."""
 
-    done: TorchrunResult
     out: Path
+
+    @property
+    def stderr(self) -> str:
+        return (self.out / "torchrun.stderr").read_text()
+
+    @property
+    def leftovers(self) -> list[str]:
+        """The command lines of the job's processes that outlived torchrun."""
+        return list(json.loads((self.out / "leftovers.json").read_text()))
 
     def phase_stderr(self, phase: str) -> list[str]:
         """The lines each launch wrote from the start of ``phase`` on (the ranks begin a phase
         together, after a barrier)."""
         lines: list[str] = []
         for node in range(len(NODE_NAMES)):
-            own = [x for x in self.done.stderr.splitlines() if x.startswith(f"[node {node}] ")]
+            own = [x for x in self.stderr.splitlines() if x.startswith(f"[node {node}] ")]
             begin = next(i for i, x in enumerate(own) if f"gpulens-test phase {phase}" in x)
             lines += own[begin:]
         return lines
@@ -389,16 +402,20 @@ class NodesJob:
 
 @pytest.fixture(scope="module")
 def nodes_job(tmp_path_factory: pytest.TempPathFactory) -> NodesJob:
-    """Two launches of 2 ranks, one torchrun job: the tests of the group ``two-nodes`` read
-    each phase's record (:data:`NODE_PHASES`)."""
-    tmp_path = tmp_path_factory.mktemp("two-nodes")
-    script = tmp_path / "nodes.py"
+    """Two launches of 2 ranks, one torchrun job, once per session whatever the workers: the
+    tests of the group ``two-nodes`` read each phase's record (:data:`NODE_PHASES`)."""
+    return NodesJob(shared_run(tmp_path_factory, "two-nodes", _launch_nodes_job))
+
+
+def _launch_nodes_job(out: Path) -> None:
+    script = out / "nodes.py"
     script.write_text(NODES)
     env, nodes = _nodes_env(GPULENS_SIMULATED_GPUS="2")
-    done = run_torchrun([str(script), str(tmp_path), *NODE_PHASES], cwd=tmp_path, env=env,
+    done = run_torchrun([str(script), str(out), *NODE_PHASES], cwd=out, env=env,
                         nodes=nodes, timeout=TORCHRUN_TIMEOUT_S)
     assert not done.timed_out and done.returncode == 0, done.stderr[-6000:]
-    return NodesJob(done, tmp_path)
+    (out / "torchrun.stderr").write_text(done.stderr)
+    (out / "leftovers.json").write_text(json.dumps([p.cmdline for p in done.leftovers]))
 
 
 @pytest.mark.xdist_group("two-nodes")
@@ -406,8 +423,7 @@ def test_two_nodes_shape_and_a_rank_that_dies(nodes_job: NodesJob) -> None:
     """Two launches of 2 ranks.  The record lists every GPU with its node; rank 2 (a node 1
     rank that does not lead it) dies at step 5: rank 0 says so in one WARNING naming it, and
     the rows go on to step 12 without it, marked partial."""
-    done = nodes_job.done
-    assert not done.leftovers, done.leftovers
+    assert not nodes_job.leftovers, nodes_job.leftovers
     lines = read_lines(nodes_job.out / "dying.jsonl")
     start = next(x for x in lines if x.get("event") == "run_start")
     assert [(g["rank"], g["node"], g["node_name"]) for g in start["gpus"]] == [
