@@ -6,6 +6,8 @@ by a user who configured no logging at all, once), and no row is lost silently.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import subprocess
@@ -13,9 +15,9 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,9 +26,12 @@ from gpulens.log import reset_warnings
 from gpulens.sinks.writer import SinkStats
 from gpulens.testing import MemorySink, SimulatedNVML
 from tests.support.mlflow_server import start_mlflow_server
+from tests.support.shared_run import shared_run
 from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
+HANG_S = 120.0
+"""Bounds a wait for something that takes seconds (a tracker's first rows, a failure told)."""
 
 
 def _python(code: str, env: dict[str, str] | None = None,
@@ -127,23 +132,23 @@ class _Heard(logging.Handler):
 
 @dataclass
 class TrackerGone:
-    """What each of two monitors met when their MLflow server died under them (see
-    :func:`mlflow_server_gone`): its figures at stop and what it told."""
+    """What one of two monitors met when their MLflow server died under them (see
+    :func:`mlflow_server_gone`): its sinks' figures at stop and what it told (WARNING and
+    above)."""
 
     stats: dict[str, SinkStats]
-    records: list[logging.LogRecord]
+    messages: list[str]
 
     @property
     def text(self) -> str:
-        return "\n".join(r.getMessage() for r in self.records)
+        return "\n".join(self.messages)
 
 
 @pytest.fixture(scope="module")
-def mlflow_server_gone(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[str, TrackerGone]]:
+def mlflow_server_gone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrackerGone]:
     """One private MLflow server (seconds of CPU to start) that dies under two monitors, each
-    writing its rows through the engine process, for the tests of the group ``mlflow-gone``:
+    writing its rows through the engine process, for the tests of the group ``mlflow-gone``
+    (once per session, whatever the workers: ``tests/support/shared_run.py``):
 
     * ``"dies"``: a run the sink makes (``MLFLOW_TRACKING_URI``); 3 rows reach the server, it
       is killed, 5 more rows; training goes on until the failure is heard, then ``stop(4)``;
@@ -152,16 +157,32 @@ def mlflow_server_gone(
 
     ``"gone"`` logs nothing until ``"dies"`` has stopped, so what each one told is its own
     (only a monitor with rows to write meets the dead server)."""
+    folder = shared_run(tmp_path_factory, "mlflow-gone", _kill_mlflow_under_two_monitors)
+    return {name: TrackerGone({k: SinkStats(**v) for k, v in got["stats"].items()},
+                              got["messages"])
+            for name, got in json.loads((folder / "result.json").read_text()).items()}
+
+
+def _kill_mlflow_under_two_monitors(folder: Path) -> None:
+    """:func:`mlflow_server_gone`'s run; writes ``result.json``."""
     from mlflow.tracking import MlflowClient
 
     from gpulens.sinks import sink_spec
 
     reset_warnings()
-    server = start_mlflow_server(tmp_path_factory.mktemp("mlflow-gone"))
+    server = start_mlflow_server(folder / "server")
     heard = _Heard()
     log = logging.getLogger("gpulens")
+    level = log.level
+    log.setLevel(logging.WARNING)  # as caplog.at_level(WARNING) would: heard whatever was set
     log.addHandler(heard)
     monitors: list[gpulens.Monitor] = []
+    result: dict[str, dict[str, Any]] = {}
+
+    def told(stats: dict[str, SinkStats]) -> dict[str, Any]:
+        return {"stats": {k: dataclasses.asdict(v) for k, v in stats.items()},
+                "messages": [r.getMessage() for r in heard.take()]}
+
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("MLFLOW_TRACKING_URI", server.uri)
@@ -189,29 +210,30 @@ def mlflow_server_gone(
                         if r.info.run_id != gone_run]
                 return runs[0] if runs else None
 
+            # the bounds only bound a hang: the engine processes import MLflow first
             wait_until(lambda: (r := dies_run()) is not None and delivered(r),
-                       what="the first rows of 'dies' in MLflow")
-            wait_until(lambda: delivered(gone_run) == [1, 2], what="rows 1-2 of 'gone'")
+                       timeout=HANG_S, interval=0.1, what="the first rows of 'dies' in MLflow")
+            wait_until(lambda: delivered(gone_run) == [1, 2], timeout=HANG_S, interval=0.1,
+                       what="rows 1-2 of 'gone'")
             server.kill()
             for step in range(4, 9):
                 time.sleep(0.05)
                 dies.log(step)
             # heard while training goes on, not only at stop
             wait_until(lambda: any("failed to write" in r.getMessage() for r in heard.records),
-                       what="the failure, told")
-            dies_stats = dies.stop(timeout=4)
-            result = {"dies": TrackerGone(dies_stats, heard.take())}
+                       timeout=HANG_S, interval=0.05, what="the failure, told")
+            result["dies"] = told(dies.stop(timeout=4))
             for step in range(3, 23):
                 time.sleep(0.02)
                 gone.log(step)
-            gone_stats = gone.stop(timeout=3)
-            result["gone"] = TrackerGone(gone_stats, heard.take())
-        yield result
+            result["gone"] = told(gone.stop(timeout=3))
     finally:
         log.removeHandler(heard)
+        log.setLevel(level)
         for mon in monitors:
             mon.stop(timeout=1)
         server.stop()
+    (folder / "result.json").write_text(json.dumps(result))
 
 
 @pytest.mark.xdist_group("mlflow-gone")
@@ -235,7 +257,7 @@ def test_mlflow_server_gone_mid_run(mlflow_server_gone: dict[str, TrackerGone]) 
     assert "did not stop in" not in got.text  # stop() kept to its timeout
     st = got.stats["mlflow"]
     assert st.written == 2 and st.dropped == 20
-    assert any("20 dropped" in r.getMessage() for r in got.records)
+    assert any("20 dropped" in m for m in got.messages)
 
 
 class _Gate(MemorySink):

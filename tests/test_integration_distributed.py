@@ -1,5 +1,7 @@
 """Distributed jobs: ``torchrun --nproc_per_node 2`` on CPU (gloo) with simulated GPUs, one per
-rank, for the plain loop, the Hugging Face Trainer and Lightning. Rank 0 alone writes; each row
+rank, for the plain loop, the Hugging Face Trainer and Lightning, and for what gpulens does
+under DDP beyond a row: the slow_rank rule on CPU ranks, ``gpulens.tune``'s agreement between
+ranks, a log() that never waits for a late rank, a rank that raises. Rank 0 alone writes; each row
 holds both ranks' GPUs (keyed by global rank) and the job-level ``gpu/all/*`` aggregates, on
 exactly the framework's logging steps. Every run must end by itself: no retry, and no process of
 the job (rank, engine process) may outlive torchrun; a run that hangs is killed whole at the
@@ -13,11 +15,13 @@ Prometheus.  The gather's pieces in one process: ``tests/test_distributed_gather
 
 Launches are shared where tests only read what a job wrote: each launch costs seconds of CPU
 before the first step (torchrun's agent and every rank import torch; a Lightning rank imports
-Lightning for ~4 s).  One launch of 2 ranks runs every example and the late-rank script one
-after another (``ddp_examples``, ``tests/support/ddp_scripts.py``); one two-node job runs a
+Lightning for ~4 s).  One launch of 2 ranks runs every example, the slow-rank job, tune and
+the late-rank script one after another (``ddp_examples``, ``tests/support/ddp_scripts.py``);
+one two-node job runs a
 healthy phase, a slow-GPU phase and a dying-rank phase, each with a monitor and a record of
-its own (``nodes_job``).  Each group of tests that share a launch is an ``xdist_group``, so
-that pytest-xdist runs it on one worker, once."""
+its own (``nodes_job``).  Each launch is made once per session, whichever pytest-xdist workers
+its tests land on (``tests/support/shared_run.py``); each group of tests that share one is also
+an ``xdist_group``, so that one worker runs them while the others go on with other tests."""
 
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import pytest
 
 from tests.support import slow_rank_ddp
 from tests.support.jsonl import read_lines, read_rows
-from tests.support.torchrun import TorchrunResult, kill_all_jobs, run_torchrun
+from tests.support.shared_run import shared_run
+from tests.support.torchrun import kill_all_jobs, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -126,26 +131,22 @@ dist.destroy_process_group()
 """
 
 
-@dataclass
-class Examples:
-    """The shared DDP launch of the examples (and the late-rank script): where each wrote."""
-
-    out: Path
-    ran: list[str]
-    """The names of the scripts it ran (a framework that is not installed is left out)."""
-
-
 @pytest.fixture(scope="module")
-def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Examples:
+def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One ``torchrun --nproc_per_node 2`` launch that runs, one after another in the same two
     ranks, each as its script (``tests/support/ddp_scripts.py``): the plain loop (20 steps, a
     row every 5, 100 tokens a step), a rank that turns slow in backward
     (``tests/support/slow_rank_ddp.py``), ``gpulens.tune`` under DDP
     (``tests/support/tune_ddp.py``), Lightning and pytorch_lightning (12 steps, a row every
     4), the Hugging Face Trainer (12 steps, a row every 4), and :data:`LATE_RANK`.  The ranks
-    import torch and the frameworks once for all of them.  Read by the tests of the group
-    ``ddp-examples``."""
-    out = tmp_path_factory.mktemp("ddp-examples")
+    import torch and the frameworks once for all of them (a framework that is not installed is
+    left out).  Returns the folder they wrote in, read by the tests of the group
+    ``ddp-examples``, once per session whatever the workers (``tests/support/shared_run.py``).
+    """
+    return shared_run(tmp_path_factory, "ddp-examples", _launch_ddp_examples)
+
+
+def _launch_ddp_examples(out: Path) -> None:
     (out / "late.py").write_text(LATE_RANK)
     (out / "tune").mkdir()
     # the scripts that time CPU (slow_rank's evidence) or fork loader workers (tune) first,
@@ -167,19 +168,18 @@ def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Examples:
                          "--max-steps", "12", "--logging-steps", "4"]
     scripts["late"] = [str(out / "late.py"), str(out / "late.jsonl"), str(out / "result")]
     torchrun([str(SUPPORT / "ddp_scripts.py"), json.dumps(list(scripts.values()))], out)
-    return Examples(out, list(scripts))
 
 
 @pytest.mark.xdist_group("ddp-examples")
-def test_plain_loop_ddp(ddp_examples: Examples) -> None:
-    rows = jsonl(ddp_examples.out / "plain.jsonl")
+def test_plain_loop_ddp(ddp_examples: Path) -> None:
+    rows = jsonl(ddp_examples / "plain.jsonl")
     check_rows(rows, [5, 10, 15, 20])
     assert all("train/loss" in r and "perf/data_wait_pct" in r for r in rows)
 
 
 @pytest.mark.xdist_group("ddp-examples")
-def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(ddp_examples: Examples) -> None:
-    rows = jsonl(ddp_examples.out / "plain.jsonl")
+def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(ddp_examples: Path) -> None:
+    rows = jsonl(ddp_examples / "plain.jsonl")
     assert len(rows) == 4
     for row in rows:  # both ranks' tokens: 2 ranks x 100 tokens x 5 steps a window
         window = row["perf/step_time_s"] * row["perf/steps"]
@@ -189,18 +189,18 @@ def test_ddp_rows_carry_the_jobs_work_and_each_ranks_cpu_time(ddp_examples: Exam
 
 
 @pytest.mark.xdist_group("ddp-examples")
-def test_hf_trainer_ddp(ddp_examples: Examples) -> None:
+def test_hf_trainer_ddp(ddp_examples: Path) -> None:
     needs("transformers")
-    rows = jsonl(ddp_examples.out / "hf" / "gpulens.jsonl")
+    rows = jsonl(ddp_examples / "hf" / "gpulens.jsonl")
     check_rows(rows, [4, 8, 12])
     assert all("train/loss" in r for r in rows)
 
 
 @pytest.mark.xdist_group("ddp-examples")
 @pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
-def test_lightning_ddp(ddp_examples: Examples, package: str) -> None:
+def test_lightning_ddp(ddp_examples: Path, package: str) -> None:
     needs(package)
-    save_dir = ddp_examples.out / package
+    save_dir = ddp_examples / package
     check_rows(jsonl(save_dir / "rows.jsonl"), [3, 7, 11])
     (metrics,) = save_dir.rglob("metrics.csv")  # one logger file: rank 0's
     with open(metrics) as f:
@@ -211,11 +211,11 @@ def test_lightning_ddp(ddp_examples: Examples, package: str) -> None:
 
 
 @pytest.mark.xdist_group("ddp-examples")
-def test_log_never_waits_for_another_rank(ddp_examples: Examples) -> None:
+def test_log_never_waits_for_another_rank(ddp_examples: Path) -> None:
     """``log()`` is a collective in name only: no rank waits for another, in ``log()`` or
     anywhere in gpulens (it makes no collective call at all); a rank that reaches ``log()``
     while another is 1.5 s late goes on at once, and every row still holds both ranks' GPUs."""
-    out = ddp_examples.out
+    out = ddp_examples
     results = {rank: json.loads((out / f"result.{rank}").read_text()) for rank in (0, 1)}
     # rank 0's log() at step 3 and after: no wait for rank 1 (it would be ~1.5 s inside log())
     assert max(results[0]["waits"]) < 0.5, results[0]["waits"]
@@ -225,13 +225,13 @@ def test_log_never_waits_for_another_rank(ddp_examples: Examples) -> None:
 
 
 @pytest.mark.xdist_group("ddp-examples")
-def test_ddp_rank_slow_in_backward_is_named_chronic(ddp_examples: Examples) -> None:
+def test_ddp_rank_slow_in_backward_is_named_chronic(ddp_examples: Path) -> None:
     """The rule engine on a 2-rank DDP job whose rank 1 turns slow in backward compute
     (``tests/support/slow_rank_ddp.py``; the other rules' end-to-end runs:
     ``tests/test_rules_e2e.py``): no GPM, so the rank is named by its CPU time, within 20
     steps of the onset, and stays named."""
     slow_after, steps = slow_rank_ddp.SLOW_RANK_AFTER, slow_rank_ddp.STEPS
-    out = ddp_examples.out / "slow-rank.jsonl"
+    out = ddp_examples / "slow-rank.jsonl"
     rows = read_rows(out)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all("rank/0/cpu_busy_s" in r and "rank/1/cpu_busy_s" in r for r in rows)
@@ -253,13 +253,13 @@ def test_ddp_rank_slow_in_backward_is_named_chronic(ddp_examples: Examples) -> N
 
 
 @pytest.mark.xdist_group("ddp-examples")
-def test_ranks_agree_on_the_slowest_rank(ddp_examples: Examples) -> None:
+def test_ranks_agree_on_the_slowest_rank(ddp_examples: Path) -> None:
     """``gpulens.tune.tune`` under DDP (``tests/support/tune_ddp.py``): every rank runs every
     trial, the decision uses the slowest rank's throughput and the largest data wait, and both
     ranks choose the same configuration."""
     from gpulens.tune import Config, TuneResult
 
-    ranks = [json.loads((ddp_examples.out / "tune" / f"rank{r}.json").read_text())
+    ranks = [json.loads((ddp_examples / "tune" / f"rank{r}.json").read_text())
              for r in (0, 1)]
     results = [TuneResult.from_dict(r["result"]) for r in ranks]
     # the same trials, the same figures, the same choice on both ranks
@@ -376,17 +376,25 @@ def _nodes_env(**extra: str) -> tuple[dict[str, str], list[dict[str, str]]]:
 
 @dataclass
 class NodesJob:
-    """The shared two-node job: its result and the folder of its records."""
+    """The shared two-node job: the folder of its records, its output and what outlived it."""
 
-    done: TorchrunResult
     out: Path
+
+    @property
+    def stderr(self) -> str:
+        return (self.out / "torchrun.stderr").read_text()
+
+    @property
+    def leftovers(self) -> list[str]:
+        """The command lines of the job's processes that outlived torchrun."""
+        return list(json.loads((self.out / "leftovers.json").read_text()))
 
     def phase_stderr(self, phase: str) -> list[str]:
         """The lines each launch wrote from the start of ``phase`` on (the ranks begin a phase
         together, after a barrier)."""
         lines: list[str] = []
         for node in range(len(NODE_NAMES)):
-            own = [x for x in self.done.stderr.splitlines() if x.startswith(f"[node {node}] ")]
+            own = [x for x in self.stderr.splitlines() if x.startswith(f"[node {node}] ")]
             begin = next(i for i, x in enumerate(own) if f"gpulens-test phase {phase}" in x)
             lines += own[begin:]
         return lines
@@ -394,16 +402,20 @@ class NodesJob:
 
 @pytest.fixture(scope="module")
 def nodes_job(tmp_path_factory: pytest.TempPathFactory) -> NodesJob:
-    """Two launches of 2 ranks, one torchrun job: the tests of the group ``two-nodes`` read
-    each phase's record (:data:`NODE_PHASES`)."""
-    tmp_path = tmp_path_factory.mktemp("two-nodes")
-    script = tmp_path / "nodes.py"
+    """Two launches of 2 ranks, one torchrun job, once per session whatever the workers: the
+    tests of the group ``two-nodes`` read each phase's record (:data:`NODE_PHASES`)."""
+    return NodesJob(shared_run(tmp_path_factory, "two-nodes", _launch_nodes_job))
+
+
+def _launch_nodes_job(out: Path) -> None:
+    script = out / "nodes.py"
     script.write_text(NODES)
     env, nodes = _nodes_env(GPULENS_SIMULATED_GPUS="2")
-    done = run_torchrun([str(script), str(tmp_path), *NODE_PHASES], cwd=tmp_path, env=env,
+    done = run_torchrun([str(script), str(out), *NODE_PHASES], cwd=out, env=env,
                         nodes=nodes, timeout=TORCHRUN_TIMEOUT_S)
     assert not done.timed_out and done.returncode == 0, done.stderr[-6000:]
-    return NodesJob(done, tmp_path)
+    (out / "torchrun.stderr").write_text(done.stderr)
+    (out / "leftovers.json").write_text(json.dumps([p.cmdline for p in done.leftovers]))
 
 
 @pytest.mark.xdist_group("two-nodes")
@@ -411,8 +423,7 @@ def test_two_nodes_shape_and_a_rank_that_dies(nodes_job: NodesJob) -> None:
     """Two launches of 2 ranks.  The record lists every GPU with its node; rank 2 (a node 1
     rank that does not lead it) dies at step 5: rank 0 says so in one WARNING naming it, and
     the rows go on to step 12 without it, marked partial."""
-    done = nodes_job.done
-    assert not done.leftovers, done.leftovers
+    assert not nodes_job.leftovers, nodes_job.leftovers
     lines = read_lines(nodes_job.out / "dying.jsonl")
     start = next(x for x in lines if x.get("event") == "run_start")
     assert [(g["rank"], g["node"], g["node_name"]) for g in start["gpus"]] == [
