@@ -6,14 +6,15 @@ already. :func:`run_main` runs the script here instead and puts back what a scri
 a process: the environment, the working directory, ``sys.argv`` and ``sys.path``; the level,
 handlers, propagation and ``disabled`` flag of every logger that existed before (and
 ``logging.disable``); the warning filters (while the script runs they are a fresh
-interpreter's: a warning is printed on stderr, not raised as the test suite's filter
-would); torch's thread count and TF32 switch; the states of
-the random number generators (``random``, numpy, torch); the handlers of SIGINT and SIGTERM;
-and the collector's frozen generation (a ``--quick`` run ``gc.freeze()``-s what is alive).
+interpreter's: a warning is printed on stderr, not raised as the test suite's filter would);
+torch's thread count and TF32 switch; the states of the random number generators (``random``,
+numpy, torch); the handlers of SIGINT and SIGTERM; and the collector's frozen generation (a
+``--quick`` run ``gc.freeze()``-s what is alive).
 
 Modules it imported stay imported. So that a library's own logging set-up at import is not
 undone as if it were the script's, gpulens and the libraries the script uses (``preload``)
-are imported before the snapshot; the loggers the script quiets
+are imported before the snapshot (the test fails if the script imported one of those that set
+their logger up at import itself); the loggers the script quiets
 (``overhead_gpu.quiet_libraries``) are made before it too, so their levels come back.
 
 It then checks that the script left no thread and no child process running (waiting a while
@@ -47,6 +48,9 @@ QUIETED = ("lightning", "lightning.pytorch", "pytorch_lightning", "mlflow", "wan
            "git", "transformers", "accelerate")
 #: The warnings a fresh interpreter ignores (its other warnings it prints).
 FRESH_IGNORED = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+#: Libraries that set their logger up when imported: a script that imports one needs it in
+#: ``preload``.
+SELF_CONFIGURING = ("lightning", "pytorch_lightning", "mlflow", "transformers")
 LEFTOVER_WAIT_S = 30.0  # bounds the wait for the script's threads and processes to end
 
 
@@ -140,6 +144,7 @@ def run_main(script: Path, argv: Sequence[str], cwd: Path, env: dict[str, str],
         importlib.import_module(name)
     threads = set(threading.enumerate())
     children = {c.pid for c in psutil.Process().children(recursive=True)}
+    modules = set(sys.modules)
     out = io.StringIO()
     with _restored_loggers(), _restored_state():
         os.environ.clear()
@@ -151,6 +156,8 @@ def run_main(script: Path, argv: Sequence[str], cwd: Path, env: dict[str, str],
         with contextlib.redirect_stdout(out):
             rc = module.main(list(argv))
     assert rc in (0, None), f"{script.name} returned {rc}:\n{out.getvalue()[-4000:]}"
+    late = [m for m in SELF_CONFIGURING if m in sys.modules and m not in modules]
+    assert not late, f"{script.name} imported {late}: preload them (their logging set-up)"
     left = _leftovers(threads, children)
     assert not left, f"{script.name} left running: {left}"
     return out.getvalue()
