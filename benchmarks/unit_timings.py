@@ -172,7 +172,7 @@ def mlflow_down(steps: int, early: Future[Any] | None = None) -> list[Figure]:
 
     with tempfile.TemporaryDirectory() as root:
         server = early.result() if early is not None else start_mlflow_server(Path(root))
-        kill = early is not None
+        end = server.kill if early is not None else server.stop
         timeout = 1.0 if early is not None else 3.0
         try:
             client = MlflowClient(server.uri)
@@ -183,11 +183,11 @@ def mlflow_down(steps: int, early: Future[Any] | None = None) -> list[Figure]:
             up = _log_times(mon, range(1, steps + 1), 0.02)
             _wait(lambda: len(client.get_metric_history(run_id, "train/gpu_power_w_mean"))
                   == steps)
-            server.stop(kill=kill)
+            end()
             down = _log_times(mon, range(steps + 1, 2 * steps + 1), 0.02)
             down_stop = _timed(lambda: mon.stop(timeout=timeout))
         finally:
-            server.stop(kill=kill)
+            end()
     return [Figure("log() worst, MLflow server gone", max(down), max(up), 0.05),
             Figure(f"stop(timeout={timeout:g}), MLflow server gone", down_stop, timeout, 15.0)]
 
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                     figures.setdefault(fig.name, []).append(fig)
     finally:
         if early is not None and root is not None:
-            early.result().stop(kill=True)
+            early.result().kill()
             root.cleanup()
     print(f"unit_timings: {rounds} round(s), {os.cpu_count()} cores, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

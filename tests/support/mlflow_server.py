@@ -91,11 +91,10 @@ class MlflowServer:
         """The last few thousand characters of the server's stdout and stderr."""
         return _log_tail(self.log_path)
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S, *, kill: bool = False,
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S, *,
              sig: signal.Signals = signal.SIGTERM) -> None:
         """Stop the whole process group: ``sig`` (SIGTERM), then SIGKILL after ``timeout_s``
-        seconds; ``kill``: SIGKILL at once (gone as a crash leaves it, without uvicorn's
-        graceful shutdown, which takes seconds).
+        seconds (:meth:`kill`: SIGKILL at once).
 
         Idempotent. The group's leader is reaped; any process left in the group afterwards is
         killed too, so no uvicorn worker outlives the test session.
@@ -105,7 +104,7 @@ class MlflowServer:
         self._stopped = True
         pgid = self.process.pid  # start_new_session=True: the leader's pid is the group id
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL if kill else sig)
+            os.killpg(pgid, sig)
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
