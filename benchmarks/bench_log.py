@@ -327,8 +327,10 @@ RSS_SINKS = ("none", "jsonl", "object", "mlflow-sqlite", "mlflow-server")
 process, as for W&B); MLflow into a SQLite store; MLflow into a tracking server."""
 
 
-def rss_child(config: str, seconds: float, tmp: Path) -> dict[str, Any]:
-    """In a fresh process: one configuration of (d); returns its figures."""
+def rss_child(config: str, seconds: float, tmp: Path, settle_s: float = 1.5) -> dict[str, Any]:
+    """In a fresh process: one configuration of (d); returns its figures. After the rows,
+    the training thread stays busy ``settle_s`` seconds before the readings (the last rows
+    are finished about 1 s after their ``log()``; ``--quick``: 0.3 s)."""
     import gpulens
 
     sinks: list[Any] = []
@@ -356,7 +358,7 @@ def rss_child(config: str, seconds: float, tmp: Path) -> dict[str, Any]:
             rows += 1
             mon.log(rows, loss=1.0 / rows, learning_rate=3e-4, grad_norm=0.5)
             time.sleep(0.02)
-        busy_wait(1.5)  # the last rows are finished about 1 s after their log()
+        busy_wait(settle_s)
         mem = sampler_memory()
         running = _rss_bytes()
         isolation = mon.isolation
@@ -388,7 +390,8 @@ def start_mlflow_server(tmp: Path) -> tuple[Any, str | None]:
         return None, f"server did not start: {type(exc).__name__}: {str(exc)[:200]}"
 
 
-def bench_sampler_rss(tmp: Path, configs: list[str], seconds: float) -> list[dict[str, Any]]:
+def bench_sampler_rss(tmp: Path, configs: list[str], seconds: float,
+                      settle_s: float = 1.5) -> list[dict[str, Any]]:
     """(d): each configuration in a fresh Python process (``--rss-child``)."""
     import subprocess
 
@@ -408,7 +411,8 @@ def bench_sampler_rss(tmp: Path, configs: list[str], seconds: float) -> list[dic
                 env["MLFLOW_TRACKING_URI"] = server.uri
             proc = subprocess.run(
                 [sys.executable, __file__, "--rss-child", config, "--rss-seconds", str(seconds),
-                 "--rss-dir", str(tmp)], capture_output=True, text=True, env=env, timeout=300)
+                 "--rss-settle-s", str(settle_s), "--rss-dir", str(tmp)],
+                capture_output=True, text=True, env=env, timeout=300)
             if proc.returncode != 0:
                 out.append({"config": config,
                             "skipped": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"})
@@ -459,13 +463,16 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: all; --quick: none,object)")
     p.add_argument("--no-sinks-rss", action="store_true", help="skip (d)")
     p.add_argument("--rss-seconds", type=float, default=3.0)
+    p.add_argument("--rss-settle-s", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rss-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     _use_simulated(N_GPUS)
+    settle = args.rss_settle_s if args.rss_settle_s is not None else (
+        0.3 if args.quick else 1.5)
     if args.rss_child:
         assert args.rss_dir is not None
-        print(json.dumps(rss_child(args.rss_child, args.rss_seconds, args.rss_dir)))
+        print(json.dumps(rss_child(args.rss_child, args.rss_seconds, args.rss_dir, settle)))
         return 0
     calls, steps, reps, rows = (300, 40, 2, 600) if args.quick else (10_000, 400, 7, 100_000)
     rows = args.mem_rows or rows
@@ -492,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         fig.update(bench_loop(tmp, steps, reps, busy_s=0.001, wait_s=0.004))
         fig.update(bench_memory(rows, args.mem_burst, args.tracemalloc))
         if not args.no_sinks_rss:
-            fig["sampler_rss"] = bench_sampler_rss(tmp, configs, args.rss_seconds)
+            fig["sampler_rss"] = bench_sampler_rss(tmp, configs, args.rss_seconds, settle)
         fig["wall_s"] = time.perf_counter() - t0
     print(f"gpulens {fig['gpulens']} | Python {fig['python']} | {fig['cpus']} CPUs | "
           f"{fig['date']} | {'quick' if args.quick else 'full'} run in {fig['wall_s']:.1f} s")

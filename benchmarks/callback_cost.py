@@ -105,16 +105,22 @@ COUNTER = Meter()
 """The token counter's meter: its method is wrapped once per process (class level)."""
 
 
-def wrap_token_counter() -> None:
+def wrap_token_counter() -> Callable[[], None]:
     """Time ``TokenCounter.observe`` (HF's forward pre-hook, Lightning's batch hook), where
-    the tree counts work at all (older trees do not)."""
+    the tree counts work at all (older trees do not); returns what puts it back."""
     try:
         from gpulens.work import hf
     except ImportError:
-        return
+        return lambda: None
 
+    observe = hf.TokenCounter.observe
     hf.TokenCounter.observe = COUNTER.timed(  # type: ignore[method-assign]
-        "TokenCounter.observe", hf.TokenCounter.observe)
+        "TokenCounter.observe", observe)
+
+    def unwrap() -> None:
+        hf.TokenCounter.observe = observe  # type: ignore[method-assign]
+
+    return unwrap
 
 
 @dataclass
@@ -181,6 +187,8 @@ def run_group(group: str, s: og.Setup, tmp: Path, args: argparse.Namespace) -> G
     arms = list(res.blocks)
     for rnd in range(args.rounds):
         for arm in paired.round_order(arms, args.seed, rnd):
+            if args.quick:
+                og.collect(True)  # the collection after each block scans only what it made
             instrument = instrumenter(hooks, args.warmup, args.steps, res.inside)
             with contextlib.redirect_stdout(io.StringIO()):
                 block = path.block(arm, rnd, args.warmup, args.steps, instrument)
@@ -328,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     s = build(args)
-    wrap_token_counter()
+    unwrap = wrap_token_counter()
     tmpdir = tempfile.TemporaryDirectory(prefix="gpulens-callback-cost-")
     tmp = Path(tmpdir.name)
     run = None
@@ -351,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json is not None:
                 args.json.write_text(json.dumps({"meta": meta, "groups": out}, indent=2))
     finally:
+        unwrap()
         if run is not None:
             with contextlib.redirect_stdout(io.StringIO()):
                 og.wandb_finish(run)

@@ -284,13 +284,13 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=8, help="simulated GPUs in a row (8)")
     ap.add_argument("--seconds", type=float, default=30.0,
                     help="length of each CPU measurement (30)")
-    ap.add_argument("--quick", action="store_true", help="2 s measurements: a smoke test")
+    ap.add_argument("--quick", action="store_true", help="1 s measurements: a smoke test")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.rate)
-    seconds = 2.0 if args.quick else args.seconds
-    warmup = 0.5 if args.quick else 3.0
+    seconds = 1.0 if args.quick else args.seconds
+    warmup = 0.3 if args.quick else 3.0
     template = make_template(args.gpus)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "template.json"

@@ -126,6 +126,11 @@ class Peer:
     name = "peer"
     util_key = ""
 
+    def __init__(self, quick: bool = False) -> None:
+        self.quick = quick
+        """A smoke run (``--quick``): the peer may skip work that is no part of its
+        figures."""
+
     def pick_util_key(self, series: dict[str, list[tuple[float, float]]]) -> str | None:
         """The series holding GPU 0's utilization, if the peer recorded one."""
         if self.util_key in series:
@@ -155,7 +160,9 @@ class WandbPeer(Peer):
             project="gpulens-fidelity", mode="offline", dir=str(tmp),
             settings=wandb.Settings(x_stats_sampling_interval=0.1, x_stats_buffer_size=100_000,
                                     console="off", silent=True, disable_git=True,
-                                    save_code=False),
+                                    save_code=False,
+                                    # a smoke run's W&B does not list the installed packages
+                                    **({"x_save_requirements": False} if self.quick else {})),
         )
 
     def stop(self) -> dict[str, list[tuple[float, float]]]:
@@ -223,14 +230,15 @@ class NvitopPeer(Peer):
         return self.samples
 
 
-def start_peers(tmp: Path, wanted: list[str]) -> tuple[list[Peer], dict[str, str]]:
+def start_peers(tmp: Path, wanted: list[str],
+                quick: bool = False) -> tuple[list[Peer], dict[str, str]]:
     """Start each wanted peer that can run here; the others get a reason."""
     peers: list[Peer] = []
     skipped: dict[str, str] = {}
     for cls in (WandbPeer, MlflowPeer, NvitopPeer):
         if cls.name not in wanted:
             continue
-        peer = cls()
+        peer = cls(quick)
         try:
             with contextlib.redirect_stdout(io.StringIO()):
                 peer.start(tmp)
@@ -344,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     tmpdir = tempfile.TemporaryDirectory(prefix="gpulens-fidelity-")
     tmp = Path(tmpdir.name)
     wanted = [] if args.peers == "none" else [x.strip() for x in args.peers.split(",")]
-    peers, skipped = start_peers(tmp, wanted)
+    peers, skipped = start_peers(tmp, wanted, args.quick)
     sink = Rows()
     mon = gpulens.Monitor(interval=0.1, sinks=[sink],
                           backend="simulated" if args.quick else None)
@@ -361,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             energy_note = f"NVML energy counter unavailable: {exc!r}"
     else:
         energy_note = f"no NVML reference (backend {backend})"
-    time.sleep(1.0)  # peers' first samples, gpulens's first GPM read
+    # peers' first samples, gpulens's first GPM read (a smoke run's simulated GPU has no GPM)
+    time.sleep(0.3 if args.quick else 1.0)
 
     edges: list[float] = [time.time()]
     e_edges: list[float | None] = [energy.read_j() if energy else None]
@@ -378,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         mon.log(step, busy=1.0 if kind == "busy" else 0.0)
         e_edges.append(energy.read_j() if energy else None)
         kinds.append(kind)
-    time.sleep(0.5)
+    time.sleep(0.2 if args.quick else 0.5)  # the peers' last samples
     if energy:
         energy.read_power()
     mon.stop()

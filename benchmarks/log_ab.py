@@ -3,9 +3,9 @@
 Each round runs three fresh processes in a shuffled order: tree A (``--a``), tree B (``--b``)
 and tree B again (the A/A arm).  Each process starts a monitor over 8 simulated GPUs sampled at
 10 Hz with a JSONL sink (the default path: the sampler in its own process), lets it fill a first
-window, then times ``--calls`` calls of ``log(step, loss=..., learning_rate=..., grad_norm=...)``
-``--gap-us`` apart (a busy-wait between calls, as ``bench_log.py`` (a) does) and prints the
-median in microseconds.
+window (``--settle-s`` of busy time, 0.3 s), then times ``--calls`` calls of
+``log(step, loss=..., learning_rate=..., grad_norm=...)`` ``--gap-us`` apart (a busy-wait
+between calls, as ``bench_log.py`` (a) does) and prints the median in microseconds.
 
 ``--stub-pipe`` measures only the Python that ``log()`` runs on the training thread: the pipe's
 sender is replaced by a function that takes the message and returns (no pickling, no write, so
@@ -51,7 +51,7 @@ def busy(seconds):
 calls, gap, stub = int(sys.argv[2]), float(sys.argv[3]) * 1e-6, sys.argv[5] == "1"
 mon = gpulens.Monitor(interval=0.1, sinks=[f"jsonl:{sys.argv[4]}"], backend="simulated")
 mon.start()
-busy(0.3)
+busy(float(sys.argv[6]))
 if stub:
     holder = getattr(mon, "_transport", None) or getattr(mon, "_process", None)
     tx = holder._tx
@@ -77,12 +77,13 @@ print(statistics.median(lat) / 1e3)
 """
 
 
-def run_arm(src: str, calls: int, gap_us: float, tmp: Path, name: str, stub: bool) -> float:
+def run_arm(src: str, calls: int, gap_us: float, tmp: Path, name: str, stub: bool,
+            settle_s: float = 0.3) -> float:
     out = tmp / f"{name}.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
     env.pop("PYTHONPATH", None)
     done = subprocess.run([sys.executable, "-c", CHILD, str(Path(src).resolve()), str(calls),
-                           str(gap_us), str(out), "1" if stub else "0"],
+                           str(gap_us), str(out), "1" if stub else "0", str(settle_s)],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-2000:]}")
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=5000)
     p.add_argument("--gap-us", type=float, default=1000.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--settle-s", type=float, default=0.3,
+                   help="busy seconds after start() before the timed calls (the sampler fills "
+                   "its first windows)")
     p.add_argument("--stub-pipe", action="store_true",
                    help="time only the Python of log() (the pipe's sender stubbed; see above)")
     p.add_argument("--json", type=Path)
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             arms = [("A", args.a), ("B", args.b), ("B'", args.b)]
             rng.shuffle(arms)
             got = {name: run_arm(src, args.calls, args.gap_us, Path(tmp), f"{r}-{name}",
-                                 args.stub_pipe) for name, src in arms}
+                                 args.stub_pipe, args.settle_s) for name, src in arms}
             rounds.append(got)
             order = " ".join(n for n, _ in arms)
             a, b, b2 = got["A"], got["B"], got["B'"]

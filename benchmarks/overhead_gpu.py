@@ -152,9 +152,14 @@ class Setup:
             self.torch.cuda.synchronize()
 
 
-def build_model(quick: bool, device: Any) -> tuple[Any, Any, int]:
-    """GPT-2 small (124M parameters) in bf16 from a config, or a tiny one for ``quick``."""
+def build_model(quick: bool, device: Any, plain: bool = False) -> tuple[Any, Any, int]:
+    """GPT-2 small (124M parameters) in bf16 from a config, or a tiny one for ``quick``;
+    ``plain`` (a smoke run of the plain-loop arms): a tiny model of torch alone
+    (:func:`tiny_lm`), so that the run does not import transformers (~2 s of CPU)."""
     import torch
+
+    if plain:
+        return tiny_lm(torch, device)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if quick:
@@ -168,6 +173,36 @@ def build_model(quick: bool, device: Any) -> tuple[Any, Any, int]:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     return model, cfg, n_params
+
+
+def tiny_lm(torch: Any, device: Any) -> tuple[Any, Any, int]:
+    """A two-layer next-token model of torch alone with GPT-2's calling convention
+    (``model(input_ids=x, labels=x).loss``), in bf16, and a config with the fields the
+    report reads (``n_layer``, ``n_embd``, ``n_positions``, ``vocab_size``)."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(n_layer=2, n_embd=64, n_positions=64, vocab_size=512)
+    nn = torch.nn
+
+    class TinyLM(nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(cfg.n_embd, cfg.n_embd),
+                                                        nn.GELU())
+                                          for _ in range(cfg.n_layer)])
+            self.head = nn.Linear(cfg.n_embd, cfg.vocab_size)
+
+        def forward(self, input_ids: Any, labels: Any) -> Any:
+            logits = self.head(self.blocks(self.embed(input_ids)))[:, :-1]
+            loss = nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(),
+                                               labels[:, 1:].reshape(-1))
+            return SimpleNamespace(loss=loss)
+
+    torch.manual_seed(0)
+    model = TinyLM().to(device=device, dtype=torch.bfloat16)
+    model.train()
+    return model, cfg, sum(p.numel() for p in model.parameters())
 
 
 def make_optimizer(torch: Any, model: Any, device: Any) -> Any:
@@ -203,8 +238,9 @@ def time_steps(s: Setup, n: int) -> float:
 
 
 def setup(quick: bool, target_ms: float, batch: int | None, seq: int | None,
-          device_name: str | None = None) -> Setup:
-    """Build everything and choose the batch so that a step takes about ``target_ms``."""
+          device_name: str | None = None, plain: bool = False) -> Setup:
+    """Build everything and choose the batch so that a step takes about ``target_ms``
+    (``plain``: see :func:`build_model`)."""
     import torch
 
     if device_name is None:
@@ -212,7 +248,7 @@ def setup(quick: bool, target_ms: float, batch: int | None, seq: int | None,
     device = torch.device(device_name)
     if quick:
         torch.set_num_threads(1)  # a tiny model: more threads only contend on a small machine
-    model, cfg, n_params = build_model(quick, device)
+    model, cfg, n_params = build_model(quick, device, plain)
     seq_len = seq or cfg.n_positions
     bs = batch or (2 if quick else 8)
     s = Setup(torch, device, model, make_optimizer(torch, model, device),
@@ -246,6 +282,17 @@ def setup(quick: bool, target_ms: float, batch: int | None, seq: int | None,
     dt = time_steps(s, 5)
     log(f"batch {s.batch_size} x {seq_len} tokens on {device}: {dt * 1e3:.1f} ms/step")
     return s
+
+
+def collect(quick: bool) -> None:
+    """``gc.collect()`` before an arm or a block, so that each starts from a collected state.
+    ``quick`` (a smoke run) also moves every object alive now (the libraries, the model, the
+    frameworks a block imported) out of the collector's sight, so that the next collection
+    scans only what was made since: with torch, transformers, W&B and MLflow loaded a full
+    collection takes about 0.5 s of CPU, a dozen of them a smoke run's main cost."""
+    gc.collect()
+    if quick:
+        gc.freeze()
 
 
 # --- what is measured around each arm ------------------------------------------------------------
@@ -499,12 +546,16 @@ class GpulensMlflowThreadVariant(GpulensMlflowVariant):
     isolation = "thread"
 
 
-def wandb_init(tmp: Path, name: str, stats_interval: float | None) -> Any:
-    """An offline W&B run; system metrics every ``stats_interval`` s, or off (None)."""
+def wandb_init(tmp: Path, name: str, stats_interval: float | None, quick: bool = False) -> Any:
+    """An offline W&B run; system metrics every ``stats_interval`` s, or off (None).
+    ``quick`` (a smoke run): W&B does not list the installed packages into the run (it reads
+    every package's metadata at each ``init``, ~0.3 s of CPU)."""
     import wandb
 
     settings: dict[str, Any] = {"console": "off", "silent": True, "disable_git": True,
                                 "save_code": False}
+    if quick:
+        settings["x_save_requirements"] = False
     if stats_interval is None:
         settings["x_disable_stats"] = True
     else:
@@ -532,7 +583,7 @@ class WandbVariant(Variant):
         return missing("wandb")
 
     def start(self, rnd: int) -> None:
-        self.run_ = wandb_init(self.tmp, f"wandb-{rnd}", self.args.interval)
+        self.run_ = wandb_init(self.tmp, f"wandb-{rnd}", self.args.interval, self.args.quick)
 
     def stop(self) -> str:
         return wandb_finish(self.run_)
@@ -548,7 +599,7 @@ class WandbLogVariant(Variant):
 
     def start(self, rnd: int) -> None:
         self.run_ = wandb_init(self.tmp, f"{type(self).__name__}-{rnd}",
-                               self.args.interval if self.stats else None)
+                               self.args.interval if self.stats else None, self.args.quick)
 
     def on_step(self, step: int, loss: float) -> None:
         self.run_.log({"train/loss": loss, "train/global_step": step})
@@ -573,7 +624,7 @@ class GpulensWandbVariant(Variant):
     def start(self, rnd: int) -> None:
         import gpulens
 
-        self.run_ = wandb_init(self.tmp, f"{type(self).__name__}-{rnd}", None)
+        self.run_ = wandb_init(self.tmp, f"{type(self).__name__}-{rnd}", None, self.args.quick)
         kw = {"isolation": self.isolation} if self.isolation else {}
         self.mon = gpulens.Monitor(interval=self.args.interval, sinks=["wandb"], **kw)
         self.mon.start()
@@ -887,7 +938,8 @@ def quiet_libraries() -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="CPU, tiny model, simulated GPUs for gpulens: a smoke test")
+                   help="CPU, a tiny model of torch alone, simulated GPUs for gpulens: a smoke "
+                   "test")
     p.add_argument("--suite", default="peers",
                    help=f"comma-separated suites: {', '.join(SUITES)} (default peers)")
     p.add_argument("--arms", default="", help="more arms by name (see the module doc)")
@@ -946,7 +998,7 @@ def run_rounds(run: Run, arms: dict[str, Arm], warmup: int, steps: int,
         order = paired.round_order(runnable, args.seed, rnd)
         run.orders.append(order)
         for name in order:
-            gc.collect()
+            collect(args.quick)
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     r = combine(arms[name].run(rnd, warmup, steps, training_threads))
@@ -1009,7 +1061,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.json or (Path(os.environ["OUT"]) / "overhead.json" if os.environ.get("OUT")
                         else None)
 
-    s = setup(args.quick, args.target_ms, args.batch, args.seq)
+    s = setup(args.quick, args.target_ms, args.batch, args.seq, plain=args.quick)
     gc.collect()
     training_threads = set(Probe.take().threads)  # training's own: main, autograd, CUDA, OpenMP
     tmpdir = tempfile.TemporaryDirectory(prefix="gpulens-overhead-")
@@ -1018,6 +1070,8 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args, names, {n: Result(n) for n in names}, {n: BASELINE_OF[n] for n in names})
     for n, a in arms.items():
         run.results[n].skipped = a.skip_reason()
+    if args.quick:
+        collect(True)
     run.meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(),
         "quick": args.quick, "suites": suites, "arms": names, "hardware": hardware(s),

@@ -527,10 +527,10 @@ class WandbLoopPath:
         gc.collect()
 
 
-def open_wandb_run(tmp: Path, name: str) -> Any:
+def open_wandb_run(tmp: Path, name: str, quick: bool = False) -> Any:
     """One offline W&B run for every block of the benchmark (W&B's system metrics every
-    15 s, its default, as a user's run has them)."""
-    return og.wandb_init(tmp, name, stats_interval=15.0)
+    15 s, its default, as a user's run has them); ``quick``: see ``og.wandb_init``."""
+    return og.wandb_init(tmp, name, stats_interval=15.0, quick=quick)
 
 
 __all__ = ["Block", "Clock", "HfPath", "LightningPath", "Schedule", "WandbLoopPath", "gated",

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import io
 import json
 import math
@@ -156,7 +155,7 @@ def run_blocks(run: PathRun, path: Any, args: argparse.Namespace, budget_end: fl
         order = paired.round_order(run.arms, args.seed, rnd)
         run.orders.append(order)
         for arm in order:
-            gc.collect()
+            og.collect(args.quick)
             with contextlib.redirect_stdout(io.StringIO()):
                 block = path.block(arm, rnd, args.warmup, args.steps)
             ranks = [float(v) for v in gather(block.value_s)]
@@ -208,6 +207,8 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
     while todo > 0:
         schedule = paths.Schedule(run.arms, todo, done, args.seed, args.measured_steps,
                                   args.burn_steps, args.warmup)
+        if args.quick:
+            og.collect(True)  # what the previous path imported is out of the collector's sight
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):
             mine = path.interleaved(schedule)
@@ -394,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     wandb_run = None
     if rank == 0:
         with contextlib.redirect_stdout(io.StringIO()):
-            wandb_run = paths.open_wandb_run(tmp, "paths-aa")
+            wandb_run = paths.open_wandb_run(tmp, "paths-aa", args.quick)
+    if args.quick:
+        og.collect(True)
     try:
         for name in names:
             run = PathRun(name, args.lightning_dsm)

@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("GPULENS_SIMULATED_GPUS", "1")
         args.steps = min(args.steps, 30)
         args.batch = min(args.batch, 4)
+        import torch
+
+        torch.set_num_threads(1)  # a tiny model: more threads only contend on a small machine
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []

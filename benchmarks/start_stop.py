@@ -210,7 +210,9 @@ def main() -> None:
     parser.add_argument("--baseline-src", default=None,
                         help="another tree's src/: each gpulens arm runs with it too, as "
                              "'ARM@baseline', in the same rounds")
-    parser.add_argument("--quick", action="store_true", help="1 round, jsonl and none only")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 round, jsonl and none only, steps of 10 ms (a row every 50: "
+                        "every half second still): a smoke run")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--db", default=None, help=argparse.SUPPRESS)
@@ -222,7 +224,7 @@ def main() -> None:
         return
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if args.quick:
-        args.rounds, arms = 1, ["none", "jsonl"]
+        args.rounds, arms, args.work_ms, args.log_every = 1, ["none", "jsonl"], 10.0, 50
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"unknown arms {unknown}; known: {', '.join(ARMS)}")

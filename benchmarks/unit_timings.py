@@ -10,7 +10,7 @@ exits 1 when a check fails. Scenarios (the test each came from):
   ``test_engine_process_killed_mid_run_training_goes_on``): worst ``log()`` after the engine
   process was killed, beside ``log()`` while it lives; bound 50 ms. Also ``stop()`` after the
   death, beside a normal ``stop()``; bound 5 s.
-- ``log() with the MLflow server gone`` (tests/test_sinks_trackers.py,
+- ``log() with the MLflow server gone`` (tests/test_faults.py,
   ``test_mlflow_server_gone_mid_run``): worst ``log()`` after the tracking server stopped,
   beside ``log()`` while it answers; bound 50 ms. ``stop(timeout=3)`` then; bound 15 s.
 - ``forked child's exit`` (``test_a_forked_child_leaves_the_parents_sampler_alone``): a child
@@ -41,6 +41,11 @@ exits 1 when a check fails. Scenarios (the test each came from):
     .venv/bin/python benchmarks/unit_timings.py            # every scenario, 3 rounds
     .venv/bin/python benchmarks/unit_timings.py --quick    # one short round, exit 0 (smoke)
 
+``--quick`` is a smoke run: one round, ``row finished after its log()`` once per isolation,
+the MLflow server (on files, not SQLite) starts in the background while the other scenarios
+run and is killed rather than stopped, and the monitor's stop after it has a 1 s timeout
+(``stop(timeout=1)``): its figures are no measurement.
+
 Needs ``mlflow`` for its scenario (skipped with a line saying so without it). Writes
 ``$OUT/unit_timings.json`` when ``OUT`` is set.
 """
@@ -58,6 +63,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,17 +140,40 @@ def engine_killed(steps: int) -> list[Figure]:
                 Figure("stop() after the engine process died", dead_stop, normal_stop, 5.0)]
 
 
-def mlflow_down(steps: int) -> list[Figure]:
+def mlflow_installed() -> bool:
     try:
-        from mlflow import MlflowClient
+        import mlflow  # noqa: F401
     except ImportError:
         print("mlflow is not installed: its scenario is skipped")
-        return []
+        return False
+    return True
+
+
+def start_server_early(root: Path) -> Future[Any]:
+    """``--quick``: the MLflow server of :func:`mlflow_down` starting in the background while
+    the other scenarios run (its start is most of a smoke run's time), on files rather than
+    SQLite (no schema migrations at start). Its CPU disturbs their figures: a smoke run's."""
+    from tests.support.mlflow_server import start_mlflow_server
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-server-start")
+    future = pool.submit(start_mlflow_server, root, file_store=True)
+    pool.shutdown(wait=False)
+    return future
+
+
+def mlflow_down(steps: int, early: Future[Any] | None = None) -> list[Figure]:
+    """``early`` (``--quick``): the server from :func:`start_server_early`, killed at once
+    rather than stopped (uvicorn's graceful shutdown takes seconds), and ``stop(timeout=1)``
+    rather than 3 (the stop waits its timeout out: the server is gone)."""
+    from mlflow import MlflowClient
+
     from gpulens.sinks import sink_spec
     from tests.support.mlflow_server import start_mlflow_server
 
     with tempfile.TemporaryDirectory() as root:
-        server = start_mlflow_server(Path(root))
+        server = early.result() if early is not None else start_mlflow_server(Path(root))
+        kill = early is not None
+        timeout = 1.0 if early is not None else 3.0
         try:
             client = MlflowClient(server.uri)
             run_id = client.create_run("0").info.run_id
@@ -154,13 +183,13 @@ def mlflow_down(steps: int) -> list[Figure]:
             up = _log_times(mon, range(1, steps + 1), 0.02)
             _wait(lambda: len(client.get_metric_history(run_id, "train/gpu_power_w_mean"))
                   == steps)
-            server.stop()
+            server.stop(kill=kill)
             down = _log_times(mon, range(steps + 1, 2 * steps + 1), 0.02)
-            down_stop = _timed(lambda: mon.stop(timeout=3))
+            down_stop = _timed(lambda: mon.stop(timeout=timeout))
         finally:
-            server.stop()
+            server.stop(kill=kill)
     return [Figure("log() worst, MLflow server gone", max(down), max(up), 0.05),
-            Figure("stop(timeout=3), MLflow server gone", down_stop, 3.0, 15.0)]
+            Figure(f"stop(timeout={timeout:g}), MLflow server gone", down_stop, timeout, 15.0)]
 
 
 _FORK = textwrap.dedent("""
@@ -329,7 +358,9 @@ def record_tail() -> list[Figure]:
                    first_poll(1), 0.5)]
 
 
-def wandb_alerts() -> list[Figure]:
+def wandb_alerts(quick: bool = False) -> list[Figure]:
+    """``quick``: W&B does not list the installed packages into the runs (~0.3 s of CPU at
+    each ``init``)."""
     try:
         import wandb
     except ImportError:
@@ -338,12 +369,13 @@ def wandb_alerts() -> list[Figure]:
     from gpulens.model import Event, GpuInfo, Row, RunContext
     from gpulens.sinks.wandb import WandbSink
 
+    lean = wandb.Settings(x_save_requirements=False) if quick else None
     context = RunContext(gpus=(GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", uuid="GPU-0",
                                        pci_bus_id="0:0"),),
                          hostname="node-1", backend="nvml", interval=0.5, meta={})
 
     def worst(alerting: bool) -> float:
-        run = wandb.init(project="gpulens-bench")
+        run = wandb.init(project="gpulens-bench", settings=lean)
         sink = WandbSink()
         sink.open(context)
         times = []
@@ -374,21 +406,37 @@ def wandb_alerts() -> list[Figure]:
             os.environ.update(saved)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one short round")
+    parser.add_argument("--quick", action="store_true", help="one short round (a smoke run: "
+                        "each scenario once or a few times, the MLflow server started while "
+                        "the others run)")
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     steps = 10 if args.quick else 40
+    lag_steps = 1 if args.quick else max(3, steps // 8)
+    mlflow = mlflow_installed()
+    root = tempfile.TemporaryDirectory() if args.quick and mlflow else None
+    early = start_server_early(Path(root.name)) if root is not None else None
+    scenarios: list[Callable[[], list[Figure]]] = [
+        lambda: engine_killed(steps), lambda: mlflow_down(steps, early), fork_exit,
+        latest_on_death, lambda: verl_two_calls(steps // 2), record_tail,
+        lambda: wandb_alerts(args.quick), lambda: row_lag(lag_steps), dashboard_page]
+    if not mlflow:
+        del scenarios[1]
+    elif early is not None:  # last: its server has started meanwhile
+        scenarios.append(scenarios.pop(1))
     figures: dict[str, list[Figure]] = {}
-    for _ in range(rounds):
-        for scenario in (lambda: engine_killed(steps), lambda: mlflow_down(steps), fork_exit,
-                         latest_on_death, lambda: verl_two_calls(steps // 2), record_tail,
-                         wandb_alerts, lambda: row_lag(max(3, steps // 8)),
-                         dashboard_page):
-            for fig in scenario():
-                figures.setdefault(fig.name, []).append(fig)
+    try:
+        for _ in range(rounds):
+            for scenario in scenarios:
+                for fig in scenario():
+                    figures.setdefault(fig.name, []).append(fig)
+    finally:
+        if early is not None and root is not None:
+            early.result().stop(kill=True)
+            root.cleanup()
     print(f"unit_timings: {rounds} round(s), {os.cpu_count()} cores, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("| figure | worst of rounds | reference (median of rounds) | ratio | bound | check |")

@@ -67,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
             step_fn()
             mon.log(step, loss=1.0 / step, tokens=tokens_per_step, flops=flops_per_step)
         wall = time.perf_counter() - started
-        time.sleep(1.5)  # the last rows reach the Prometheus sink
-        with urllib.request.urlopen(prom.url, timeout=10) as r:
-            metrics = r.read().decode()
+        if args.quick:  # a smoke run waits until the last row is served, not longer
+            metrics = _scrape_until_step(prom.url, args.steps, timeout=30.0)
+        else:
+            time.sleep(1.5)  # the last rows reach the Prometheus sink
+            with urllib.request.urlopen(prom.url, timeout=10) as r:
+                metrics = r.read().decode()
         meta = dict(mon.context.meta) if mon.context is not None else {}
         gpu = mon.context.gpus[0].name if mon.context and mon.context.gpus else "none"
     finally:
@@ -130,6 +133,18 @@ def _states(page: str, peak: object) -> str:
     if not isinstance(peak, int | float):
         return "n/a (no peak for this GPU)"
     return "yes" if f"{peak:g} TFLOP/s, the dense" in page else "no"
+
+
+def _scrape_until_step(url: str, step: int, timeout: float) -> str:
+    """The Prometheus sink's page once it serves ``step`` as ``gpulens_train_step`` (the
+    last scrape after ``timeout`` seconds otherwise)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            metrics: str = r.read().decode()
+        if _last_value(metrics, "gpulens_train_step") == step or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
 
 
 def _last_value(metrics: str, name: str) -> float | None:

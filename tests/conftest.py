@@ -181,6 +181,32 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput[_SHARED_KEY] = str(shared.uri_file)
 
 
+# -- xdist groups under pytest 9.2 -------------------------------------------------------------
+# Tests that share one expensive launch (a module fixture) are an ``xdist_group``: under
+# ``--dist loadgroup`` pytest-xdist sends a group to one worker, which then launches once.  xdist
+# says which group a test is in by appending ``@<group>`` to its node id in the worker, through
+# a field (``item._nodeid``) that pytest 9.2 no longer reads (node ids are structured now), so the
+# groups were silently ignored and each worker given one of a group's tests launched the job
+# again (pytest-dev/pytest-xdist#1386).  This writes the suffix where pytest reads it.
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
+        return
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # an older pytest: xdist's own suffix works there
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and isinstance(
+                getattr(item, "_id", None), NodeId):
+            item._id = NodeId.parse(item.nodeid + suffix)
+
+
 def _shared_uri(path: Path) -> str:
     deadline = time.monotonic() + _SHARED_WAIT_S
     while not path.exists():

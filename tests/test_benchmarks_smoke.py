@@ -1,6 +1,12 @@
 """Smoke tests of the benchmark scripts: they run on the CPU with simulated GPUs and print their
 figures. No timing is asserted (the figures depend on the machine); the structure is. The
-statistics of the A/A method (``benchmarks/paired.py``) are unit-tested here too."""
+statistics of the A/A method (``benchmarks/paired.py``) are unit-tested here too.
+
+Each script runs whole in its ``--quick`` mode: in a subprocess, or, for those that train
+through the frameworks and leave no process-wide state behind (``paths_aa.py`` in one
+process, ``callback_cost.py``), its ``main`` in this process (``tests.support.inprocess``:
+torch, transformers and Lightning are not imported again), which also checks that it left no
+thread or process running."""
 
 from __future__ import annotations
 
@@ -17,6 +23,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.inprocess import run_main
+from tests.support.wandb_offline import reset_wandb
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 NUMBER = r"-?\d+(?:\.\d+)?"
@@ -24,8 +33,8 @@ SIGNED = r"[+-]\d+\.\d+"
 EST = rf"{SIGNED} \[{SIGNED}, {SIGNED}\]"
 VERDICT = r"(not separable|higher than \S+|lower than \S+)"
 
-# Each script runs whole, in subprocesses that import torch: a loaded machine with the suite
-# in several workers can take minutes. The timeouts bound a hang.
+# A loaded machine with the suite in several workers can take minutes over a script that
+# imports torch. The timeouts bound a hang.
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -68,6 +77,18 @@ def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 600) -> s
     return proc.stdout
 
 
+def run_inprocess(name: str, tmp_path: Path, *args: str, preload: tuple[str, ...] = ()) -> str:
+    """Run ``benchmarks/<name> --quick ...``'s ``main`` in this process
+    (``tests.support.inprocess``: torch, transformers and Lightning are not imported again,
+    and what the script changes in the process is put back); return its stdout."""
+    reset_wandb()  # its next run reads the environment of this test
+    return run_main(BENCH / name, ["--quick", *args], tmp_path, bench_env(tmp_path), preload)
+
+
+#: What the scripts that train through the frameworks import (``run_main``'s preload).
+FRAMEWORKS = ("torch", "transformers", "transformers.trainer", "lightning.pytorch", "wandb")
+
+
 def table_rows(out: str, first_col: str) -> dict[str, list[str]]:
     """Markdown table rows keyed by their first cell, for the table whose header starts so."""
     rows: dict[str, list[str]] = {}
@@ -105,7 +126,7 @@ def table_lines(out: str, header_start: str) -> list[list[str]]:
 
 def test_bench_log_quick_prints_every_figure(tmp_path: Path) -> None:
     out = run_script("bench_log.py", tmp_path, "--json", str(tmp_path / "log.json"),
-                     "--tracemalloc", "--rss-sinks", "none,object", "--rss-seconds", "1")
+                     "--tracemalloc", "--rss-sinks", "none,object", "--rss-seconds", "0.5")
     rows = table_rows(out, "figure")
     assert re.fullmatch(rf"{NUMBER} us", rows["log() median, 8 simulated GPUs, 10 Hz"][0])
     assert re.fullmatch(rf"{NUMBER} ms/step", rows["5 ms step loop, without gpulens"][0])
@@ -244,9 +265,9 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
     """The default: one training run through short blocks of every arm, gpulens's hooks
     active in its own blocks."""
     names = ["hf_ls1", "hf_ls10", "lightning", "wandb_loop"]
-    out = run_script("paths_aa.py", tmp_path, "--paths", ",".join(names), "--rounds", "2",
-                     "--measured-steps", "10", "--burn-steps", "2", "--lightning-dsm",
-                     "--json", str(tmp_path / "p.json"), timeout=600)
+    out = run_inprocess("paths_aa.py", tmp_path, "--paths", ",".join(names), "--rounds", "2",
+                        "--measured-steps", "10", "--burn-steps", "2", "--lightning-dsm",
+                        "--json", str(tmp_path / "p.json"), preload=FRAMEWORKS)
     data = json.loads((tmp_path / "p.json").read_text())
     _paths_checks(data, out, names)
     assert data["meta"]["world_size"] == 1 and data["meta"]["args"]["mode"] == "interleaved"
@@ -254,9 +275,9 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
 
 
 def test_paths_aa_quick_blocks_mode_runs_one_training_per_arm(tmp_path: Path) -> None:
-    out = run_script("paths_aa.py", tmp_path, "--mode", "blocks", "--paths", "lightning",
-                     "--rounds", "2", "--steps", "3", "--warmup", "2",
-                     "--json", str(tmp_path / "p.json"), timeout=600)
+    out = run_inprocess("paths_aa.py", tmp_path, "--mode", "blocks", "--paths", "lightning",
+                        "--rounds", "2", "--steps", "3", "--warmup", "2",
+                        "--json", str(tmp_path / "p.json"), preload=FRAMEWORKS)
     data = json.loads((tmp_path / "p.json").read_text())
     _paths_checks(data, out, ["lightning"])
     assert "mode blocks" in out
@@ -280,8 +301,8 @@ def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) ->
 
 
 def test_callback_cost_quick_splits_the_callbacks_cpu_by_hook(tmp_path: Path) -> None:
-    out = run_script("callback_cost.py", tmp_path, "--groups", "hf,lightning",
-                     "--json", str(tmp_path / "c.json"), timeout=600)
+    out = run_inprocess("callback_cost.py", tmp_path, "--groups", "hf,lightning",
+                        "--json", str(tmp_path / "c.json"), preload=FRAMEWORKS)
     data = json.loads((tmp_path / "c.json").read_text())
     for group, hook in (("hf", "on_log"), ("lightning", "on_train_batch_end")):
         g = data["groups"][group]
@@ -425,7 +446,8 @@ def test_log_ab_pairs_rounds_and_judges_against_its_aa_arm(tmp_path: Path) -> No
     src = str(ROOT / "src")
     proc = subprocess.run(
         [sys.executable, str(BENCH / "log_ab.py"), "--a", src, "--b", src, "--rounds", "2",
-         "--calls", "50", "--gap-us", "200", "--json", str(tmp_path / "ab.json")],
+         "--calls", "50", "--gap-us", "200", "--settle-s", "0.1", "--json",
+         str(tmp_path / "ab.json")],
         cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = table_rows(proc.stdout, "figure")
@@ -442,11 +464,12 @@ def test_log_ab_pairs_rounds_and_judges_against_its_aa_arm(tmp_path: Path) -> No
 
 def test_unit_timings_quick_prints_every_figure_with_its_reference(tmp_path: Path) -> None:
     """The figures moved out of unit tests (issue 20): each with its side-by-side reference,
-    ratio, bound and check; --quick runs one short round and never fails on a figure."""
+    ratio, bound and check; --quick runs one short round and never fails on a figure (its
+    monitor stops with a 1 s timeout when the MLflow server is gone, a full run's 3 s)."""
     out = run_script("unit_timings.py", tmp_path)
     rows = table_rows(out, "figure")
     for name in ("log() worst, engine process killed", "stop() after the engine process died",
-                 "log() worst, MLflow server gone", "stop(timeout=3), MLflow server gone",
+                 "log() worst, MLflow server gone", "stop(timeout=1), MLflow server gone",
                  "forked child's exit, a monitor running",
                  "latest() when the engine process dies 0.3 s in",
                  "verl log() worst, two calls a step",

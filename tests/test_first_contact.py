@@ -19,6 +19,8 @@ FAKE_PYTHON = """#!/bin/sh
 # ... --target DIR ... uv` makes DIR/bin/uv, a stand-in that says what it was asked (or fails
 # when FAKE_UV=fail); anything else says what it was asked to do
 if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0; fi
+# `pip config get`: no find-links configured
+if [ "$1" = "-m" ] && [ "$2" = "pip" ] && [ "$3" = "config" ]; then exit 1; fi
 echo "RAN python $*"
 case "$*" in *" --target "*" uv")
     [ "$FAKE_UV" = "fail" ] && exit 1
@@ -36,18 +38,25 @@ def make() -> str:
     return exe
 
 
-@pytest.mark.parametrize("uv", ["ok", "fail"])
-def test_make_says_what_it_installs_before_each_quiet_step(tmp_path: Path, uv: str) -> None:
-    """Torch (the CPU build) by pip first, then uv (installed beside the environment) does the
-    rest; where uv cannot be installed, pip does."""
+@pytest.mark.parametrize(("uv", "links"), [("ok", "/opt/wheels-x"), ("fail", "/opt/wheels-x"),
+                                         ("ok", "")])
+def test_make_says_what_it_installs_before_each_quiet_step(tmp_path: Path, uv: str,
+                                                           links: str) -> None:
+    """uv first (installed beside the environment); the CPU torch by uv from pip's find-links,
+    asked for as ``+cpu`` so that only the wheel on disk matches; then uv does the rest. Where
+    uv cannot be installed, or no find-links are configured, pip installs torch (and, without
+    uv, the rest)."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
     venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}
+    if links:
+        env["PIP_FIND_LINKS"] = links
     proc = subprocess.run([make(), "--no-print-directory", "-C", str(ROOT), "venv",
                            f"VENV={venv}", f"PYTHON={fake}"],
                           capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "FAKE_UV": uv})
+                          env={**env, "FAKE_UV": uv})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     ran = [i for i, line in enumerate(lines)
@@ -55,17 +64,21 @@ def test_make_says_what_it_installs_before_each_quiet_step(tmp_path: Path, uv: s
     assert len(ran) == 4, proc.stdout
     told = [i for i, line in enumerate(lines) if line.startswith("gpulens make [")]
     # a line before every install step, saying what comes and that it takes a while
-    for step, i in zip(("[1/4] upgrading pip", "[2/4] installing torch==2.13.0",
-                        "[3/4] installing uv beside the environment",
-                        "[4/4] installing gpulens with every extra"), ran, strict=True):
+    steps = ("[1/4] upgrading pip", "[2/4] installing uv beside the environment",
+             "[3/4] installing torch==2.13.0", "[4/4] installing gpulens with every extra")
+    for step, i in zip(steps, ran, strict=True):
         assert i - 1 in told and step in lines[i - 1], (step, lines[i - 1])
-    assert lines[ran[1]] == "RAN python -m pip install --quiet --quiet torch==2.13.0"
-    assert f"--target {venv}/.uv" in lines[ran[2]]
+    assert f"--target {venv}/.uv" in lines[ran[1]]
+    if uv == "ok" and links:
+        assert lines[ran[2]] == (f"RAN uv pip install --quiet --python {venv}/bin/python "
+                                 f"--find-links {links} torch==2.13.0+cpu")
+    else:
+        assert lines[ran[2]] == "RAN python -m pip install --quiet --quiet torch==2.13.0"
     if uv == "ok":
         assert lines[ran[3]] == (f"RAN uv pip install --quiet --python {venv}/bin/python "
                                  "-e .[all,dev] torch==2.13.0")
     else:
-        assert "uv could not be installed: pip does step 4" in proc.stdout
+        assert "uv could not be installed: pip does steps 3 and 4" in proc.stdout
         assert lines[ran[3]] == "RAN python -m pip install --quiet --quiet -e .[all,dev]"
     assert "The first install takes" in proc.stdout and "quiet meanwhile" in proc.stdout
     assert lines[-1].endswith(f"{venv} is ready")

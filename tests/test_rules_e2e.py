@@ -1,8 +1,10 @@
 """The rule engine on rows that the real pipeline writes: a Hugging Face Trainer whose dataset
 turns slow, simulated GPUs that hit their power cap, slow down for heat, stop using their tensor
-cores and fill their memory, and a 2-rank DDP job (torchrun, gloo) whose rank 1 turns slow in
-backward compute.  Each run has a healthy first half (no rule may fire) and a faulty second half
-(the rule must fire within 20 steps of the onset).
+cores and fill their memory.  Each run has a healthy first half (no rule may fire) and a faulty
+second half (the rule must fire within 20 steps of the onset).  A 2-rank DDP job (torchrun,
+gloo) whose rank 1 turns slow in backward compute is in ``tests/test_integration_distributed.py``
+(``test_ddp_rank_slow_in_backward_is_named_chronic``), where it shares the launch of the other
+DDP scripts.
 
 The engine runs the rules on its rows; each test reads its verdicts back (Row.events, the
 JSONL record's event lines, alerts/<rule> keys).
@@ -11,9 +13,6 @@ JSONL record's event lines, alerts/<rule> keys).
 from __future__ import annotations
 
 import math
-import os
-import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,9 @@ from typing import Any
 import pytest
 
 from gpulens.model import Event, RunContext
-from gpulens.testing import Constant, MemorySink, SimulatedNVML
+from gpulens.testing import MemorySink, SimulatedNVML
 from tests.support.jsonl import read_lines, read_rows
-from tests.support.torchrun import run_torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 FAULT_AFTER_S = 3.0
 """Simulated seconds (since the simulator was made) after which the simulated faults begin."""
 
@@ -188,94 +185,3 @@ def test_hf_trainer_with_a_dataset_that_turns_slow_is_input_bound(
     assert len(fired) == 1, (events, healthy, slow)
     (step,) = fired
     assert SLOW_AFTER_STEPS < step <= SLOW_AFTER_STEPS + SLOW_STEPS, (step, healthy, slow)
-
-
-# -- DDP with a rank slow in backward compute (torchrun, gloo) --------------------------------
-
-SLOW_RANK_AFTER = 30
-
-
-def worker(out: str, steps: int) -> None:
-    """One rank of the DDP job (run under torchrun): rank 1 burns ~10 ms more CPU in backward
-    from step SLOW_RANK_AFTER on; the all-reduce makes every rank's wall-clock step equal.
-
-    gpulens adds each rank's CPU seconds per step (``rank/{r}/cpu_busy_s``) to the merged rows
-    and its engine runs the rules on them.  The simulated GPUs have no GPM: a CPU job's GPUs
-    do none of its work, so the rule judges the ranks by their CPU time."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-
-    import gpulens
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-
-    slow = {"on": False}
-
-    class SlowBackward(torch.autograd.Function):
-        """Identity forward; in backward, matrix products: 8x as many on rank 1 once slow."""
-
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return x
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            # every rank does some work of its own in backward, so that a step's CPU time is
-            # mostly compute and not the few milliseconds a loaded machine jitters by; rank 1
-            # then does 8x as much (a CPU-time lag well past the rule's 50 %)
-            a = torch.randn(256, 256)
-            for _ in range(80 if rank == 1 and slow["on"] else 10):
-                a = a @ a
-                a = a / a.norm()
-            return grad
-
-    model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    sim = SimulatedNVML(gpus=1, gpm=False, load=Constant(0.6))
-    with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{out}"], backend=sim) as mon:
-        for step in range(1, steps + 1):
-            slow["on"] = step > SLOW_RANK_AFTER
-            loss = SlowBackward.apply(model(torch.randn(2048, 64))).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mon.log(step, loss=loss.item())
-    del model, opt
-    dist.destroy_process_group()
-
-
-def test_ddp_rank_slow_in_backward_is_named_chronic(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
-    out = tmp_path / "rows.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
-    env.update(GPULENS_BACKEND="simulated", GPULENS_SIMULATED_GPUS="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-    steps = SLOW_RANK_AFTER + 30
-    done = run_torchrun([str(Path(__file__)), str(out), str(steps)], cwd=tmp_path, env=env)
-    assert done.returncode == 0 and not done.leftovers, done.stderr[-4000:]
-    rows = read_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert all("rank/0/cpu_busy_s" in r and "rank/1/cpu_busy_s" in r for r in rows)
-    # the engine's own verdicts, as the record keeps them (event lines); one-off notices may
-    # come on a busy machine (a 1-2 ms step jitters): only alerts count.  On a CPU-starved
-    # 2-core machine the healthy ranks' CPU time per step differs by up to ~30 % for ten steps
-    # at a time (seen: rank 0 9.2 ms vs rank 1 7.2 ms, steps 8-16, both doing the same work),
-    # so a firing for rank 0 before the slowdown is machine noise, not what this test is about:
-    # rank 1 must be named only once it is slow, within 20 steps, and stay named
-    events = [e for e in read_lines(out) if e.get("event") == "alert"]
-    busy = [(r["rank/0/cpu_busy_s"], r["rank/1/cpu_busy_s"]) for r in rows]
-    rank1 = [e for e in events if e["name"] == "slow_rank" and e["state"] == "firing"
-             and e["data"].get("rank") == 1.0]
-    assert rank1, (events, busy)
-    assert SLOW_RANK_AFTER < rank1[0]["step"] <= SLOW_RANK_AFTER + 20, (events, busy)
-    # no GPM on simulated CPU ranks: the rank is named (with its node), not a GPU
-    assert re.search(r"rank 1 \(node 0 [^)]*\) is chronically slow", rank1[0]["message"])
-    assert rows[-1]["alerts/slow_rank"] == 1.0
-
-
-if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]))

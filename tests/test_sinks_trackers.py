@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -10,11 +9,9 @@ from typing import Any
 import pytest
 
 import gpulens
-from gpulens.sinks import sink_spec
 from gpulens.sinks.mlflow import MlflowSink, mlflow_key
 from gpulens.testing import SimulatedNVML
-from tests.support.mlflow_server import MlflowServer, MlflowTracking
-from tests.support.wait import wait_until
+from tests.support.mlflow_server import MlflowTracking
 from tests.support.wandb_reader import (
     read_history,
     read_metric_definitions,
@@ -240,37 +237,7 @@ def test_mlflow_key_is_valid() -> None:
     assert mlflow_key("train/loss@top:1") == "train/loss_top_1"
 
 
-def test_mlflow_server_gone_mid_run(
-    mlflow_server_factory: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    """log() stays fast, stop() returns in bounded time, undelivered rows are counted."""
-    from mlflow import MlflowClient
-
-    server: MlflowServer = mlflow_server_factory()
-    client = MlflowClient(server.uri)
-    run_id = client.create_run("0").info.run_id
-    sink = sink_spec("mlflow", run_id=run_id, tracking_uri=server.uri)  # in the engine process
-    mon = gpulens.Monitor(interval=0.05, sinks=[sink], backend=SimulatedNVML(gpus=1))
-    mon.start()
-    for step in (1, 2):
-        time.sleep(0.05)
-        mon.log(step)
-
-    def delivered() -> list[int]:
-        return sorted(m.step for m in client.get_metric_history(run_id,
-                                                                "train/gpu_power_w_mean"))
-    wait_until(lambda: delivered() == [1, 2], what="rows 1-2 in MLflow")
-    server.stop()
-    with caplog.at_level(logging.WARNING, logger="gpulens"):
-        for step in range(3, 23):
-            time.sleep(0.02)
-            mon.log(step)
-        stats = mon.stop(timeout=3)
-    # log()'s cost with the server down, beside it up: benchmarks/unit_timings.py
-    assert "did not stop in" not in caplog.text  # stop() kept to its timeout
-    st = stats["mlflow"]
-    assert st.written == 2 and st.dropped == 20
-    assert any("20 dropped" in r.message for r in caplog.records)
+# test_mlflow_server_gone_mid_run: tests/test_faults.py (one dying server for two tests)
 
 
 # -- set-up errors: one line, before anything is created -------------------------------------

@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.support.inprocess import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tune_gpu_smoke(tmp_path: Path) -> None:
+    """In this process (``tests.support.inprocess``): torch, transformers and Lightning are
+    not imported again, and what the script changes in the process is put back."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
     env.pop("OUT", None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tune_gpu.py"), "--smoke",
-                           "--out", str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = run_main(ROOT / "benchmarks" / "tune_gpu.py", ["--smoke", "--out", str(tmp_path)],
+                   tmp_path, env, preload=("torch", "transformers", "transformers.trainer",
+                                           "lightning.pytorch", "accelerate"))
+    assert "| tune |" in out
     data = json.loads((tmp_path / "tune_gpu.json").read_text())
     assert data["tune"]["oom_batch"] == 8 and data["brute_force"]["oom_batch"] == 8
     assert data["brute_force"]["complete"] and data["brute_force"]["best"] is not None

@@ -4,12 +4,14 @@ errors, and ``--isolate`` (each trial in a fresh process)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
 
 from gpulens.cli import main
 from gpulens.tune import Config, TuneResult
+from tests.support.tune_load import WORKER_STARTS_ENV
 
 JOB = "tests.support.tune_load:cli_job"
 QUICK = ["--workers", "0", "--warmup", "1", "--steps", "2", "--no-loader-options"]
@@ -49,9 +51,11 @@ def test_bad_settings_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "max_batch (8) is below min_batch (64)" in capsys.readouterr().err
 
 
-def test_isolated_trials_run_in_fresh_processes(tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_isolated_trials_run_in_fresh_processes(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     js = tmp_path / "t.json"
+    starts = tmp_path / "worker-starts.txt"
+    monkeypatch.setenv(WORKER_STARTS_ENV, str(starts))
     # two processes: the first describes the job and measures batch 4 (the current setting),
     # the second runs out of memory at 64; a loader worker in each (not a daemon process)
     rc = main(["tune", JOB + "_one_worker", "--isolate", "--batch-sizes", "4,64", "--workers", "1",
@@ -62,3 +66,7 @@ def test_isolated_trials_run_in_fresh_processes(tmp_path: Path,
     assert [(t.config.batch_size, t.status) for t in result.trials] == [(4, "ok"), (64, "oom")]
     assert result.chosen is not None and result.chosen.config == Config(4, 1)
     assert result.notes[0] == "each trial ran in a fresh process"
+    # the trial processes are spawned (CUDA), their loader workers start as the user's
+    # training starts them: the platform's default, not spawned again (a fresh interpreter
+    # that imports torch: seconds a trial)
+    assert starts.read_text().split() == [multiprocessing.get_all_start_methods()[0]] * 2

@@ -37,6 +37,9 @@ LEFTOVER_GRACE_S = 5.0
 """How long the processes of a job may take to end by themselves once torchrun has exited,
 before they count as leftovers and are killed."""
 
+HUNG_POLL_S = 0.05
+"""How often :func:`run_torchrun` asks its ``hung`` predicate."""
+
 _LIVE_TAGS: set[str] = set()
 
 
@@ -54,6 +57,7 @@ class TorchrunResult:
     stderr: str
     seconds: float
     timed_out: bool
+    """Killed at the timeout, or once ``run_torchrun``'s ``hung`` predicate said so."""
     leftovers: list[JobProcess] = field(default_factory=list)
     """Processes of the job still alive ``LEFTOVER_GRACE_S`` after torchrun ended (killed)."""
 
@@ -147,6 +151,8 @@ def run_torchrun(
     timeout: float = 240.0,
     on_timeout: Callable[[list[JobProcess]], None] | None = None,
     nodes: Sequence[Mapping[str, str]] = (),
+    hung: Callable[[], bool] | None = None,
+    leftover_grace_s: float = LEFTOVER_GRACE_S,
 ) -> TorchrunResult:
     """Run ``torchrun --standalone --nproc_per_node NPROC SCRIPT_ARGS`` in ``cwd``.
 
@@ -159,6 +165,14 @@ def run_torchrun(
     ``GPULENS_NODE_NAME`` of its own): a job of several "nodes".  The result's return code is
     the first non-zero one (0 if all are), its output every launch's, each line prefixed with
     ``[node i]``.
+
+    ``hung``: for a test that knows when its job is stuck for good (its ranks wrote that they
+    are about to hang, say): polled every :data:`HUNG_POLL_S` while the job runs; once it
+    returns true the job is handled as at the timeout (``on_timeout``, killed whole, the result
+    says ``timed_out``), without waiting out the rest of ``timeout``.
+    ``leftover_grace_s``: how long the job's processes may take to end by themselves once
+    torchrun has exited before they count as leftovers (a test whose leftover never ends by
+    itself need not wait).
     """
     tag = f"{os.getpid()}-{uuid.uuid4().hex}"
     full_env = dict(os.environ if env is None else env)
@@ -179,12 +193,8 @@ def run_torchrun(
                                   stdout=out, stderr=err, text=True, start_new_session=True)
                  for extra, (out, err) in zip(launches, files, strict=True)]
         try:
-            deadline = start + timeout
-            try:
-                for proc in procs:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            timed_out = not _wait_all(procs, start + timeout, hung)
+            if timed_out:
                 if on_timeout is not None:
                     on_timeout(job_processes(tag))
                 for proc in procs:
@@ -193,7 +203,7 @@ def run_torchrun(
                     proc.wait()
             seconds = time.monotonic() - start
             if not timed_out:
-                grace = time.monotonic() + LEFTOVER_GRACE_S
+                grace = time.monotonic() + leftover_grace_s
                 while job_processes(tag) and time.monotonic() < grace:
                     time.sleep(0.05)
                 leftovers = job_processes(tag)
@@ -215,6 +225,23 @@ def run_torchrun(
     return TorchrunResult(returncode=None if timed_out else next((c for c in codes if c), 0),
                           stdout="".join(outs), stderr="".join(errs), seconds=seconds,
                           timed_out=timed_out, leftovers=leftovers)
+
+
+def _wait_all(procs: Sequence[subprocess.Popen[str]], deadline: float,
+              hung: Callable[[], bool] | None) -> bool:
+    """Wait for every launch to exit; ``False`` at ``deadline`` or once ``hung()`` is true."""
+    for proc in procs:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                proc.wait(timeout=left if hung is None else min(left, HUNG_POLL_S))
+                break
+            except subprocess.TimeoutExpired:
+                if hung is not None and hung():
+                    return False
+    return True
 
 
 def _free_port() -> int:

@@ -6,6 +6,7 @@ agree) and the result."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -43,6 +44,13 @@ def main(out: Path) -> None:
                   warmup_steps=1, steps=3, progress=rank == 0)
     (out / f"rank{rank}.json").write_text(json.dumps({"local": local,
                                                       "result": result.to_dict()}))
+    tune_dist.agree = agree
+    # free the DDP model (its Reducer holds the group from C++) before destroying the group, or
+    # the group's last reference goes with the model later and gloo's destructor can wait for
+    # the GIL it holds (docs/design-notes.md, "DDP exit"; seen here when the script returned
+    # to tests/support/ddp_scripts.py)
+    del step, loader
+    gc.collect()
     dist.destroy_process_group()
 
 

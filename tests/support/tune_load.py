@@ -14,6 +14,8 @@ needs no CPU.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -100,25 +102,41 @@ def collate_numpy(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any
             torch.stack([s[1] for s in samples]).numpy())
 
 
-def make_loader(dataset: Dataset[Any], batch_size: int, num_workers: int = 0) -> DataLoader[Any]:
+#: Names a file :func:`record_start_method` appends to (unset: it writes nothing).
+WORKER_STARTS_ENV = "TUNE_LOAD_WORKER_STARTS"
+
+
+def record_start_method(worker_id: int) -> None:
+    """A loader's ``worker_init_fn``: appends how this worker process was started (``fork``,
+    ``spawn``, ...) to the file ``$TUNE_LOAD_WORKER_STARTS`` names, if it is set."""
+    path = os.environ.get(WORKER_STARTS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{multiprocessing.get_start_method()}\n")
+
+
+def make_loader(dataset: Dataset[Any], batch_size: int, num_workers: int = 0,
+                worker_init_fn: Any = None) -> DataLoader[Any]:
     return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, shuffle=True,
-                      drop_last=True, collate_fn=collate_numpy)
+                      drop_last=True, collate_fn=collate_numpy, worker_init_fn=worker_init_fn)
 
 
-def make_loader_factory(dataset: Dataset[Any]) -> Any:
+def make_loader_factory(dataset: Dataset[Any], worker_init_fn: Any = None) -> Any:
     def factory(batch_size: int, num_workers: int) -> DataLoader[Any]:
-        return make_loader(dataset, batch_size, num_workers)
+        return make_loader(dataset, batch_size, num_workers, worker_init_fn)
     return factory
 
 
 def cli_job() -> Any:
     """``gpulens tune tests.support.tune_load:cli_job``: 20 ms + 1 ms/sample up to 16 samples,
-    4 ms/sample beyond, out of memory from 64 samples; a loader function; current batch 4."""
+    4 ms/sample beyond, out of memory from 64 samples; a loader function (its workers say how
+    they were started: :func:`record_start_method`); current batch 4."""
     from gpulens.tune import Config, TuneJob
 
     step = ControlledStep(fixed_s=0.02, per_sample_s=0.001, knee=16, slow_per_sample_s=0.004,
                           oom_at=64)
-    return TuneJob(loader=make_loader_factory(SlowSamples(n=1024)), step=step,
+    return TuneJob(loader=make_loader_factory(SlowSamples(n=1024), record_start_method),
+                   step=step,
                    model=step.model, optimizer=step.optimizer, current=Config(4, 0))
 
 

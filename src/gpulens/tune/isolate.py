@@ -10,8 +10,9 @@ start (it also measures the current setting). Each trial then pays for building 
 (model, loader): slower, and exact.
 
 Processes are started with ``spawn`` (CUDA cannot be used in a forked child), one at a time;
-a trial process that dies without an answer (killed, a crash of the driver) is recorded as a
-``failed`` trial and the sweep goes on. Not for DDP (each rank would need its own group).
+a trial's loader workers start by the platform's default method, as the user's training starts
+them. A trial process that dies without an answer (killed, a crash of the driver) is recorded
+as a ``failed`` trial and the sweep goes on. Not for DDP (each rank would need its own group).
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ def load_job(spec: str) -> TuneJob:
 
 def _child(spec: str, config: Config | None, settings: TuneSettings, conn: Any) -> None:
     """In the fresh process: run the trial of ``config``; with ``config`` None, describe the
-    job and run the trial of its current setting."""
+    job and run the trial of its current setting.
+
+    The process was spawned, which made "spawn" its default start method; the job's loader
+    workers start as the user's training starts them instead, by the platform's default
+    (fork on Linux), not as fresh interpreters that import torch again (seconds a trial)."""
+    mp.set_start_method(mp.get_all_start_methods()[0], force=True)
     try:
         job = load_job(spec)
         ctx = make_context(model=job.model, device=job.device, dtype=job.dtype,
