@@ -106,10 +106,12 @@ def hydra_run_dir(cwd: Path) -> Path:
     return run_dir
 
 
+@pytest.mark.xdist_group("hydra-config-group")
 def test_hydra_app_config_group(hydra_group_run: Path) -> None:
     assert len(jsonl(hydra_run_dir(hydra_group_run) / "gpu.jsonl")) == 8
 
 
+@pytest.mark.xdist_group("hydra-config-group")
 def test_hydra_example_writes_under_its_run_dir(hydra_group_run: Path) -> None:
     """A relative sink path lands in the Hydra run dir, not where the app was started (what a
     newcomer meets first: the run dir is ignored by git and removed by ``make clean``,

@@ -289,7 +289,10 @@ CLI_TRAINER_ARGS = [
 ]
 
 
-@pytest.fixture(scope="module", params=sorted(PACKAGES))
+# the two tests of one package are an xdist group: the worker that makes the launch runs both
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=pytest.mark.xdist_group(f"lightning-cli-{name}"))
+    for name in sorted(PACKAGES)])
 def cli_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One ``fit`` per package and session of the LightningCLI program in a new interpreter, as
     a user runs it from a shell (each launch imports torch and Lightning: ~5 s of CPU), with a
