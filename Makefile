@@ -74,7 +74,11 @@ lint: $(STAMP)
 # pytest's exit code 5 ("no tests collected") is a failure here, like any non-zero code.
 # Tests run in $(PYTEST_WORKERS) worker processes; those of one xdist_group run in one worker,
 # one after another (tests/conftest.py says which and why). PYTEST_WORKERS=0: no workers.
-PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup
+# One intra-op torch thread per test process: the workers (and the children they start) would
+# each spin two OpenMP threads on two cores (an example's run took 6.5-7.8 s of CPU with two,
+# 4.3 s with one); a test that needs more sets its own.
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -p no:cacheprovider \
+	-n $(PYTEST_WORKERS) --dist loadgroup
 
 pytest: $(STAMP)
 	$(PYTEST) $(PYTEST_ARGS)
