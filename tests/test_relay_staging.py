@@ -52,9 +52,17 @@ class FakeCudaTensor:
         raise AssertionError("a blocking .item() on a CUDA tensor")
 
 
-def test_stage_starts_a_non_blocking_copy_and_records_an_event() -> None:
+def pool_of(monkeypatch: Any, make: Any) -> None:
+    """Events from ``make(device)`` through a fresh pool, recorded without a stream."""
+    monkeypatch.setattr(relay_mod, "_cuda_event", make)
+    monkeypatch.setattr(relay_mod, "_record", lambda done, value: done.record())
+    monkeypatch.setattr(relay_mod, "EVENTS", relay_mod.EventPool())
+
+
+def test_stage_starts_a_non_blocking_copy_and_records_an_event(monkeypatch: Any) -> None:
     tensor, event = FakeCudaTensor(2.5), FakeEvent(pending=3)
-    staged = stage(tensor, event=lambda: event)
+    pool_of(monkeypatch, lambda device: event)
+    staged = stage(tensor)
     assert isinstance(staged, Staged)
     assert tensor.copies == [("cpu", True)]
     assert event.recorded == 1 and event.queries == 0  # nothing waited on the training thread
@@ -70,9 +78,7 @@ def test_stage_leaves_numbers_and_cpu_tensors_alone() -> None:
 
 def test_the_relay_thread_reads_a_cuda_value_only_after_its_event(monkeypatch: Any) -> None:
     event = FakeEvent(pending=5)
-    monkeypatch.setattr(relay_mod, "_cuda_event", lambda device: event)
-    monkeypatch.setattr(relay_mod, "_record", lambda done, value: done.record())
-    monkeypatch.setattr(relay_mod, "EVENTS", relay_mod.EventPool())
+    pool_of(monkeypatch, lambda device: event)
     sent: list[MarkFields] = []
     got = threading.Event()
 
@@ -98,9 +104,7 @@ def test_events_come_back_to_their_pool_and_are_reused(monkeypatch: Any) -> None
         made.append(FakeEvent(pending=1))
         return made[-1]
 
-    monkeypatch.setattr(relay_mod, "_cuda_event", make)
-    monkeypatch.setattr(relay_mod, "_record", lambda done, value: done.record())
-    monkeypatch.setattr(relay_mod, "EVENTS", relay_mod.EventPool())
+    pool_of(monkeypatch, make)
     first, second = stage(FakeCudaTensor(1.0)), stage(FakeCudaTensor(2.0))
     assert len(made) == 2  # both in flight: two events
     assert float(first.value()) == 1.0 and float(second.value()) == 2.0
@@ -114,7 +118,8 @@ def test_polls_back_off_to_a_few_a_step(monkeypatch: Any) -> None:
     times a second (each poll is a driver call and a turn of the GIL beside training)."""
     slept: list[float] = []
     monkeypatch.setattr(relay_mod, "_sleep", slept.append)
-    staged = stage(FakeCudaTensor(4.0), event=lambda: FakeEvent(pending=8))
+    pool_of(monkeypatch, lambda device: FakeEvent(pending=8))
+    staged = stage(FakeCudaTensor(4.0))
     assert float(staged.value()) == 4.0
     assert slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.016, 0.016, 0.016]
     assert relay_mod.POLL_MAX_S == 0.016

@@ -138,22 +138,18 @@ def _record(event: Any, value: Any) -> None:
 EVENTS = EventPool()
 
 
-def stage(value: Any, event: Callable[[], Any] | None = None) -> Any:
+def stage(value: Any) -> Any:
     """On the training thread: a CUDA tensor becomes a :class:`Staged` copy (an asynchronous
     copy to pinned host memory and an event recorded after it, on the current stream of the
-    tensor's device, from a pool); anything else is returned as it is.  Never waits for the
-    device; on any error the value is returned as it is (the relay then reads it, as before).
-    ``event``: a factory of events to use instead of the pool (tests)."""
+    tensor's device, from :data:`EVENTS`); anything else is returned as it is.  Never waits for
+    the device; on any error the value is returned as it is (the relay then reads it, as
+    before)."""
     if getattr(value, "is_cuda", False) is not True:
         return value
     try:
         host = value.detach().to("cpu", non_blocking=True)
-        if event is not None:
-            done, release = event(), None
-            done.record()
-        else:
-            done, release = EVENTS.take(value.device)
-            _record(done, value)
+        done, release = EVENTS.take(value.device)
+        _record(done, value)
     except Exception:
         return value
     return Staged(host, done, release)
