@@ -222,6 +222,23 @@ def start_beside(*args: str, extra_env: dict[str, str] | None = None,
                             stderr=subprocess.PIPE, text=True, env=e)
 
 
+def threads_not_blocking(pid: int, sig: signal.Signals) -> list[str]:
+    """The threads of ``pid`` other than its main one whose signal mask lets ``sig`` through
+    (the main thread takes it in ``sigtimedwait``, which unblocks it while waiting)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if task.name == str(pid):
+            continue
+        try:
+            status = dict(line.split(":\t", 1) for line in
+                          (task / "status").read_text().splitlines() if ":\t" in line)
+        except FileNotFoundError:
+            continue  # the thread ended
+        if not int(status["SigBlk"], 16) >> (sig - 1) & 1:
+            out.append(f"{task.name} {status['Name'].strip()}")
+    return out
+
+
 def wait_for_rows(path: Path, n: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -288,6 +305,9 @@ def test_beside_training_wandb_rows_on_elapsed_seconds(tmp_path: Path) -> None:
                         f"jsonl:{rows}", extra_env={**OFFLINE_ENV, "WANDB_DIR": str(wandb_dir)},
                         gpus=1)
     wait_for_rows(rows, 4)
+    # a thread that does not block SIGTERM (wandb's import starts one) would take the signal
+    # while the main thread is between waits, and its default action ends the process (exit -15)
+    assert threads_not_blocking(proc.pid, signal.SIGTERM) == []
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err

@@ -154,6 +154,21 @@ def run_record(args: argparse.Namespace) -> int:
         raise CliError(f"--summary-interval ({args.summary_interval:g} s) must be at least "
                        f"--interval ({args.interval:g} s)")
 
+    # block the signals before anything can start a thread (wandb's import starts one): a
+    # thread that does not block SIGTERM would take it, and its default action ends the process
+    # before the row of the tail and the sinks' flush
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
+    try:
+        return _record_blocked(args, cmd, old_mask)
+    finally:
+        while signal.sigtimedwait(WAITED, 0) is not None:
+            pass  # drop signals that arrived after the end
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _record_blocked(args: argparse.Namespace, cmd: list[str],
+                    old_mask: set[signal.Signals]) -> int:
+    """``run_record`` with ``WAITED`` blocked in this thread and every thread it starts."""
     import gpulens
     from gpulens.settings import Settings
     from gpulens.sinks.summary import SummarySink
@@ -174,36 +189,27 @@ def run_record(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as e:
         raise CliError(str(e)) from None
     monitor = gpulens.Monitor.from_settings(settings)
-
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
     try:
-        try:
-            # the sinks' checks first (one line, nothing half-made); its threads inherit the
-            # blocked mask: signals come to us
-            monitor.start()
-        except (ValueError, ImportError, OSError) as e:
-            raise CliError(str(e)) from None
-        live = _LiveLine(monitor, enabled=not cmd and not args.no_console)
-        try:
-            started = time.time()
-            pid = _spawn(cmd, set(old_mask)) if cmd else None
-            status = _supervise(pid, monitor, args.interval, live, period,
-                                args.summary_interval)
-            ended = time.time()
-        finally:
-            live.end()
-            monitor.stop()
-        if pid is None:
-            exit_code = 0
-        else:
-            code = os.waitstatus_to_exitcode(status)
-            exit_code = 128 - code if code < 0 else code
-        _report(args, cmd, summary, exit_code, started, ended)
-        return exit_code
+        # the sinks' checks first (one line, nothing half-made)
+        monitor.start()
+    except (ValueError, ImportError, OSError) as e:
+        raise CliError(str(e)) from None
+    live = _LiveLine(monitor, enabled=not cmd and not args.no_console)
+    try:
+        started = time.time()
+        pid = _spawn(cmd, set(old_mask)) if cmd else None
+        status = _supervise(pid, monitor, args.interval, live, period, args.summary_interval)
+        ended = time.time()
     finally:
-        while signal.sigtimedwait(WAITED, 0) is not None:
-            pass  # drop signals that arrived after the end
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        live.end()
+        monitor.stop()
+    if pid is None:
+        exit_code = 0
+    else:
+        code = os.waitstatus_to_exitcode(status)
+        exit_code = 128 - code if code < 0 else code
+    _report(args, cmd, summary, exit_code, started, ended)
+    return exit_code
 
 
 def _supervise(pid: int | None, monitor: Any, interval: float, live: _LiveLine,
