@@ -167,7 +167,7 @@ def run_record(args: argparse.Namespace) -> int:
 
 
 def _record_blocked(args: argparse.Namespace, cmd: list[str],
-                    old_mask: set[signal.Signals]) -> int:
+                    old_mask: set[int | signal.Signals]) -> int:
     """``run_record`` with ``WAITED`` blocked in this thread and every thread it starts."""
     import gpulens
     from gpulens.settings import Settings
