@@ -283,7 +283,7 @@ def mlflow_tracking(
     finally:
         while mlflow.active_run() is not None:
             mlflow.end_run()
-        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]  # None resets to the env var
+        mlflow.set_tracking_uri(None)  # None resets to the env var
         # Undo set_experiment() (no public API for it), so that a later test on another
         # server does not start runs in this server's experiment id.
         import mlflow.tracking.fluent

@@ -92,7 +92,7 @@ def _measure(model_or_config: object, config: object) -> FlopsFormula:
             return built
         from transformers import AutoModelForCausalLM
 
-        auto: torch.nn.Module = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        auto: torch.nn.Module = AutoModelForCausalLM.from_config(
             cfg, **kwargs)
         return auto
 
