@@ -15,8 +15,10 @@ time spent *inside* gpulens on the training thread: each hook of the callback (i
 ``Monitor.log``, the phase marks, the loggers a Lightning row is written to), and Hugging
 Face's forward pre-hook that counts tokens (``TokenCounter.observe``), summed over the timed
 steps and divided by their number. Printed per group: each arm's training-thread CPU per
-step, the paired per-round differences (gpulens - base, and base_b - base, the A/A envelope)
-in microseconds with a 95 % bootstrap interval, and the in-gpulens breakdown.
+step, the CPU of the process's other threads per step (``paths.Clock.others``; in the gpulens
+blocks split by thread name: gpulens's threads take the GIL from the training thread), the
+paired per-round differences (gpulens - base, and base_b - base, the A/A envelope) in
+microseconds with a 95 % bootstrap interval, and the in-gpulens breakdown.
 
 ``--profile`` runs one more gpulens block of each group under ``cProfile`` (the training
 thread only) and prints gpulens's functions by cumulative time per step.
@@ -38,9 +40,11 @@ import json
 import math
 import os
 import pstats
+import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,6 +135,31 @@ class GroupResult:
     profile: str = ""
 
 
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads but the calling one, summed by name: a Python
+    thread's name with its digits dropped (a pool's workers add up), else ``(native)``.  Read
+    from ``/proc/self/task/*/schedstat`` (nanoseconds), or ``stat`` (clock ticks)."""
+    names = {t.native_id: re.sub(r"\d+", "N", t.name) for t in threading.enumerate()}
+    me = threading.get_native_id()
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        tid = int(task.name)
+        if tid == me:
+            continue
+        try:
+            spent = int((task / "schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                spent = (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, ValueError, IndexError):
+                continue  # the thread ended
+        name = names.get(tid, "(native)")
+        out[name] = out.get(name, 0.0) + spent
+    return out
+
+
 def instrumenter(hooks: tuple[str, ...], warmup: int, steps: int,
                  sink: list[dict[str, float]]) -> Callable[[Any, paths.Clock], None]:
     """Wraps a callback's hooks; the block's in-gpulens figures go to ``sink``."""
@@ -144,6 +173,18 @@ def instrumenter(hooks: tuple[str, ...], warmup: int, steps: int,
         first, last = warmup - 1, warmup + steps - 1
         clock.listeners.append(meter.window(first, last))
         clock.listeners.append(COUNTER.window(first, last))
+        threads_at: dict[str, float] = {}
+
+        def thread_window(index: int) -> None:
+            if index == first:
+                threads_at.update(threads_cpu())
+            elif index == last:
+                for name, t in threads_cpu().items():
+                    key = f"thread {name}"
+                    figures_of_threads[key] = 1e6 * (t - threads_at.get(name, 0.0)) / steps
+
+        figures_of_threads: dict[str, float] = {}
+        clock.listeners.append(thread_window)
 
         def collect(index: int) -> None:
             if index == last:
@@ -152,7 +193,7 @@ def instrumenter(hooks: tuple[str, ...], warmup: int, steps: int,
                 figures["TokenCounter.observe"] = counter.get("TokenCounter.observe", 0.0)
                 if "on_train_batch_start" not in figures:  # HF: the hook runs outside them
                     figures["(all gpulens, nested once)"] += figures["TokenCounter.observe"]
-                sink.append(figures)
+                sink.append({**figures, **figures_of_threads})
         clock.listeners.append(collect)
 
     return instrument
@@ -215,7 +256,9 @@ def summarize(res: GroupResult, seed: int) -> dict[str, Any]:
     base = res.name
     cpu = {a: {b.round: b.cpu_per_step_s for b in bl} for a, bl in res.blocks.items()}
     wall = {a: {b.round: b.value_s for b in bl} for a, bl in res.blocks.items()}
+    others = {a: {b.round: b.others_per_step_s for b in bl} for a, bl in res.blocks.items()}
     arms = {a: {"cpu_ms_per_step": statistics.median(cpu[a].values()) * 1e3,
+                "other_threads_cpu_ms_per_step": statistics.median(others[a].values()) * 1e3,
                 "wall_ms_per_step": statistics.median(wall[a].values()) * 1e3,
                 "per_round_cpu_ms": [cpu[a][r] * 1e3 for r in sorted(cpu[a])]}
             for a in res.blocks}
@@ -247,16 +290,19 @@ def report(groups: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
              f"load average {meta['load']}", ""]
     for name, g in groups.items():
         lines += [f"### {name}", "",
-                  "| arm | training-thread CPU (ms/step), median of rounds | wall (ms/step) "
-                  "| minus the baseline (us/step): mean [95 % CI] |", "|---|---|---|---|"]
+                  "| arm | training-thread CPU (ms/step), median of rounds | other threads' "
+                  "CPU (ms/step) | wall (ms/step) | minus the baseline (us/step): mean [95 % CI] |",
+                  "|---|---|---|---|---|"]
         for arm, f in g["arms"].items():
             d = g["differences"].get(arm)
             cell = "-" if d is None else (f"{fmt_us(d['mean_us'])} [{fmt_us(d['ci95_us'][0])}, "
                                           f"{fmt_us(d['ci95_us'][1])}]")
-            lines.append(f"| {arm} | {f['cpu_ms_per_step']:.3f} | {f['wall_ms_per_step']:.3f} "
-                         f"| {cell} |")
+            lines.append(f"| {arm} | {f['cpu_ms_per_step']:.3f} "
+                         f"| {f['other_threads_cpu_ms_per_step']:.3f} "
+                         f"| {f['wall_ms_per_step']:.3f} | {cell} |")
         lines += ["", "inside gpulens on the training thread (us/step, mean of the gpulens "
-                  "blocks; hooks inclusive):", ""]
+                  "blocks; hooks inclusive), and the CPU of the process's other threads by name "
+                  "(us/step, `thread ...`):", ""]
         lines += [f"- {k}: {v:.1f}" for k, v in g["inside_gpulens_us_per_step"].items()]
         if g["profile"]:
             lines += ["", "```", g["profile"].strip(), "```"]

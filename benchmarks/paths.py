@@ -14,7 +14,12 @@ A stamp at the end of every optimizer step (HF's ``on_step_end``, Lightning's
   is the time between two such events as the GPU ran them, with no device sync added: host
   work that the GPU's queue hides costs nothing there, host work that starves the GPU shows;
 * the host's wall clock (``perf_counter``): the step time on a CPU;
-* the training thread's CPU time (``time.thread_time``).
+* the training thread's CPU time (``time.thread_time``);
+* the process's CPU time (``CLOCK_PROCESS_CPUTIME_ID``, one system call): less the training
+  thread's, what every *other* thread of the training process spent in the step (gpulens's
+  threads, a tracker's, torch's and NCCL's). In a loop whose training thread is busy on the CPU,
+  a background thread's Python takes the GIL from it, so this is where a cost that the training
+  thread's own CPU does not show appears.
 
 A block's value is the median of its timed steps (the steps after the warm-up). Besides such
 blocks (one training run per arm), each path runs a :class:`Schedule`: one training run through
@@ -53,6 +58,7 @@ class Clock:
         self.cuda = cuda
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.proc: list[float] = []
         self.events: list[Any] = []
         self.listeners: list[Callable[[int], None]] = []
         """Called with the stamp's index after each stamp."""
@@ -61,6 +67,7 @@ class Clock:
         for listener in self.listeners:
             listener(len(self.cpu))
         self.cpu.append(time.thread_time())
+        self.proc.append(time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID))
         self.wall.append(time.perf_counter())
         if self.cuda:
             import torch
@@ -83,6 +90,14 @@ class Clock:
             wall = [b - a for a, b in zip(self.wall[first - 1:], self.wall[first:], strict=False)]
         return wall, cpu
 
+    def others(self, warmup: int) -> list[float]:
+        """CPU seconds of the process's other threads in each step after the first
+        ``warmup`` (the process's CPU less the training thread's; see the module doc)."""
+        first = max(1, warmup)
+        proc = [b - a for a, b in zip(self.proc[first - 1:], self.proc[first:], strict=False)]
+        _, cpu = self.steps(warmup)
+        return [max(0.0, p - c) for p, c in zip(proc, cpu, strict=False)]
+
 
 @dataclass
 class Block:
@@ -95,6 +110,8 @@ class Block:
     note: str = ""
     rank_values_s: list[float] = field(default_factory=list)
     """In a distributed run: every rank's block value (``value_s`` is the slowest's)."""
+    others_s: list[float] = field(default_factory=list)
+    """CPU seconds of the training process's other threads in each timed step."""
 
     @property
     def value_s(self) -> float:
@@ -105,6 +122,12 @@ class Block:
     def cpu_per_step_s(self) -> float:
         """The median training-thread CPU seconds of a step."""
         return statistics.median(self.cpu_s) if self.cpu_s else float("nan")
+
+    @property
+    def others_per_step_s(self) -> float:
+        """The mean CPU seconds of the process's other threads per step (a mean: their work
+        comes in bursts, a row's every few steps)."""
+        return statistics.fmean(self.others_s) if self.others_s else float("nan")
 
 
 def kind_of(arm: str) -> str:
@@ -175,28 +198,32 @@ class Schedule:
             return where is not None and kind_of(where[1]) == kind
         return on
 
-    def values(self, clock: Clock) -> dict[tuple[int, str], tuple[float, float]]:
-        """(round, arm) -> (mean step seconds, mean training-thread CPU seconds) of the
-        counted steps."""
+    def values(self, clock: Clock) -> dict[tuple[int, str], tuple[float, float, float]]:
+        """(round, arm) -> (mean step seconds, mean training-thread CPU seconds, mean CPU
+        seconds of the process's other threads) of the counted steps."""
         wall, cpu = clock.steps(1)  # step s (from 2) is index s - 2
+        others = clock.others(1)
         first, last = self.warmup, self.warmup + self.rounds * len(self.arms) * self.block
         if len(clock.wall) >= last:  # stamp k ends step k + 1
             self.round_wall_s = (clock.wall[last - 1] - clock.wall[first - 1]) / self.rounds
         sums: dict[tuple[int, str], list[float]] = {}
-        for index, (w, c) in enumerate(zip(wall, cpu, strict=True)):
+        for index, (w, c, o) in enumerate(zip(wall, cpu, others, strict=True)):
             where = self.place(index + 2)
             if where is not None and where[2]:
-                acc = sums.setdefault(where[:2], [0.0, 0.0, 0.0])
+                acc = sums.setdefault(where[:2], [0.0, 0.0, 0.0, 0.0])
                 acc[0] += w
                 acc[1] += c
-                acc[2] += 1
-        return {k: (v[0] / v[2], v[1] / v[2]) for k, v in sums.items()}
+                acc[2] += o
+                acc[3] += 1
+        return {k: (v[0] / v[3], v[1] / v[3], v[2] / v[3]) for k, v in sums.items()}
 
 
 def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
                       instrument: Instrument | None) -> list[Any]:
     """``[GPUMonitorCallback(interval)]`` of ``module`` for a gpulens arm, else ``[]``;
-    ``GPULENS_PATHS_MONITOR_KW`` (JSON) replaces fields of its settings."""
+    ``GPULENS_PATHS_MONITOR_KW`` (JSON) replaces fields of its settings, and
+    ``GPULENS_PATHS_CALLBACK_KW`` (JSON) attributes of the callback, e.g.
+    ``{"follow_report_to": false}``: rows to a JSONL file instead of the framework's W&B run."""
     if kind_of(arm) != "gpulens":
         return []
     import importlib
@@ -207,6 +234,10 @@ def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
         import dataclasses
 
         callback.settings = dataclasses.replace(callback.settings, **extra)
+    for name, value in json.loads(os.environ.get("GPULENS_PATHS_CALLBACK_KW") or "{}").items():
+        if not hasattr(callback, name):
+            raise SystemExit(f"GPULENS_PATHS_CALLBACK_KW: the callback has no attribute {name!r}")
+        setattr(callback, name, value)
     if instrument is not None:
         instrument(callback, clock)
     return [callback]
@@ -333,7 +364,7 @@ class HfPath:
         extra = gpulens_callbacks(arm, "gpulens.integrations.transformers", self.interval,
                                   clock, instrument)
         self._train(f"{arm}-{rnd}", warmup + steps, extra, clock)
-        return Block(arm, rnd, *clock.steps(warmup))
+        return Block(arm, rnd, *clock.steps(warmup), others_s=clock.others(warmup))
 
     def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
         """One ``train()`` through every block of ``schedule``."""
@@ -404,7 +435,7 @@ class LightningPath:
         if kind_of(arm) == "dsm":
             extra.append(self._dsm())
         self._fit(f"{arm}-{rnd}", warmup + steps, extra, clock)
-        return Block(arm, rnd, *clock.steps(warmup))
+        return Block(arm, rnd, *clock.steps(warmup), others_s=clock.others(warmup))
 
     def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
         """One ``fit()`` through every block of ``schedule``."""
@@ -482,7 +513,7 @@ class WandbLoopPath:
         clock = Clock(self.s.device.type == "cuda")
         gpulens = kind_of(arm) == "gpulens"
         self._loop(warmup + steps, (lambda step: True) if gpulens else None, clock, instrument)
-        return Block(arm, rnd, *clock.steps(warmup))
+        return Block(arm, rnd, *clock.steps(warmup), others_s=clock.others(warmup))
 
     def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
         """One loop through every block of ``schedule``; a monitor is started at the first

@@ -109,6 +109,7 @@ class PathRun:
         self.arms = arms_of(name, dsm)
         self.values: dict[str, dict[int, float]] = {a: {} for a in self.arms}
         self.cpu_ms: dict[str, dict[int, float]] = {a: {} for a in self.arms}
+        self.others_ms: dict[str, dict[int, float]] = {a: {} for a in self.arms}
         self.rank_ms: dict[str, dict[int, list[float]]] = {a: {} for a in self.arms}
         self.orders: list[list[str]] = []
         self.round_s: list[float] = []
@@ -127,6 +128,9 @@ class PathRun:
                          "train_thread_cpu_ms_per_step": (
                              statistics.median(self.cpu_ms[a].values())
                              if self.cpu_ms[a] else None),
+                         "other_threads_cpu_ms_per_step": (
+                             statistics.median(self.others_ms[a].values())
+                             if self.others_ms[a] else None),
                          "per_rank_ms": self.rank_ms[a]} for a in self.arms},
             "orders": self.orders, "round_s": self.round_s,
             "plan": self.plan.as_dict() if self.plan else None, "failed": self.failed,
@@ -162,6 +166,7 @@ def run_blocks(run: PathRun, path: Any, args: argparse.Namespace, budget_end: fl
             run.values[arm][rnd] = max(ranks)
             run.rank_ms[arm][rnd] = [v * 1e3 for v in ranks]
             run.cpu_ms[arm][rnd] = block.cpu_per_step_s * 1e3
+            run.others_ms[arm][rnd] = block.others_per_step_s * 1e3
             og.log(f"{run.name} round {rnd} {arm}: {max(ranks) * 1e3:.3f} ms/step "
                    f"(ranks {', '.join(f'{v * 1e3:.3f}' for v in ranks)}), training-thread CPU "
                    f"{block.cpu_per_step_s * 1e3:.2f} ms/step")
@@ -215,11 +220,12 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
         wall = time.perf_counter() - t0
         ranks = gather(mine)
         run.orders.extend(schedule.orders)
-        for (rnd, arm), (_, cpu_s) in mine.items():
+        for (rnd, arm), (_, cpu_s, others_s) in mine.items():
             per_rank = [r[(rnd, arm)][0] for r in ranks]
             run.values[arm][rnd] = max(per_rank)
             run.rank_ms[arm][rnd] = [v * 1e3 for v in per_rank]
             run.cpu_ms[arm][rnd] = cpu_s * 1e3
+            run.others_ms[arm][rnd] = others_s * 1e3
         done += todo
         round_s = max(gather(schedule.round_wall_s))  # steps, starts and stops: the host's
         if not math.isfinite(round_s):
@@ -279,13 +285,14 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
         comps = run.comparisons(args.seed)
         out.append(paired.table(comps, args.bound_pp))
         out += ["", *paired.bias_notes(comps)]
-        out += ["", "| arm | step (ms), median of rounds | training-thread CPU (ms/step) |",
-                "|---|---|---|"]
+        out += ["", "| arm | step (ms), median of rounds | training-thread CPU (ms/step) | "
+                "other threads' CPU (ms/step; this rank's process) |", "|---|---|---|---|"]
         for arm in run.arms:
-            v, c = run.values[arm], run.cpu_ms[arm]
+            v, c, o = run.values[arm], run.cpu_ms[arm], run.others_ms[arm]
             if v:
+                others = f"{statistics.median(o.values()):.2f}" if o else "-"
                 out.append(f"| {arm} | {statistics.median(v.values()) * 1e3:.3f} | "
-                           f"{statistics.median(c.values()):.2f} |")
+                           f"{statistics.median(c.values()):.2f} | {others} |")
         out.append("")
     return "\n".join(out)
 
