@@ -70,13 +70,14 @@ def test_make_says_what_it_installs_before_each_quiet_step(tmp_path: Path, uv: s
         assert i - 1 in told and step in lines[i - 1], (step, lines[i - 1])
     assert f"--target {venv}/.uv" in lines[ran[1]]
     if uv == "ok" and links:
-        assert lines[ran[2]] == (f"RAN uv pip install --quiet --python {venv}/bin/python "
-                                 f"--find-links {links} torch==2.13.0+cpu")
+        # --compile-bytecode: with PYTHONDONTWRITEBYTECODE set no process writes the .pyc files
+        assert lines[ran[2]] == (f"RAN uv pip install --quiet --compile-bytecode --python "
+                                 f"{venv}/bin/python --find-links {links} torch==2.13.0+cpu")
     else:
         assert lines[ran[2]] == "RAN python -m pip install --quiet --quiet torch==2.13.0"
     if uv == "ok":
-        assert lines[ran[3]] == (f"RAN uv pip install --quiet --python {venv}/bin/python "
-                                 "-e .[all,dev] torch==2.13.0")
+        assert lines[ran[3]] == (f"RAN uv pip install --quiet --compile-bytecode --python "
+                                 f"{venv}/bin/python -e .[all,dev] torch==2.13.0")
     else:
         assert "uv could not be installed: pip does steps 3 and 4" in proc.stdout
         assert lines[ran[3]] == "RAN python -m pip install --quiet --quiet -e .[all,dev]"
