@@ -246,7 +246,38 @@ def test_deferred_sums_reach_the_host_through_a_polled_copy(
     work = counter.take_deferred()
     assert float(work["tokens"]) == 10.0
     assert float(work["flops"]) == pytest.approx(formula.training_flops([6, 4]))
-    assert polls.count(4) == 2  # both sums waited for their events by polling
+    assert polls.count(4) == 1  # the lengths came over as one copy, waited for by polling
+    polls.clear()
+    counter.observe({"input_ids": torch.ones((1, 5), dtype=torch.long),
+                     "position_ids": torch.tensor([[0, 1, 2, 0, 1]])})  # packed: on the device
+    work = counter.take_deferred()
+    assert float(work["tokens"]) == 5.0
+    assert float(work["flops"]) == pytest.approx(formula.training_flops([3, 2]))
+    # tokens are the positions' number (a shape); their FLOPs sum came by a polled copy
+    assert polls.count(4) == 1
+
+
+def test_a_take_of_lengths_costs_its_reader_two_device_operations() -> None:
+    """The reader is the relay thread, which shares the GIL with the training thread: a take of
+    attention-mask lengths is one ``cat`` and one copy there, the sums and the FLOPs formula
+    run on the host's integers (the on-device reduction was a dozen operations), and agree
+    with ``take()``'s."""
+    formula = formula_from_config(_tiny_llama().config)
+    assert formula is not None
+    eager, deferred = TokenCounter(formula, "causal"), TokenCounter(formula, "causal")
+    for n in (3, 9, 1):
+        batch = {"input_ids": torch.ones((2, 9), dtype=torch.long),
+                 "attention_mask": torch.tensor([[1] * n + [0] * (9 - n), [1] * 9])}
+        eager.observe(batch)
+        deferred.observe(batch)
+    expected = eager.take()
+    work = deferred.take_deferred()
+    with OpCount() as count:
+        tokens, flops = work["tokens"].item(), work["flops"].item()
+    assert len(count.ops) <= 2, count.ops
+    assert tokens == float(expected.tokens) == 3 + 9 + 9 + 9 + 1 + 9
+    assert flops == pytest.approx(float(expected.flops), rel=1e-12)
+    assert flops == pytest.approx(formula.training_flops([3, 9, 9, 9, 1, 9], "causal"))
 
 
 def test_counts_kept_between_takes_are_folded_and_stay_right() -> None:

@@ -382,10 +382,19 @@ class TokenCounter:
 class _Pending:
     """The kept counts of one take, reduced once, by the first reader (any thread).
 
-    The reduction runs on the stream the training thread used when it took them (the kept
-    tensors were made there, so it comes after them). Its two sums reach the host without a
-    blocking wait: each starts its copy to pinned host memory with an event behind it, and
-    the reader polls the event (:func:`gpulens.transport.relay.stage`): a thread blocked in a
+    The usual take holds only sequence lengths (attention masks' row sums, ``cu_seq_lens_q``
+    differences): they go to the host as one copy (a ``cat`` of the micro-batches' lengths and
+    its copy, two device operations), and the sums and the FLOPs formula run on those few
+    integers in Python.  The reader is the relay thread of the training process, which shares
+    the GIL with the training thread: each torch operation it ran (the on-device reduction took
+    about a dozen a take: casts, sums, the attention terms) held the GIL for tens of
+    microseconds.  Packed ``position_ids`` (a figure per token) and folded totals are reduced
+    on the device as before, and their two sums copied.
+
+    Device work runs on the stream the training thread used when it took the counts (the kept
+    tensors were made there, so it comes after them).  Copies reach the host without a
+    blocking wait: each starts its copy to pinned host memory with an event behind it, and the
+    reader polls the event (:func:`gpulens.transport.relay.stage`): a thread blocked in a
     device copy holds the training thread up too (``transport/relay.py``).
     """
 
@@ -413,17 +422,28 @@ class _Pending:
 
         import torch
 
-        from gpulens.transport.relay import stage
+        from gpulens.transport.relay import Staged, stage
 
         context: Any = contextlib.nullcontext()
         if self._stream is not None:
             context = torch.cuda.stream(self._stream)
+        plain_tokens, plain_flops = self._plain
+        if lengths and not positions and folded is None:
+            with context:
+                lens = torch.cat(lengths) if len(lengths) > 1 else lengths[0]
+                copy = stage(lens)
+            host = copy.value() if isinstance(copy, Staged) else copy
+            values: list[int] = host.tolist()
+            formula = self._counter.formula
+            host_flops = (None if formula is None
+                          else formula.training_flops(values, self._counter.attention))
+            return (float(sum(values)) + plain_tokens,
+                    host_flops + plain_flops if host_flops is not None else None)
         with context:
             tokens, flops = self._counter._reduce_tensors(lengths, positions, folded)
             staged = [stage(x.to(torch.float64)) if isinstance(x, torch.Tensor) else x
                       for x in (tokens, flops)]
         host_tokens, host_flops = (_landed(x) for x in staged)
-        plain_tokens, plain_flops = self._plain
         assert host_tokens is not None
         return (host_tokens + plain_tokens,
                 host_flops + plain_flops if host_flops is not None else None)
