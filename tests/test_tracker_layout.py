@@ -103,6 +103,21 @@ def test_all_keeps_the_schema_and_include_train_drops_train() -> None:
     assert {"gpu/sm_active_pct_mean", "gpu/power_w_mean", "record/elapsed_s"} <= set(shown)
 
 
+def test_a_layout_kept_for_a_run_splits_each_row_as_a_new_one_would() -> None:
+    """A sink keeps one layout for the run, and the layout keeps each key's kind: rows of
+    other shapes (more GPUs, a job above the key budget, a user's new key) come out as they
+    would from a layout that never saw a row."""
+    from gpulens.sinks.layout import TrackerLayout
+
+    kept = TrackerLayout()
+    one, eight = _row(1), _row(8)
+    scaled = eight | {"job/world": 4096.0}  # the same keys, above the budget: no gpu/{i}/
+    for values in (one, eight, scaled, one | {"eval/acc": 0.5}, eight, scaled):
+        assert kept.split(values) == TrackerLayout().split(values)
+    assert "gpu/3/power_w" in kept.split(eight)[1]
+    assert not any(k.startswith("gpu/3/") for part in kept.split(scaled) for k in part)
+
+
 def test_alert_keys_appear_once_their_rule_fired() -> None:
     from gpulens.sinks.layout import TrackerLayout
 

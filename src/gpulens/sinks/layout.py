@@ -180,8 +180,15 @@ class TrackerLayout:
             rows, ``gpu`` for wall-clock rows; ``""``: bare keys.
         include_train: keep the ``train/*`` keys (off when a framework logs them itself).
 
-    Stateful only in one way: it remembers which alert rules have fired in this run.
+    Stateful in one way: it remembers which alert rules have fired in this run.  It also keeps
+    what it found out about each key (its kind, its GPU) the first time it saw it: a row holds
+    tens of keys per GPU and the same ones every step, and the W&B sink splits each row in the
+    training process, on a thread that shares the GIL with the training thread.
     """
+
+    KINDS_KEPT = 10_000
+    """Keys whose kind is remembered; beyond (a loop logging ever new names) it is worked out
+    again each time."""
 
     def __init__(self, keys: str | None = None, *, section: str | None = None,
                  include_train: bool = True) -> None:
@@ -190,6 +197,8 @@ class TrackerLayout:
         self.include_train = include_train
         self._fired: set[str] = set()
         self._full = full_gpus()
+        self._kinds: dict[tuple[str, bool], tuple[int, str | None]] = {}
+        self._sources = tuple((h, h.source or f"gpu/all/{h.suffix}_{h.agg}") for h in HEADLINES)
 
     def reset(self) -> None:
         """Forget the alerts seen (a new run)."""
@@ -218,31 +227,36 @@ class TrackerLayout:
         shown: dict[str, float] = {}
         detail: dict[str, float] = {}
         gpus: set[str] = set()
+        kinds = self._kinds
         for key, value in values.items():
-            if key == STEP_KEY or not within_budget(key, scaled):
+            known = kinds.get((key, scaled))
+            if known is None:
+                known = _kind(key, scaled)
+                if len(kinds) < self.KINDS_KEPT:
+                    kinds[(key, scaled)] = known
+            kind, gpu = known
+            if kind == _SKIP:
                 continue
-            if key.startswith("train/"):
+            if kind == _TRAIN:
                 if train:
                     shown[key] = value
                 continue
-            if key.startswith(ALERT_PREFIX):
+            if kind == _ALERT:
                 if value >= 1.0:
                     self._fired.add(key)
                 if key in self._fired:  # before: neither (a chart that starts hidden in W&B
                     shown[key] = value  # would stay hidden)
                 continue
-            if key.startswith(OWN_PREFIXES):
+            if kind == _OWN:
                 detail[key] = value
-                m = _GPU_INDEX.match(key)
-                if m is not None:
-                    gpus.add(m.group(1))
+                if gpu is not None:
+                    gpus.add(gpu)
                 continue
             shown[key] = value
         training = STEP_KEY in values
         one = next(iter(gpus)) if len(gpus) == 1 else None
-        for h in HEADLINES:
+        for h, source in self._sources:
             found: float | None
-            source = h.source or f"gpu/all/{h.suffix}_{h.agg}"
             found = values.get(source)
             if found is None and not h.source and one is not None:
                 found = values.get(f"gpu/{one}/{h.suffix}")
@@ -259,6 +273,24 @@ class TrackerLayout:
             # draws every GPU)
             detail.pop(source, None)
         return shown, detail
+
+
+_SKIP, _TRAIN, _ALERT, _OWN, _USER = range(5)
+
+
+def _kind(key: str, scaled: bool) -> tuple[int, str | None]:
+    """What :meth:`TrackerLayout.split` does with ``key``, and its GPU index for a
+    ``gpu/{i}/`` key."""
+    if key == STEP_KEY or not within_budget(key, scaled):
+        return _SKIP, None
+    if key.startswith("train/"):
+        return _TRAIN, None
+    if key.startswith(ALERT_PREFIX):
+        return _ALERT, None
+    if key.startswith(OWN_PREFIXES):
+        m = _GPU_INDEX.match(key)
+        return _OWN, (m.group(1) if m is not None else None)
+    return _USER, None
 
 
 def run_metadata(context: RunContext) -> dict[str, str | float | int]:
