@@ -40,11 +40,9 @@ import json
 import math
 import os
 import pstats
-import re
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,31 +133,6 @@ class GroupResult:
     profile: str = ""
 
 
-def threads_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads but the calling one, summed by name: a Python
-    thread's name with its digits dropped (a pool's workers add up), else ``(native)``.  Read
-    from ``/proc/self/task/*/schedstat`` (nanoseconds), or ``stat`` (clock ticks)."""
-    names = {t.native_id: re.sub(r"\d+", "N", t.name) for t in threading.enumerate()}
-    me = threading.get_native_id()
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for task in Path("/proc/self/task").iterdir():
-        tid = int(task.name)
-        if tid == me:
-            continue
-        try:
-            spent = int((task / "schedstat").read_text().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            try:
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                spent = (int(fields[11]) + int(fields[12])) / tick
-            except (OSError, ValueError, IndexError):
-                continue  # the thread ended
-        name = names.get(tid, "(native)")
-        out[name] = out.get(name, 0.0) + spent
-    return out
-
-
 def instrumenter(hooks: tuple[str, ...], warmup: int, steps: int,
                  sink: list[dict[str, float]]) -> Callable[[Any, paths.Clock], None]:
     """Wraps a callback's hooks; the block's in-gpulens figures go to ``sink``."""
@@ -177,9 +150,9 @@ def instrumenter(hooks: tuple[str, ...], warmup: int, steps: int,
 
         def thread_window(index: int) -> None:
             if index == first:
-                threads_at.update(threads_cpu())
+                threads_at.update(paths.threads_cpu())
             elif index == last:
-                for name, t in threads_cpu().items():
+                for name, t in paths.threads_cpu().items():
                     key = f"thread {name}"
                     figures_of_threads[key] = 1e6 * (t - threads_at.get(name, 0.0)) / steps
 

@@ -34,8 +34,10 @@ import copy
 import gc
 import json
 import os
+import re
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +99,31 @@ class Clock:
         proc = [b - a for a, b in zip(self.proc[first - 1:], self.proc[first:], strict=False)]
         _, cpu = self.steps(warmup)
         return [max(0.0, p - c) for p, c in zip(proc, cpu, strict=False)]
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads but the calling one, summed by name: a Python
+    thread's name with its digits dropped (a pool's workers add up), else ``(native)``.  Read
+    from ``/proc/self/task/*/schedstat`` (nanoseconds), or ``stat`` (clock ticks)."""
+    names = {t.native_id: re.sub(r"\d+", "N", t.name) for t in threading.enumerate()}
+    me = threading.get_native_id()
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        tid = int(task.name)
+        if tid == me:
+            continue
+        try:
+            spent = int((task / "schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                spent = (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, ValueError, IndexError):
+                continue  # the thread ended
+        name = names.get(tid, "(native)")
+        out[name] = out.get(name, 0.0) + spent
+    return out
 
 
 @dataclass
@@ -162,6 +189,11 @@ class Schedule:
     burn: int
     warmup: int
     orders: list[list[str]] = field(init=False)
+    threads_s: dict[str, dict[str, float]] = field(init=False, default_factory=dict)
+    """Per arm, the CPU seconds of this process's other threads by name (:func:`threads_cpu`)
+    over its counted steps, once :meth:`watch_threads` has watched a run."""
+    thread_steps: dict[str, int] = field(init=False, default_factory=dict)
+    """Per arm, the counted steps ``threads_s`` covers."""
     round_wall_s: float = field(init=False, default=float("nan"))
     """Host wall-clock seconds a round took (starts and stops included), once :meth:`values`
     has read the run's clock."""
@@ -197,6 +229,28 @@ class Schedule:
             where = self.place(step)
             return where is not None and kind_of(where[1]) == kind
         return on
+
+    def watch_threads(self, clock: Clock) -> None:
+        """Read :func:`threads_cpu` before each block's first counted step and after its last
+        (two reads a block, in the stamps between steps) into :attr:`threads_s`."""
+        at: dict[str, float] = {}
+
+        def listen(index: int) -> None:
+            step = index + 1  # stamp k ends step k + 1
+            this, following = self.place(step), self.place(step + 1)
+            this_block = this[:2] if this is not None and this[2] else None
+            next_block = following[:2] if following is not None and following[2] else None
+            if this_block is not None and this_block != next_block:
+                arm = this_block[1]
+                totals = self.threads_s.setdefault(arm, {})
+                for name, spent in threads_cpu().items():
+                    totals[name] = totals.get(name, 0.0) + spent - at.get(name, 0.0)
+                self.thread_steps[arm] = self.thread_steps.get(arm, 0) + self.measured
+            if next_block is not None and next_block != this_block:
+                at.clear()
+                at.update(threads_cpu())
+
+        clock.listeners.append(listen)
 
     def values(self, clock: Clock) -> dict[tuple[int, str], tuple[float, float, float]]:
         """(round, arm) -> (mean step seconds, mean training-thread CPU seconds, mean CPU
@@ -366,11 +420,12 @@ class HfPath:
         self._train(f"{arm}-{rnd}", warmup + steps, extra, clock)
         return Block(arm, rnd, *clock.steps(warmup), others_s=clock.others(warmup))
 
-    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
+    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float, float]]:
         """One ``train()`` through every block of ``schedule``."""
         clock = Clock(self.s.device.type == "cuda")
         extra = [gated(cb, schedule.runs("gpulens"), "hf") for cb in gpulens_callbacks(
             "gpulens", "gpulens.integrations.transformers", self.interval, clock, None)]
+        schedule.watch_threads(clock)
         self._train(f"interleaved-{schedule.first_round}", schedule.total_steps, extra, clock)
         return schedule.values(clock)
 
@@ -437,13 +492,14 @@ class LightningPath:
         self._fit(f"{arm}-{rnd}", warmup + steps, extra, clock)
         return Block(arm, rnd, *clock.steps(warmup), others_s=clock.others(warmup))
 
-    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
+    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float, float]]:
         """One ``fit()`` through every block of ``schedule``."""
         clock = Clock(self.s.device.type == "cuda")
         extra = [gated(cb, schedule.runs("gpulens"), "pl") for cb in gpulens_callbacks(
             "gpulens", "gpulens.integrations.lightning", self.interval, clock, None)]
         if any(kind_of(a) == "dsm" for a in schedule.arms):
             extra.append(gated(self._dsm(), schedule.runs("dsm"), "pl"))
+        schedule.watch_threads(clock)
         self._fit(f"interleaved-{schedule.first_round}", schedule.total_steps, extra, clock)
         return schedule.values(clock)
 
@@ -515,10 +571,11 @@ class WandbLoopPath:
         self._loop(warmup + steps, (lambda step: True) if gpulens else None, clock, instrument)
         return Block(arm, rnd, *clock.steps(warmup), others_s=clock.others(warmup))
 
-    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float]]:
+    def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float, float]]:
         """One loop through every block of ``schedule``; a monitor is started at the first
         step of each gpulens block and stopped at the first step after it."""
         clock = Clock(self.s.device.type == "cuda")
+        schedule.watch_threads(clock)
         self._loop(schedule.total_steps, schedule.runs("gpulens"), clock, None)
         return schedule.values(clock)
 

@@ -110,6 +110,9 @@ class PathRun:
         self.values: dict[str, dict[int, float]] = {a: {} for a in self.arms}
         self.cpu_ms: dict[str, dict[int, float]] = {a: {} for a in self.arms}
         self.others_ms: dict[str, dict[int, float]] = {a: {} for a in self.arms}
+        self.threads_s: list[dict[str, dict[str, float]]] = []
+        """Per rank, per arm: other threads' CPU seconds by name over its counted steps."""
+        self.thread_steps: list[dict[str, int]] = []
         self.rank_ms: dict[str, dict[int, list[float]]] = {a: {} for a in self.arms}
         self.orders: list[list[str]] = []
         self.round_s: list[float] = []
@@ -131,12 +134,44 @@ class PathRun:
                          "other_threads_cpu_ms_per_step": (
                              statistics.median(self.others_ms[a].values())
                              if self.others_ms[a] else None),
-                         "per_rank_ms": self.rank_ms[a]} for a in self.arms},
+                         "per_rank_ms": self.rank_ms[a],
+                         "other_threads_us_per_step_by_rank": [
+                             threads_per_step(t, n, a) for t, n in
+                             zip(self.threads_s, self.thread_steps, strict=False)]}
+                     for a in self.arms},
             "orders": self.orders, "round_s": self.round_s,
             "plan": self.plan.as_dict() if self.plan else None, "failed": self.failed,
             "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est, bound)}
                             for c in comps],
         }
+
+
+def threads_per_step(threads: dict[str, dict[str, float]], steps: dict[str, int],
+                     arm: str) -> dict[str, float]:
+    """An arm's other threads' CPU by name, in microseconds per counted step."""
+    n = steps.get(arm, 0)
+    return {name: 1e6 * spent / n for name, spent in sorted(threads.get(arm, {}).items())} \
+        if n else {}
+
+
+def threads_table(run: PathRun) -> list[str]:
+    """Per rank: each thread name's CPU per step in every arm (us), busiest first."""
+    out: list[str] = []
+    for rank, (threads, steps) in enumerate(zip(run.threads_s, run.thread_steps,
+                                                strict=False)):
+        per = {a: threads_per_step(threads, steps, a) for a in run.arms}
+        names = sorted({n for p in per.values() for n in p},
+                       key=lambda n: -max(p.get(n, 0.0) for p in per.values()))
+        if not names:
+            continue
+        out += ["", f"other threads' CPU by name, rank {rank} (us/step, over the counted steps)",
+                "", "| thread | " + " | ".join(run.arms) + " |",
+                "|---|" + "---|" * len(run.arms)]
+        for name in names:
+            cells = " | ".join(f"{per[a][name]:.0f}" if name in per[a] else "-"
+                               for a in run.arms)
+            out.append(f"| {name} | {cells} |")
+    return out
 
 
 def run_blocks(run: PathRun, path: Any, args: argparse.Namespace, budget_end: float,
@@ -219,6 +254,16 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
             mine = path.interleaved(schedule)
         wall = time.perf_counter() - t0
         ranks = gather(mine)
+        threads = gather((schedule.threads_s, schedule.thread_steps))
+        if not run.threads_s:
+            run.threads_s = [{} for _ in threads]
+            run.thread_steps = [{} for _ in threads]
+        for r, (by_arm, steps) in enumerate(threads):
+            for arm, by_name in by_arm.items():
+                totals = run.threads_s[r].setdefault(arm, {})
+                for name, spent in by_name.items():
+                    totals[name] = totals.get(name, 0.0) + spent
+                run.thread_steps[r][arm] = run.thread_steps[r].get(arm, 0) + steps.get(arm, 0)
         run.orders.extend(schedule.orders)
         for (rnd, arm), (_, cpu_s, others_s) in mine.items():
             per_rank = [r[(rnd, arm)][0] for r in ranks]
@@ -293,6 +338,7 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
                 others = f"{statistics.median(o.values()):.2f}" if o else "-"
                 out.append(f"| {arm} | {statistics.median(v.values()) * 1e3:.3f} | "
                            f"{statistics.median(c.values()):.2f} | {others} |")
+        out += threads_table(run)
         out.append("")
     return "\n".join(out)
 

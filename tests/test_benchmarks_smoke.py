@@ -272,6 +272,13 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
     _paths_checks(data, out, names)
     assert data["meta"]["world_size"] == 1 and data["meta"]["args"]["mode"] == "interleaved"
     assert "within +-0.3 pp?" in out and "mode interleaved" in out
+    # the CPU of the process's other threads, by name: gpulens's only in gpulens's blocks
+    for name in names:
+        for arm, figures in data["paths"][name]["arms"].items():
+            (threads,) = figures["other_threads_us_per_step_by_rank"]
+            ours = {t for t in threads if t.startswith("gpulens-")}
+            assert bool(ours) == arm.endswith("_gpulens"), (arm, threads)
+        assert "other threads' CPU by name, rank 0" in out
 
 
 def test_paths_aa_quick_blocks_mode_runs_one_training_per_arm(tmp_path: Path) -> None:
