@@ -623,3 +623,56 @@ def open_wandb_run(tmp: Path, name: str, quick: bool = False) -> Any:
 
 __all__ = ["Block", "Clock", "HfPath", "LightningPath", "Schedule", "WandbLoopPath", "gated",
            "kind_of", "open_wandb_run"]
+
+
+def profile_threads_from_env() -> None:
+    """``GPULENS_BENCH_PROFILE_THREADS=DIR``: profile every gpulens thread of this process
+    (``cProfile`` on the thread's CPU clock, from its start to its end) and, at exit, write the
+    functions by own time of each thread name to ``DIR/threads_rank{RANK}.txt``.  The profiler
+    slows those threads down several times: read it for where their time goes, not how much.
+    ``GPULENS_BENCH_RELAY_POLL=FIRST,MAX`` (seconds) sets the relay's poll intervals."""
+    poll = os.environ.get("GPULENS_BENCH_RELAY_POLL")
+    if poll:
+        from gpulens.transport import relay
+
+        first, most = (float(x) for x in poll.split(","))
+        relay.POLL_FIRST_S, relay.POLL_MAX_S = first, most
+    out = os.environ.get("GPULENS_BENCH_PROFILE_THREADS")
+    if not out:
+        return
+    import atexit
+    import cProfile
+    import io
+    import pstats
+
+    profiles: dict[str, list[cProfile.Profile]] = {}
+    lock = threading.Lock()
+    run = threading.Thread.run
+
+    def profiled(self: threading.Thread) -> None:
+        if not self.name.startswith("gpulens"):
+            run(self)
+            return
+        prof = cProfile.Profile(time.thread_time)
+        with lock:
+            profiles.setdefault(re.sub(r"\d+", "N", self.name), []).append(prof)
+        prof.enable()
+        try:
+            run(self)
+        finally:
+            prof.disable()
+
+    threading.Thread.run = profiled  # type: ignore[method-assign]
+
+    def dump() -> None:
+        text = io.StringIO()
+        with lock:
+            for name, profs in sorted(profiles.items()):
+                text.write(f"===== {name} ({len(profs)} threads)\n")
+                stats = pstats.Stats(*profs, stream=text)
+                stats.sort_stats("tottime").print_stats(30)
+        rank = os.environ.get("RANK", "0")
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"threads_rank{rank}.txt").write_text(text.getvalue())
+
+    atexit.register(dump)
