@@ -23,7 +23,7 @@ import pytest
 
 import gpulens
 from gpulens.log import reset_warnings
-from gpulens.sinks.writer import SinkStats
+from gpulens.model import SinkStats
 from gpulens.testing import MemorySink, SimulatedNVML
 from tests.support.mlflow_server import start_mlflow_server
 from tests.support.shared_run import shared_run

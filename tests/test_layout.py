@@ -1,9 +1,10 @@
 """The package's layout, checked by reading its source (``ast``), so a regression fails here.
 
-* The shared types (``Row``, ``Event``, ``GpuInfo``, ``RunContext``, ``Mark``, ``MarkFields``)
-  come from :mod:`gpulens.model` in the engine's layers (``sources/``, ``transport/``,
-  ``engine/``), and those layers take nothing from :mod:`gpulens.sinks` but what the engine
-  needs to build and write sinks (:data:`SINK_MACHINERY`).
+* The shared types (``Row``, ``Event``, ``GpuInfo``, ``RunContext``, ``Mark``, ``MarkFields``,
+  ``SinkSpec``, ``SinkStats``) come from :mod:`gpulens.model` in the engine's layers
+  (``sources/``, ``transport/``, ``engine/``), and those layers take nothing from
+  :mod:`gpulens.sinks` but the step logger that writes the sinks and the ``Sink`` protocol
+  (:data:`SINK_MACHINERY`).
 * The engine's layers import nothing of the client (monitor, integrations, command line,
   the distributed gather) nor the test doubles of :mod:`gpulens.testing`.
 * No file under ``src/`` is longer than 600 lines.
@@ -26,16 +27,13 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "gpulens"
 ENGINE_LAYERS = ("sources", "transport", "engine")
-SHARED_TYPES = frozenset({"Row", "Event", "GpuInfo", "RunContext", "Mark", "MarkFields"})
+SHARED_TYPES = frozenset({"Row", "Event", "GpuInfo", "RunContext", "Mark", "MarkFields",
+                          "SinkSpec", "SinkStats"})
 SINK_MACHINERY: dict[str, frozenset[str]] = {
-    # the spec of a sink chosen by name, parsed in the client by the registry; the engine
-    # builds its sinks from it
-    "gpulens.sinks": frozenset({"SinkSpec"}),
     # the Sink protocol, the type of what the engine builds from a SinkSpec
     "gpulens.sinks.base": frozenset({"Sink"}),
-    # the per-sink writer the engine writes its sinks with, and its figures, which the
-    # transport carries back to the client at stop
-    "gpulens.sinks.writer": frozenset({"StepLogger", "SinkStats", "STALL_S"}),
+    # the per-sink writer the engine writes its sinks with (the flow's step logger -> sinks)
+    "gpulens.sinks.writer": frozenset({"StepLogger", "STALL_S"}),
 }
 CLIENT = ("gpulens.monitor", "gpulens.integrations", "gpulens.cli", "gpulens.distributed",
           "gpulens.testing")

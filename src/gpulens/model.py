@@ -10,12 +10,20 @@ of gpulens (the keys of :attr:`Row.values` are those of :mod:`gpulens.schema`).
 * :class:`Row`: one step-aligned record, with the :class:`Event` objects of its step.
 * :class:`Mark` / :data:`MarkFields`: a ``log()`` call as it crosses from the client (the
   training process) to the engine.
+* :class:`SinkSpec`: a sink chosen by name, as it crosses to where it is built (the registry
+  of names is :mod:`gpulens.sinks`); :class:`SinkStats`: what happened to one sink's rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
+
+ENGINE = "engine"
+"""A sink built and written in the engine (its own process, or its thread)."""
+CLIENT = "client"
+"""A sink built and written in the training process."""
 
 
 @dataclass(frozen=True)
@@ -165,3 +173,62 @@ MarkFields = tuple[int, float, float, dict[str, Any], dict[int, tuple[float, flo
 """A :class:`Mark`'s fields as the plain tuple ``log()`` makes and the pipe carries: making the
 named tuple costs the training thread ~0.7 us a call (its ``__new__`` is Python), so it is made
 only where the mark arrives (``Mark(*fields)``)."""
+
+
+@dataclass
+class SinkStats:
+    """What happened to the rows of one sink."""
+
+    written: int = 0
+    dropped: int = 0
+    """Rows dropped: the buffer was full, the sink still failed at stop, or the process that
+    wrote it died with rows unwritten."""
+    failures: int = 0
+    """Failed write attempts (each retried)."""
+
+
+def _load(target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """A sink chosen by name: what to build (``target`` called with ``options``), where, and
+    the name it goes by.  Pickles; built by :meth:`build` where it runs.  Made by
+    :func:`gpulens.sinks.parse_sink` and :func:`gpulens.sinks.sink_spec`, which take
+    ``target`` and ``where`` from the registry (:data:`gpulens.sinks.SINKS`) and check the
+    options there."""
+
+    name: str
+    """As the user wrote it (``"jsonl:/dev/full"``): its name in messages and stats."""
+    kind: str
+    """Its key in :data:`gpulens.sinks.SINKS`, or ``""`` for a spec made in code around
+    another (a wrapper)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The constructor's keyword arguments (a nested :class:`SinkSpec` is prepared and checked
+    with this one, and built by the class it is given to)."""
+    target: str = ""
+    """``"module:Class"`` of the sink."""
+    where: str = ""
+    """:data:`ENGINE` or :data:`CLIENT`."""
+
+    def __post_init__(self) -> None:
+        if not self.target or self.where not in (ENGINE, CLIENT):
+            raise ValueError(f"sink spec {self.name!r}: needs a target and where "
+                             f"({ENGINE!r} or {CLIENT!r})")
+
+    def build(self) -> Any:
+        """The sink object (a :class:`gpulens.sinks.base.Sink`; imports its module, and
+        nothing heavy: the sink imports its tracker library when it opens)."""
+        return _load(self.target)(**self.options)
+
+    def prepared(self) -> SinkSpec:
+        """This spec as it starts, in the process that starts the monitor: options only that
+        process knows resolved, cheap checks made (``ValueError``, one line).  Idempotent."""
+        options = {k: v.prepared() if isinstance(v, SinkSpec) else v
+                   for k, v in self.options.items()}
+        prepare = getattr(_load(self.target), "prepare_options", None) if self.kind else None
+        if prepare is not None:
+            options = prepare(options)
+        return replace(self, options=options)

@@ -28,7 +28,7 @@ from typing import Any
 
 from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS, EngineSpec
 from gpulens.log import effective_level, logger, warn_once
-from gpulens.model import Row, RunContext
+from gpulens.model import Row, RunContext, SinkStats
 from gpulens.settings import (
     BACKENDS,
     ISOLATIONS,
@@ -40,7 +40,7 @@ from gpulens.settings import (
 )
 from gpulens.sinks import ENGINE, SinkSpec, as_sink, prepare_sinks, unique_names
 from gpulens.sinks.base import Sink
-from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, SinkStats, StepLogger
+from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, StepLogger
 from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
 from gpulens.transport.base import SpawnFailed, Transport

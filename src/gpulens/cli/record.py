@@ -129,16 +129,18 @@ def _forward(info: Any, pid: int) -> None:
 
 def _sinks(texts: list[str]) -> list[Any]:
     """The ``--sink`` sinks, as specs, set for wall-clock rows where they need to know."""
-    from gpulens.sinks import parse_sink
+    from gpulens.sinks import parse_sink, sink_spec
     from gpulens.sinks.wandb import AXIS_KEY
 
     out: list[Any] = []
     for text in texts:
         spec = parse_sink(text)
         if spec.kind == "prometheus":
-            spec = spec.with_options(training=False)  # rows count intervals, not steps
+            # rows count intervals, not steps
+            spec = sink_spec(spec.kind, name=spec.name, **{**spec.options, "training": False})
         if spec.kind == "wandb" and spec.options.get("step_metric", AXIS_KEY) == AXIS_KEY:
-            spec = spec.with_options(step_metric=ELAPSED_KEY)
+            spec = sink_spec(spec.kind, name=spec.name,
+                             **{**spec.options, "step_metric": ELAPSED_KEY})
         out.append(spec)
     return out
 

@@ -39,8 +39,8 @@ from gpulens.engine.sampler import MAX_MARKS, GpuState, Sampler
 from gpulens.engine.spec import EngineSpec
 from gpulens.errors import NvmlUnavailable
 from gpulens.log import logger, warn_once
-from gpulens.model import Event, Mark, Row, RunContext
-from gpulens.sinks.writer import STALL_S, SinkStats, StepLogger
+from gpulens.model import Event, Mark, Row, RunContext, SinkStats
+from gpulens.sinks.writer import STALL_S, StepLogger
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
 from gpulens.sources.processes import GpuProcess

@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpulens.model import JobShape
-from gpulens.sinks import SinkSpec
+from gpulens.model import JobShape, SinkSpec
 
 WORK_TOKENS = "work/tokens"
 WORK_SAMPLES = "work/samples"

@@ -29,16 +29,13 @@ of ``"kind:text"``; ``check_options(options)``: their values, checked; and optio
 
 from __future__ import annotations
 
-import importlib
 import socket
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
+from gpulens.model import CLIENT, ENGINE, SinkSpec, _load
 from gpulens.sinks.base import Sink
-
-ENGINE = "engine"
-CLIENT = "client"
 
 
 @dataclass(frozen=True)
@@ -81,57 +78,6 @@ __all__ = ["CLIENT", "ENGINE", "SINKS", "Sink", "SinkKind", "SinkSpec", "as_sink
            "sink_label", "sink_spec", "unique_names"]
 
 
-def _load(target: str) -> Any:
-    module_name, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
-
-
-@dataclass(frozen=True)
-class SinkSpec:
-    """A sink chosen by name: what to build (``target`` called with ``options``), where, and
-    the name it goes by.  Pickles; built by :meth:`build` where it runs."""
-
-    name: str
-    """As the user wrote it (``"jsonl:/dev/full"``): its name in messages and stats."""
-    kind: str
-    """Its key in :data:`SINKS`, or ``""`` for a spec made in code around another (a wrapper:
-    ``target`` and ``where`` given)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """The constructor's keyword arguments (a nested :class:`SinkSpec` is prepared and checked
-    with this one, and built by the class it is given to)."""
-    target: str = ""
-    where: str = ""
-
-    def __post_init__(self) -> None:
-        kind = SINKS.get(self.kind)
-        if kind is not None:
-            object.__setattr__(self, "target", self.target or kind.target)
-            object.__setattr__(self, "where", self.where or kind.where)
-        if not self.target or self.where not in (ENGINE, CLIENT):
-            raise ValueError(f"sink spec {self.name!r}: needs a target and where "
-                             f"({ENGINE!r} or {CLIENT!r})")
-
-    def build(self) -> Sink:
-        """The sink object (imports its module, and nothing heavy: the sink imports its
-        tracker library when it opens)."""
-        sink: Sink = _load(self.target)(**self.options)
-        return sink
-
-    def prepared(self) -> SinkSpec:
-        """This spec as it starts, in the process that starts the monitor: options only that
-        process knows resolved, cheap checks made (``ValueError``, one line).  Idempotent."""
-        options = {k: v.prepared() if isinstance(v, SinkSpec) else v
-                   for k, v in self.options.items()}
-        prepare = getattr(_load(self.target), "prepare_options", None) if self.kind else None
-        if prepare is not None:
-            options = prepare(options)
-        return replace(self, options=options)
-
-    def with_options(self, **options: Any) -> SinkSpec:
-        """A copy with these options changed (checked like those parsed)."""
-        return sink_spec(self.kind, name=self.name, **{**self.options, **options})
-
-
 def parse_sink(text: str) -> SinkSpec:
     """``"kind"`` or ``"kind:argument"`` -> a :class:`SinkSpec` (see the module docstring);
     ``ValueError`` (one line) for an unknown kind or a bad argument."""
@@ -147,7 +93,8 @@ def parse_sink(text: str) -> SinkSpec:
                          "(e.g. 'jsonl:runs/gpu.jsonl')")
     cls = _load(kind.target)
     options: dict[str, Any] = cls.spec_options(arg.strip() or None)
-    return SinkSpec(name=name, kind=kind_name, options=cls.check_options(options))
+    return SinkSpec(name=name, kind=kind_name, options=cls.check_options(options),
+                    target=kind.target, where=kind.where)
 
 
 def sink_spec(kind: str, *, name: str | None = None, **options: Any) -> SinkSpec:
@@ -163,7 +110,8 @@ def sink_spec(kind: str, *, name: str | None = None, **options: Any) -> SinkSpec
         raise ValueError(f"the {kind} sink has no option {', '.join(map(repr, unknown))} "
                          f"(its options: {', '.join(entry.options)})")
     checked = _load(entry.target).check_options(dict(options))
-    return SinkSpec(name=name or kind, kind=kind, options=checked)
+    return SinkSpec(name=name or kind, kind=kind, options=checked, target=entry.target,
+                    where=entry.where)
 
 
 def as_sink(item: str | SinkSpec | Sink) -> SinkSpec | Sink:

@@ -26,10 +26,10 @@ import contextlib
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from gpulens.log import logger, warn_once
-from gpulens.model import Row, RunContext
+from gpulens.model import Row, RunContext, SinkStats
 from gpulens.sinks import SinkSpec, unique_names
 from gpulens.sinks.base import Sink
 
@@ -49,18 +49,6 @@ TELL_AFTER_S = 3.0
 SLOW_BACKLOG_ROWS = 200
 SLOW_BACKLOG_S = 30.0
 """A sink this many rows or seconds behind is a slow tracker: warned about once."""
-
-
-@dataclass
-class SinkStats:
-    """What happened to the rows of one sink."""
-
-    written: int = 0
-    dropped: int = 0
-    """Rows dropped: the buffer was full, the sink still failed at stop, or the process that
-    wrote it died with rows unwritten."""
-    failures: int = 0
-    """Failed write attempts (each retried)."""
 
 
 def one_line(exc: BaseException) -> str:

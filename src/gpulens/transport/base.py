@@ -6,8 +6,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gpulens.engine.spec import EngineSpec
-from gpulens.model import MarkFields, Row, RunContext
-from gpulens.sinks.writer import SinkStats
+from gpulens.model import MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
 

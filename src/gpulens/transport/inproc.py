@@ -13,8 +13,7 @@ from collections.abc import Callable
 
 from gpulens.engine.engine import Engine
 from gpulens.engine.spec import EngineSpec
-from gpulens.model import Mark, MarkFields, Row, RunContext
-from gpulens.sinks.writer import SinkStats
+from gpulens.model import Mark, MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
 

@@ -22,8 +22,7 @@ from typing import NamedTuple
 
 from gpulens.engine.spec import EngineSpec
 from gpulens.log import LogPayload
-from gpulens.model import Mark, Row, RunContext
-from gpulens.sinks.writer import SinkStats
+from gpulens.model import Mark, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
 __all__ = ["Drain", "Drained", "Failed", "Finish", "LatestAsk", "LatestReply", "LogOut", "Mark",

@@ -44,8 +44,7 @@ from typing import Any
 
 from gpulens.engine.spec import EngineSpec
 from gpulens.log import forward_records, logger, reemit, warn_once
-from gpulens.model import Mark, MarkFields, Row, RunContext
-from gpulens.sinks.writer import SinkStats
+from gpulens.model import Mark, MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 from gpulens.transport.base import SpawnFailed
 from gpulens.transport.messages import (
