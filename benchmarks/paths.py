@@ -630,6 +630,7 @@ def profile_threads_from_env() -> None:
     (``cProfile`` on the thread's CPU clock, from its start to its end) and, at exit, write the
     functions by own time of each thread name to ``DIR/threads_rank{RANK}.txt``.  The profiler
     slows those threads down several times: read it for where their time goes, not how much.
+    Python < 3.12 only.
     ``GPULENS_BENCH_RELAY_POLL=FIRST,MAX`` (seconds) sets the relay's poll intervals."""
     poll = os.environ.get("GPULENS_BENCH_RELAY_POLL")
     if poll:
@@ -640,6 +641,12 @@ def profile_threads_from_env() -> None:
     out = os.environ.get("GPULENS_BENCH_PROFILE_THREADS")
     if not out:
         return
+    if sys.version_info >= (3, 12):
+        # cProfile runs on sys.monitoring there: one profiler a process, of every thread (the
+        # 2026-11-27 try on the device's 3.12 profiled the training thread and the second
+        # gpulens thread's profiler raised, which ended that thread)
+        raise SystemExit("GPULENS_BENCH_PROFILE_THREADS needs Python < 3.12 (a profiler per "
+                         "thread); this is " + sys.version.split()[0])
     import atexit
     import cProfile
     import io
