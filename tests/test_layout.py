@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -195,3 +196,17 @@ def test_no_block_of_six_lines_stands_in_two_files_of_a_group(group: str) -> Non
                             for p in paths})
     assert not shared, (f"the {group} share blocks of {SHARED_LINES}+ lines (move them into "
                         f"one helper): " + "; ".join(shared))
+
+
+def test_the_readme_names_every_folder_of_the_package() -> None:
+    """The README's "How it fits together" shows the folders as they are: each folder of
+    ``src/gpulens`` (and ``engine/rules``) is named there, and each name there is a folder."""
+    readme = (SRC.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## How it fits together", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"\b([a-z_]+)/", section))
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    folders |= {p.name for p in (PACKAGE / "engine").iterdir()
+                if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders - named == set(), f"folders the README does not show: {folders - named}"
+    assert named - folders == set(), f"the README shows folders that are not there: " \
+                                     f"{named - folders}"
