@@ -70,13 +70,12 @@ class Staged:
     """A device tensor's copy to host memory, started on the training thread, and the event
     recorded behind it on the tensor's stream."""
 
-    __slots__ = ("done", "host", "release")
+    __slots__ = ("done", "host", "pool")
 
-    def __init__(self, host: Any, done: Any, release: Callable[[Any], None] | None = None
-                 ) -> None:
+    def __init__(self, host: Any, done: Any, pool: deque[Any] | None = None) -> None:
         self.host = host
         self.done = done
-        self.release = release
+        self.pool = pool
 
     def value(self) -> Any:
         """The host copy, once the event says it has landed (polled at backing-off intervals:
@@ -85,16 +84,17 @@ class Staged:
         while not self.done.query():
             _sleep(wait)
             wait = min(wait * 2, POLL_MAX_S)
-        release, self.release = self.release, None
-        if release is not None:
-            release(self.done)
+        pool, self.pool = self.pool, None
+        if pool is not None and len(pool) < EventPool.KEEP:
+            pool.append(self.done)
         return self.host
 
 
 class EventPool:
     """CUDA events to record behind staged copies, kept for reuse (one pool per device: an
-    event records only on a stream of its own device).  ``take`` runs on the training thread,
-    ``give`` on the relay thread; a deque's appends and pops are atomic."""
+    event records only on a stream of its own device).  :meth:`take` runs on the training
+    thread, :meth:`Staged.value` gives the event back on the relay thread; a deque's appends
+    and pops are atomic."""
 
     KEEP = 64
     """Events kept per device beyond which returned ones are let go."""
@@ -102,8 +102,9 @@ class EventPool:
     def __init__(self) -> None:
         self._free: dict[int, deque[Any]] = {}
 
-    def take(self, device: Any) -> tuple[Any, Callable[[Any], None]]:
-        """An event on ``device`` (reused, or new) and the function that returns it."""
+    def take(self, device: Any) -> tuple[Any, deque[Any]]:
+        """An event on ``device`` (reused, or new) and the free events of that device, to give
+        it back to (no function made for it on the training thread)."""
         index = device.index if device.index is not None else -1
         free = self._free.get(index)
         if free is None:
@@ -112,12 +113,7 @@ class EventPool:
             event = free.pop()
         except IndexError:
             event = _cuda_event(device)
-
-        def give(done: Any, free: deque[Any] = free) -> None:
-            if len(free) < self.KEEP:
-                free.append(done)
-
-        return event, give
+        return event, free
 
 
 def _cuda_event(device: Any) -> Any:
@@ -148,11 +144,11 @@ def stage(value: Any) -> Any:
         return value
     try:
         host = value.detach().to("cpu", non_blocking=True)
-        done, release = EVENTS.take(value.device)
+        done, pool = EVENTS.take(value.device)
         _record(done, value)
     except Exception:
         return value
-    return Staged(host, done, release)
+    return Staged(host, done, pool)
 
 
 def _plain(scalars: dict[str, Any]) -> bool:
