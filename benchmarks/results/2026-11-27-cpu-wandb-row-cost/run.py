@@ -6,7 +6,8 @@ simulated GPUs) with the sink as it is (``base``), without the hidden per-GPU de
 W&B's core after each row (``noround``: ``_held_by`` returns its guess). The variants patch the
 sink in this benchmark process only; gpulens is unchanged.
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/results/2026-11-27-cpu-wandb-row-cost/run.py VARIANT GPUS
+    PYTHONPATH=src OMP_NUM_THREADS=1 \
+        python benchmarks/results/2026-11-27-cpu-wandb-row-cost/run.py VARIANT GPUS
 """
 import os
 import sys
