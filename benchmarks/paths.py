@@ -630,7 +630,8 @@ def profile_threads_from_env() -> None:
     (``cProfile`` on the thread's CPU clock, from its start to its end) and, at exit, write the
     functions by own time of each thread name to ``DIR/threads_rank{RANK}.txt``.  The profiler
     slows those threads down several times: read it for where their time goes, not how much.
-    Python < 3.12 only.
+    Python < 3.12 only; ``GPULENS_BENCH_SAMPLE_THREADS=DIR`` samples them instead, on any
+    Python (:class:`ThreadSampler`).
     ``GPULENS_BENCH_RELAY_POLL=FIRST,MAX`` (seconds) sets the relay's poll intervals."""
     poll = os.environ.get("GPULENS_BENCH_RELAY_POLL")
     if poll:
@@ -638,6 +639,9 @@ def profile_threads_from_env() -> None:
 
         first, most = (float(x) for x in poll.split(","))
         relay.POLL_FIRST_S, relay.POLL_MAX_S = first, most
+    sampled = os.environ.get("GPULENS_BENCH_SAMPLE_THREADS")
+    if sampled:
+        ThreadSampler(Path(sampled)).start()
     out = os.environ.get("GPULENS_BENCH_PROFILE_THREADS")
     if not out:
         return
@@ -683,3 +687,63 @@ def profile_threads_from_env() -> None:
         (Path(out) / f"threads_rank{rank}.txt").write_text(text.getvalue())
 
     atexit.register(dump)
+
+
+class ThreadSampler:
+    """A sampling profiler of gpulens's threads, for any Python (3.12's ``cProfile`` cannot
+    profile one thread of many): every ``period`` seconds a daemon thread reads
+    ``sys._current_frames()`` and counts, per gpulens thread name, the innermost ``depth``
+    frames of its stack (``file:function``, innermost first).  At exit it writes
+    ``DIR/samples_rank{RANK}.txt``: per thread name, the stacks by count with their share.  A
+    thread waiting (in a queue's ``get``, a sleep, a pipe read) is sampled too: read the stacks
+    for where the time goes, the waits included.  The sampler takes the GIL once a period."""
+
+    def __init__(self, out: Path, period: float = 0.005, depth: int = 8) -> None:
+        self.out = out
+        self.period = period
+        self.depth = depth
+        self.counts: dict[str, dict[tuple[str, ...], int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def start(self) -> None:
+        import atexit
+
+        self._thread.start()
+        atexit.register(self.dump)
+
+    def sample(self) -> None:
+        """Count one sample of every gpulens thread's stack."""
+        names = {t.ident: re.sub(r"\d+", "N", t.name) for t in threading.enumerate()
+                 if t.name.startswith("gpulens")}
+        for ident, frame in sys._current_frames().items():
+            name = names.get(ident)
+            if name is None:
+                continue
+            stack: list[str] = []
+            f: Any = frame
+            while f is not None and len(stack) < self.depth:
+                code = f.f_code
+                stack.append(f"{Path(code.co_filename).name}:{code.co_name}")
+                f = f.f_back
+            by_stack = self.counts.setdefault(name, {})
+            by_stack[tuple(stack)] = by_stack.get(tuple(stack), 0) + 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.sample()
+
+    def report(self, top: int = 25) -> str:
+        lines: list[str] = []
+        for name, by_stack in sorted(self.counts.items()):
+            total = sum(by_stack.values())
+            lines.append(f"===== {name}: {total} samples, every {self.period * 1e3:g} ms")
+            for stack, n in sorted(by_stack.items(), key=lambda kv: -kv[1])[:top]:
+                lines.append(f"{n:7d} {100 * n / total:5.1f} %  " + " < ".join(stack))
+        return "\n".join(lines) + "\n"
+
+    def dump(self) -> None:
+        self._stop.set()
+        self.out.mkdir(parents=True, exist_ok=True)
+        rank = os.environ.get("RANK", "0")
+        (self.out / f"samples_rank{rank}.txt").write_text(self.report())

@@ -530,3 +530,38 @@ def test_interleaved_schedule_counts_whole_logging_periods_per_block() -> None:
     assert [s for s in range(1, sch.total_steps + 1) if on(s)] == sorted(
         s for s in range(1, sch.total_steps + 1)
         if (w := sch.place(s)) is not None and w[1] == "hf_ls10_gpulens")
+
+
+def test_thread_sampler_counts_where_a_gpulens_thread_spends_its_time(tmp_path: Path) -> None:
+    """The sampling profiler the GPU runs use on Python 3.12 (``GPULENS_BENCH_SAMPLE_THREADS``):
+    a gpulens thread's stacks are counted, other threads' are not."""
+    sys.path.insert(0, str(BENCH))
+    import threading
+
+    import paths  # benchmarks/paths.py
+
+    stop = threading.Event()
+
+    def spin_in_a_named_function() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    ours = threading.Thread(target=spin_in_a_named_function, name="gpulens-test-7")
+    other = threading.Thread(target=stop.wait, name="someone-else")
+    ours.start()
+    other.start()
+    sampler = paths.ThreadSampler(tmp_path, period=0.001)
+    try:
+        for _ in range(50):
+            sampler.sample()
+    finally:
+        stop.set()
+        ours.join()
+        other.join()
+    assert set(sampler.counts) == {"gpulens-test-N"}
+    (stacks,) = sampler.counts.values()
+    assert sum(stacks.values()) == 50
+    assert any("spin_in_a_named_function" in frame for stack in stacks for frame in stack)
+    sampler.dump()
+    text = (tmp_path / "samples_rank0.txt").read_text()
+    assert text.startswith("===== gpulens-test-N: 50 samples")
