@@ -129,18 +129,16 @@ def _forward(info: Any, pid: int) -> None:
 
 def _sinks(texts: list[str]) -> list[Any]:
     """The ``--sink`` sinks, as specs, set for wall-clock rows where they need to know."""
-    from gpulens.sinks import parse_sink, sink_spec
+    from gpulens.sinks import parse_sink, with_options
     from gpulens.sinks.wandb import AXIS_KEY
 
     out: list[Any] = []
     for text in texts:
         spec = parse_sink(text)
         if spec.kind == "prometheus":
-            # rows count intervals, not steps
-            spec = sink_spec(spec.kind, name=spec.name, **{**spec.options, "training": False})
+            spec = with_options(spec, training=False)  # rows count intervals, not steps
         if spec.kind == "wandb" and spec.options.get("step_metric", AXIS_KEY) == AXIS_KEY:
-            spec = sink_spec(spec.kind, name=spec.name,
-                             **{**spec.options, "step_metric": ELAPSED_KEY})
+            spec = with_options(spec, step_metric=ELAPSED_KEY)
         out.append(spec)
     return out
 

@@ -75,7 +75,7 @@ SINKS: dict[str, SinkKind] = {
 __all__ = ["CLIENT", "ENGINE", "SINKS", "Sink", "SinkKind", "SinkSpec", "as_sink",
            "check_port", "check_sinks", "host_port_options", "parse_sink", "port_taken",
            "prepare_sinks", "resolve_sink",
-           "sink_label", "sink_spec", "unique_names"]
+           "sink_label", "sink_spec", "unique_names", "with_options"]
 
 
 def parse_sink(text: str) -> SinkSpec:
@@ -112,6 +112,12 @@ def sink_spec(kind: str, *, name: str | None = None, **options: Any) -> SinkSpec
     checked = _load(entry.target).check_options(dict(options))
     return SinkSpec(name=name or kind, kind=kind, options=checked, target=entry.target,
                     where=entry.where)
+
+
+def with_options(spec: SinkSpec, **options: Any) -> SinkSpec:
+    """A copy of a registry sink's ``spec`` with these options changed (checked like those
+    parsed: :func:`sink_spec`)."""
+    return sink_spec(spec.kind, name=spec.name, **{**spec.options, **options})
 
 
 def as_sink(item: str | SinkSpec | Sink) -> SinkSpec | Sink:
