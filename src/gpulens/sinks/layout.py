@@ -270,7 +270,8 @@ def _kind(key: str, scaled: bool) -> tuple[int, str | None]:
     """What :meth:`TrackerLayout.split` does with ``key``, and its GPU index for a
     ``gpu/{i}/`` key.  Cached: a row holds tens of keys a GPU, the same ones every step, and
     the W&B sink splits each row in the training process, on a thread that shares the GIL with
-    the training thread (matching the patterns anew took 3.7-4.7x the CPU a row)."""
+    the training thread (matching the patterns anew took 3.4-4.7x the CPU a row:
+    ``benchmarks/results/2026-11-27-cpu-relay-layout``)."""
     if key == STEP_KEY or not within_budget(key, scaled):
         return _SKIP, None
     if key.startswith("train/"):
