@@ -96,9 +96,9 @@ class Clock:
         """CPU seconds of the process's other threads in each step after the first
         ``warmup`` (the process's CPU less the training thread's; see the module doc)."""
         first = max(1, warmup)
-        proc = [b - a for a, b in zip(self.proc[first - 1:], self.proc[first:], strict=False)]
-        _, cpu = self.steps(warmup)
-        return [max(0.0, p - c) for p, c in zip(proc, cpu, strict=False)]
+        return [max(0.0, (p1 - p0) - (c1 - c0)) for p0, p1, c0, c1 in zip(
+            self.proc[first - 1:], self.proc[first:], self.cpu[first - 1:], self.cpu[first:],
+            strict=False)]
 
 
 def threads_cpu() -> dict[str, float]:
@@ -625,14 +625,10 @@ __all__ = ["Block", "Clock", "HfPath", "LightningPath", "Schedule", "WandbLoopPa
            "kind_of", "open_wandb_run"]
 
 
-def profile_threads_from_env() -> None:
-    """``GPULENS_BENCH_PROFILE_THREADS=DIR``: profile every gpulens thread of this process
-    (``cProfile`` on the thread's CPU clock, from its start to its end) and, at exit, write the
-    functions by own time of each thread name to ``DIR/threads_rank{RANK}.txt``.  The profiler
-    slows those threads down several times: read it for where their time goes, not how much.
-    Python < 3.12 only; ``GPULENS_BENCH_SAMPLE_THREADS=DIR`` samples them instead, on any
-    Python (:class:`ThreadSampler`).
-    ``GPULENS_BENCH_RELAY_POLL=FIRST,MAX`` (seconds) sets the relay's poll intervals."""
+def bench_options_from_env() -> None:
+    """``GPULENS_BENCH_SAMPLE_THREADS=DIR``: sample gpulens's threads (:class:`ThreadSampler`)
+    and write their stacks to ``DIR`` at exit.  ``GPULENS_BENCH_RELAY_POLL=FIRST,MAX``
+    (seconds) sets the relay's poll intervals."""
     poll = os.environ.get("GPULENS_BENCH_RELAY_POLL")
     if poll:
         from gpulens.transport import relay
@@ -642,61 +638,17 @@ def profile_threads_from_env() -> None:
     sampled = os.environ.get("GPULENS_BENCH_SAMPLE_THREADS")
     if sampled:
         ThreadSampler(Path(sampled)).start()
-    out = os.environ.get("GPULENS_BENCH_PROFILE_THREADS")
-    if not out:
-        return
-    if sys.version_info >= (3, 12):
-        # cProfile runs on sys.monitoring there: one profiler a process, of every thread (the
-        # 2026-11-27 try on the device's 3.12 profiled the training thread and the second
-        # gpulens thread's profiler raised, which ended that thread)
-        raise SystemExit("GPULENS_BENCH_PROFILE_THREADS needs Python < 3.12 (a profiler per "
-                         "thread); this is " + sys.version.split()[0])
-    import atexit
-    import cProfile
-    import io
-    import pstats
-
-    profiles: dict[str, list[cProfile.Profile]] = {}
-    lock = threading.Lock()
-    run = threading.Thread.run
-
-    def profiled(self: threading.Thread) -> None:
-        if not self.name.startswith("gpulens"):
-            run(self)
-            return
-        prof = cProfile.Profile(time.thread_time)
-        with lock:
-            profiles.setdefault(re.sub(r"\d+", "N", self.name), []).append(prof)
-        prof.enable()
-        try:
-            run(self)
-        finally:
-            prof.disable()
-
-    threading.Thread.run = profiled  # type: ignore[method-assign]
-
-    def dump() -> None:
-        text = io.StringIO()
-        with lock:
-            for name, profs in sorted(profiles.items()):
-                text.write(f"===== {name} ({len(profs)} threads)\n")
-                stats = pstats.Stats(*profs, stream=text)
-                stats.sort_stats("tottime").print_stats(30)
-        rank = os.environ.get("RANK", "0")
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"threads_rank{rank}.txt").write_text(text.getvalue())
-
-    atexit.register(dump)
 
 
 class ThreadSampler:
-    """A sampling profiler of gpulens's threads, for any Python (3.12's ``cProfile`` cannot
-    profile one thread of many): every ``period`` seconds a daemon thread reads
-    ``sys._current_frames()`` and counts, per gpulens thread name, the innermost ``depth``
-    frames of its stack (``file:function``, innermost first).  At exit it writes
-    ``DIR/samples_rank{RANK}.txt``: per thread name, the stacks by count with their share.  A
-    thread waiting (in a queue's ``get``, a sleep, a pipe read) is sampled too: read the stacks
-    for where the time goes, the waits included.  The sampler takes the GIL once a period."""
+    """A sampling profiler of gpulens's threads (``cProfile`` cannot profile one thread of
+    many on Python 3.12, where it is one profiler a process): every ``period`` seconds a
+    daemon thread reads ``sys._current_frames()`` and counts, per gpulens thread name, the
+    innermost ``depth`` frames of its stack (``file:function``, innermost first).  At exit it
+    writes ``DIR/samples_rank{RANK}.txt``: per thread name, the stacks by count with their
+    share.  A thread waiting (in a queue's ``get``, a sleep, a pipe read) is sampled too: read
+    the stacks for where the time goes, the waits included.  The sampler takes the GIL once a
+    period."""
 
     def __init__(self, out: Path, period: float = 0.005, depth: int = 8) -> None:
         self.out = out

@@ -344,7 +344,7 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths.profile_threads_from_env()
+    paths.bench_options_from_env()
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--paths", default="hf_ls1,hf_ls10,lightning,wandb_loop")
     p.add_argument("--quick", action="store_true",
