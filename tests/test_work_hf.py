@@ -280,6 +280,28 @@ def test_a_take_of_lengths_costs_its_reader_two_device_operations() -> None:
     assert flops == pytest.approx(formula.training_flops([3, 9, 9, 9, 1, 9], "causal"))
 
 
+def test_a_take_of_many_lengths_is_summed_with_torch_on_the_host_and_agrees() -> None:
+    """Beyond ``PYTHON_SUM_MAX`` lengths (a big batch, accumulation) the host copy is summed
+    with torch, whose cost does not grow with the lengths as Python's does; same figures."""
+    from gpulens.work.hf import PYTHON_SUM_MAX
+
+    formula = formula_from_config(_tiny_llama().config)
+    assert formula is not None
+    eager, deferred = TokenCounter(formula, "causal"), TokenCounter(formula, "causal")
+    rows = PYTHON_SUM_MAX + 7
+    lens = [1 + (7 * r) % 9 for r in range(rows)]
+    batch = {"input_ids": torch.ones((rows, 9), dtype=torch.long),
+             "attention_mask": torch.tensor([[1] * n + [0] * (9 - n) for n in lens])}
+    eager.observe(batch)
+    deferred.observe(batch)
+    expected = eager.take()
+    work = deferred.take_deferred()
+    assert work["tokens"].item() == float(expected.tokens) == sum(lens)
+    assert work["flops"].item() == pytest.approx(float(expected.flops), rel=1e-12)
+    assert work["flops"].item() == pytest.approx(formula.training_flops(lens, "causal"),
+                                                 rel=1e-12)
+
+
 def test_counts_kept_between_takes_are_folded_and_stay_right() -> None:
     from gpulens.work.hf import FOLD_AT
 

@@ -379,17 +379,24 @@ class TokenCounter:
         return 3.0 * total
 
 
+PYTHON_SUM_MAX = 100
+"""Up to this many sequence lengths a take's host copy is summed in Python (4 us for 16, 11 us
+for 64), beyond with torch on the host tensor (16-20 us whatever the number; Python took 600
+us for 4,096): ``benchmarks/results/2026-11-27-cpu-relay-layout/lengths_out.txt``."""
+
+
 class _Pending:
     """The kept counts of one take, reduced once, by the first reader (any thread).
 
     The usual take holds only sequence lengths (attention masks' row sums, ``cu_seq_lens_q``
     differences): they go to the host as one copy (a ``cat`` of the micro-batches' lengths and
-    its copy, two device operations), and the sums and the FLOPs formula run on those few
-    integers in Python.  The reader is the relay thread of the training process, which shares
-    the GIL with the training thread: each torch operation it ran (the on-device reduction took
-    about a dozen a take: casts, sums, the attention terms) held the GIL for tens of
-    microseconds.  Packed ``position_ids`` (a figure per token) and folded totals are reduced
-    on the device as before, and their two sums copied.
+    its copy, two device operations), and the sums and the FLOPs formula run there: in Python
+    on a few integers, with torch on the host tensor beyond :data:`PYTHON_SUM_MAX`.  The
+    reader is the relay thread of the training process, which shares the GIL with the training
+    thread: each device operation it ran (the on-device reduction took about a dozen a take:
+    casts, sums, the attention terms) held the GIL for tens of microseconds.  Packed
+    ``position_ids`` (a figure per token) and folded totals are reduced on the device as
+    before, and their two sums copied.
 
     Device work runs on the stream the training thread used when it took the counts (the kept
     tensors were made there, so it comes after them).  Copies reach the host without a
@@ -433,11 +440,19 @@ class _Pending:
                 lens = torch.cat(lengths) if len(lengths) > 1 else lengths[0]
                 copy = stage(lens)
             host = copy.value() if isinstance(copy, Staged) else copy
-            values: list[int] = host.tolist()
             formula = self._counter.formula
-            host_flops = (None if formula is None
-                          else formula.training_flops(values, self._counter.attention))
-            return (float(sum(values)) + plain_tokens,
+            host_tokens: float | None
+            host_flops: float | None
+            if host.numel() <= PYTHON_SUM_MAX:
+                values: list[int] = host.tolist()
+                host_tokens = float(sum(values))
+                host_flops = (None if formula is None
+                              else formula.training_flops(values, self._counter.attention))
+            else:  # many lengths: torch on the host copy, a flat ~20 us
+                host_tokens = float(host.sum())
+                flops_t = self._counter._flops_of_lengths(host)
+                host_flops = None if flops_t is None else float(flops_t)
+            return (host_tokens + plain_tokens,
                     host_flops + plain_flops if host_flops is not None else None)
         with context:
             tokens, flops = self._counter._reduce_tensors(lengths, positions, folded)
