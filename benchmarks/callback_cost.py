@@ -147,6 +147,7 @@ def instrumenter(hooks: tuple[str, ...], warmup: int, steps: int,
         clock.listeners.append(meter.window(first, last))
         clock.listeners.append(COUNTER.window(first, last))
         threads_at: dict[str, float] = {}
+        figures_of_threads: dict[str, float] = {}
 
         def thread_window(index: int) -> None:
             if index == first:
@@ -156,7 +157,6 @@ def instrumenter(hooks: tuple[str, ...], warmup: int, steps: int,
                     key = f"thread {name}"
                     figures_of_threads[key] = 1e6 * (t - threads_at.get(name, 0.0)) / steps
 
-        figures_of_threads: dict[str, float] = {}
         clock.listeners.append(thread_window)
 
         def collect(index: int) -> None:
