@@ -4,6 +4,7 @@ Hugging Face Trainer run (padding, gradient accumulation), packed batches, and t
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -187,9 +188,9 @@ def _mixed_batches() -> list[dict[str, Any]]:
 
 
 def test_deferred_counts_cost_the_training_thread_one_op_a_batch_and_agree() -> None:
-    """What the callbacks use: per micro-batch at most one device operation, none at the take;
-    the sums and FLOPs run where the values are read (another thread), once, and agree with
-    take()'s on-device reduction."""
+    """What the callbacks use: per micro-batch at most one device operation, at the take at
+    most the lengths' ``cat`` and copy; the sums and FLOPs run where the values are read
+    (another thread), once, and agree with take()'s on-device reduction."""
     import threading
 
     formula = formula_from_config(_tiny_llama().config)
@@ -203,7 +204,7 @@ def test_deferred_counts_cost_the_training_thread_one_op_a_batch_and_agree() -> 
     expected = eager.take()
     with OpCount() as count:
         work = deferred.take_deferred()
-    assert count.ops == [] and set(work) == {"tokens", "flops"}
+    assert len(count.ops) <= 2 and set(work) == {"tokens", "flops"}, count.ops
     read: dict[str, float] = {}
     reader = threading.Thread(target=lambda: read.update(
         tokens=work["tokens"].item(), flops=float(work["flops"])))
@@ -235,7 +236,10 @@ def test_deferred_sums_reach_the_host_through_a_polled_copy(
             polls.append(self.queries)
             return self.queries > 3
 
+    staged_on: list[str] = []
+
     def stage(value: Any, event: Any = None) -> Any:  # what a CUDA tensor gets
+        staged_on.append(threading.current_thread().name)
         return relay.Staged(value.clone(), SlowEvent())
 
     monkeypatch.setattr(relay, "stage", stage)
@@ -244,24 +248,32 @@ def test_deferred_sums_reach_the_host_through_a_polled_copy(
     counter.observe({"input_ids": torch.ones((2, 6), dtype=torch.long),
                      "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])})
     work = counter.take_deferred()
-    assert float(work["tokens"]) == 10.0
+    assert staged_on == ["MainThread"] and polls == []  # the copy starts at the take
+    value: dict[str, float] = {}
+    reader = threading.Thread(target=lambda: value.update(tokens=float(work["tokens"])),
+                              name="reader")
+    reader.start()
+    reader.join(timeout=60)
+    assert value["tokens"] == 10.0 and staged_on == ["MainThread"]
     assert float(work["flops"]) == pytest.approx(formula.training_flops([6, 4]))
     assert polls.count(4) == 1  # the lengths came over as one copy, waited for by polling
+    staged_on.clear()
     polls.clear()
     counter.observe({"input_ids": torch.ones((1, 5), dtype=torch.long),
                      "position_ids": torch.tensor([[0, 1, 2, 0, 1]])})  # packed: on the device
     work = counter.take_deferred()
     assert float(work["tokens"]) == 5.0
     assert float(work["flops"]) == pytest.approx(formula.training_flops([3, 2]))
-    # tokens are the positions' number (a shape); their FLOPs sum came by a polled copy
-    assert polls.count(4) == 1
+    # tokens are the positions' number (a shape); their FLOPs sum came by a polled copy,
+    # started by the reader, here this thread (packed positions are reduced on the device there)
+    assert polls.count(4) == 1 and staged_on == ["MainThread"]
 
 
-def test_a_take_of_lengths_costs_its_reader_two_device_operations() -> None:
-    """The reader is the relay thread, which shares the GIL with the training thread: a take of
-    attention-mask lengths is one ``cat`` and one copy there, the sums and the FLOPs formula
-    run on the host's integers (the on-device reduction was a dozen operations), and agree
-    with ``take()``'s."""
+def test_a_take_of_lengths_costs_its_reader_no_device_operation() -> None:
+    """The reader is the relay thread, which shares the GIL with the training thread, and a
+    CUDA call from it contends with the training thread's launches: a take of attention-mask
+    lengths starts its one ``cat`` and copy on the taking thread, the reader only sums the
+    host's integers (the FLOPs formula too), and the figures agree with ``take()``'s."""
     formula = formula_from_config(_tiny_llama().config)
     assert formula is not None
     eager, deferred = TokenCounter(formula, "causal"), TokenCounter(formula, "causal")
@@ -271,10 +283,13 @@ def test_a_take_of_lengths_costs_its_reader_two_device_operations() -> None:
         eager.observe(batch)
         deferred.observe(batch)
     expected = eager.take()
-    work = deferred.take_deferred()
+    with OpCount() as taking:
+        work = deferred.take_deferred()
+    # on a CPU the copy is left out (stage() returns a host tensor as it is)
+    assert [op.split(".")[1] for op in taking.ops] == ["cat"], taking.ops
     with OpCount() as count:
         tokens, flops = work["tokens"].item(), work["flops"].item()
-    assert len(count.ops) <= 2, count.ops
+    assert count.ops == [], count.ops
     assert tokens == float(expected.tokens) == 3 + 9 + 9 + 9 + 1 + 9
     assert flops == pytest.approx(float(expected.flops), rel=1e-12)
     assert flops == pytest.approx(formula.training_flops([3, 9, 9, 9, 1, 9], "causal"))

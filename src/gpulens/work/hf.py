@@ -174,8 +174,9 @@ class TokenCounter:
     mask's row sums, or the differences of ``cu_seq_lens_q``; packed ``position_ids`` are kept
     as they are; shapes alone cost none), never a synchronisation. The rest (sums, the FLOPs
     formula) waits for the take: :meth:`take` runs it on the device (a few operations per take,
-    the results left there), :meth:`take_deferred` hands it to whoever reads the values
-    (``Monitor.log`` converts them in its relay thread), so the training thread does none of it.
+    the results left there); :meth:`take_deferred` starts the lengths' one copy to the host
+    (a ``cat``, the copy and an event: three launches, no wait) and hands the sums to whoever
+    reads the values (``Monitor.log`` converts them in its relay thread, on the host's numbers).
     Every :data:`FOLD_AT` micro-batches without a take, the kept counts are reduced on the
     device into running totals, so the memory they hold stays bounded.
     """
@@ -250,9 +251,12 @@ class TokenCounter:
     def take_deferred(self) -> dict[str, Any]:
         """The work since the previous take as :meth:`gpulens.Monitor.log` keywords
         (``tokens``, and ``flops`` with a formula; ``{}`` when no micro-batch was counted),
-        and start again. Nothing runs on the device here: values that need the kept tensors
-        are :class:`DeferredCount` objects whose ``item()`` reduces them where it is called
-        (``Monitor.log`` calls it in its relay thread, off the training thread)."""
+        and start again. Values that need the kept tensors are :class:`DeferredCount` objects
+        whose ``item()`` sums them where it is called (``Monitor.log`` calls it in its relay
+        thread, off the training thread). For sequence lengths (the usual case) the copy of the
+        lengths to the host starts here, on the calling thread (a ``cat``, the copy, an event:
+        no wait), so the reader makes no CUDA call; packed ``position_ids`` are reduced by the
+        reader."""
         if not self._micro:
             self._reset()
             return {}
@@ -389,19 +393,20 @@ class _Pending:
     """The kept counts of one take, reduced once, by the first reader (any thread).
 
     The usual take holds only sequence lengths (attention masks' row sums, ``cu_seq_lens_q``
-    differences): they go to the host as one copy (a ``cat`` of the micro-batches' lengths and
-    its copy, two device operations), and the sums and the FLOPs formula run there: in Python
-    on a few integers, with torch on the host tensor beyond :data:`PYTHON_SUM_MAX`.  The
-    reader is the relay thread of the training process, which shares the GIL with the training
-    thread: each device operation it ran (the on-device reduction took about a dozen a take:
-    casts, sums, the attention terms) held the GIL for tens of microseconds.  Packed
-    ``position_ids`` (a figure per token) and folded totals are reduced on the device as
-    before, and their two sums copied.
+    differences).  Their one copy to the host starts **on the training thread, at the take**
+    (a ``cat`` of the micro-batches' lengths, the copy to pinned memory and an event behind it:
+    three launches, no wait), and the reader only polls the event and sums the host's integers:
+    in Python, or with torch on the host tensor beyond :data:`PYTHON_SUM_MAX`.  The reader is the
+    relay thread of the training process, and a CUDA call from a second thread is not cheap
+    while the training thread launches kernels: the relay thread spent 0.5-0.9 ms of CPU a step
+    on one H100 when it made these launches itself (against 0.12-0.15 ms on a CPU, where the
+    same code makes no CUDA call; ``benchmarks/results/2026-11-27-h100-threads-sampled``).
+    Packed ``position_ids`` (a figure per token) and folded totals are reduced on the device by
+    the reader as before (a dozen operations), and their two sums copied.
 
     Device work runs on the stream the training thread used when it took the counts (the kept
     tensors were made there, so it comes after them).  Copies reach the host without a
-    blocking wait: each starts its copy to pinned host memory with an event behind it, and the
-    reader polls the event (:func:`gpulens.transport.relay.stage`): a thread blocked in a
+    blocking wait: each is polled (:func:`gpulens.transport.relay.stage`): a thread blocked in a
     device copy holds the training thread up too (``transport/relay.py``).
     """
 
@@ -414,14 +419,45 @@ class _Pending:
         self._stream = _stream_of([*lengths, *positions, *(folded or ())])
         self._result: tuple[float, float | None] | None = None
         self._lock = threading.Lock()
+        self._copy: Any = None
+        """The lengths' copy to the host, started at the take (see the class doc)."""
+        if lengths and not positions and folded is None:
+            self._copy = _stage_lengths(lengths)
+            if self._copy is not None:
+                self._parts = None
 
     def result(self) -> tuple[float, float | None]:
         with self._lock:
             if self._result is None:
-                assert self._parts is not None
-                parts, self._parts = self._parts, None
-                self._result = self._reduce(*parts)
+                if self._copy is not None:
+                    from gpulens.transport.relay import Staged
+
+                    staged, self._copy = self._copy, None
+                    self._result = self._sum_host(staged.value() if isinstance(staged, Staged)
+                                                  else staged)
+                else:
+                    assert self._parts is not None
+                    parts, self._parts = self._parts, None
+                    self._result = self._reduce(*parts)
             return self._result
+
+    def _sum_host(self, host: Any) -> tuple[float, float | None]:
+        """(tokens, FLOPs) of the lengths' host copy, the plain counts added."""
+        plain_tokens, plain_flops = self._plain
+        formula = self._counter.formula
+        host_tokens: float | None
+        host_flops: float | None
+        if host.numel() <= PYTHON_SUM_MAX:
+            values: list[int] = host.tolist()
+            host_tokens = float(sum(values))
+            host_flops = (None if formula is None
+                          else formula.training_flops(values, self._counter.attention))
+        else:  # many lengths: torch on the host copy, a flat ~20 us
+            host_tokens = float(host.sum())
+            flops_t = self._counter._flops_of_lengths(host)
+            host_flops = None if flops_t is None else float(flops_t)
+        return (host_tokens + plain_tokens,
+                host_flops + plain_flops if host_flops is not None else None)
 
     def _reduce(self, lengths: list[Any], positions: list[Any],
                 folded: tuple[Any, Any] | None) -> tuple[float, float | None]:
@@ -429,31 +465,12 @@ class _Pending:
 
         import torch
 
-        from gpulens.transport.relay import Staged, stage
+        from gpulens.transport.relay import stage
 
         context: Any = contextlib.nullcontext()
         if self._stream is not None:
             context = torch.cuda.stream(self._stream)
         plain_tokens, plain_flops = self._plain
-        if lengths and not positions and folded is None:
-            with context:
-                lens = torch.cat(lengths) if len(lengths) > 1 else lengths[0]
-                copy = stage(lens)
-            host = copy.value() if isinstance(copy, Staged) else copy
-            formula = self._counter.formula
-            host_tokens: float | None
-            host_flops: float | None
-            if host.numel() <= PYTHON_SUM_MAX:
-                values: list[int] = host.tolist()
-                host_tokens = float(sum(values))
-                host_flops = (None if formula is None
-                              else formula.training_flops(values, self._counter.attention))
-            else:  # many lengths: torch on the host copy, a flat ~20 us
-                host_tokens = float(host.sum())
-                flops_t = self._counter._flops_of_lengths(host)
-                host_flops = None if flops_t is None else float(flops_t)
-            return (host_tokens + plain_tokens,
-                    host_flops + plain_flops if host_flops is not None else None)
         with context:
             tokens, flops = self._counter._reduce_tensors(lengths, positions, folded)
             staged = [stage(x.to(torch.float64)) if isinstance(x, torch.Tensor) else x
@@ -462,6 +479,24 @@ class _Pending:
         assert host_tokens is not None
         return (host_tokens + plain_tokens,
                 host_flops + plain_flops if host_flops is not None else None)
+
+
+def _stage_lengths(lengths: list[Any]) -> Any:
+    """On the training thread, at a take: the micro-batches' lengths as one tensor on its way
+    to the host (:func:`gpulens.transport.relay.stage`: a ``Staged`` copy for CUDA tensors,
+    the tensor itself on a CPU), or ``None`` if that failed (the reader then reduces the
+    lengths itself)."""
+    import torch
+
+    from gpulens.transport.relay import stage
+
+    try:
+        return stage(torch.cat(lengths) if len(lengths) > 1 else lengths[0])
+    except Exception as exc:  # never into training: the reader's path still counts them
+        warn_once("tokens:stage", "gpulens: could not start the copy of the token counts "
+                  "(%s: %s); they are reduced off the training thread instead",
+                  type(exc).__name__, exc)
+        return None
 
 
 def _landed(value: Any) -> float | None:
