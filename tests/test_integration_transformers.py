@@ -217,7 +217,7 @@ def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path,
     reset_wandb()  # finish the run HF started and let wandb-core write out its file
     history = read_history(find_run_file(wandb_offline))  # exactly one run: no extra run
     loss_rows = [h for h in history if "train/loss" in h]
-    gpu_rows = [h for h in history if GPU_KEY in h]
+    gpu_rows = [h for h in history if "gpulens/step" in h]
     assert [h["train/global_step"] for h in loss_rows] == loss_steps(trainer) == [4, 8, 12]
     # each row on its own axis: HF's train/global_step in the same record is HF's, not ours
     assert [h["gpulens/step"] for h in gpu_rows] == [4, 8, 12]
@@ -333,7 +333,7 @@ def test_hyper_parameter_trials_each_write_into_their_own_runs(
     for path in files:
         history = read_history(path)
         assert [h["train/global_step"] for h in history if "train/loss" in h] == [4, 8]
-        assert [h["gpulens/step"] for h in history if GPU_KEY in h] == [4, 8]
+        assert [h["gpulens/step"] for h in history if "gpulens/step" in h] == [4, 8]
 
 
 class TokenRegression(Regression):
@@ -370,7 +370,7 @@ def test_logging_options_one_at_a_time(tmp_path: Path, mlflow_tracking: MlflowTr
     assert _mlflow_steps(mlflow_tracking, run, MLFLOW_GPU_KEY) == expected
     assert _mlflow_steps(mlflow_tracking, run, "loss") == loss_steps(trainer)
     history = read_history(find_run_file(wandb_offline))
-    assert [h["gpulens/step"] for h in history if GPU_KEY in h] == expected
+    assert [h["gpulens/step"] for h in history if "gpulens/step" in h] == expected
     assert [h["train/global_step"] for h in history if "train/loss" in h] == loss_steps(trainer)
 
 

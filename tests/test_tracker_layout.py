@@ -185,10 +185,13 @@ def test_wandb_default_view_hides_detail_and_records_the_run(wandb_offline: Path
     for key in ("perf/step_time_s", "perf/energy_per_step_j", "gpu/all/power_w_mean",
                 "gpu/all/sm_active_pct_mean"):
         assert key not in defs, key
-    rows = [h for h in read_history(path) if "gpu/1/power_w" in h]
+    # the shown keys on every row; the detail (rows 50 ms apart) on the first of the second
+    rows = [h for h in read_history(path) if "gpulens/step" in h]
     assert [h["gpulens/step"] for h in rows] == [1, 2, 3, 4]
-    assert all(h["train/gpu_power_w_mean"] == pytest.approx(
-        (h["gpu/0/power_w"] + h["gpu/1/power_w"]) / 2) for h in rows)
+    assert all("train/gpu_power_w_mean" in h for h in rows)
+    assert [h["gpulens/step"] for h in rows if "gpu/1/power_w" in h] == [1]
+    assert rows[0]["train/gpu_power_w_mean"] == pytest.approx(
+        (rows[0]["gpu/0/power_w"] + rows[0]["gpu/1/power_w"]) / 2)
     # the run's metadata, beside the user's own config, and the simulated GPUs said plainly
     config = read_config(path)
     assert config["lr"] == 0.1 and config["model"] == {"layers": 2}
@@ -199,6 +202,63 @@ def test_wandb_default_view_hides_detail_and_records_the_run(wandb_offline: Path
     assert meta["version"] == gpulens.__version__ and meta["hostname"]
     assert meta["dtype"] == "bf16" and meta["peak_tflops"] > 0 and meta["peak_source"]
     assert read_tags(path) == ["mine", "simulated-gpus"]
+
+
+def test_wandb_detail_at_most_once_an_interval_of_the_rows_times(
+        wandb_offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hidden keys go into W&B on the first row after ``detail_interval`` seconds of the
+    rows' own times (0: every row); the shown ones into every row; the setting comes from
+    ``GPULENS_WANDB_DETAIL_S`` when not given, and a bad value is one line."""
+    import wandb
+
+    values = _row(2)
+    context = RunContext(gpus=(), backend="simulated", hostname="h", interval=0.05)
+    run = wandb.init(project="gpulens-test")
+    sink = WandbSink(run, detail_interval=1.0)
+    sink.open(context)
+    times = [100.0, 100.4, 100.9, 101.0, 101.7, 102.5, 99.0]  # the last: the clock went back
+    for step, t in enumerate(times, start=1):
+        sink.write(Row(step=step, time=t, values=dict(values)))
+        run.log({"loss": 1.0 / step})
+    sink.close()
+    every = WandbSink(run, detail_interval=0)
+    every.open(context)
+    for step in (20, 21):
+        every.write(Row(step=step, time=200.0, values=dict(values)))
+        run.log({"loss": 0.01})
+    every.close()
+    run_id = run.id
+    wandb.finish()
+    path = wait_for_finished_run(wandb_offline, run_id)
+    history = [h for h in read_history(path) if "gpulens/step" in h]
+    assert [h["gpulens/step"] for h in history] == [1, 2, 3, 4, 5, 6, 7, 20, 21]
+    assert all("train/gpu_sm_active_pct_mean" in h for h in history)
+    assert [h["gpulens/step"] for h in history if "gpu/1/power_w" in h] == [1, 4, 6, 7, 20, 21]
+    monkeypatch.setenv("GPULENS_WANDB_DETAIL_S", "5")
+    assert WandbSink().detail_interval == 5.0 and WandbSink(detail_interval=0).detail_interval == 0
+    monkeypatch.setenv("GPULENS_WANDB_DETAIL_S", "often")
+    with pytest.raises(ValueError, match="GPULENS_WANDB_DETAIL_S='often'"):
+        WandbSink()
+    with pytest.raises(ValueError, match="detail_interval=-1"):
+        WandbSink(detail_interval=-1)
+
+
+def test_wandb_defines_each_key_once_per_run(wandb_offline: Path) -> None:
+    """A monitor started again on the same run (a second ``train()``) defines only keys new to
+    the run: ``define_metric`` is a message to wandb-core per key."""
+    import wandb
+
+    run = wandb.init(project="gpulens-test")
+    for _ in range(2):
+        with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=2),
+                             dtype="bf16") as mon:
+            _train(mon, 2)
+    run_id = run.id
+    wandb.finish()
+    names = [d.name for d in read_metric_definitions(wait_for_finished_run(wandb_offline,
+                                                                           run_id)) if d.name]
+    assert "gpu/1/power_w" in names and "train/gpu_power_w_mean" in names
+    assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
 
 
 def test_wandb_all_shows_every_key(wandb_offline: Path) -> None:

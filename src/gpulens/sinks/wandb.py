@@ -55,6 +55,20 @@ record: give such a scalar to one of the two, or use ``include_train=False``.  I
 "shared" mode (several processes write one run, and W&B numbers
 the steps) rows are simply logged.
 
+**The hidden detail, at most once a second.** The default view's handful of keys go into
+every row's record; the rest of the row (the hidden per-GPU detail: 40 keys at 1 GPU, 110 at
+2, 260 at 8) goes into a record at most once every ``detail_interval`` seconds of the rows'
+own times (:data:`DETAIL_INTERVAL_S`; ``GPULENS_WANDB_DETAIL_S``; 0: every row), on the
+first row after it has passed.  ``run.log`` costs the training process's threads in
+proportion to its keys, and at every step on 8 GPUs the detail was most of W&B's cost
+(``benchmarks/results/2026-11-27-cpu-wandb-row-cost``); the JSONL record, the report and the
+other sinks keep every row.  Rows come at most as often as the loop logs, so a run that logs
+once a second or less gets the detail on every row.
+
+**Definitions once per run.** ``define_metric`` is a message to ``wandb-core``; the keys
+defined are remembered per run object, so a monitor started again on the same run (a second
+``trainer.train()``, a notebook cell run again) defines only keys that are new to it.
+
 **Off the training thread.** The sink writes from its own thread: while it wrote on the
 training thread, a Hugging Face run that logged every step paid +1.47 ms of training-thread CPU
 a step on an H200 (``benchmarks/results/2026-11-26-h200-paths-aa``: 88.85 vs 87.38 ms).
@@ -73,7 +87,10 @@ drop that row with its warning ("Tried to log to step ...").
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 import sys
+import weakref
 from collections import deque
 from typing import Any
 
@@ -85,6 +102,43 @@ from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run
 
 AXIS_KEY = "gpulens/step"
 """The hidden x-axis of every key this sink writes: the row's training step."""
+
+DETAIL_INTERVAL_S = 1.0
+"""Default for :class:`WandbSink`'s ``detail_interval``: seconds (of the rows' own times)
+between two rows that carry the hidden detail (see the module doc)."""
+DETAIL_ENV = "GPULENS_WANDB_DETAIL_S"
+"""Environment variable giving ``detail_interval`` to W&B sinks made without it."""
+
+_DEFINED: weakref.WeakKeyDictionary[Any, dict[str, tuple[bool, str]]] = (
+    weakref.WeakKeyDictionary())
+"""Per W&B run object: the keys defined on it so far, each with (hidden, step metric)."""
+
+
+def resolve_detail_interval(seconds: float | None) -> float:
+    """``seconds`` checked (a number >= 0, else a one-line ``ValueError``), or
+    :data:`DETAIL_ENV`'s value, or :data:`DETAIL_INTERVAL_S`."""
+    where = "detail_interval"
+    value: Any = seconds
+    if value is None:
+        value = os.environ.get(DETAIL_ENV, "").strip() or DETAIL_INTERVAL_S
+        where = DETAIL_ENV
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not number >= 0 or math.isinf(number):
+        raise ValueError(f"{where}={value!r}: expected seconds >= 0 between the W&B rows that "
+                         "carry the per-GPU detail (0: every row)")
+    return number
+
+
+def _definitions(run: Any) -> dict[str, tuple[bool, str]]:
+    """The keys defined on ``run`` so far (shared by every sink writing to it), or a fresh
+    dict for a run object that cannot be weakly referenced."""
+    try:
+        return _DEFINED.setdefault(run, {})
+    except TypeError:
+        return {}
 
 
 def import_wandb() -> Any:
@@ -166,7 +220,8 @@ class WandbSink:
     :mod:`gpulens.integrations.wandb_workspace` plots it).  With ``keys="all"`` every key of
     the row, under the schema's names, nothing hidden.  Never ``train/global_step``; always
     ``gpulens/step`` (the row's step, hidden) or, for wall-clock rows, their
-    ``record/elapsed_s``.
+    ``record/elapsed_s``.  The hidden keys go into a row's record at most once every
+    ``detail_interval`` seconds (module doc); the shown ones into every row's.
 
     Also, at open, the run's metadata into the run's config under ``"gpulens"`` (version,
     backend, hostname, interval, GPUs, dtype and MFU peak ...: :func:`run_metadata`; the user's
@@ -185,6 +240,8 @@ class WandbSink:
         section: the section of the default view's figures (``None``: ``train``, or ``gpu``
             for wall-clock rows; ``""``: bare keys).
         step_metric: the x-axis of the keys written (:attr:`step_metric`).
+        detail_interval: seconds between two rows that carry the hidden keys (0: every row;
+            ``None``: ``GPULENS_WANDB_DETAIL_S``, else :data:`DETAIL_INTERVAL_S`).
     """
 
     on_training_thread = False
@@ -195,8 +252,9 @@ class WandbSink:
 
     def __init__(self, run: Any | None = None, *, include_train: bool = True,
                  keys: str | None = None, section: str | None = None,
-                 step_metric: str = AXIS_KEY) -> None:
+                 step_metric: str = AXIS_KEY, detail_interval: float | None = None) -> None:
         self._run = run
+        self.detail_interval = resolve_detail_interval(detail_interval)
         self.step_metric = step_metric
         self._owned = False
         self.include_train = include_train
@@ -209,7 +267,9 @@ class WandbSink:
         self._reset()
 
     def _reset(self) -> None:
-        self._defined: set[str] = set()
+        self._defined: dict[str, tuple[bool, str]] = {}
+        self._detail_at: float | None = None
+        """The time of the newest row written with the hidden keys."""
         self._queue: deque[dict[str, float]] = deque()
         self._attached_at: int | None = None
         """W&B step of the pending record that holds a row of ours, if any."""
@@ -233,6 +293,8 @@ class WandbSink:
         if options.get("keys") is not None:
             resolve_keys(options["keys"])
         check_section(options.get("section"))
+        if "detail_interval" in options:
+            resolve_detail_interval(options["detail_interval"])
         metric = options.get("step_metric", AXIS_KEY)
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"the wandb sink's step_metric must be a key, got {metric!r}")
@@ -279,10 +341,11 @@ class WandbSink:
                                  f"{_one_line(exc)}") from None
             self._owned = True
         self._reset()
+        self._defined = _definitions(self._run)
         self._shared = getattr(getattr(self._run, "settings", None), "mode", None) == "shared"
-        if self.step_metric == AXIS_KEY:
+        if self.step_metric == AXIS_KEY and AXIS_KEY not in self._defined:
             self._run.define_metric(AXIS_KEY, hidden=True)
-            self._defined.add(AXIS_KEY)
+            self._defined[AXIS_KEY] = (True, "")
         self._write_metadata(context)
 
     def _write_metadata(self, context: RunContext) -> None:
@@ -320,23 +383,28 @@ class WandbSink:
         for key, value in shown.items():
             if key != STEP_KEY:
                 data[key] = value
-        for key, value in detail.items():
-            if key not in data:
-                data[key] = value
-                self._hidden.add(key)
+        due = self._detail_at
+        if due is None or row.time >= due + self.detail_interval or row.time < due:
+            self._detail_at = row.time  # (a clock that went back starts the interval again)
+            for key, value in detail.items():
+                if key not in data:
+                    data[key] = value
+                    self._hidden.add(key)
         if self.step_metric == AXIS_KEY:
             data[AXIS_KEY] = float(row.step)
         return data
 
     def _define(self, data: dict[str, float]) -> None:
         run: Any = self._run
+        defined, axis = self._defined, self.step_metric
         for key in data:
-            if key not in self._defined and key != self.step_metric:
-                if key in self._hidden:
+            hidden = key in self._hidden
+            if defined.get(key) != (hidden, axis) and key != axis:
+                if hidden:
                     run.define_metric(key, step_metric=self.step_metric, hidden=True)
                 else:
                     run.define_metric(key, step_metric=self.step_metric)
-                self._defined.add(key)
+                defined[key] = (hidden, axis)
 
     def _alert(self, event: Event) -> None:
         """``run.alert`` for an alert that fires (W&B sends it where the user set alerts up);
