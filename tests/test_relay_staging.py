@@ -1,6 +1,7 @@
 """A CUDA tensor passed to ``log()`` is never read with a blocking ``.item()``: the training
-thread starts its copy to host memory and records an event; the relay thread polls the event
-and reads the copy once it has landed (``gpulens.transport.relay``)."""
+thread starts its copy to host memory and records an event, and sends the mark at a later
+``log()`` once the event says the copy has landed; a mark that waits too long is sent by the
+relay thread, which polls (``gpulens.transport.relay``)."""
 
 from __future__ import annotations
 
@@ -76,25 +77,75 @@ def test_stage_leaves_numbers_and_cpu_tensors_alone() -> None:
     assert stage(cpu) is cpu
 
 
-def test_the_relay_thread_reads_a_cuda_value_only_after_its_event(monkeypatch: Any) -> None:
-    event = FakeEvent(pending=5)
-    pool_of(monkeypatch, lambda device: event)
-    sent: list[MarkFields] = []
-    got = threading.Event()
+class Sent:
+    """A transport's ``send_mark``: the marks sent, and the thread each was sent on."""
 
-    def send(mark: MarkFields) -> bool:
-        sent.append(mark)
-        got.set()
+    def __init__(self) -> None:
+        self.marks: list[MarkFields] = []
+        self.threads: list[str] = []
+        self.got = threading.Event()
+
+    def __call__(self, mark: MarkFields) -> bool:
+        self.marks.append(mark)
+        self.threads.append(threading.current_thread().name)
+        self.got.set()
         return True
 
-    relay = MarkRelay(send)
+    @property
+    def steps(self) -> list[int]:
+        return [m[0] for m in self.marks]
+
+
+def test_a_cuda_value_goes_at_a_later_log_once_landed_and_marks_keep_their_order(
+        monkeypatch: Any) -> None:
+    """The training thread asks the event at each later ``log()`` (never waits) and sends the
+    mark once it has landed; plain marks behind it wait, so rows keep their order; no other
+    thread is woken for it."""
+    monkeypatch.setattr(relay_mod, "LATE_S", 60.0)
+    event = FakeEvent(pending=2)
+    pool_of(monkeypatch, lambda device: event)
+    sent = Sent()
+    relay = MarkRelay(sent)
+    relay.put((1, 0.5, 1.5, {"lr": 0.1}, None))  # plain, nothing waiting: sent at once
     tensor = FakeCudaTensor(0.75)
     relay.put((7, 1.0, 2.0, {"loss": tensor, "lr": 0.1}, None))
-    assert got.wait(30.0), "the relay never sent the mark"
+    assert sent.steps == [1] and event.queries == 1 and tensor.copies == [("cpu", True)]
+    relay.put((8, 2.0, 3.0, {"lr": 0.2}, None))  # plain, but behind a waiting mark
+    assert sent.steps == [1] and event.queries == 2
+    relay.put((9, 3.0, 4.0, {"lr": 0.3}, None))  # the copy has landed by now
+    assert sent.steps == [1, 7, 8, 9]
+    assert set(sent.threads) == {threading.current_thread().name}
+    assert sent.marks[1][3] == {"loss": 0.75, "lr": 0.1}
     relay.close(5.0)
-    assert tensor.copies == [("cpu", True)]
-    assert event.queries > 5
-    assert sent[0][0] == 7 and sent[0][3] == {"loss": 0.75, "lr": 0.1}
+
+
+def test_a_mark_left_waiting_is_sent_by_the_relay_thread(monkeypatch: Any) -> None:
+    """A loop that stops logging (evaluation, a checkpoint) does not hold its last row back
+    for long: the relay thread sends a mark that has waited ``LATE_S``, polling its event."""
+    monkeypatch.setattr(relay_mod, "LATE_S", 0.05)
+    monkeypatch.setattr(relay_mod, "RELAY_WAKE_S", 0.01)
+    event = FakeEvent(pending=5)
+    pool_of(monkeypatch, lambda device: event)
+    sent = Sent()
+    relay = MarkRelay(sent)
+    relay.put((7, 1.0, 2.0, {"loss": FakeCudaTensor(0.5)}, None))
+    assert sent.got.wait(30.0), "the relay never sent the mark"
+    assert sent.steps == [7] and sent.threads == ["gpulens-relay"]
+    assert sent.marks[0][3] == {"loss": 0.5} and event.queries > 5
+    relay.close(5.0)
+
+
+def test_close_sends_what_waits_in_order(monkeypatch: Any) -> None:
+    monkeypatch.setattr(relay_mod, "LATE_S", 60.0)
+    pool_of(monkeypatch, lambda device: FakeEvent(pending=3))
+    sent = Sent()
+    relay = MarkRelay(sent)
+    relay.put((1, 1.0, 1.0, {"loss": FakeCudaTensor(1.0)}, None))
+    relay.put((2, 2.0, 2.0, {"lr": 0.5}, None))
+    assert sent.steps == []
+    relay.close(10.0)
+    assert sent.steps == [1, 2] and sent.marks[0][3] == {"loss": 1.0}
+    assert relay.dropped == 0
 
 
 def test_events_come_back_to_their_pool_and_are_reused(monkeypatch: Any) -> None:

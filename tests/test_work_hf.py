@@ -249,6 +249,8 @@ def test_deferred_sums_reach_the_host_through_a_polled_copy(
                      "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])})
     work = counter.take_deferred()
     assert staged_on == ["MainThread"] and polls == []  # the copy starts at the take
+    # log() asks whether it can read the counts now (never waits): once the event says so
+    assert [work["tokens"].landed() for _ in range(4)] == [False, False, False, True]
     value: dict[str, float] = {}
     reader = threading.Thread(target=lambda: value.update(tokens=float(work["tokens"])),
                               name="reader")
@@ -262,6 +264,7 @@ def test_deferred_sums_reach_the_host_through_a_polled_copy(
     counter.observe({"input_ids": torch.ones((1, 5), dtype=torch.long),
                      "position_ids": torch.tensor([[0, 1, 2, 0, 1]])})  # packed: on the device
     work = counter.take_deferred()
+    assert not work["tokens"].landed()  # reduced on the device by its reader: the relay thread
     assert float(work["tokens"]) == 5.0
     assert float(work["flops"]) == pytest.approx(formula.training_flops([3, 2]))
     # tokens are the positions' number (a shape); their FLOPs sum came by a polled copy,

@@ -2,25 +2,37 @@
 
 ``log()`` takes whatever the training loop passes: Python numbers (the usual case: the mark goes
 straight on), but also tensors, whose ``.item()`` would synchronise the device if called on
-the training thread.  A mark holding anything but plain ``int``/``float`` goes to a relay
-thread (started on first need) that converts the scalars and sends it on; every later mark then
-goes through the relay too, so marks keep their order.  The queue is bounded
-(:data:`RELAY_MAX`): beyond it marks are dropped and counted.
+the training thread, and the token counter's deferred counts.  A CUDA tensor is never read with
+``.item()`` on any thread: that is a blocking copy, and a thread waiting in it holds up the
+training thread too (measured on 4 H200s under DDP: a loop of 2.6 ms steps passing
+``loss=loss.detach()`` to ``log()`` every step ran about ten times slower;
+``benchmarks/results/2026-11-27-h200x4-call3``).  On the training thread ``log()`` starts its
+copy to pinned host memory and records a CUDA event behind it (two launches, no wait).
 
-A CUDA tensor is never read with ``.item()`` on any thread: that is a blocking copy, and a
-thread waiting in it holds up the training thread too (measured on 4 H200s under DDP: a loop of
-2.6 ms steps passing ``loss=loss.detach()`` to ``log()`` every step ran about ten times slower;
-``benchmarks/results/2026-11-27-h200x4-call3``).  On the training thread ``log()`` only starts
-its copy to pinned host memory and records a CUDA event behind it (two launches, no wait); the
-relay thread polls the event (``query()``, which never blocks) and reads the host copy once it
-has landed.
+**Who converts a mark.** The training thread itself, at a later ``log()``: each call first
+sends the waiting marks whose values have landed (``Event.query()``, which never blocks: a few
+microseconds on the thread that launches the kernels anyway), in order, then its own if it is
+plain.  Host values (numbers, CPU tensors) count as landed; a value that might synchronise a
+device (a tensor of another kind of device, an object of unknown kind) never does, and waits
+for the relay thread.  In training a log period is far longer than the device's lag, so a
+mark usually goes at the next ``log()``, and its row is finished a period later than it would
+otherwise be (rows wait at least 0.2 s for the sampler's data in any case).
+
+A relay thread (started on first need) wakes every :data:`RELAY_WAKE_S` and sends a mark that
+has waited :data:`LATE_S` (the loop stopped logging: evaluation, a checkpoint, the end),
+polling its events; it also converts what ``stop()`` leaves.  The earlier design converted
+every such mark on the relay thread; in the loops benchmarked on H100 and H200 hosts that
+thread took 0.23-0.9 ms of CPU a step, wakes and GIL turns beside a training thread that is
+busy on the CPU (``benchmarks/results/2026-11-27-h200x2-relay-sync-old-new``).  Marks keep
+their order: a plain mark behind a waiting one waits too.  At most :data:`RELAY_MAX` marks
+wait; beyond, marks are dropped and counted.
 
 :func:`to_float` is the one place a logged value becomes a number.
 """
 
 from __future__ import annotations
 
-import queue
+import numbers
 import threading
 import time
 from collections import deque
@@ -32,6 +44,10 @@ from gpulens.model import MarkFields
 
 RELAY_MAX = 10_000
 """Marks with tensors that may wait for conversion before new ones are dropped (counted)."""
+LATE_S = 1.0
+"""A mark that has waited this long (seconds) is sent by the relay thread."""
+RELAY_WAKE_S = 0.25
+"""How often the relay thread looks for late marks while any wait."""
 
 
 def to_float(name: str, value: Any) -> float | None:
@@ -76,6 +92,10 @@ class Staged:
         self.host = host
         self.done = done
         self.pool = pool
+
+    def landed(self) -> bool:
+        """Whether the copy has reached host memory (``Event.query()``: never waits)."""
+        return bool(self.done.query())
 
     def value(self) -> Any:
         """The host copy, once the event says it has landed (polled at backing-off intervals:
@@ -151,12 +171,35 @@ def stage(value: Any) -> Any:
     return Staged(host, done, pool)
 
 
-def _plain(scalars: dict[str, Any]) -> bool:
-    for value in scalars.values():
-        kind = type(value)
-        if kind is not float and kind is not int:
+def _landed(value: Any) -> bool:
+    """Whether the training thread may read ``value`` now, knowing it will not wait: a staged
+    copy whose event says it landed, a deferred count that says so (``landed()``), a number,
+    a host tensor or array.  Anything else (a tensor of another device, whose ``.item()`` may
+    synchronise it, an object of unknown kind) is the relay thread's to read."""
+    if type(value) is Staged:
+        return value.landed()
+    landed = getattr(value, "landed", None)  # the token counter's DeferredCount
+    if landed is not None:
+        try:
+            return bool(landed())
+        except Exception:  # the relay thread reads it; to_float says what is wrong, once
             return False
-    return True
+    if isinstance(value, numbers.Number):
+        return True
+    device = getattr(value, "device", None)
+    return getattr(device, "type", device) == "cpu"
+
+
+def _numbers(mark: MarkFields) -> MarkFields:
+    """The mark with every scalar a float (those that are not numbers left out, said once)."""
+    scalars: dict[str, float] = {}
+    for name, value in mark[3].items():
+        if type(value) is Staged:
+            value = value.value()
+        number = value if type(value) is float else to_float(name, value)
+        if number is not None:
+            scalars[name] = number
+    return (mark[0], mark[1], mark[2], scalars, mark[4])
 
 
 class MarkRelay:
@@ -165,73 +208,113 @@ class MarkRelay:
 
     def __init__(self, send: Callable[[MarkFields], bool]) -> None:
         self._send = send
-        self._queue: queue.SimpleQueue[MarkFields | None] | None = None
+        self._lock = threading.Lock()
+        self._waiting: deque[tuple[MarkFields, float]] = deque()
+        """Marks not sent yet, oldest first, each with its ``time.monotonic()`` at ``put``."""
+        self._busy = False
+        """The relay thread is converting the oldest mark: nobody else sends meanwhile."""
+        self._closing = False
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._start_failed = False
         self.dropped = 0
-        """Marks dropped because the relay's queue was full."""
+        """Marks dropped because too many waited."""
 
     def put(self, mark: MarkFields) -> None:
-        """From ``log()``: send a mark's fields now, or queue them for the relay thread.
-        Never blocks."""
-        relay = self._queue
-        if relay is None:
-            if _plain(mark[3]):
-                self._send(mark)
-                return
-            relay = self._start()
-            if relay is None:
-                return
-        if relay.qsize() >= RELAY_MAX:
-            self.dropped += 1
-            warn_once("relay-full", "gpulens: logged tensors are not converted fast enough; "
-                      "step marks are dropped (counted)")
-            return
+        """From ``log()``: send the waiting marks whose values have landed, then this one if
+        it is plain; else stage its tensors and keep it.  Never waits for the device."""
         scalars = mark[3]
+        plain = True
         for name, value in scalars.items():
             kind = type(value)
             if kind is not float and kind is not int:
+                plain = False
                 scalars[name] = stage(value)
-        relay.put(mark)
+        with self._lock:
+            if plain and not self._waiting and not self._busy:
+                self._send(mark)
+                return
+            if len(self._waiting) >= RELAY_MAX:
+                self.dropped += 1
+                warn_once("relay-full", "gpulens: logged tensors are not converted fast enough; "
+                          "step marks are dropped (counted)")
+            else:
+                self._waiting.append((mark, time.monotonic()))
+            self._send_landed()
+            started = self._thread is not None or self._start_failed
+        if not started and self._waiting:
+            self._start()
 
-    def _start(self) -> queue.SimpleQueue[MarkFields | None] | None:
-        relay: queue.SimpleQueue[MarkFields | None] = queue.SimpleQueue()
-        thread = threading.Thread(target=self._loop, args=(relay,), name="gpulens-relay",
-                                  daemon=True)
+    def _send_landed(self) -> None:
+        """With the lock held: send the oldest marks while their values have landed."""
+        waiting = self._waiting
+        while waiting and not self._busy:
+            mark = waiting[0][0]
+            for value in mark[3].values():
+                kind = type(value)
+                if kind is not float and kind is not int and not _landed(value):
+                    return
+            waiting.popleft()
+            try:
+                self._send(_numbers(mark))
+            except Exception as exc:  # a mark that cannot be read must not stop training
+                warn_once("relay-mark", "gpulens: could not send a step mark: %r", exc)
+
+    def _start(self) -> None:
+        thread = threading.Thread(target=self._loop, name="gpulens-relay", daemon=True)
         try:
             thread.start()
         except RuntimeError as exc:
+            self._start_failed = True
             warn_once("relay-start", "gpulens: could not start the relay thread (%s); marks "
-                      "with tensors are left out", exc)
-            return None
-        self._queue, self._thread = relay, thread
-        return relay
+                      "with tensors are sent at later log() calls only", exc)
+            return
+        self._thread = thread
 
-    def _loop(self, relay: queue.SimpleQueue[MarkFields | None]) -> None:
+    def _loop(self) -> None:
         while True:
-            mark = relay.get()
-            if mark is None:
+            self._wake.wait(RELAY_WAKE_S)
+            while True:
+                with self._lock:
+                    closing = self._closing
+                    if not self._waiting or self._busy:
+                        break
+                    mark, since = self._waiting[0]
+                    if not closing and time.monotonic() - since < LATE_S:
+                        break
+                    self._waiting.popleft()
+                    self._busy = True
+                try:
+                    self._send(_numbers(mark))  # may poll its events: off the training thread
+                except Exception as exc:  # this thread must outlive any one mark
+                    warn_once("relay-mark", "gpulens: could not send a step mark: %r", exc)
+                finally:
+                    with self._lock:
+                        self._busy = False
+            if closing:
                 return
-            try:
-                scalars: dict[str, float] = {}
-                for name, value in mark[3].items():
-                    if type(value) is Staged:
-                        value = value.value()
-                    number = value if type(value) is float else to_float(name, value)
-                    if number is not None:
-                        scalars[name] = number
-                self._send((mark[0], mark[1], mark[2], scalars, mark[4]))
-            except Exception as exc:  # this thread must outlive any one mark
-                warn_once("relay-mark", "gpulens: could not send a step mark: %r", exc)
 
     def close(self, timeout: float) -> None:
-        """Send what the relay holds (within ``timeout`` seconds) and end its thread."""
-        if self._queue is not None and self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout)
-        self._queue = None
+        """Send what waits (within ``timeout`` seconds) and end the relay thread."""
+        with self._lock:
+            self._closing = True
+            self._send_landed()
+            waiting = bool(self._waiting)
+        thread = self._thread
+        if thread is not None:
+            self._wake.set()
+            thread.join(timeout)
+        elif waiting:
+            self._start()
+            if self._thread is not None:
+                self._wake.set()
+                self._thread.join(timeout)
         self._thread = None
 
     def forget(self) -> None:
-        """In a forked child: the relay thread is the parent's."""
-        self._queue = None
+        """In a forked child: the relay thread and the waiting marks are the parent's (and its
+        lock may have been held at the fork)."""
+        self._lock = threading.Lock()
+        self._waiting = deque()
+        self._busy = False
         self._thread = None

@@ -176,7 +176,8 @@ class TokenCounter:
     formula) waits for the take: :meth:`take` runs it on the device (a few operations per take,
     the results left there); :meth:`take_deferred` starts the lengths' one copy to the host
     (a ``cat``, the copy and an event: three launches, no wait) and hands the sums to whoever
-    reads the values (``Monitor.log`` converts them in its relay thread, on the host's numbers).
+    reads the values (``Monitor.log``, at a later call once the copy has landed, on the host's
+    numbers).
     Every :data:`FOLD_AT` micro-batches without a take, the kept counts are reduced on the
     device into running totals, so the memory they hold stays bounded.
     """
@@ -252,11 +253,11 @@ class TokenCounter:
         """The work since the previous take as :meth:`gpulens.Monitor.log` keywords
         (``tokens``, and ``flops`` with a formula; ``{}`` when no micro-batch was counted),
         and start again. Values that need the kept tensors are :class:`DeferredCount` objects
-        whose ``item()`` sums them where it is called (``Monitor.log`` calls it in its relay
-        thread, off the training thread). For sequence lengths (the usual case) the copy of the
-        lengths to the host starts here, on the calling thread (a ``cat``, the copy, an event:
-        no wait), so the reader makes no CUDA call; packed ``position_ids`` are reduced by the
-        reader."""
+        whose ``item()`` sums them where it is called (``Monitor.log`` calls it at a later
+        ``log()`` once :meth:`DeferredCount.landed` holds, or in its relay thread). For
+        sequence lengths (the usual case) the copy of the lengths to the host starts here, on
+        the calling thread (a ``cat``, the copy, an event: no wait), so reading them takes no
+        device operation; packed ``position_ids`` are reduced on the device by the reader."""
         if not self._micro:
             self._reset()
             return {}
@@ -395,14 +396,13 @@ class _Pending:
     The usual take holds only sequence lengths (attention masks' row sums, ``cu_seq_lens_q``
     differences).  Their one copy to the host starts **on the training thread, at the take**
     (a ``cat`` of the micro-batches' lengths, the copy to pinned memory and an event behind it:
-    three launches, no wait), and the reader only polls the event and sums the host's integers:
-    in Python, or with torch on the host tensor beyond :data:`PYTHON_SUM_MAX`.  The reader is the
-    relay thread of the training process, and a CUDA call from a second thread is not cheap
-    while the training thread launches kernels: the relay thread spent 0.5-0.9 ms of CPU a step
-    on one H100 when it made these launches itself (against 0.12-0.15 ms on a CPU, where the
-    same code makes no CUDA call; ``benchmarks/results/2026-11-27-h100-threads-sampled``).
-    Packed ``position_ids`` (a figure per token) and folded totals are reduced on the device by
-    the reader as before (a dozen operations), and their two sums copied.
+    three launches, no wait), and the reader only asks the event and sums the host's integers:
+    in Python, or with torch on the host tensor beyond :data:`PYTHON_SUM_MAX`.  So
+    :meth:`landed` can tell, without waiting, when the sums can be had, and the training thread
+    reads them itself at its next ``log()`` (:mod:`gpulens.transport.relay`): no other thread of
+    the training process wakes for them.  Packed ``position_ids`` (a figure per token) and folded
+    totals are reduced on the device by the reader (a dozen operations: the relay thread, a
+    second later), and their two sums copied.
 
     Device work runs on the stream the training thread used when it took the counts (the kept
     tensors were made there, so it comes after them).  Copies reach the host without a
@@ -440,6 +440,19 @@ class _Pending:
                     parts, self._parts = self._parts, None
                     self._result = self._reduce(*parts)
             return self._result
+
+    def landed(self) -> bool:
+        """Whether :meth:`result` can be had now without waiting for the device: the take's
+        lengths have reached the host (never waits).  A take reduced on the device by its
+        reader (packed positions, folded totals) is not."""
+        if self._result is not None:
+            return True
+        staged = self._copy
+        if staged is None:
+            return False
+        from gpulens.transport.relay import Staged
+
+        return staged.landed() if isinstance(staged, Staged) else True
 
     def _sum_host(self, host: Any) -> tuple[float, float | None]:
         """(tokens, FLOPs) of the lengths' host copy, the plain counts added."""
@@ -537,6 +550,11 @@ class DeferredCount:
 
     def __float__(self) -> float:
         return self.item()
+
+    def landed(self) -> bool:
+        """Whether ``item()`` would return without waiting for the device (never waits):
+        ``Monitor.log`` converts a mark on the training thread once this holds."""
+        return self._pending.landed()
 
 
 class TokensSeenDelta:
