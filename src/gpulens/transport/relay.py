@@ -46,8 +46,10 @@ RELAY_MAX = 10_000
 """Marks with tensors that may wait for conversion before new ones are dropped (counted)."""
 LATE_S = 1.0
 """A mark that has waited this long (seconds) is sent by the relay thread."""
-RELAY_WAKE_S = 0.25
-"""How often the relay thread looks for late marks while any wait."""
+RELAY_WAKE_S = 1.0
+"""How often the relay thread looks for late marks (a mark it sends has waited 1-2 s).  Each
+look takes the GIL: at 0.25 s the thread took 43 us of CPU a 110 ms step with Lightning on an
+H100 (``benchmarks/results/2026-11-27-h100-relay-at-log``)."""
 
 
 def to_float(name: str, value: Any) -> float | None:
