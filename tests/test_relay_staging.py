@@ -174,3 +174,26 @@ def test_polls_back_off_to_a_few_a_step(monkeypatch: Any) -> None:
     assert float(staged.value()) == 4.0
     assert slept == [0.001, 0.002, 0.004, 0.008, 0.016, 0.016, 0.016, 0.016]
     assert relay_mod.POLL_MAX_S == 0.016
+
+
+def test_a_device_error_never_reaches_the_training_thread(monkeypatch: Any,
+                                                          caplog: Any) -> None:
+    """An event whose query raises (a CUDA error) leaves ``log()`` alone: the relay thread
+    tries the mark, says what went wrong once, and the marks after it still go."""
+    import logging
+
+    class BrokenEvent(FakeEvent):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(relay_mod, "LATE_S", 0.02)
+    monkeypatch.setattr(relay_mod, "RELAY_WAKE_S", 0.01)
+    pool_of(monkeypatch, lambda device: BrokenEvent(pending=0))
+    caplog.set_level(logging.WARNING, logger="gpulens")
+    sent = Sent()
+    relay = MarkRelay(sent)
+    relay.put((1, 1.0, 1.0, {"loss": FakeCudaTensor(1.0)}, None))  # must not raise
+    relay.put((2, 2.0, 2.0, {"lr": 0.5}, None))
+    relay.close(10.0)
+    assert sent.steps == [2]
+    assert any("illegal memory access" in r.getMessage() for r in caplog.records)

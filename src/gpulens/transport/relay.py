@@ -178,14 +178,12 @@ def _landed(value: Any) -> bool:
     copy whose event says it landed, a deferred count that says so (``landed()``), a number,
     a host tensor or array.  Anything else (a tensor of another device, whose ``.item()`` may
     synchronise it, an object of unknown kind) is the relay thread's to read."""
-    if type(value) is Staged:
-        return value.landed()
-    landed = getattr(value, "landed", None)  # the token counter's DeferredCount
-    if landed is not None:
+    landed = value.landed if type(value) is Staged else getattr(value, "landed", None)
+    if landed is not None:  # a staged copy, the token counter's DeferredCount
         try:
             return bool(landed())
-        except Exception:  # the relay thread reads it; to_float says what is wrong, once
-            return False
+        except Exception:  # (a CUDA error) never into training: the relay thread reads it
+            return False  # and says what is wrong, once
     if isinstance(value, numbers.Number):
         return True
     device = getattr(value, "device", None)
