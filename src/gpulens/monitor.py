@@ -404,10 +404,12 @@ class Monitor:
         """End the current window at training step ``step`` and write one row.
 
         ``scalars`` (loss, learning_rate, grad_norm, ...) go into the same row; a name without
-        ``/`` is written as ``train/<name>``.  Pass Python numbers; a tensor is converted in
-        the background (never synchronised on this thread); a value that is not a number is
-        left out with a warning.  Never blocks on a network.  In a distributed job this is a
-        collective: every rank must call it for the same steps.
+        ``/`` is written as ``train/<name>``.  Pass Python numbers; a CUDA tensor's copy to
+        the host starts here and is read at a later call once it has landed (never
+        synchronised; its row is then finished a log period later), other tensors in the
+        background; a value that is not a number is left out with a warning.  Never blocks on
+        a network.  In a distributed job this is a collective: every rank must call it for the
+        same steps.
 
         ``tokens``, ``samples``, ``flops``: the work this process did since its previous
         ``log`` (real tokens, padding left out; model FLOPs, forward and backward).  They give
