@@ -241,9 +241,8 @@ class MarkRelay:
             else:
                 self._waiting.append((mark, time.monotonic()))
             self._send_landed()
-            started = self._thread is not None or self._start_failed
-        if not started and self._waiting:
-            self._start()
+            if self._waiting and self._thread is None and not self._start_failed:
+                self._start()  # once a monitor: the first mark that had to wait
 
     def _send_landed(self) -> None:
         """With the lock held: send the oldest marks while their values have landed."""
