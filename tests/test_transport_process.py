@@ -49,7 +49,7 @@ def _sampler_children() -> list[psutil.Process]:
     out = []
     for child in _children():
         try:
-            if "gpulens.transport.process" in " ".join(child.cmdline()):
+            if "gpulens.transport.child" in " ".join(child.cmdline()):
                 out.append(child)
         except psutil.Error:
             pass
@@ -600,7 +600,7 @@ def test_the_engine_process_ignores_sigint_before_it_imports_gpulens(tmp_path: P
     (fake / "__init__.py").write_text("")
     (fake / "transport").mkdir()
     (fake / "transport" / "__init__.py").write_text("")
-    (fake / "transport" / "process.py").write_text(textwrap.dedent("""
+    (fake / "transport" / "child.py").write_text(textwrap.dedent("""
         import signal
         IGNORED = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         def main(argv):
@@ -612,3 +612,51 @@ def test_the_engine_process_ignores_sigint_before_it_imports_gpulens(tmp_path: P
                           text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ignored True"
+
+
+def _record_handoffs(mon: gpulens.Monitor) -> list[tuple[int, str]]:
+    """(step, thread) of each row the transport hands on to this process, from now on."""
+    transport: Any = mon._transport
+    assert isinstance(transport, ProcessTransport)
+    handed: list[tuple[int, str]] = []
+    on_row = transport._on_row
+    assert on_row is not None
+
+    def record(row: Any, final: bool) -> None:
+        handed.append((row.step, threading.current_thread().name))
+        on_row(row, final)
+
+    transport._on_row = record
+    return handed
+
+
+def test_rows_back_are_taken_by_log_and_wake_no_thread() -> None:
+    """Rows for this process's sinks come back on a pipe of their own that ``log()`` reads
+    without waiting: a row reaches its sink at the ``log()`` after its window closed, on the
+    training thread; the link thread takes only what is left at the end."""
+    sink = MemorySink()
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated") as mon:
+        handed = _record_handoffs(mon)
+        for step in range(1, 7):
+            time.sleep(0.5)  # a row is finished ~0.25 s after its log()
+            mon.log(step, loss=1.0 / step)
+    me = threading.current_thread().name
+    assert [r.step for r in sink.rows] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, t in handed] == [1, 2, 3, 4, 5, 6]
+    assert {t for s, t in handed if s <= 5} == {me}, handed
+    assert "gpulens-link" not in {t for s, t in handed if s <= 4}
+
+
+def test_rows_of_a_loop_that_stopped_logging_still_come(tmp_path: Path) -> None:
+    """A loop that stops calling ``log()`` (evaluation, a checkpoint) does not hold its last
+    rows back: the link thread hands them on at its next wake (the engine's figures, every
+    second)."""
+    sink = MemorySink()
+    with gpulens.Monitor(interval=0.05, sinks=[sink], backend="simulated") as mon:
+        handed = _record_handoffs(mon)
+        mon.log(1, loss=1.0)
+        deadline = time.monotonic() + 10.0
+        while not sink.rows and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r.step for r in sink.rows] == [1], "the row never came without another log()"
+        assert handed == [(1, "gpulens-link")]

@@ -452,6 +452,9 @@ class Monitor:
         # a Mark's fields, as they cross; in a distributed job the gather takes the row the
         # engine makes of it on another thread (log() itself never wakes the gather thread)
         relay.put((step, now, time.time(), scalars, alloc))
+        transport = self._transport
+        if transport is not None:
+            transport.take_rows()  # rows back, for this process's sinks and the gather
         steplogger = self._steplogger
         if steplogger is not None:
             steplogger.drain_training_thread()

@@ -26,6 +26,10 @@ class Transport(Protocol):
         fault.  ``on_row(row, final)`` gets each row the engine hands back: finished rows
         (``spec.rows_back``), or a distributed job's raw rows (``spec.gather``)."""
 
+    def take_rows(self) -> None:
+        """Hand on, through ``on_row``, the rows the engine has sent back so far, without
+        waiting (``log()`` calls it on the training thread)."""
+
     def finish(self, row: Row) -> None:
         """A distributed job's merged row (rank 0), for the engine to finish and write."""
 

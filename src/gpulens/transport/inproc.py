@@ -34,6 +34,9 @@ class InprocTransport:
         self._engine = engine
         return started
 
+    def take_rows(self) -> None:
+        """Nothing to do: the engine thread hands its rows on itself."""
+
     def send_mark(self, mark: MarkFields) -> bool:
         engine = self._engine
         if engine is None:

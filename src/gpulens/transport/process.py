@@ -10,18 +10,28 @@ Here the training process keeps only this:
   a few microseconds, no thread woken in this process;
 * once a slow period, ``log()`` also reads the torch allocator's counters (one host-side call),
   which another process cannot see (the mark carries them);
-* a link thread that sleeps in ``os.read`` and wakes only for what must happen here: rows for
-  the sinks that live in this process (W&B, whose run object is here; a framework's loggers;
-  every sink given as an object) and for the distributed gather; the engine's log records,
-  re-emitted through this process's ``gpulens`` logger at their level; the engine's sink
-  figures (every second, so they are known even if it dies).
+* rows for the sinks that live in this process (W&B, whose run object is here; a framework's
+  loggers; every sink given as an object) and for the distributed gather come back on a pipe
+  of their own, which ``log()`` reads without waiting (:meth:`ProcessTransport.take_rows`): a
+  row reaches them at the ``log()`` after its window closed.  No thread of this process wakes
+  for a row: each wake takes the GIL from a training thread that is busy on the CPU (the link
+  thread that read every row took 0.15-0.19 ms of CPU a step on H100 and H200 hosts,
+  ``benchmarks/results/2026-11-27-h100-relay-at-log``);
+* a link thread that sleeps in ``os.read`` and wakes only for what must happen here: the
+  engine's log records, re-emitted through this process's ``gpulens`` logger at their level;
+  the engine's sink figures (every second, so they are known even if it dies; at that wake it
+  also hands on the rows when ``log()`` has taken none for a second: a loop that stopped
+  logging); the answers
+  of :meth:`ProcessTransport.latest`; and the end (the last rows are handed on before
+  ``stop()`` returns).
 
-The engine process (``python -c "...process.main(...)"``) builds an
-:class:`~gpulens.engine.engine.Engine` from the :class:`~gpulens.engine.spec.EngineSpec` it
-is sent.  It ignores SIGINT (the training process decides when to stop) and stops by itself,
-writing what it holds, when the training process goes away (end of file on the pipe).  It
-polls its pipe every :data:`POLL_S` instead of sleeping in ``read``: a write that must wake a
-sleeping reader costs the writer (the training thread) more (``benchmarks/pipe_wake.py``).
+The engine process (``python -c "...child.main(...)"``: :mod:`gpulens.transport.child`)
+builds an :class:`~gpulens.engine.engine.Engine` from the
+:class:`~gpulens.engine.spec.EngineSpec` it is sent.  It ignores SIGINT (the training process
+decides when to stop) and stops by itself, writing what it holds, when the training process
+goes away (end of file on the pipe).  It polls its pipe every :data:`POLL_S` instead of
+sleeping in ``read``: a write that must wake a sleeping reader costs the writer (the training
+thread) more (``benchmarks/pipe_wake.py``).
 
 Messages: :mod:`gpulens.transport.messages`.
 """
@@ -43,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from gpulens.engine.spec import EngineSpec
-from gpulens.log import forward_records, logger, reemit, warn_once
-from gpulens.model import Mark, MarkFields, Row, RunContext, SinkStats
+from gpulens.log import logger, reemit, warn_once
+from gpulens.model import MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 from gpulens.transport.base import SpawnFailed
 from gpulens.transport.messages import (
@@ -71,7 +81,7 @@ READY_TIMEOUT_S = 120.0
 """How long ``start()`` waits for the engine process to open NVML and its sinks (importing
 MLflow can take seconds on a loaded machine)."""
 _CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
-          "from gpulens.transport.process import main; sys.exit(main(sys.argv[1:]))")
+          "from gpulens.transport.child import main; sys.exit(main(sys.argv[1:]))")
 """The engine process's bootstrap: it ignores SIGINT before anything else (a Ctrl-C at the
 terminal reaches the whole process group; the training process decides when to stop)."""
 POLL_S = 0.02
@@ -119,6 +129,11 @@ class ProcessTransport:
         self._proc: subprocess.Popen[bytes] | None = None
         self._tx: Sender | None = None
         self._rx: Receiver | None = None
+        self._rows: Receiver | None = None
+        """The rows the engine sends back (read without waiting: :meth:`take_rows`)."""
+        self._rows_lock = threading.Lock()
+        self._rows_taken_at = time.monotonic()
+        """When rows were last taken (``time.monotonic()``)."""
         self._reader: threading.Thread | None = None
         self._startup: queue.Queue[Any] = queue.Queue()
         self._replies: dict[int, Any] = {}
@@ -159,15 +174,19 @@ class ProcessTransport:
             from_child_r, from_child_w = os.pipe()
             child_ends.append(from_child_w)
             self._rx = Receiver(from_child_r)
-            for fd in (to_child_w, from_child_w):
+            rows_r, rows_w = os.pipe()
+            child_ends.append(rows_w)
+            self._rows = Receiver(rows_r)
+            for fd in (to_child_w, from_child_w, rows_w):
                 with contextlib.suppress(OSError):
                     import fcntl
 
                     fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w)],
-                    pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL,
+                    [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w),
+                     str(rows_w)],
+                    pass_fds=(to_child_r, from_child_w, rows_w), stdin=subprocess.DEVNULL,
                     env=_child_env(), close_fds=True,
                 )
             except OSError as exc:
@@ -219,11 +238,14 @@ class ProcessTransport:
                         except Exception as exc:
                             warn_once("link-row", "gpulens: could not hand a row on: %r", exc)
                 elif isinstance(msg, Drained):
+                    self.take_rows(wait=True)  # the engine sent them before this answer
                     self._drained.set()
                 elif isinstance(msg, LogOut):
                     reemit(msg.record)
                 elif isinstance(msg, StatsOut):
                     self._last_stats = msg
+                    if time.monotonic() - self._rows_taken_at >= STATS_EVERY_S:
+                        self.take_rows()  # log() has not taken rows for a while: it stopped
                 elif isinstance(msg, (LatestReply, ProcessesReply)):
                     answer = msg.values if isinstance(msg, LatestReply) else msg.processes
                     with self._reply_ready:
@@ -231,6 +253,7 @@ class ProcessTransport:
                             self._replies[msg.seq] = answer
                             self._reply_ready.notify_all()
                 elif isinstance(msg, Stopped):
+                    self.take_rows(wait=True)  # the last ones, sent before this answer
                     self._final = msg
                     self._set_stopped()
                 elif isinstance(msg, (Ready, Failed)) and not started:
@@ -242,6 +265,8 @@ class ProcessTransport:
             warn_once("link-read", "gpulens: reading from the engine process failed: %r", exc)
         finally:
             rx.close()  # this thread's to close: nothing reads it any more
+            if started:
+                self.take_rows(wait=True)  # whatever a dying engine got out
             if not started:
                 self._startup.put(None)
             elif self._final is None and not self._killing:
@@ -260,6 +285,41 @@ class ProcessTransport:
             self._stopped.set()
             self._reply_ready.notify_all()  # latest() need not wait out its timeout
 
+    def take_rows(self, wait: bool = False) -> None:
+        """Hand on, through ``on_row``, every row the engine has sent back so far; never waits
+        for the engine.  From ``log()`` on the training thread, which also never waits for
+        the lock: while the link thread is taking rows, that call leaves them to it
+        (``wait=True``: the link thread, and the end)."""
+        rows, on_row = self._rows, self._on_row
+        if rows is None or on_row is None or rows.closed:
+            return
+        if not self._rows_lock.acquire(blocking=wait):
+            return
+        try:
+            self._rows_taken_at = time.monotonic()
+            if rows.closed:
+                return
+            try:
+                messages = rows.poll()
+            except OSError as exc:
+                warn_once("link-rows", "gpulens: reading the rows from the engine process "
+                          "failed: %r", exc)
+                return
+            for msg in messages:
+                if isinstance(msg, RowOut):
+                    try:
+                        on_row(msg.row, msg.final)
+                    except Exception as exc:
+                        warn_once("link-row", "gpulens: could not hand a row on: %r", exc)
+        finally:
+            self._rows_lock.release()
+
+    def _close_rows(self) -> None:
+        rows = self._rows
+        if rows is not None:
+            with self._rows_lock:
+                rows.close()
+
     @property
     def pid(self) -> int | None:
         """The engine process's id (``None`` before start or in a forked child)."""
@@ -275,13 +335,15 @@ class ProcessTransport:
     def forget(self) -> None:
         """In a forked child: close this process's copies of the pipe ends and do nothing
         more (never send: the engine process is the parent's)."""
-        tx, rx = self._tx, self._rx
-        self._tx = self._rx = None
+        tx, rx, rows = self._tx, self._rx, self._rows
+        self._tx = self._rx = self._rows = None
+        self._rows_lock = threading.Lock()  # the parent's may have been held at the fork
         self._proc = None
         if tx is not None:
             tx.abandon()
-        if rx is not None:
-            rx.abandon()
+        for receiver in (rx, rows):
+            if receiver is not None:
+                receiver.abandon()
 
     # -- training thread ---------------------------------------------------------------------
     def send_mark(self, mark: MarkFields) -> bool:
@@ -328,6 +390,7 @@ class ProcessTransport:
             if self._stopped.is_set() or time.monotonic() > deadline:
                 return
             tx.flush()
+            self.take_rows()  # room in the rows pipe for what the engine still has to send
 
     # -- live view -----------------------------------------------------------------------------
     def latest(self, timeout: float) -> dict[str, float]:
@@ -390,9 +453,12 @@ class ProcessTransport:
             while tx.pending_bytes and not tx.closed and time.monotonic() < deadline:
                 time.sleep(0.002)
                 tx.flush()
-        if not self._stopped.wait(max(0.0, deadline - time.monotonic())):
-            logger.warning("gpulens: the engine process did not stop in %.0f s; it is ended",
-                           timeout + STOP_GRACE_S)
+        while not self._stopped.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                logger.warning("gpulens: the engine process did not stop in %.0f s; it is "
+                               "ended", timeout + STOP_GRACE_S)
+                break
+            self.take_rows()  # room in the rows pipe for the last rows
         if self._reader is not None:
             self._reader.join(max(0.0, deadline - time.monotonic()) + 1.0)
         self._kill(grace=max(0.5, deadline - time.monotonic()))
@@ -435,6 +501,8 @@ class ProcessTransport:
             reader.join(1.0)
         if self._rx is not None and (reader is None or not reader.is_alive()):
             self._rx.close()  # once: the reader may have closed it already
+        if reader is None or not reader.is_alive():
+            self._close_rows()
 
 
 _LIVE: weakref.WeakSet[ProcessTransport] = weakref.WeakSet()
@@ -487,72 +555,3 @@ def _child_env() -> dict[str, str]:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
-
-
-# -- the engine process's side ---------------------------------------------------------------
-def main(argv: list[str]) -> int:
-    """The engine process: ``main([FD_IN, FD_OUT])`` (see :data:`_CHILD`)."""
-    from gpulens.engine.engine import Engine
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rx = Receiver(int(argv[0]))
-    tx = Sender(int(argv[1]), blocking=True)
-    try:
-        start = rx.recv()
-    except LinkClosed:
-        return 0
-    if not isinstance(start, Start):
-        return 2
-    spec = start.spec
-    forward_records(lambda record: tx.send(LogOut(record)), spec.log_level)
-
-    def row_back(row: Row, final: bool) -> None:
-        tx.send(RowOut(row, final))
-
-    engine = Engine(spec, on_row=row_back)
-    try:
-        context, torch_indices = engine.start()
-    except ValueError as exc:
-        tx.send(Failed(True, "ValueError", str(exc)))
-        return 2
-    except Exception as exc:
-        tx.send(Failed(False, type(exc).__name__, str(exc)))
-        return 1
-    tx.send(Ready(context, torch_indices))
-    timeout, stall = 120.0, 20.0
-    next_stats = time.monotonic() + STATS_EVERY_S
-    stopping = False
-    while not stopping:
-        # Poll, never block: a reader asleep on the pipe would make each of the training
-        # thread's writes pay for waking it (see gpulens.transport.pipe).
-        time.sleep(POLL_S)
-        for msg in rx.poll():
-            if type(msg) is tuple:  # a mark, as it crosses (see gpulens.transport.messages)
-                engine.mark(Mark(*msg))
-            elif isinstance(msg, LatestAsk):
-                tx.send(LatestReply(msg.seq, engine.latest()))
-            elif isinstance(msg, ProcessesAsk):
-                tx.send(ProcessesReply(msg.seq, engine.processes()))
-            elif isinstance(msg, Finish):
-                engine.finish(msg.row)
-            elif isinstance(msg, Drain):
-                engine.drain()  # the last raw rows are sent before the answer
-                tx.send(Drained())
-            elif isinstance(msg, Stop):
-                timeout, stall = msg.timeout, msg.stall
-                stopping = True
-                break
-        if rx.eof:
-            break  # the training process is gone: write what we hold and end
-        if time.monotonic() >= next_stats:
-            next_stats = time.monotonic() + STATS_EVERY_S
-            tx.send(StatsOut(engine.stats(), engine.dropped_marks))
-    dropped = engine.dropped_marks
-    stats = engine.stop(timeout, stall)
-    tx.send(Stopped(stats, dropped))
-    # Everything is written and closed: end now.  A normal exit would wait for what tracker
-    # libraries leave behind (MLflow's threads: ~2 s after a healthy run), or for a sink given
-    # up on, still stuck in a write; the training process's stop() waits for this exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -1,0 +1,118 @@
+"""The engine process's side of :mod:`gpulens.transport.process`: what runs in the process
+that :data:`~gpulens.transport.process._CHILD` starts (``main([FD_IN, FD_OUT, FD_ROWS])``).
+
+It builds an :class:`~gpulens.engine.engine.Engine` from the spec it is sent, polls its pipe
+for marks and requests every :data:`~gpulens.transport.process.POLL_S`, sends rows back on a
+pipe of their own (never blocking on it: a backlog waits in memory), log records and figures
+on the other, and exits once stopped or once the training process has gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from gpulens.log import forward_records
+from gpulens.model import Mark, Row
+from gpulens.transport.messages import (
+    Drain,
+    Drained,
+    Failed,
+    Finish,
+    LatestAsk,
+    LatestReply,
+    LogOut,
+    ProcessesAsk,
+    ProcessesReply,
+    Ready,
+    RowOut,
+    Start,
+    StatsOut,
+    Stop,
+    Stopped,
+)
+from gpulens.transport.pipe import LinkClosed, Receiver, Sender
+from gpulens.transport.process import POLL_S, STATS_EVERY_S, STOP_GRACE_S
+
+
+def main(argv: list[str]) -> int:
+    """The engine process: ``main([FD_IN, FD_OUT, FD_ROWS])`` (see :data:`_CHILD`)."""
+    from gpulens.engine.engine import Engine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rx = Receiver(int(argv[0]))
+    tx = Sender(int(argv[1]), blocking=True)
+    # rows back on a pipe the training process reads when it logs: never block on it (a
+    # backlog waits in memory, written out as the pipe makes room)
+    rows_tx = Sender(int(argv[2]), blocking=False)
+    try:
+        start = rx.recv()
+    except LinkClosed:
+        return 0
+    if not isinstance(start, Start):
+        return 2
+    spec = start.spec
+    forward_records(lambda record: tx.send(LogOut(record)), spec.log_level)
+
+    def row_back(row: Row, final: bool) -> None:
+        rows_tx.send(RowOut(row, final), force=True)
+
+    def rows_out(timeout: float) -> None:
+        """Before an answer that says the rows are all sent: the backlog written out (the
+        training process reads the rows pipe while it waits for that answer)."""
+        deadline = time.monotonic() + timeout
+        while rows_tx.pending_bytes and not rows_tx.closed and time.monotonic() < deadline:
+            rows_tx.flush()
+            time.sleep(0.002)
+
+    engine = Engine(spec, on_row=row_back)
+    try:
+        context, torch_indices = engine.start()
+    except ValueError as exc:
+        tx.send(Failed(True, "ValueError", str(exc)))
+        return 2
+    except Exception as exc:
+        tx.send(Failed(False, type(exc).__name__, str(exc)))
+        return 1
+    tx.send(Ready(context, torch_indices))
+    timeout, stall = 120.0, 20.0
+    next_stats = time.monotonic() + STATS_EVERY_S
+    stopping = False
+    while not stopping:
+        # Poll, never block: a reader asleep on the pipe would make each of the training
+        # thread's writes pay for waking it (see gpulens.transport.pipe).
+        time.sleep(POLL_S)
+        for msg in rx.poll():
+            if type(msg) is tuple:  # a mark, as it crosses (see gpulens.transport.messages)
+                engine.mark(Mark(*msg))
+            elif isinstance(msg, LatestAsk):
+                tx.send(LatestReply(msg.seq, engine.latest()))
+            elif isinstance(msg, ProcessesAsk):
+                tx.send(ProcessesReply(msg.seq, engine.processes()))
+            elif isinstance(msg, Finish):
+                engine.finish(msg.row)
+            elif isinstance(msg, Drain):
+                engine.drain()  # the last raw rows are sent before the answer
+                rows_out(STOP_GRACE_S)
+                tx.send(Drained())
+            elif isinstance(msg, Stop):
+                timeout, stall = msg.timeout, msg.stall
+                stopping = True
+                break
+        if rx.eof:
+            break  # the training process is gone: write what we hold and end
+        if time.monotonic() >= next_stats:
+            next_stats = time.monotonic() + STATS_EVERY_S
+            tx.send(StatsOut(engine.stats(), engine.dropped_marks))
+    dropped = engine.dropped_marks
+    stats = engine.stop(timeout, stall)
+    rows_out(STOP_GRACE_S)
+    tx.send(Stopped(stats, dropped))
+    # Everything is written and closed: end now.  A normal exit would wait for what tracker
+    # libraries leave behind (MLflow's threads: ~2 s after a healthy run), or for a sink given
+    # up on, still stuck in a write; the training process's stop() waits for this exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
