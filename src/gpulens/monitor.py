@@ -60,8 +60,9 @@ class _Link:
         self.writer: StepLogger | None = None
 
     def on_row(self, row: Row, final: bool) -> None:
-        """A row from the engine (its thread, or the link thread): a rank's own row for the
-        gather, or a finished row for this process's sinks."""
+        """A row from the engine (its thread; or, from an engine process, ``log()`` or the
+        link thread): a rank's own row for the gather, or a finished row for this process's
+        sinks."""
         if not final:
             if self.gather is not None:
                 self.gather.local_row(row)

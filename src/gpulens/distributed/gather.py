@@ -3,8 +3,9 @@
 Roles, from the start exchange (:mod:`gpulens.distributed.start`):
 
 * every rank but a node's leader writes each of its raw rows, as an entry, to its slot in its
-  node's shared file (:mod:`~gpulens.distributed.nodering`), from the thread that hands rows
-  back from the engine: no network, nothing on the training thread;
+  node's shared file (:mod:`~gpulens.distributed.nodering`), where the rows back from the
+  engine are handed on: in ``log()``, on the training thread (a list of floats packed and
+  copied into shared memory: no network, no wait, no thread woken);
 * each node's *leader* (its second rank, or its only one) runs a thread (``gpulens-gather``):
   it reads its node's entries, matches them by step, reduces each row
   (:func:`aggregate.reduce_node`), pushes the node summary to rank 0
@@ -226,7 +227,8 @@ class JobGather:
 
     # -- rows in ---------------------------------------------------------------------------
     def local_row(self, row: Row) -> None:
-        """This rank's raw row (the engine's row-back thread), in order."""
+        """This rank's raw row, in order (from ``log()`` as it takes the rows back, or the
+        link thread at the end)."""
         with self._lock:
             if self._closed:
                 self.late_rows += 1
