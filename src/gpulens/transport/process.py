@@ -21,9 +21,8 @@ Here the training process keeps only this:
   engine's log records, re-emitted through this process's ``gpulens`` logger at their level;
   the engine's sink figures (every second, so they are known even if it dies; at that wake it
   also hands on the rows when ``log()`` has taken none for a second: a loop that stopped
-  logging); the answers
-  of :meth:`ProcessTransport.latest`; and the end (the last rows are handed on before
-  ``stop()`` returns).
+  logging); the answers of :meth:`ProcessTransport.latest`; and the end (the last rows are
+  handed on before ``stop()`` returns).
 
 The engine process (``python -c "...child.main(...)"``: :mod:`gpulens.transport.child`)
 builds an :class:`~gpulens.engine.engine.Engine` from the
@@ -265,19 +264,19 @@ class ProcessTransport:
             warn_once("link-read", "gpulens: reading from the engine process failed: %r", exc)
         finally:
             rx.close()  # this thread's to close: nothing reads it any more
-            if started:
-                self.take_rows(wait=True)  # whatever a dying engine got out
             if not started:
                 self._startup.put(None)
-            elif self._final is None and not self._killing:
-                self.died = True
-                how = how_it_ended(self._proc) if self._proc is not None else "gone"
-                lost = ", ".join(self._sink_names)
-                logger.warning(
-                    "gpulens: the engine process ended unexpectedly (%s); GPU rows "
-                    "stop, training goes on%s", how,
-                    f"; rows it had not yet written to {lost} are lost (counted in stop()'s "
-                    "figures)" if lost else "")
+            else:
+                self.take_rows(wait=True)  # whatever a dying engine got out
+                if self._final is None and not self._killing:
+                    self.died = True
+                    how = how_it_ended(self._proc) if self._proc is not None else "gone"
+                    lost = ", ".join(self._sink_names)
+                    logger.warning(
+                        "gpulens: the engine process ended unexpectedly (%s); GPU rows "
+                        "stop, training goes on%s", how,
+                        f"; rows it had not yet written to {lost} are lost (counted in "
+                        "stop()'s figures)" if lost else "")
             self._set_stopped()
 
     def _set_stopped(self) -> None:
