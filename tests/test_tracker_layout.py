@@ -241,6 +241,11 @@ def test_wandb_detail_at_most_once_an_interval_of_the_rows_times(
         WandbSink()
     with pytest.raises(ValueError, match="detail_interval=-1"):
         WandbSink(detail_interval=-1)
+    # the same option in a spec (what an integration's sink is built from)
+    spec = sink_spec("wandb", detail_interval=0)
+    assert spec.build().detail_interval == 0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="detail_interval='soon'"):
+        sink_spec("wandb", detail_interval="soon")
 
 
 def test_wandb_defines_each_key_once_per_run(wandb_offline: Path) -> None:

@@ -61,7 +61,7 @@ SINKS: dict[str, SinkKind] = {
                        ("run_id", "tracking_uri", "include_train", "keys", "section"),
                        "'mlflow', 'mlflow:RUN_ID', 'mlflow:all' or 'mlflow:RUN_ID,all'"),
     "wandb": SinkKind("gpulens.sinks.wandb:WandbSink", CLIENT,
-                      ("include_train", "keys", "section", "step_metric"),
+                      ("include_train", "keys", "section", "step_metric", "detail_interval"),
                       "'wandb', 'wandb:all' or 'wandb:default'"),
     "prometheus": SinkKind("gpulens.sinks.prometheus:PrometheusSink", ENGINE,
                            ("port", "host", "training"),
