@@ -16,23 +16,7 @@ import time
 
 from gpulens.log import forward_records
 from gpulens.model import Mark, Row
-from gpulens.transport.messages import (
-    Drain,
-    Drained,
-    Failed,
-    Finish,
-    LatestAsk,
-    LatestReply,
-    LogOut,
-    ProcessesAsk,
-    ProcessesReply,
-    Ready,
-    RowOut,
-    Start,
-    StatsOut,
-    Stop,
-    Stopped,
-)
+from gpulens.transport import messages as msgs
 from gpulens.transport.pipe import LinkClosed, Receiver, Sender
 from gpulens.transport.process import POLL_S, STATS_EVERY_S, STOP_GRACE_S
 
@@ -51,13 +35,13 @@ def main(argv: list[str]) -> int:
         start = rx.recv()
     except LinkClosed:
         return 0
-    if not isinstance(start, Start):
+    if not isinstance(start, msgs.Start):
         return 2
     spec = start.spec
-    forward_records(lambda record: tx.send(LogOut(record)), spec.log_level)
+    forward_records(lambda record: tx.send(msgs.LogOut(record)), spec.log_level)
 
     def row_back(row: Row, final: bool) -> None:
-        rows_tx.send(RowOut(row, final), force=True)
+        rows_tx.send(msgs.RowOut(row, final), force=True)
 
     def rows_out(timeout: float) -> None:
         """Before an answer that says the rows are all sent: the backlog written out (the
@@ -71,12 +55,12 @@ def main(argv: list[str]) -> int:
     try:
         context, torch_indices = engine.start()
     except ValueError as exc:
-        tx.send(Failed(True, "ValueError", str(exc)))
+        tx.send(msgs.Failed(True, "ValueError", str(exc)))
         return 2
     except Exception as exc:
-        tx.send(Failed(False, type(exc).__name__, str(exc)))
+        tx.send(msgs.Failed(False, type(exc).__name__, str(exc)))
         return 1
-    tx.send(Ready(context, torch_indices))
+    tx.send(msgs.Ready(context, torch_indices))
     timeout, stall = 120.0, 20.0
     next_stats = time.monotonic() + STATS_EVERY_S
     stopping = False
@@ -87,17 +71,17 @@ def main(argv: list[str]) -> int:
         for msg in rx.poll():
             if type(msg) is tuple:  # a mark, as it crosses (see gpulens.transport.messages)
                 engine.mark(Mark(*msg))
-            elif isinstance(msg, LatestAsk):
-                tx.send(LatestReply(msg.seq, engine.latest()))
-            elif isinstance(msg, ProcessesAsk):
-                tx.send(ProcessesReply(msg.seq, engine.processes()))
-            elif isinstance(msg, Finish):
+            elif isinstance(msg, msgs.LatestAsk):
+                tx.send(msgs.LatestReply(msg.seq, engine.latest()))
+            elif isinstance(msg, msgs.ProcessesAsk):
+                tx.send(msgs.ProcessesReply(msg.seq, engine.processes()))
+            elif isinstance(msg, msgs.Finish):
                 engine.finish(msg.row)
-            elif isinstance(msg, Drain):
+            elif isinstance(msg, msgs.Drain):
                 engine.drain()  # the last raw rows are sent before the answer
                 rows_out(STOP_GRACE_S)
-                tx.send(Drained())
-            elif isinstance(msg, Stop):
+                tx.send(msgs.Drained())
+            elif isinstance(msg, msgs.Stop):
                 timeout, stall = msg.timeout, msg.stall
                 stopping = True
                 break
@@ -105,11 +89,11 @@ def main(argv: list[str]) -> int:
             break  # the training process is gone: write what we hold and end
         if time.monotonic() >= next_stats:
             next_stats = time.monotonic() + STATS_EVERY_S
-            tx.send(StatsOut(engine.stats(), engine.dropped_marks))
+            tx.send(msgs.StatsOut(engine.stats(), engine.dropped_marks))
     dropped = engine.dropped_marks
     stats = engine.stop(timeout, stall)
     rows_out(STOP_GRACE_S)
-    tx.send(Stopped(stats, dropped))
+    tx.send(msgs.Stopped(stats, dropped))
     # Everything is written and closed: end now.  A normal exit would wait for what tracker
     # libraries leave behind (MLflow's threads: ~2 s after a healthy run), or for a sink given
     # up on, still stuck in a write; the training process's stop() waits for this exit.
