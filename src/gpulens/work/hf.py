@@ -488,7 +488,7 @@ class _Pending:
             tokens, flops = self._counter._reduce_tensors(lengths, positions, folded)
             staged = [stage(x.to(torch.float64)) if isinstance(x, torch.Tensor) else x
                       for x in (tokens, flops)]
-        host_tokens, host_flops = (_landed(x) for x in staged)
+        host_tokens, host_flops = (_host_float(x) for x in staged)
         assert host_tokens is not None
         return (host_tokens + plain_tokens,
                 host_flops + plain_flops if host_flops is not None else None)
@@ -512,7 +512,7 @@ def _stage_lengths(lengths: list[Any]) -> Any:
         return None
 
 
-def _landed(value: Any) -> float | None:
+def _host_float(value: Any) -> float | None:
     """A staged device copy's value once its event says it landed (polled); a number or a
     host tensor as it is."""
     from gpulens.transport.relay import Staged
