@@ -210,10 +210,23 @@ def test_data_wait_share_follows_a_slow_dataloader(tmp_path: Path) -> None:
     assert row["perf/data_wait_pct"] == pytest.approx(100 * wait / (wait + work + opt))
 
 
-def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path,
-                                                     wandb_offline: Path) -> None:
-    trainer = make_trainer(tmp_path, GPUMonitorCallback(interval=0.05), report_to="wandb")
+def test_wandb_rows_join_hf_run_on_train_global_step(tmp_path: Path, wandb_offline: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from wandb.sdk.wandb_run import Run
+
+    here: list[dict[str, Any]] = []  # gpulens rows logged by this (the training) process
+    real_log = Run.log
+
+    def spy(self: Any, data: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if "gpulens/step" in data:
+            here.append(data)
+        return real_log(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Run, "log", spy)
+    callback = GPUMonitorCallback(interval=0.05)
+    trainer = make_trainer(tmp_path, callback, report_to="wandb")
     trainer.train()
+    assert here == []  # written from the engine process, attached to HF's run
     reset_wandb()  # finish the run HF started and let wandb-core write out its file
     history = read_history(find_run_file(wandb_offline))  # exactly one run: no extra run
     loss_rows = [h for h in history if "train/loss" in h]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import gpulens
-from gpulens.sinks import CLIENT, ENGINE, SinkSpec, parse_sink, sink_spec, unique_names
+from gpulens.sinks import ENGINE, SinkSpec, parse_sink, sink_spec, unique_names
 from gpulens.testing import MemorySink
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def test_names_parse_into_specs_named_as_written(tmp_path: Path) -> None:
         f"jsonl:{path}": ("jsonl", ENGINE, {"path": str(path)}),
         "mlflow": ("mlflow", ENGINE, {}),
         "MLflow:0123abcd,all": ("mlflow", ENGINE, {"run_id": "0123abcd", "keys": "all"}),
-        "wandb:all": ("wandb", CLIENT, {"keys": "all"}),
+        "wandb:all": ("wandb", ENGINE, {"keys": "all"}),
         "prometheus:0.0.0.0:9500": ("prometheus", ENGINE, {"port": 9500, "host": "0.0.0.0"}),
         "dashboard:[::1]:0": ("dashboard", ENGINE, {"port": 0, "host": "::1"}),
     }

@@ -13,6 +13,8 @@ from gpulens.sinks.mlflow import MlflowSink, mlflow_key
 from gpulens.testing import SimulatedNVML
 from tests.support.mlflow_server import MlflowTracking
 from tests.support.wandb_reader import (
+    WandbFileError,
+    find_run_file,
     read_history,
     read_metric_definitions,
     wait_for_finished_run,
@@ -124,9 +126,10 @@ def test_wandb_user_logging_without_step_loses_nothing(wandb_offline: Path) -> N
 @pytest.mark.parametrize("user_step", [True, False], ids=["step", "no-step"])
 def test_wandb_rows_written_off_the_training_thread_beside_fast_user_logging(
         wandb_offline: Path, user_step: bool) -> None:
-    """The W&B sink writes from its own thread (``run.log`` costs ~1 ms of the GIL per row);
-    a user logging every ~3 ms on the training thread still loses nothing and every row keeps
-    a record of its own."""
+    """The W&B sink writes from the engine process, attached to the user's run (``run.log``
+    costs ~1 ms of CPU per row): the training process's run never logs a gpulens row, and a
+    user logging every ~3 ms on the training thread still loses nothing and every row keeps a
+    record of its own."""
     import threading
 
     import wandb
@@ -149,7 +152,7 @@ def test_wandb_rows_written_off_the_training_thread_beside_fast_user_logging(
         training = False  # stop() may write the last rows from the caller's thread
     run_id = run.id
     wandb.finish()
-    assert ours and threading.main_thread().name not in ours, set(ours)
+    assert mon.isolation == "process" and ours == [], set(ours)
     history = read_history(wait_for_finished_run(wandb_offline, run_id))
     user = [h for h in history if "user/loss" in h]
     assert [h["user/at"] for h in user] == list(range(1, steps + 1))
@@ -192,7 +195,21 @@ def test_wandb_without_a_run_starts_and_finishes_one(wandb_offline: Path) -> Non
 
     with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
         _train(mon, 3)
-        # the run is made off the training thread (wandb.init takes seconds): rows wait for it
+        assert mon.isolation == "process"
+        assert wandb.run is None  # the run is the engine process's: made and finished there
+    assert wandb.run is None
+    history = read_history(wait_for_finished_run(wandb_offline))  # the only run
+    assert [h["gpulens/step"] for h in _gpu_rows(history)] == [1, 2, 3]
+
+
+def test_wandb_run_of_a_thread_engine_is_this_process(wandb_offline: Path) -> None:
+    """``isolation="thread"``: the sink runs in this process, so the run it starts is
+    ``wandb.run`` here, and the user's own run is written as it is (never pickled)."""
+    import wandb
+
+    with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1),
+                         isolation="thread") as mon:
+        _train(mon, 3)
         deadline = time.monotonic() + 60
         while wandb.run is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -201,6 +218,79 @@ def test_wandb_without_a_run_starts_and_finishes_one(wandb_offline: Path) -> Non
     assert wandb.run is None
     history = _history_of(wandb_offline, run_id)
     assert [h["gpulens/step"] for h in _gpu_rows(history)] == [1, 2, 3]
+
+    run = wandb.init(project="gpulens-test")
+    with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1),
+                         isolation="thread") as mon:
+        _train(mon, 3)
+    run_id = run.id
+    wandb.finish()
+    history = _history_of(wandb_offline, run_id)
+    assert [h["gpulens/step"] for h in _gpu_rows(history)] == [1, 2, 3]
+
+
+def test_wandb_run_finished_before_stop_is_told_and_stop_stays_bounded(
+        wandb_offline: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The user finishes their run while the monitor still writes to it from the engine: the
+    attached run gets no answers any more (W&B's own wait is 30 s a call).  The sink waits at
+    most 5 s once, says so, and counts the rows it could not write; stop() stays bounded."""
+    import wandb
+
+    run = wandb.init(project="gpulens-test")
+    mon = gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1))
+    mon.start()
+    step, deadline = 0, time.monotonic() + 60
+    while not _gpu_rows(_live_history(wandb_offline, run.id)):  # the engine has attached
+        assert time.monotonic() < deadline, "no gpulens row reached the run in 60 s"
+        step += 1
+        time.sleep(0.05)
+        run.log({"user/loss": 1.0 / step})
+        mon.log(step, loss=1.0 / step)
+    run_id = run.id
+    wandb.finish()
+    for later in range(step + 1, step + 5):
+        time.sleep(0.05)
+        mon.log(later, loss=1.0 / later)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="gpulens"):
+        mon.stop()
+    took = time.monotonic() - t0
+    print("TOOK", took, "steps", step)
+    assert took < 15, took
+    told = " ".join(r.getMessage() for r in caplog.records)
+    assert "W&B did not answer within 5 s" in told, told
+    assert mon.sink_stats["wandb"].dropped >= 1, mon.sink_stats
+    assert _gpu_rows(_history_of(wandb_offline, run_id))  # those written before the finish
+
+
+def test_wandb_rows_that_come_in_bursts_join_the_users_records_as_they_free_up(
+        wandb_offline: Path) -> None:
+    """The engine finishes rows in bursts (at each read of the driver's buffers), while the
+    user's logs free one record each: rows that wait are placed as records free up, during
+    training, not left for the end (each would then take a W&B step of its own)."""
+    import wandb
+
+    run = wandb.init(project="gpulens-test")
+    steps = 100
+    with gpulens.Monitor(interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
+        for step in range(1, steps + 1):
+            time.sleep(0.04)
+            run.log({"user/loss": 1.0 / step})
+            mon.log(step, loss=1.0 / step)
+    run_id = run.id
+    wandb.finish()
+    rows = _gpu_rows(_history_of(wandb_offline, run_id))
+    assert sorted(h["gpulens/step"] for h in rows) == list(range(1, steps + 1))
+    shared = [h for h in rows if "user/loss" in h]  # placed in a user's record while training
+    assert len(shared) >= 0.8 * steps, len(shared)
+
+
+def _live_history(wandb_dir: Path, run_id: str) -> list[dict[str, Any]]:
+    """The records wandb-core has written so far (none while the file is cut mid-record)."""
+    try:
+        return read_history(find_run_file(wandb_dir, run_id))
+    except (FileNotFoundError, WandbFileError):
+        return []
 
 
 def _history(tracking: MlflowTracking, run_id: str, key: str) -> list[Any]:

@@ -1,5 +1,5 @@
 """``Monitor``: the client the training loop holds.  Thin: it stamps step marks, reads the
-torch allocator, writes the sinks that must live in the training process, and takes part in
+torch allocator, writes the sinks given as objects (a framework's loggers), and takes part in
 the rank gather; the engine (:mod:`gpulens.engine`) does the rest, in a process of gpulens's
 own (:mod:`gpulens.transport.process`) or, as a fallback, in a thread.
 
@@ -96,10 +96,11 @@ class Monitor:
         sinks: names (``"wandb"``, ``"mlflow"``, ``"jsonl:PATH"``, ``"prometheus:PORT"``,
             ``"dashboard:PORT"``), specs (:func:`gpulens.sinks.sink_spec`) or objects with
             ``open``/``write``/``close``.  A name is parsed now (a bad one is a ``ValueError``)
-            and its sink built where it runs: JSONL, MLflow, Prometheus and the dashboard in
-            the engine, W&B here.  Objects are written here.  ``start()`` checks what it can
-            cheaply (a path, a server's port, a login) and opens the sinks off this thread:
-            one that then fails to open is a WARNING, its rows counted as dropped.
+            and its sink built in the engine: JSONL, MLflow, Prometheus, the dashboard and
+            W&B (attached to this process's ``wandb.run``, or to a run of its own when there
+            is none).  Objects are written here.  ``start()`` checks what it can cheaply (a
+            path, a server's port, a login) and opens the sinks off this thread: one that
+            then fails to open is a WARNING, its rows counted as dropped.
         backend: ``"nvml"``, ``"simulated"``, ``"auto"``/``None`` (NVML if a driver answers),
             or an NVML-like object such as :class:`gpulens.testing.SimulatedNVML`.  The
             environment variable ``GPULENS_BACKEND`` (with ``GPULENS_SIMULATED_GPUS=N``; 0 is
@@ -350,9 +351,10 @@ class Monitor:
                       ) -> tuple[RunContext, list[int]]:
         """Which sinks the engine builds and writes, which this process does; start it.
 
-        Specs of sinks that run in the engine (JSONL, MLflow, Prometheus, the dashboard) go to
-        the engine, which builds them; the others (W&B, whose run object is here) are built
-        here, and objects are written here as they are, from the rows the engine hands back.
+        Specs of sinks that run in the engine (all of the registry's: JSONL, MLflow, W&B,
+        Prometheus, the dashboard) go to the engine, which builds them; a spec made for this
+        process is built here, and objects are written here as they are, from the rows the
+        engine hands back (only then does it hand rows back).
         """
         settings = self._settings
         engine_sinks: list[SinkSpec] = []

@@ -183,7 +183,7 @@ def _record_blocked(args: argparse.Namespace, cmd: list[str],
         if any(text.strip().lower().startswith("wandb") for text in args.sink):
             # a command of its own can afford importing wandb (a second) to check the login
             # now; a training process's start() leaves that to the sink's opening
-            from gpulens.sinks.wandb import check_wandb_login
+            from gpulens.sinks.wandb_run import check_wandb_login
 
             check_wandb_login()
     except (ValueError, ImportError) as e:

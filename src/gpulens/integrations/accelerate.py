@@ -23,10 +23,11 @@ others and ``end_training()`` finishes it first, while the other runs are still 
   window at ``attach`` instead.  Several calls at one step (training, then evaluation) end one
   window.
 * Rows go into the runs the trackers started, on the user's steps: W&B through
-  :class:`gpulens.sinks.wandb.WandbSink` on the tracker's run (each row joins the user's
-  pending step, plotted against ``gpulens/step``, the user's step; W&B's step is never pushed
-  ahead of the user's ``step=``), MLflow through :class:`gpulens.sinks.mlflow.MlflowSink` on the
-  tracker's run id with ``step=`` the user's step (written from gpulens's engine process),
+  :class:`gpulens.sinks.wandb.WandbSink` on the tracker's run, written from gpulens's engine
+  process (each row joins the user's pending step, plotted against ``gpulens/step``, the
+  user's step; W&B's step is never pushed ahead of the user's ``step=``), MLflow through
+  :class:`gpulens.sinks.mlflow.MlflowSink` on the tracker's run id with ``step=`` the user's
+  step (written from gpulens's engine process),
   any other tracker through its own ``log(values, step=...)`` on the training thread.
 * The values the user logs go to those trackers from Accelerate itself; gpulens adds only its
   own keys (``gpu/*``, ``host/*``, ``perf/*``).  Extra ``sinks`` (``"jsonl:PATH"``, ...) get
@@ -47,7 +48,6 @@ from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
 from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
-from gpulens.sinks.wandb import WandbSink
 
 try:
     from accelerate.tracking import GeneralTracker
@@ -187,7 +187,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
 def _sink_for(tracker: Any) -> SinkSpec | Sink:
     name = getattr(tracker, "name", "")
     if name == "wandb":
-        return WandbSink(run=tracker.tracker, include_train=False)
+        return sink_spec("wandb", run=tracker.tracker, include_train=False)
     if name == "mlflow":
         import mlflow
 

@@ -13,9 +13,10 @@ What it does, hook by hook:
   callbacks (``report_to``) before user callbacks, so the W&B run and the MLflow run that
   ``WandbCallback`` / ``MLflowCallback`` start in their ``on_train_begin`` already exist: with
   ``report_to`` containing ``"wandb"`` and/or ``"mlflow"`` the rows go into those very runs (the
-  ``"wandb"`` sink writes to the active ``wandb.run`` with ``train/global_step`` as x-axis and
-  never passes ``step=``; the ``"mlflow"`` sink takes the run active on this thread at start and
-  logs with ``step=state.global_step``). Those runs already get ``loss``, ``learning_rate``,
+  ``"wandb"`` sink writes to the active ``wandb.run``, from gpulens's engine process, with
+  ``gpulens/step`` as x-axis, and never moves W&B's step ahead of Hugging Face's; the
+  ``"mlflow"`` sink takes the run active on this thread at start and logs with
+  ``step=state.global_step``). Those runs already get ``loss``, ``learning_rate``,
   ``grad_norm`` from Hugging Face, so the rows sent to them leave out ``train/*`` (except
   ``train/global_step``). Sinks given as ``sinks=`` get full rows. With neither, rows go to
   ``{output_dir}/gpulens.jsonl``.
@@ -87,7 +88,6 @@ from gpulens.integrations.session import (
 )
 from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
-from gpulens.sinks.wandb import WandbSink
 
 try:
     from transformers import TrainerCallback
@@ -245,7 +245,8 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         # the runs HF's WandbCallback / MLflowCallback started in on_train_begin (called
         # before ours); they log HF's loss etc. themselves, so rows skip train/*
         if self._follows(args, "wandb"):
-            sinks.append(WandbSink(include_train=False, keys=self.tracker_keys))
+            # a spec too: written from the engine process, attached to that run
+            sinks.append(sink_spec("wandb", include_train=False, keys=self.tracker_keys))
         if self._follows(args, "mlflow"):
             # a spec: built and written in the engine process, off the training process
             sinks.append(sink_spec("mlflow", include_train=False, keys=self.tracker_keys))

@@ -9,10 +9,10 @@ A sink is chosen in one of two ways:
   given in code (:func:`sink_spec`: ``sink_spec("mlflow", include_train=False)``).  Parsing
   imports no tracker library and changes nothing (no file, no run, no environment variable); a
   bad name or option is a one-line ``ValueError`` there.  A spec pickles: the sink object is
-  built from it where it runs (:attr:`SinkKind.where`): JSONL, MLflow, Prometheus and the
-  dashboard in the engine (its own process, by default), W&B in the training process (a wandb
-  run does not pickle).  Its name in every message and in ``Monitor.sink_stats`` is the text
-  the user wrote (``"jsonl:/dev/full"``).
+  built from it where it runs (:attr:`SinkKind.where`): every one of them in the engine (its
+  own process, by default); W&B's there too, attached to the training process's run through
+  W&B's service (:mod:`gpulens.sinks.wandb_run`).  Its name in every message and in
+  ``Monitor.sink_stats`` is the text the user wrote (``"jsonl:/dev/full"``).
 * **by object**: anything with ``open``/``write``/``close`` (:class:`~gpulens.sinks.base.Sink`),
   written in the training process as it is, named by its class.
 
@@ -20,7 +20,8 @@ When a monitor starts, each spec is *prepared* in the caller (:meth:`SinkSpec.pr
 only the training process knows is resolved (the active MLflow run, the tracking URI set with
 ``mlflow.set_tracking_uri``, a relative path) and what can be checked cheaply is checked (a
 path that cannot be written, a tracking server that refuses connections, a port in use, a
-store that MLflow refuses), so such a mistake is a ``ValueError`` from ``start()``.
+store that MLflow refuses), so such a mistake is a ``ValueError`` from ``start()``; the
+active W&B run is handed over the same way.
 
 The sink classes take part through three static methods (``spec_options(text)``: the options
 of ``"kind:text"``; ``check_options(options)``: their values, checked; and optionally
@@ -60,8 +61,9 @@ SINKS: dict[str, SinkKind] = {
     "mlflow": SinkKind("gpulens.sinks.mlflow:MlflowSink", ENGINE,
                        ("run_id", "tracking_uri", "include_train", "keys", "section"),
                        "'mlflow', 'mlflow:RUN_ID', 'mlflow:all' or 'mlflow:RUN_ID,all'"),
-    "wandb": SinkKind("gpulens.sinks.wandb:WandbSink", CLIENT,
-                      ("include_train", "keys", "section", "step_metric", "detail_interval"),
+    "wandb": SinkKind("gpulens.sinks.wandb:WandbSink", ENGINE,
+                      ("run", "include_train", "keys", "section", "step_metric",
+                       "detail_interval"),
                       "'wandb', 'wandb:all' or 'wandb:default'"),
     "prometheus": SinkKind("gpulens.sinks.prometheus:PrometheusSink", ENGINE,
                            ("port", "host", "training"),

@@ -65,31 +65,46 @@ proportion to its keys, and at every step on 8 GPUs the detail was most of W&B's
 other sinks keep every row.  Rows come at most as often as the loop logs, so a run that logs
 once a second or less gets the detail on every row.
 
-**Definitions once per run.** ``define_metric`` is a message to ``wandb-core``; the keys
-defined are remembered per run object, so a monitor started again on the same run (a second
-``trainer.train()``, a notebook cell run again) defines only keys that are new to it.
+**Definitions once per run object.** ``define_metric`` is a message to ``wandb-core``; the keys
+defined are remembered per run object, so a sink writes each definition once.  In the engine
+process each monitor attaches a run object of its own, so a second ``trainer.train()`` on the
+same run defines its keys again there (once each, at its first rows).
 
-**Off the training thread.** The sink writes from its own thread: while it wrote on the
-training thread, a Hugging Face run that logged every step paid +1.47 ms of training-thread CPU
-a step on an H200 (``benchmarks/results/2026-11-26-h200-paths-aa``: 88.85 vs 87.38 ms).
-Each ``run.log`` goes to ``wandb-core`` whole, in the order it was made, so the only question
-a second thread raises is which record a row joined.  ``run._local_step``
-(W&B's mirror of ``S``, free to read) may lag the user's thread by a commit; it is only ever
-read to decide *whether* to place a row, never to record where one went: after every
-placement the sink asks ``wandb-core`` for ``S`` (``run.step``, a round trip on this thread)
-and treats the row as held by that record, which is the record it joined or a later one.
-Either error only makes a row wait for one more user log, never shares a record.  The one
-race left: in the "record of its own" case (``run.log(row, step=S + 1)``), a user who logs
-two steps within the millisecond between the sink's reading of ``S`` and its write makes W&B
-drop that row with its warning ("Tried to log to step ...").
+**In the engine process, not the training process.** ``run.log`` costs about 1 ms of CPU a
+row in the process that calls it (encoding, the socket to ``wandb-core``, W&B's asyncio
+thread): on a training thread, Hugging Face logging every step paid +1.47 ms of CPU a step on
+an H200 (``benchmarks/results/2026-11-26-h200-paths-aa``), and from a thread of the training
+process still about +0.5 pp of the step (``benchmarks/results/2026-11-27-h200x2-*``).  So the
+``"wandb"`` sink is built in gpulens's engine process: the monitor hands it the training
+process's run (the one given, else ``wandb.run``) as a :class:`RunHandle`, and the engine
+attaches to it through W&B's service (:mod:`gpulens.sinks.wandb_run`).  With no run at all the
+engine starts one of its own (``wandb.init()`` from the environment's settings) and finishes it
+at close; ``wandb.run`` in the training process stays ``None``.  A ``WandbSink`` object (or
+``isolation="thread"``) writes from a thread of the training process, as before.
+
+Each ``run.log`` goes to ``wandb-core`` whole, in the order it was made, so the only question a
+second writer raises is which record a row joined.  ``run._local_step`` (W&B's mirror of
+``S``, free to read) is read only in the process that made the run, where it may lag the
+user's thread by a commit; it decides *whether* to place a row, never where one went: after
+every placement the sink asks ``wandb-core`` for ``S`` (``run.step``, a round trip) and treats
+the row as held by that record, which is the record it joined or a later one.  Either error
+only makes a row wait for one more user log, never shares a record.  An attached run's mirror
+counts only the engine's own commits, so there every decision asks ``wandb-core`` (0.3 ms a
+round trip), and a thread looks for a free record every :data:`PLACE_POLL_S` while rows wait
+(rows come in bursts, and a record frees up at each of the user's logs).  The one race left:
+in the "record of its own" case, a user who logs two steps within the millisecond between the
+sink's reading of ``S`` and its write makes W&B drop that row with its warning ("Tried to log
+to step ...").  An attached run that no longer answers (the user finished it before the
+monitor stopped) is waited for :data:`~gpulens.sinks.wandb_run.ANSWER_TIMEOUT_S` once; then
+its rows are counted as dropped, with a warning.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
+import threading
 import weakref
 from collections import deque
 from typing import Any
@@ -99,6 +114,15 @@ from gpulens.log import warn_once
 from gpulens.model import Event, Row, RunContext
 from gpulens.schema import STEP_KEY
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
+from gpulens.sinks.wandb_run import (
+    RunGone,
+    RunHandle,
+    ask_step,
+    check_wandb_login,
+    check_wandb_ready,
+    import_wandb,
+    one_line,
+)
 
 AXIS_KEY = "gpulens/step"
 """The hidden x-axis of every key this sink writes: the row's training step."""
@@ -141,65 +165,15 @@ def _definitions(run: Any) -> dict[str, tuple[bool, str]]:
         return {}
 
 
-def import_wandb() -> Any:
-    try:
-        import wandb
-    except ImportError as exc:
-        raise ImportError("the 'wandb' sink needs wandb: pip install 'gpulens[wandb]'") from exc
-    return wandb
-
-
-def check_wandb_login() -> None:
-    """``ValueError`` (one line) when ``wandb.init`` would fail for want of a login: W&B is
-    online and no API key is configured (environment, ``~/.netrc``, W&B's settings).
-
-    Nothing is created.  When W&B's way of finding credentials cannot be asked (another wandb
-    version), nothing is said and ``wandb.init`` decides.
-    """
-    wandb = import_wandb()
-    if wandb.run is not None:
-        return
-    try:
-        from wandb.sdk import wandb_setup
-        from wandb.sdk.lib.wbauth import authenticate
-
-        settings = wandb_setup.singleton().settings
-        if settings.mode in ("offline", "dryrun", "disabled"):
-            return  # no login needed
-        auth = authenticate.authenticate_session(host=settings.base_url, source="gpulens",
-                                                 prompt=False, update_session=False)
-    except ImportError:
-        return
-    except Exception as exc:  # a malformed key file, ...: W&B's own message, on one line
-        raise ValueError(f"the wandb sink cannot log in to W&B: {_one_line(exc)}") from None
-    if auth is None:
-        raise ValueError(
-            "the wandb sink needs a W&B login, and none is configured: run `wandb login` (or "
-            "set WANDB_API_KEY), or log offline with WANDB_MODE=offline")
-
-
-def check_wandb_ready() -> None:
-    """The start-time check, cheap: ``ValueError`` (one line) when wandb is not installed, or,
-    where wandb is imported already (a user's ``wandb.init`` ...), when it needs a login it has
-    not got (:func:`check_wandb_login`).  Importing wandb takes about a second, so where it is
-    not imported the login is checked when the sink opens (off the training thread; a failure
-    is then a WARNING, and the sink's rows are counted as dropped)."""
-    if importlib.util.find_spec("wandb") is None:
-        raise ValueError("the 'wandb' sink needs wandb: pip install 'gpulens[wandb]'")
-    if "wandb" in sys.modules:
-        check_wandb_login()
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 SIMULATED_TAG = "simulated-gpus"
 """The W&B run tag of a run whose GPUs were simulated."""
 
 ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
 """W&B alert level of each :class:`~gpulens.model.Event` severity."""
+
+PLACE_POLL_S = 0.02
+"""With a run attached from the engine process: how often the sink asks W&B's step while rows
+wait for a record (see the module doc)."""
 
 MAX_QUEUE = 10_000
 """Rows :class:`WandbSink` keeps waiting for a record of their own."""
@@ -253,7 +227,16 @@ class WandbSink:
     def __init__(self, run: Any | None = None, *, include_train: bool = True,
                  keys: str | None = None, section: str | None = None,
                  step_metric: str = AXIS_KEY, detail_interval: float | None = None) -> None:
-        self._run = run
+        self._run: Any = run
+        self._attached = False
+        """The run is the training process's, attached from the engine process."""
+        self._gone: RunGone | None = None
+        """Set once an attached run stopped answering: no more rows are written."""
+        self._lock = threading.Condition()
+        """Held while rows are placed (the writer's thread, and the placer's)."""
+        self._placer: threading.Thread | None = None
+        self._config_seen: Any = None
+        """The run config's ``"gpulens"`` entry as the training process saw it at start."""
         self.detail_interval = resolve_detail_interval(detail_interval)
         self.step_metric = step_metric
         self._owned = False
@@ -298,12 +281,23 @@ class WandbSink:
         metric = options.get("step_metric", AXIS_KEY)
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"the wandb sink's step_metric must be a key, got {metric!r}")
+        run = options.get("run")
+        if run is not None and not isinstance(run, RunHandle):
+            options = {**options, "run": RunHandle(run)}
         return options
 
     @staticmethod
     def prepare_options(options: dict[str, Any]) -> dict[str, Any]:
-        """At start: :func:`check_wandb_ready`."""
-        check_wandb_ready()
+        """At start, in the training process: the run to write to, as a :class:`RunHandle`
+        for the engine process (the run given, else the active ``wandb.run``, read only where
+        wandb is imported already: otherwise there is none); with none, the cheap checks of
+        :func:`check_wandb_ready` (the engine then starts a run of its own)."""
+        if options.get("run") is None:
+            wandb = sys.modules.get("wandb")
+            active = getattr(wandb, "run", None) if wandb is not None else None
+            if active is not None:
+                return {**options, "run": RunHandle(active)}
+            check_wandb_ready()
         return options
 
     @classmethod
@@ -330,6 +324,10 @@ class WandbSink:
 
     def open(self, context: RunContext) -> None:
         wandb = import_wandb()
+        self._attached, self._gone = False, None
+        if isinstance(self._run, RunHandle):
+            self._config_seen = self._run.config_entry
+            self._run, self._attached = self._run.resolve()
         if self._run is None:
             self._run = wandb.run
         if self._run is None:
@@ -338,7 +336,7 @@ class WandbSink:
                 self._run = wandb.init()
             except Exception as exc:  # W&B's UsageError & co: one line, not its traceback
                 raise ValueError(f"the wandb sink could not start a W&B run: "
-                                 f"{_one_line(exc)}") from None
+                                 f"{one_line(exc)}") from None
             self._owned = True
         self._reset()
         self._defined = _definitions(self._run)
@@ -347,6 +345,32 @@ class WandbSink:
             self._run.define_metric(AXIS_KEY, hidden=True)
             self._defined[AXIS_KEY] = (True, "")
         self._write_metadata(context)
+        if self._attached and not self._shared:
+            self._placer = threading.Thread(target=self._place_waiting, daemon=True,
+                                            name="gpulens-wandb-place")
+            self._placer.start()
+
+    def _place_waiting(self) -> None:
+        """The placer thread (attached runs): while rows wait, look for a free record every
+        :data:`PLACE_POLL_S` (rows come in bursts, and a record frees up at each of the
+        user's logs, which this process does not see)."""
+        lock = self._lock
+        while True:
+            with lock:
+                while not self._queue and self._placer is not None:
+                    lock.wait()
+                if self._placer is None:
+                    return
+                lock.wait(PLACE_POLL_S)
+                if self._placer is None or self._gone is not None:
+                    return
+                try:
+                    self._place()
+                except RunGone as exc:
+                    self._run_gone(exc)
+                except Exception as exc:  # the rows wait; the writer's next row tries again
+                    warn_once("wandb-place", "gpulens: could not give a GPU row a W&B record: "
+                              "%s", one_line(exc))
 
     def _write_metadata(self, context: RunContext) -> None:
         """The run's metadata into the config (under ``"gpulens"``) and, for simulated GPUs, a
@@ -356,7 +380,8 @@ class WandbSink:
         try:
             config = run.config
             key = "gpulens"
-            existing = config.get(key) if hasattr(config, "get") else None
+            existing = (self._config_seen if self._attached else
+                        config.get(key) if hasattr(config, "get") else None)
             if existing is not None and not (isinstance(existing, dict) and
                                              existing.get("version") is not None and
                                              "backend" in existing):
@@ -367,7 +392,7 @@ class WandbSink:
             config.update({key: meta}, allow_val_change=True)
         except Exception as exc:
             warn_once("wandb-config", "gpulens: could not write the run's metadata (GPUs, "
-                      "backend, ...) into the W&B config: %s", _one_line(exc))
+                      "backend, ...) into the W&B config: %s", one_line(exc))
         if context.backend == "simulated":
             try:
                 tags = tuple(run.tags or ())
@@ -375,7 +400,7 @@ class WandbSink:
                     run.tags = (*tags, SIMULATED_TAG)
             except Exception as exc:
                 warn_once("wandb-tags", "gpulens: could not tag the W&B run %r: %s",
-                          SIMULATED_TAG, _one_line(exc))
+                          SIMULATED_TAG, one_line(exc))
 
     def _data(self, row: Row) -> dict[str, float]:
         shown, detail = self._layout.split(row.values)
@@ -420,7 +445,7 @@ class WandbSink:
         except Exception as exc:
             warn_once("wandb-alert", "gpulens: could not send the W&B alert for %s: %s (the "
                       "alerts/%s key and the other sinks still have it)", event.name,
-                      _one_line(exc), event.name)
+                      one_line(exc), event.name)
 
     def _wandb_step(self) -> int | None:
         """W&B's step ``S`` as this process's wandb mirrors it (free; may lag a commit the
@@ -429,7 +454,10 @@ class WandbSink:
         return local if local is not None else self._core_step()
 
     def _mirror_step(self) -> int | None:
-        """``S`` as this process's wandb mirrors it (read for free), if it does."""
+        """``S`` as this process's wandb mirrors it (read for free), if it does (an attached
+        run's mirror counts only this process's own commits: never read)."""
+        if self._attached:
+            return None
         local = getattr(self._run, "_local_step", None)
         return local if isinstance(local, int) else None
 
@@ -437,6 +465,8 @@ class WandbSink:
         """``S`` as ``wandb-core`` has it, after every ``run.log`` this thread made (a round
         trip)."""
         run: Any = self._run
+        if self._attached:
+            return ask_step(run)  # a bounded wait; RunGone once the run no longer answers
         try:
             return int(run.step)
         except Exception:
@@ -471,7 +501,11 @@ class WandbSink:
                 run.log(queue.popleft(), commit=False)  # the pending record holds none of ours
                 self._attached_at = self._held_by(step)
             elif final or self._may_commit(step):
-                run.log(queue.popleft(), step=step + 1)
+                if self._attached:  # W&B warns about step= from a second process
+                    run.log({}, commit=True)
+                    run.log(queue.popleft(), commit=False)
+                else:
+                    run.log(queue.popleft(), step=step + 1)
                 self._attached_at = self._held_by(step + 1)
             else:
                 break
@@ -491,26 +525,55 @@ class WandbSink:
         for event in row.events:
             if event.kind == "alert" and event.state == "firing":
                 self._alert(event)
-        data = self._data(row)
-        self._define(data)
-        if self._newest_step is None or row.step > self._newest_step:
-            self._newest_step = row.step
-        self._queue.append(data)
-        self._place()
+        with self._lock:
+            if self._gone is not None:
+                raise self._gone
+            data = self._data(row)
+            self._define(data)
+            if self._newest_step is None or row.step > self._newest_step:
+                self._newest_step = row.step
+            self._queue.append(data)
+            try:
+                self._place()
+            except RunGone as exc:
+                self._run_gone(exc)
+                raise
+            if self._queue:
+                self._lock.notify()  # the placer looks for free records while rows wait
+
+    def _run_gone(self, exc: RunGone) -> None:
+        """An attached run stopped answering: say so once, with the rows lost."""
+        self._gone = exc
+        lost, self._queue = len(self._queue), deque()
+        warn_once("wandb-gone", "gpulens: %s; %d GPU row(s) waiting for a W&B record are lost "
+                  "and later rows are not written to W&B (counted; the other sinks have them)",
+                  exc, lost)
 
     def close(self) -> None:
+        placer, self._placer = self._placer, None
+        if placer is not None:
+            with self._lock:
+                self._lock.notify()
+            placer.join(timeout=10)
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         run: Any = self._run
-        if run is not None:
+        if run is not None and self._gone is None:
             queued = len(self._queue)
             try:
                 self._place(final=True)
-            finally:
                 step = None if self._shared else self._wandb_step()
                 if queued > 1 and step is not None and self._newest_step is not None \
                         and step > self._newest_step + 1:
                     _log.info("gpulens: the last %d GPU rows took W&B steps of their own; W&B's "
                               "step is now %d (a later wandb.log(step=s) needs s >= %d)",
                               queued, step, step)
+            except RunGone as exc:
+                self._run_gone(exc)
+                raise
+            finally:
                 if self._owned:
                     run.finish()
         self._run = None

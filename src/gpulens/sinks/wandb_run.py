@@ -1,0 +1,165 @@
+"""The W&B run the sink writes to: wandb imported, the login checked, and the run handed from
+the training process to the engine process.
+
+W&B's own way to log into one run from several processes of a machine: a ``wandb.Run``
+pickles to its attach id, and the copy unpickled in another process connects to the same
+``wandb-core`` service (the ``WANDB_SERVICE`` address) and attaches to the run at its first
+call.  Its ``log`` calls then join that run's records like those of the process that made it
+(wandb 0.31; offline runs too, since the service is local).  The W&B sink uses this to write
+from gpulens's engine process, so that none of W&B's per-row work (the encoding, the socket,
+the round trips) runs in the training process beside the training thread.
+
+:class:`RunHandle` is what crosses: made in the training process when the monitor starts (the
+run pickled there, a few microseconds, and the service address, which an engine process
+spawned before ``wandb.init`` would not have), resolved in the engine when the sink opens.
+Where the engine is a thread of the training process (``isolation="thread"``), the handle
+never pickles and gives the run object itself.
+
+:func:`ask_step` bounds the one wait the sink makes: W&B's ``run.step`` waits 30 s for an
+answer, and an attached process gets none once the user's process has finished the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pickle
+import sys
+from typing import Any
+
+SERVICE_ENV = "WANDB_SERVICE"
+"""The environment variable through which a wandb process finds the running service."""
+
+ANSWER_TIMEOUT_S = 5.0
+"""How long the sink waits for ``wandb-core``'s answer (W&B's step) before it takes the run
+as finished (or its service as gone): rows are then no longer written to W&B (counted)."""
+
+
+class RunGone(RuntimeError):
+    """``wandb-core`` no longer answers for the run (finished in the training process, or its
+    service stopped)."""
+
+
+class RunHandle:
+    """A W&B run that pickles to what another process needs to attach to it.
+
+    Args:
+        run: the ``wandb.Run`` (or W&B's no-op run of ``mode="disabled"``), in the process that
+            made or attached it.
+    """
+
+    __slots__ = ("_blob", "_run", "config_entry", "service")
+
+    def __init__(self, run: Any) -> None:
+        try:
+            blob = pickle.dumps(run)
+        except Exception as exc:
+            raise ValueError(f"the wandb sink cannot hand the W&B run {run!r} to gpulens's "
+                             f"engine process ({type(exc).__name__}: {exc}); pass "
+                             "WandbSink(run=...) to write it from this process") from None
+        self._run: Any = run
+        self._blob: bytes = blob
+        self.service: str | None = os.environ.get(SERVICE_ENV)
+        """The service address of the process that made the handle (if W&B set one)."""
+        self.config_entry: Any = None
+        """The run config's ``"gpulens"`` entry as the training process has it (an attached
+        run's config starts empty: the sink must not take a user's entry for none)."""
+        with contextlib.suppress(Exception):  # a run without a config: nothing seen
+            self.config_entry = run.config.get("gpulens")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"blob": self._blob, "service": self.service, "config": self.config_entry}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._run = None
+        self._blob = state["blob"]
+        self.service = state["service"]
+        self.config_entry = state["config"]
+
+    def __repr__(self) -> str:
+        return "RunHandle(here)" if self._run is not None else "RunHandle(to attach)"
+
+    def resolve(self) -> tuple[Any, bool]:
+        """The run in this process, and whether it is attached from another process (then it
+        is not this process's to finish, and its ``_local_step`` is not the run's).  Imports
+        wandb where the handle crossed; the attach itself happens at the run's first call."""
+        if self._run is not None:
+            return self._run, False
+        if self.service and SERVICE_ENV not in os.environ:
+            os.environ[SERVICE_ENV] = self.service  # read when wandb connects, below
+        import wandb  # noqa: F401  (the class the run unpickles to)
+
+        self._run = pickle.loads(self._blob)  # gpulens's own bytes, from the training process
+        return self._run, True
+
+
+def ask_step(run: Any, timeout: float = ANSWER_TIMEOUT_S) -> int:
+    """W&B's step ``S`` as ``wandb-core`` has it (after every ``log`` this process made: the
+    request travels behind them), waiting at most ``timeout`` seconds; :class:`RunGone` when
+    no answer comes.  Uses the request behind ``run.step`` (which waits 30 s), or ``run.step``
+    itself where this wandb has no such request."""
+    interface = getattr(run, "_interface", None)
+    deliver = getattr(interface, "deliver_history_step", None)
+    if deliver is None:
+        return int(run.step)
+    try:
+        answer = deliver().wait_or(timeout=timeout)
+    except TimeoutError:
+        raise RunGone(f"W&B did not answer within {timeout:.0f} s: the run was finished "
+                      "(wandb.finish) or W&B's service stopped before gpulens stopped") from None
+    return int(answer.step)
+
+
+def import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError("the 'wandb' sink needs wandb: pip install 'gpulens[wandb]'") from exc
+    return wandb
+
+
+def check_wandb_login() -> None:
+    """``ValueError`` (one line) when ``wandb.init`` would fail for want of a login: W&B is
+    online and no API key is configured (environment, ``~/.netrc``, W&B's settings).
+
+    Nothing is created.  When W&B's way of finding credentials cannot be asked (another wandb
+    version), nothing is said and ``wandb.init`` decides.
+    """
+    wandb = import_wandb()
+    if wandb.run is not None:
+        return
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate
+
+        settings = wandb_setup.singleton().settings
+        if settings.mode in ("offline", "dryrun", "disabled"):
+            return  # no login needed
+        auth = authenticate.authenticate_session(host=settings.base_url, source="gpulens",
+                                                 prompt=False, update_session=False)
+    except ImportError:
+        return
+    except Exception as exc:  # a malformed key file, ...: W&B's own message, on one line
+        raise ValueError(f"the wandb sink cannot log in to W&B: {one_line(exc)}") from None
+    if auth is None:
+        raise ValueError(
+            "the wandb sink needs a W&B login, and none is configured: run `wandb login` (or "
+            "set WANDB_API_KEY), or log offline with WANDB_MODE=offline")
+
+
+def check_wandb_ready() -> None:
+    """The start-time check, cheap: ``ValueError`` (one line) when wandb is not installed, or,
+    where wandb is imported already (a user's ``wandb.init`` ...), when it needs a login it has
+    not got (:func:`check_wandb_login`).  Importing wandb takes about a second, so where it is
+    not imported the login is checked when the sink opens (off the training thread; a failure
+    is then a WARNING, and the sink's rows are counted as dropped)."""
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError("the 'wandb' sink needs wandb: pip install 'gpulens[wandb]'")
+    if "wandb" in sys.modules:
+        check_wandb_login()
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

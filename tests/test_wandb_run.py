@@ -1,0 +1,161 @@
+"""The W&B run handed from the training process to the engine process (``sinks/wandb_run``)."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import types
+from typing import Any
+
+import pytest
+
+from gpulens.sinks import sink_spec
+from gpulens.sinks.wandb import WandbSink
+from gpulens.sinks.wandb_run import SERVICE_ENV, RunGone, RunHandle, ask_step
+
+
+class PicklableRun:
+    """Stands in for a ``wandb.Run``: it pickles (to what W&B's own would: an attach id)."""
+
+    def __init__(self, attach_id: str = "abc123") -> None:
+        self.attach_id = attach_id
+
+
+def test_handle_gives_the_run_itself_where_it_was_made() -> None:
+    run = PicklableRun()
+    handle = RunHandle(run)
+    assert handle.resolve() == (run, False)
+
+
+def test_handle_crosses_as_bytes_and_attaches_with_the_service_address(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SERVICE_ENV, "3-1-unix-/tmp/wandb-socket")
+    handle = RunHandle(PicklableRun("xyz"))
+    monkeypatch.delenv(SERVICE_ENV)  # an engine spawned before wandb.init had none
+    copy = pickle.loads(pickle.dumps(handle))
+    assert repr(copy) == "RunHandle(to attach)"
+    run, attached = copy.resolve()
+    assert attached and isinstance(run, PicklableRun) and run.attach_id == "xyz"
+    import os
+
+    assert os.environ[SERVICE_ENV] == "3-1-unix-/tmp/wandb-socket"
+
+
+def test_a_run_that_cannot_cross_is_a_one_line_error() -> None:
+    class Unpicklable:
+        lock = threading.Lock()
+
+        def __reduce__(self) -> Any:
+            raise TypeError("cannot pickle '_thread.lock' object")
+
+    with pytest.raises(ValueError, match=r"pass WandbSink\(run=\.\.\.\)") as info:
+        sink_spec("wandb", run=Unpicklable())
+    assert "\n" not in str(info.value)
+
+
+def test_spec_with_a_run_holds_a_handle() -> None:
+    spec = sink_spec("wandb", run=PicklableRun(), include_train=False)
+    assert isinstance(spec.options["run"], RunHandle)
+    assert spec.where == "engine"
+
+
+def test_prepare_hands_over_the_active_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    active = PicklableRun("active")
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(run=active))
+    prepared = sink_spec("wandb").prepared()
+    handle = prepared.options["run"]
+    assert isinstance(handle, RunHandle) and handle.resolve() == (active, False)
+
+
+class Answer:
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def wait_or(self, timeout: float) -> Any:
+        if self.step is None:
+            raise TimeoutError("no answer")
+        return self
+
+
+class Interface:
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+        self.asked = 0
+
+    def deliver_history_step(self) -> Answer:
+        self.asked += 1
+        return Answer(self.step)
+
+
+def test_ask_step_waits_a_bounded_time() -> None:
+    run = types.SimpleNamespace(_interface=Interface(7))
+    assert ask_step(run) == 7
+    gone = types.SimpleNamespace(_interface=Interface(None))
+    with pytest.raises(RunGone, match="did not answer within 5 s"):
+        ask_step(gone)
+    plain = types.SimpleNamespace(step=3)  # a wandb without the request: run.step
+    assert ask_step(plain) == 3
+
+
+class AttachedRun:
+    """An attached run whose service stops answering after ``answers`` questions."""
+
+    def __init__(self, answers: int) -> None:
+        self.logged: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self.answers = answers
+        self.step_now = 0
+        self._interface = self
+
+    def deliver_history_step(self) -> Answer:
+        self.answers -= 1
+        return Answer(self.step_now if self.answers >= 0 else None)
+
+    def log(self, data: dict[str, Any], **kwargs: Any) -> None:
+        self.logged.append((data, kwargs))
+        if kwargs.get("commit"):
+            self.step_now += 1
+
+
+def _attached_sink(run: AttachedRun) -> WandbSink:
+    sink = WandbSink(run=run)
+    sink._attached = True
+    sink._defined = {}
+    return sink
+
+
+def test_an_attached_run_gone_is_told_once_and_its_rows_fail(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from gpulens.model import Row
+
+    run = AttachedRun(answers=2)
+    sink = _attached_sink(run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    row = Row(step=1, time=0.0, values={"gpu/0/util_pct": 50.0})
+    sink.write(row)  # asks twice: where to place it, then which record holds it
+    assert [(d["gpulens/step"], kw) for d, kw in run.logged] == [(1.0, {"commit": False})]
+    with caplog.at_level("WARNING", logger="gpulens"), pytest.raises(RunGone):
+        sink.write(Row(step=2, time=0.1, values={"gpu/0/util_pct": 60.0}))
+    with pytest.raises(RunGone):  # at once, no second wait
+        sink.write(Row(step=3, time=0.2, values={"gpu/0/util_pct": 70.0}))
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1 and "W&B did not answer" in told[0] and "later rows" in told[0]
+    sink.close()  # nothing more is asked of a run that is gone
+    assert run.answers < 0
+
+
+def test_an_attached_run_commits_its_own_record_without_step() -> None:
+    """From a second process W&B warns about ``step=``: a record of its own is committed by
+    an empty ``commit=True`` log, and the row joins the next record."""
+    from gpulens.model import Row
+
+    run = AttachedRun(answers=100)
+    sink = _attached_sink(run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    sink.write(Row(step=1, time=0.0, values={"gpu/0/util_pct": 50.0}))
+    sink.write(Row(step=2, time=0.1, values={"gpu/0/util_pct": 60.0}))
+    sink.close()
+    assert all("step" not in kwargs for _, kwargs in run.logged)
+    assert ({}, {"commit": True}) in run.logged
+    steps = [d["gpulens/step"] for d, _ in run.logged if d]
+    assert steps == [1.0, 2.0]
