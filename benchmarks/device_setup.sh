@@ -10,6 +10,9 @@
 
 gpulens_device_setup() {
     if [ -n "${GPULENS_DEVICE_SETUP_DONE:-}" ]; then  # sourced again by a script of a part
+        # the wheels are in; this tree's src goes first (device_parallel.sh runs an old tree
+        # from a copy: without this its jobs imported the first tree's gpulens, 2026-11-27)
+        export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
         return 0
     fi
     local site="${GPULENS_BENCH_SITE:-/tmp/site}"

@@ -813,6 +813,10 @@ def versions() -> dict[str, str]:
                  "mlflow-skinny", "mlflow", "nvitop", "nvidia-ml-py", "psutil"):
         with contextlib.suppress(md.PackageNotFoundError):
             out[name] = md.version(name)
+    with contextlib.suppress(ImportError):  # which tree ran (an A/B runs two: say which)
+        import gpulens
+
+        out["gpulens_from"] = str(Path(gpulens.__file__).resolve().parent.parent)
     return out
 
 

@@ -172,8 +172,12 @@ ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
 """W&B alert level of each :class:`~gpulens.model.Event` severity."""
 
 PLACE_POLL_S = 0.02
+PLACE_POLL_MAX_S = 0.16
 """With a run attached from the engine process: how often the sink asks W&B's step while rows
-wait for a record (see the module doc)."""
+wait for a record (see the module doc): after :data:`PLACE_POLL_S`, doubling while no record
+frees up, up to :data:`PLACE_POLL_MAX_S`, and from the start again once a row is placed.  Each
+ask is a round trip to ``wandb-core`` (0.3 ms); a user who logs every step frees a record a
+step, so this asks two or three times a step, not ``step / PLACE_POLL_S`` times."""
 
 MAX_QUEUE = 10_000
 """Rows :class:`WandbSink` keeps waiting for a record of their own."""
@@ -351,21 +355,26 @@ class WandbSink:
             self._placer.start()
 
     def _place_waiting(self) -> None:
-        """The placer thread (attached runs): while rows wait, look for a free record every
-        :data:`PLACE_POLL_S` (rows come in bursts, and a record frees up at each of the
-        user's logs, which this process does not see)."""
+        """The placer thread (attached runs): while rows wait, look for a free record at the
+        intervals of :data:`PLACE_POLL_MAX_S` (rows come in bursts, and a record frees up at
+        each of the user's logs, which this process does not see)."""
         lock = self._lock
+        wait = PLACE_POLL_S
         while True:
             with lock:
                 while not self._queue and self._placer is not None:
                     lock.wait()
+                    wait = PLACE_POLL_S
                 if self._placer is None:
                     return
-                lock.wait(PLACE_POLL_S)
+                lock.wait(wait)
                 if self._placer is None or self._gone is not None:
                     return
+                waiting = len(self._queue)
                 try:
                     self._place()
+                    placed = len(self._queue) < waiting
+                    wait = PLACE_POLL_S if placed else min(2 * wait, PLACE_POLL_MAX_S)
                 except RunGone as exc:
                     self._run_gone(exc)
                 except Exception as exc:  # the rows wait; the writer's next row tries again
