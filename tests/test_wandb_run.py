@@ -159,3 +159,19 @@ def test_an_attached_run_commits_its_own_record_without_step() -> None:
     assert ({}, {"commit": True}) in run.logged
     steps = [d["gpulens/step"] for d, _ in run.logged if d]
     assert steps == [1.0, 2.0]
+
+
+def test_the_placer_asks_twice_per_period_of_the_users_logs() -> None:
+    """While rows wait, an attached sink asks W&B's step at half the period it has seen the
+    step move at (the user's logs free a record each), within 20 ms and 0.2 s."""
+    sink = _attached_sink(AttachedRun(answers=100))
+    assert sink._poll_interval() == 0.02  # nothing seen yet
+    for i in range(5):
+        sink._steps_seen.append((10.0 + 0.11 * i, 7 + i))  # a user logging every 110 ms
+    assert sink._poll_interval() == pytest.approx(0.055)
+    sink._steps_seen.clear()
+    sink._steps_seen.extend([(0.0, 1), (0.01, 2)])  # faster than 40 ms: 20 ms
+    assert sink._poll_interval() == 0.02
+    sink._steps_seen.clear()
+    sink._steps_seen.extend([(0.0, 1), (3.0, 2)])  # once in 3 s: at most 0.2 s
+    assert sink._poll_interval() == 0.2

@@ -105,6 +105,7 @@ import math
 import os
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from typing import Any
@@ -172,12 +173,13 @@ ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
 """W&B alert level of each :class:`~gpulens.model.Event` severity."""
 
 PLACE_POLL_S = 0.02
-PLACE_POLL_MAX_S = 0.16
+PLACE_POLL_MAX_S = 0.2
 """With a run attached from the engine process: how often the sink asks W&B's step while rows
-wait for a record (see the module doc): after :data:`PLACE_POLL_S`, doubling while no record
-frees up, up to :data:`PLACE_POLL_MAX_S`, and from the start again once a row is placed.  Each
-ask is a round trip to ``wandb-core`` (0.3 ms); a user who logs every step frees a record a
-step, so this asks two or three times a step, not ``step / PLACE_POLL_S`` times."""
+wait for a record (see the module doc): twice per period of W&B's step as the sink has seen it
+advance (the user's logs free a record each), within [:data:`PLACE_POLL_S`,
+:data:`PLACE_POLL_MAX_S`]; :data:`PLACE_POLL_S` until it has seen the step move.  Each ask is
+a round trip to ``wandb-core`` (0.3 ms): a loop logging every 110 ms step is asked about
+twice a step, not every 20 ms."""
 
 MAX_QUEUE = 10_000
 """Rows :class:`WandbSink` keeps waiting for a record of their own."""
@@ -239,6 +241,8 @@ class WandbSink:
         self._lock = threading.Condition()
         """Held while rows are placed (the writer's thread, and the placer's)."""
         self._placer: threading.Thread | None = None
+        self._steps_seen: deque[tuple[float, int]] = deque(maxlen=8)
+        """(monotonic time, W&B step) each time an attached run's step was seen to move."""
         self._config_seen: Any = None
         """The run config's ``"gpulens"`` entry as the training process saw it at start."""
         self.detail_interval = resolve_detail_interval(detail_interval)
@@ -329,6 +333,7 @@ class WandbSink:
     def open(self, context: RunContext) -> None:
         wandb = import_wandb()
         self._attached, self._gone = False, None
+        self._steps_seen.clear()
         if isinstance(self._run, RunHandle):
             self._config_seen = self._run.config_entry
             self._run, self._attached = self._run.resolve()
@@ -359,27 +364,31 @@ class WandbSink:
         intervals of :data:`PLACE_POLL_MAX_S` (rows come in bursts, and a record frees up at
         each of the user's logs, which this process does not see)."""
         lock = self._lock
-        wait = PLACE_POLL_S
         while True:
             with lock:
                 while not self._queue and self._placer is not None:
                     lock.wait()
-                    wait = PLACE_POLL_S
                 if self._placer is None:
                     return
-                lock.wait(wait)
+                lock.wait(self._poll_interval())
                 if self._placer is None or self._gone is not None:
                     return
-                waiting = len(self._queue)
                 try:
                     self._place()
-                    placed = len(self._queue) < waiting
-                    wait = PLACE_POLL_S if placed else min(2 * wait, PLACE_POLL_MAX_S)
                 except RunGone as exc:
                     self._run_gone(exc)
                 except Exception as exc:  # the rows wait; the writer's next row tries again
                     warn_once("wandb-place", "gpulens: could not give a GPU row a W&B record: "
                               "%s", one_line(exc))
+
+    def _poll_interval(self) -> float:
+        """Half the period at which W&B's step has been seen to move, within the bounds of
+        :data:`PLACE_POLL_S`."""
+        seen = self._steps_seen
+        if len(seen) < 2 or seen[-1][1] <= seen[0][1]:
+            return PLACE_POLL_S
+        period = (seen[-1][0] - seen[0][0]) / (seen[-1][1] - seen[0][1])
+        return min(PLACE_POLL_MAX_S, max(PLACE_POLL_S, period / 2))
 
     def _write_metadata(self, context: RunContext) -> None:
         """The run's metadata into the config (under ``"gpulens"``) and, for simulated GPUs, a
@@ -475,7 +484,11 @@ class WandbSink:
         trip)."""
         run: Any = self._run
         if self._attached:
-            return ask_step(run)  # a bounded wait; RunGone once the run no longer answers
+            step = ask_step(run)  # a bounded wait; RunGone once the run no longer answers
+            seen = self._steps_seen
+            if not seen or step > seen[-1][1]:
+                seen.append((time.monotonic(), step))
+            return step
         try:
             return int(run.step)
         except Exception:
@@ -541,13 +554,14 @@ class WandbSink:
             self._define(data)
             if self._newest_step is None or row.step > self._newest_step:
                 self._newest_step = row.step
+            was_empty = not self._queue
             self._queue.append(data)
             try:
                 self._place()
             except RunGone as exc:
                 self._run_gone(exc)
                 raise
-            if self._queue:
+            if self._queue and was_empty:
                 self._lock.notify()  # the placer looks for free records while rows wait
 
     def _run_gone(self, exc: RunGone) -> None:
