@@ -374,6 +374,7 @@ class WandbSink:
                 if self._placer is None or self._gone is not None:
                     return
                 try:
+                    self._core_step()  # the newest S: has a record freed up?
                     self._place()
                 except RunGone as exc:
                     self._run_gone(exc)
@@ -472,10 +473,13 @@ class WandbSink:
         return local if local is not None else self._core_step()
 
     def _mirror_step(self) -> int | None:
-        """``S`` as this process's wandb mirrors it (read for free), if it does (an attached
-        run's mirror counts only this process's own commits: never read)."""
+        """``S`` as this process's wandb mirrors it (read for free), if it does.  An attached
+        run's own mirror counts only this process's commits and is never read: there the
+        mirror is the newest ``S`` ``wandb-core`` answered, which lags like a mirror does
+        (only ever behind), so it may decide *whether* to place a row, as a mirror does."""
         if self._attached:
-            return None
+            seen = self._steps_seen
+            return seen[-1][1] if seen else None
         local = getattr(self._run, "_local_step", None)
         return local if isinstance(local, int) else None
 
