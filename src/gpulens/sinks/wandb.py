@@ -114,8 +114,9 @@ from gpulens.log import logger as _log
 from gpulens.log import warn_once
 from gpulens.model import Event, Row, RunContext
 from gpulens.schema import STEP_KEY
-from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
+from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys
 from gpulens.sinks.wandb_run import (
+    CONFIG_FROM_RUN,
     RunGone,
     RunHandle,
     ask_step,
@@ -123,6 +124,7 @@ from gpulens.sinks.wandb_run import (
     check_wandb_ready,
     import_wandb,
     one_line,
+    write_run_metadata,
 )
 
 AXIS_KEY = "gpulens/step"
@@ -165,9 +167,6 @@ def _definitions(run: Any) -> dict[str, tuple[bool, str]]:
     except TypeError:
         return {}
 
-
-SIMULATED_TAG = "simulated-gpus"
-"""The W&B run tag of a run whose GPUs were simulated."""
 
 ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
 """W&B alert level of each :class:`~gpulens.model.Event` severity."""
@@ -392,34 +391,10 @@ class WandbSink:
         return min(PLACE_POLL_MAX_S, max(PLACE_POLL_S, period / 2))
 
     def _write_metadata(self, context: RunContext) -> None:
-        """The run's metadata into the config (under ``"gpulens"``) and, for simulated GPUs, a
-        run tag; never a reason not to log rows."""
-        run: Any = self._run
-        meta = run_metadata(context)
-        try:
-            config = run.config
-            key = "gpulens"
-            existing = (self._config_seen if self._attached else
-                        config.get(key) if hasattr(config, "get") else None)
-            if existing is not None and not (isinstance(existing, dict) and
-                                             existing.get("version") is not None and
-                                             "backend" in existing):
-                key = "gpulens_run"  # the user's own "gpulens" entry stays as it is
-                _log.info("gpulens: the W&B config has a 'gpulens' entry of its own; the run's "
-                          "metadata goes under 'gpulens_run'")
-            # our own entry may change when a run is resumed (another host, other GPUs)
-            config.update({key: meta}, allow_val_change=True)
-        except Exception as exc:
-            warn_once("wandb-config", "gpulens: could not write the run's metadata (GPUs, "
-                      "backend, ...) into the W&B config: %s", one_line(exc))
-        if context.backend == "simulated":
-            try:
-                tags = tuple(run.tags or ())
-                if SIMULATED_TAG not in tags:
-                    run.tags = (*tags, SIMULATED_TAG)
-            except Exception as exc:
-                warn_once("wandb-tags", "gpulens: could not tag the W&B run %r: %s",
-                          SIMULATED_TAG, one_line(exc))
+        """The run's metadata into its config and, for simulated GPUs, a tag
+        (:func:`write_run_metadata`)."""
+        write_run_metadata(self._run, context,
+                           seen=self._config_seen if self._attached else CONFIG_FROM_RUN)
 
     def _data(self, row: Row) -> dict[str, float]:
         shown, detail = self._layout.split(row.values)

@@ -28,6 +28,10 @@ import pickle
 import sys
 from typing import Any
 
+from gpulens.log import logger, warn_once
+from gpulens.model import RunContext
+from gpulens.sinks.layout import run_metadata
+
 SERVICE_ENV = "WANDB_SERVICE"
 """The environment variable through which a wandb process finds the running service."""
 
@@ -163,3 +167,44 @@ def check_wandb_ready() -> None:
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+SIMULATED_TAG = "simulated-gpus"
+"""The W&B run tag of a run whose GPUs were simulated."""
+
+CONFIG_FROM_RUN: Any = object()
+"""For :func:`write_run_metadata`: read the config's ``"gpulens"`` entry from the run."""
+
+
+def write_run_metadata(run: Any, context: RunContext, *, seen: Any = CONFIG_FROM_RUN) -> None:
+    """The run's metadata (:func:`~gpulens.sinks.layout.run_metadata`) into its config under
+    ``"gpulens"`` (``"gpulens_run"`` when the user's config has a ``"gpulens"`` entry of its
+    own: ``seen``, the entry as the training process saw it, for an attached run whose config
+    starts empty; else read from the run) and, for simulated GPUs, the run tag
+    :data:`SIMULATED_TAG`.  Never a reason not to log rows: a failure is a warning, once."""
+    meta = run_metadata(context)
+    try:
+        config = run.config
+        key = "gpulens"
+        existing = seen
+        if seen is CONFIG_FROM_RUN:
+            existing = config.get(key) if hasattr(config, "get") else None
+        if existing is not None and not (isinstance(existing, dict) and
+                                         existing.get("version") is not None and
+                                         "backend" in existing):
+            key = "gpulens_run"  # the user's own "gpulens" entry stays as it is
+            logger.info("gpulens: the W&B config has a 'gpulens' entry of its own; the run's "
+                        "metadata goes under 'gpulens_run'")
+        # our own entry may change when a run is resumed (another host, other GPUs)
+        config.update({key: meta}, allow_val_change=True)
+    except Exception as exc:
+        warn_once("wandb-config", "gpulens: could not write the run's metadata (GPUs, "
+                  "backend, ...) into the W&B config: %s", one_line(exc))
+    if context.backend == "simulated":
+        try:
+            tags = tuple(run.tags or ())
+            if SIMULATED_TAG not in tags:
+                run.tags = (*tags, SIMULATED_TAG)
+        except Exception as exc:
+            warn_once("wandb-tags", "gpulens: could not tag the W&B run %r: %s",
+                      SIMULATED_TAG, one_line(exc))
