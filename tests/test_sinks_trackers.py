@@ -229,6 +229,25 @@ def test_wandb_run_of_a_thread_engine_is_this_process(wandb_offline: Path) -> No
     assert [h["gpulens/step"] for h in _gpu_rows(history)] == [1, 2, 3]
 
 
+def test_wandb_disabled_writes_nothing_and_says_nothing_wrong(
+        wandb_offline: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``wandb.init(mode="disabled")`` (W&B switched off, a no-op run): the engine's sink has
+    nothing to attach to and writes nothing, without a warning, as W&B itself does."""
+    import wandb
+
+    run = wandb.init(mode="disabled")
+    with caplog.at_level("INFO", logger="gpulens"), gpulens.Monitor(
+            interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
+        _train(mon, 4)
+        run.log({"user/loss": 1.0})
+    wandb.finish()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == []
+    assert "the W&B run is disabled" in caplog.text
+    assert mon.sink_stats["wandb"].dropped == 0
+    assert not list(wandb_offline.rglob("*.wandb"))
+
+
 def test_wandb_run_finished_before_stop_is_told_and_stop_stays_bounded(
         wandb_offline: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The user finishes their run while the monitor still writes to it from the engine: the

@@ -235,6 +235,8 @@ class WandbSink:
         self._run: Any = run
         self._attached = False
         """The run is the training process's, attached from the engine process."""
+        self._disabled = False
+        """The run handed over is W&B's no-op run (``mode="disabled"``)."""
         self._gone: RunGone | None = None
         """Set once an attached run stopped answering: no more rows are written."""
         self._lock = threading.Condition()
@@ -331,9 +333,14 @@ class WandbSink:
 
     def open(self, context: RunContext) -> None:
         wandb = import_wandb()
-        self._attached, self._gone = False, None
+        self._attached, self._gone, self._disabled = False, None, False
         self._steps_seen.clear()
         if isinstance(self._run, RunHandle):
+            if self._run.disabled:  # W&B's no-op run: nothing to write, nothing to attach
+                self._disabled = True
+                _log.info("gpulens: the W&B run is disabled (mode='disabled'): no GPU rows "
+                          "go to W&B")
+                return
             self._config_seen = self._run.config_entry
             self._run, self._attached = self._run.resolve()
         if self._run is None:
@@ -522,6 +529,8 @@ class WandbSink:
         return self._newest_step is not None and step + 1 <= self._newest_step + 1
 
     def write(self, row: Row) -> None:
+        if self._disabled:
+            return
         assert self._run is not None, "WandbSink.write before open"
         for event in row.events:
             if event.kind == "alert" and event.state == "firing":
@@ -562,7 +571,7 @@ class WandbSink:
 
     def _close(self) -> None:
         run: Any = self._run
-        if run is not None and self._gone is None:
+        if run is not None and self._gone is None and not self._disabled:
             queued = len(self._queue)
             try:
                 self._place(final=True)

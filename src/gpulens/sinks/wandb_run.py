@@ -53,7 +53,7 @@ class RunHandle:
             made or attached it.
     """
 
-    __slots__ = ("_blob", "_run", "config_entry", "service")
+    __slots__ = ("_blob", "_run", "config_entry", "disabled", "service")
 
     def __init__(self, run: Any) -> None:
         try:
@@ -66,6 +66,8 @@ class RunHandle:
         self._blob: bytes = blob
         self.service: str | None = os.environ.get(SERVICE_ENV)
         """The service address of the process that made the handle (if W&B set one)."""
+        self.disabled: bool = getattr(run, "disabled", False) is True
+        """W&B is off (``mode="disabled"``: a no-op run): the sink writes nothing."""
         self.config_entry: Any = None
         """The run config's ``"gpulens"`` entry as the training process has it (an attached
         run's config starts empty: the sink must not take a user's entry for none)."""
@@ -73,13 +75,15 @@ class RunHandle:
             self.config_entry = run.config.get("gpulens")
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"blob": self._blob, "service": self.service, "config": self.config_entry}
+        return {"blob": self._blob, "service": self.service, "config": self.config_entry,
+                "disabled": self.disabled}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._run = None
         self._blob = state["blob"]
         self.service = state["service"]
         self.config_entry = state["config"]
+        self.disabled = state["disabled"]
 
     def __repr__(self) -> str:
         return "RunHandle(here)" if self._run is not None else "RunHandle(to attach)"
