@@ -57,8 +57,9 @@ def _no_job_left() -> Iterator[None]:
     kill_all_jobs()  # whatever a failing test left: every rank's process group
 
 
-def torchrun(args: list[str], cwd: Path) -> None:
+def torchrun(args: list[str], cwd: Path, **extra: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    env.update(extra)
     env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT),
                                                       env.get("PYTHONPATH", "")) if p))
@@ -167,7 +168,14 @@ def _launch_ddp_examples(out: Path) -> None:
         scripts["hf"] = [str(EXAMPLES / "hf_trainer.py"), "--output-dir", str(out / "hf"),
                          "--max-steps", "12", "--logging-steps", "4"]
     scripts["late"] = [str(out / "late.py"), str(out / "late.jsonl"), str(out / "result")]
-    torchrun([str(SUPPORT / "ddp_scripts.py"), json.dumps(list(scripts.values()))], out)
+    if installed("transformers") and installed("wandb"):
+        # last: rank 0's W&B run (offline, under out/wandb: WANDB_DIR below) stays open until
+        # the rank exits
+        scripts["hf-wandb"] = [str(EXAMPLES / "hf_trainer.py"), "--output-dir",
+                               str(out / "hf-wandb"), "--max-steps", "12", "--logging-steps",
+                               "4", "--report-to", "wandb"]
+    torchrun([str(SUPPORT / "ddp_scripts.py"), json.dumps(list(scripts.values()))], out,
+             WANDB_DIR=str(out))
 
 
 @pytest.mark.xdist_group("ddp-examples")
@@ -194,6 +202,23 @@ def test_hf_trainer_ddp(ddp_examples: Path) -> None:
     rows = jsonl(ddp_examples / "hf" / "gpulens.jsonl")
     check_rows(rows, [4, 8, 12])
     assert all("train/loss" in r for r in rows)
+
+
+@pytest.mark.xdist_group("ddp-examples")
+def test_hf_trainer_ddp_into_wandb_from_rank_0s_engine(ddp_examples: Path) -> None:
+    """HF under DDP with ``report_to="wandb"``: rank 0's engine process attaches to the run
+    HF started on rank 0 and writes the job's rows on HF's steps; no other rank makes a run."""
+    needs("transformers")
+    needs("wandb")
+    from tests.support.wandb_reader import read_history, wait_for_finished_run
+
+    history = read_history(wait_for_finished_run(ddp_examples))  # the launch's one run
+    loss_steps = [h["train/global_step"] for h in history if "train/loss" in h]
+    rows = [h for h in history if "gpulens/step" in h]
+    assert loss_steps == [4, 8, 12]
+    assert [h["gpulens/step"] for h in rows] == [4, 8, 12]
+    assert all("train/gpu_util_pct_mean" in h for h in rows)  # the job's view, both ranks
+    assert [h["_step"] for h in history] == list(range(len(history)))
 
 
 @pytest.mark.xdist_group("ddp-examples")
