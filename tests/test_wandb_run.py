@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import sys
 import threading
+import time
 import types
 from typing import Any
 
@@ -175,3 +176,57 @@ def test_the_placer_asks_twice_per_period_of_the_users_logs() -> None:
     sink._steps_seen.clear()
     sink._steps_seen.extend([(0.0, 1), (3.0, 2)])  # once in 3 s: at most 0.2 s
     assert sink._poll_interval() == 0.2
+
+
+class UserLoggingRun(AttachedRun):
+    """An attached run whose user commits a record whenever the test says (``commit()``);
+    each row logged records the W&B step it joined."""
+
+    def __init__(self) -> None:
+        super().__init__(answers=10_000)
+        self.lock = threading.Lock()
+        self.joined: list[tuple[float, int]] = []  # (gpulens/step, the record's step)
+
+    def commit(self) -> None:
+        with self.lock:
+            self.step_now += 1
+
+    def deliver_history_step(self) -> Answer:
+        with self.lock:
+            return Answer(self.step_now)
+
+    def log(self, data: dict[str, Any], **kwargs: Any) -> None:
+        with self.lock:
+            if kwargs.get("commit"):
+                self.step_now += 1
+            elif data:
+                self.joined.append((data["gpulens/step"], self.step_now))
+
+
+def test_the_placer_puts_waiting_rows_into_records_as_the_user_frees_them() -> None:
+    """Four rows come at once (a burst) while the user's pending record holds a row already:
+    they wait, and the placer gives each the next record the user's logs free, without a new
+    row to wake it, one row a record.  Without the placer they would wait for ``close()``.
+    The user logs without ``step=`` (W&B's step 100 is ahead of the training steps), so no
+    record of the sink's own is safe."""
+    from gpulens.model import Row
+
+    run = UserLoggingRun()
+    run.step_now = 100
+    sink = _attached_sink(run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    sink._start_placer()
+    try:
+        sink.write(Row(step=1, time=0.0, values={"gpu/0/util_pct": 50.0}))  # joins record 0
+        for step in range(2, 6):  # the burst: record 0 is taken, so they wait
+            sink.write(Row(step=step, time=0.01 * step, values={"gpu/0/util_pct": 50.0}))
+        assert len(run.joined) == 1 and len(sink._queue) == 4
+        for _ in range(4):  # the user logs: a record frees up each time
+            run.commit()
+            deadline = time.monotonic() + 10
+            while len(run.joined) < run.step_now - 99 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert run.joined == [(1.0, 100), (2.0, 101), (3.0, 102), (4.0, 103), (5.0, 104)]
+        assert not sink._queue
+    finally:
+        sink.close()

@@ -361,9 +361,12 @@ class WandbSink:
             self._defined[AXIS_KEY] = (True, "")
         self._write_metadata(context)
         if self._attached and not self._shared:
-            self._placer = threading.Thread(target=self._place_waiting, daemon=True,
-                                            name="gpulens-wandb-place")
-            self._placer.start()
+            self._start_placer()
+
+    def _start_placer(self) -> None:
+        self._placer = threading.Thread(target=self._place_waiting, daemon=True,
+                                        name="gpulens-wandb-place")
+        self._placer.start()
 
     def _place_waiting(self) -> None:
         """The placer thread (attached runs): while rows wait, look for a free record at the
@@ -545,6 +548,8 @@ class WandbSink:
             was_empty = not self._queue
             self._queue.append(data)
             try:
+                if self._attached and was_empty:
+                    self._core_step()  # the newest S: the row may have a record at once
                 self._place()
             except RunGone as exc:
                 self._run_gone(exc)
