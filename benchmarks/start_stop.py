@@ -97,10 +97,8 @@ def child(arm: str, work: Path, steps: int, work_s: float, log_every: int,
         """Rows of this run in the sink's store so far."""
         if arm == "jsonl":
             return _jsonl_rows(work / "rows.jsonl")
-        if arm == "wandb-offline":  # written in this process: the sink's own figures
-            writer = mon._steplogger
-            return max((s.written for s in writer.stats().values()), default=0) \
-                if writer is not None else 0
+        if arm == "wandb-offline":
+            return _wandb_rows(work) + _local_written(mon)
         assert db is not None
         return _losses_in(db) - before
 
@@ -137,6 +135,26 @@ def child(arm: str, work: Path, steps: int, work_s: float, log_every: int,
     out["sinks"] = {k: {"written": v.written, "dropped": v.dropped} for k, v in stats.items()}
     out["rows_stored"] = stored(mon) if arm != "wandb-offline" else None
     return out
+
+
+def _local_written(mon: Any) -> int:
+    """Rows this process's own sink writers wrote (a tree that wrote W&B from the training
+    process: the sink's own figures)."""
+    writer = mon._steplogger
+    return max((s.written for s in writer.stats().values()), default=0) \
+        if writer is not None else 0
+
+
+def _wandb_rows(work: Path) -> int:
+    """gpulens rows in the offline run file under ``work`` so far (a tree that writes W&B
+    from the engine process; the pending record is not in the file yet); 0 while there is
+    no file or it ends inside a record."""
+    from tests.support.wandb_reader import WandbFileError, find_run_file, read_history
+
+    try:
+        return sum(1 for h in read_history(find_run_file(work)) if "gpulens/step" in h)
+    except (FileNotFoundError, WandbFileError, ValueError):
+        return 0
 
 
 # -- the parent: rounds, servers, the table -------------------------------------------------------
