@@ -369,9 +369,9 @@ class WandbSink:
         self._placer.start()
 
     def _place_waiting(self) -> None:
-        """The placer thread (attached runs): while rows wait, look for a free record at the
-        intervals of :data:`PLACE_POLL_MAX_S` (rows come in bursts, and a record frees up at
-        each of the user's logs, which this process does not see)."""
+        """The placer thread (attached runs): while rows wait, look for a free record every
+        :meth:`_poll_interval` (rows come in bursts, and a record frees up at each of the
+        user's logs, which this process does not see)."""
         lock = self._lock
         while True:
             with lock:
