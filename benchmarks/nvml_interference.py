@@ -1,0 +1,228 @@
+"""Do gpulens's NVML reads, made from another process, slow a training step? (issue 18)
+
+A dose-response test of each kind of read the engine makes, on a step that syncs every step
+(``loss.item()``, as a Hugging Face ``Trainer`` logging every step does). One training process
+runs the GPT-2-small-sized loop of ``overhead_gpu.py`` (batch chosen for ``--target-ms``); a
+reader process (spawned, the way the engine is) makes NVML reads through gpulens's own
+``NvmlDevice`` on the same GPU, one kind at a time, at a fixed rate. Arms:
+
+``idle``, ``idle_b``  the reader makes no read (the A/A pair)
+``fast@R``           ``read_fast()``: utilization, memory, power, limit, temperature, clocks,
+                     clock-event reasons (the engine: every ``interval``)
+``samples@R``        ``read_samples`` of power and of utilization (the driver's buffers; the
+                     engine: once a second, and per waiting step mark at most every 0.2 s)
+``energy@R``         ``read_energy_mj`` (the total-energy counter; the engine: once a second)
+``gpm@R``            ``read_gpm`` (a GPM sample and its metrics; the engine: every
+                     ``interval / 2``, at least every 50 ms)
+``engine``           all of them at the engine's rates for ``--interval`` and one mark a step
+
+``R`` is the rate in reads a second (``--rate``, default 50, far above the engine's, so an
+effect that exists shows). Per round every arm runs once, in a seeded shuffled order, as a
+block of ``--burn`` + ``--steps`` steps; the reader is switched before the block's burn-in
+steps. Each step is timed on the GPU's timeline (an event at each step's end). A block's value
+is the mean of its measured steps; each arm is read in percentage points of the same round's
+``idle`` (``paired.py``: mean and 95 % bootstrap interval, beside the A/A arm). The reader
+also reports what each read took (median and 90th percentile, ms): with the effect per
+second of reading, that gives the cost of the engine's actual rate.
+
+    python benchmarks/nvml_interference.py --budget-s 300 --json $OUT/nvml_interference.json
+    python benchmarks/nvml_interference.py --quick          # a smoke run on a CPU (no reads)
+
+Prints Markdown (``--md`` writes it too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead_gpu as og
+import paired
+
+
+def _reads(dev: Any, kind: str) -> Callable[[], object]:
+    from gpulens.sources.nvml import POWER_SAMPLES, UTIL_SAMPLES
+
+    if kind == "fast":
+        return lambda: dev.read_fast()
+    if kind == "samples":
+        return lambda: (dev.read_samples(POWER_SAMPLES), dev.read_samples(UTIL_SAMPLES))
+    if kind == "energy":
+        return dev.read_energy_mj
+    if kind == "gpm":
+        return dev.read_gpm
+    raise ValueError(kind)
+
+
+def engine_plan(interval: float, step_s: float) -> list[tuple[str, float]]:
+    """(kind, reads a second) of the engine's sampler at ``interval`` with one step mark per
+    ``step_s`` (see ``gpulens.engine.sampler``)."""
+    samples = 1.0 + min(1.0 / max(step_s, 1e-3), 1 / 0.2)  # slow pass + early reads per mark
+    return [("fast", 1.0 / interval), ("gpm", 1.0 / max(0.05, interval / 2)),
+            ("energy", 1.0), ("samples", samples)]
+
+
+def reader(conn: Any, nvml_index: int, rate: float, interval: float, step_s: float,
+           simulated: bool = False) -> None:
+    """The reader process: waits for an arm name, reads at its rate until the next one
+    (``simulated``: against gpulens's simulated NVML, for a smoke run on a CPU)."""
+    from gpulens.sources.nvml import NvmlSource
+    from gpulens.sources.simulated import SimulatedNVML
+
+    src = NvmlSource(SimulatedNVML(1) if simulated else None)
+    src.open()
+    dev = src.device(nvml_index)
+    for kind in ("fast", "samples", "energy", "gpm"):
+        _reads(dev, kind)()  # first calls: GPM's first sample, the buffers' start
+    arm = "idle"
+    durations: dict[str, list[float]] = {}
+    plan: list[tuple[Callable[[], object], float, str]] = []
+    due: list[float] = []
+    while True:
+        wait = max(0.0, min(due) - time.monotonic()) if due else None
+        if conn.poll(wait):
+            msg = conn.recv()
+            if msg == "quit":
+                conn.send({k: _stats(v) for k, v in durations.items()})
+                src.close()
+                return
+            arm = msg
+            kind = arm.split("@")[0]
+            if kind.startswith("idle"):
+                plan = []
+            elif kind == "engine":
+                plan = [(_reads(dev, k), r, k) for k, r in engine_plan(interval, step_s)]
+            else:
+                plan = [(_reads(dev, kind), rate, kind)]
+            now = time.monotonic()
+            due = [now + random.random() / r for _, r, _ in plan]
+            conn.send("ok")
+            continue
+        now = time.monotonic()
+        for i, (fn, r, kind) in enumerate(plan):
+            if now >= due[i]:
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if not arm.startswith("engine"):
+                    durations.setdefault(kind, []).append(dt)
+                due[i] = max(due[i] + 1.0 / r, time.monotonic())
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {"n": len(v), "median_ms": 1e3 * statistics.median(v),
+            "p90_ms": 1e3 * v[int(0.9 * (len(v) - 1))], "max_ms": 1e3 * v[-1]}
+
+
+def block(s: og.Setup, burn: int, steps: int, start: int) -> float:
+    """Mean seconds per step over ``steps`` steps after ``burn``, on the GPU timeline."""
+    torch = s.torch
+    cuda = s.device.type == "cuda"
+    events: list[Any] = []
+    walls: list[float] = []
+    for i in range(burn + steps + 1):
+        og.train_step(s, start + i)
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            events.append(e)
+        walls.append(time.perf_counter())
+    if cuda:
+        events[-1].synchronize()
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(events[burn:], events[burn + 1:],
+                                                          strict=False)]
+    else:
+        times = [b - a for a, b in zip(walls[burn:], walls[burn + 1:], strict=False)]
+    return statistics.fmean(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rate", type=float, default=50.0)
+    p.add_argument("--interval", type=float, default=0.1, help="the engine arm's interval")
+    p.add_argument("--target-ms", type=float, default=100.0)
+    p.add_argument("--burn", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=300.0)
+    p.add_argument("--max-rounds", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None)
+    args = p.parse_args()
+    if args.quick:
+        args.burn, args.steps, args.max_rounds = 1, 3, 2
+    s = og.setup(args.quick, args.target_ms, None, None)
+    step_s = block(s, 1, 5, 0)
+    rate = f"@{args.rate:g}"
+    arms = ["idle", "idle_b", "fast" + rate, "samples" + rate, "energy" + rate, "gpm" + rate,
+            "engine"]
+    values: dict[str, dict[int, float]] = {a: {} for a in arms}
+    durations: dict[str, Any] = {}
+    parent, child = mp.get_context("spawn").Pipe()
+    cuda = s.device.type == "cuda"
+    index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]) if cuda else 0
+    proc = mp.get_context("spawn").Process(
+        target=reader, args=(child, index, args.rate, args.interval, step_s, not cuda),
+        daemon=True)
+    proc.start()
+    t_end = time.monotonic() + args.budget_s
+    rnd = 0
+    step = 100
+    while rnd < args.max_rounds and (rnd == 0 or time.monotonic() < t_end):
+        order = paired.round_order(arms, args.seed, rnd)
+        for arm in order:
+            parent.send(arm)
+            assert parent.recv() == "ok"
+            values[arm][rnd] = block(s, args.burn, args.steps, step)
+            step += args.burn + args.steps + 1
+        rnd += 1
+        if args.json:
+            args.json.write_text(json.dumps({"values": values, "rounds": rnd}, indent=1))
+        og.log(f"round {rnd}: " + ", ".join(f"{a} {values[a][rnd - 1] * 1e3:.2f}"
+                                            for a in arms))
+    parent.send("idle")
+    parent.recv()
+    parent.send("quit")
+    durations = parent.recv()
+    proc.join(10)
+    baseline_of = {a: "idle" for a in arms}
+    comps = paired.compare(values, baseline_of, seed=args.seed)
+    lines = [f"## NVML reads from another process against a step that syncs every step "
+             f"({og.hardware(s).get('gpu', s.device)})",
+             f"model {s.n_params / 1e6:.1f}M params, batch {s.batch_size} x {s.seq_len}; "
+             f"step {step_s * 1e3:.1f} ms; {rnd} rounds of {args.burn} + {args.steps} steps an "
+             f"arm; reads at {args.rate:g}/s (`engine`: {engine_plan(args.interval, step_s)})",
+             "", paired.table(comps), "",
+             "| read | calls | median ms | p90 ms | max ms |", "|---|---|---|---|---|"]
+    for kind, st in durations.items():
+        lines.append(f"| {kind} | {st['n']} | {st['median_ms']:.3f} | {st['p90_ms']:.3f} | "
+                     f"{st['max_ms']:.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.md:
+        args.md.write_text(text)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "values": values, "rounds": rnd, "durations": durations, "step_s": step_s,
+            "comparisons": [c.as_dict() for c in comps],
+            "engine_plan": engine_plan(args.interval, step_s), "versions": og.versions(),
+            "hardware": og.hardware(s)}, indent=1, default=str))
+    if any(math.isnan(c.est.mean) for c in comps):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
