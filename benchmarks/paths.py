@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import math
 import os
 import re
 import statistics
@@ -197,6 +198,10 @@ class Schedule:
     round_wall_s: float = field(init=False, default=float("nan"))
     """Host wall-clock seconds a round took (starts and stops included), once :meth:`values`
     has read the run's clock."""
+    profile_s: dict[str, list[float]] = field(init=False, default_factory=dict)
+    """Per arm, the mean seconds of the step at each position of its blocks (burn-in steps
+    included), over the rounds, once :meth:`values` has read the run's clock: whether a cost
+    sits in the first steps after a start (a transient) or in every step (the steady state)."""
 
     def __post_init__(self) -> None:
         self.orders = [paired.round_order(self.arms, self.seed, self.first_round + r)
@@ -261,14 +266,22 @@ class Schedule:
         if len(clock.wall) >= last:  # stamp k ends step k + 1
             self.round_wall_s = (clock.wall[last - 1] - clock.wall[first - 1]) / self.rounds
         sums: dict[tuple[int, str], list[float]] = {}
+        by_pos: dict[str, list[list[float]]] = {}
         for index, (w, c, o) in enumerate(zip(wall, cpu, others, strict=True)):
             where = self.place(index + 2)
+            if where is not None:
+                pos = (index + 2 - self.warmup - 1) % self.block
+                slots = by_pos.setdefault(where[1], [[0.0, 0] for _ in range(self.block)])
+                slots[pos][0] += w
+                slots[pos][1] += 1
             if where is not None and where[2]:
                 acc = sums.setdefault(where[:2], [0.0, 0.0, 0.0, 0.0])
                 acc[0] += w
                 acc[1] += c
                 acc[2] += o
                 acc[3] += 1
+        self.profile_s = {arm: [t / n if n else math.nan for t, n in slots]
+                          for arm, slots in by_pos.items()}
         return {k: (v[0] / v[3], v[1] / v[3], v[2] / v[3]) for k, v in sums.items()}
 
 

@@ -118,6 +118,20 @@ class PathRun:
         self.round_s: list[float] = []
         self.plan: paired.Plan | None = None
         self.failed: str | None = None
+        self.profile: dict[str, list[tuple[float, int]]] = {}
+        """Per arm, per position in its blocks (burn-in included): (sum of the step's mean
+        seconds over the training runs, weighted by their rounds; rounds), this rank's."""
+
+    def add_profile(self, profile: dict[str, list[float]], rounds: int) -> None:
+        for arm, steps in profile.items():
+            acc = self.profile.setdefault(arm, [(0.0, 0)] * len(steps))
+            self.profile[arm] = [(t + v * rounds, n + rounds) if math.isfinite(v) else (t, n)
+                                 for (t, n), v in zip(acc, steps, strict=True)]
+
+    def profile_ms(self) -> dict[str, list[float]]:
+        """Per arm, the mean step (ms) at each position of its blocks."""
+        return {arm: [1e3 * t / n if n else math.nan for t, n in steps]
+                for arm, steps in self.profile.items()}
 
     def comparisons(self, seed: int) -> list[paired.Comparison]:
         return paired.compare(self.values, dict.fromkeys(self.arms, self.name), seed=seed)
@@ -141,6 +155,7 @@ class PathRun:
                      for a in self.arms},
             "orders": self.orders, "round_s": self.round_s,
             "plan": self.plan.as_dict() if self.plan else None, "failed": self.failed,
+            "profile_ms_rank0": self.profile_ms(),
             "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est, bound)}
                             for c in comps],
         }
@@ -265,6 +280,7 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
                     totals[name] = totals.get(name, 0.0) + spent
                 run.thread_steps[r][arm] = run.thread_steps[r].get(arm, 0) + steps.get(arm, 0)
         run.orders.extend(schedule.orders)
+        run.add_profile(schedule.profile_s, todo)
         for (rnd, arm), (_, cpu_s, others_s) in mine.items():
             per_rank = [r[(rnd, arm)][0] for r in ranks]
             run.values[arm][rnd] = max(per_rank)
@@ -339,8 +355,31 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
                 out.append(f"| {arm} | {statistics.median(v.values()) * 1e3:.3f} | "
                            f"{statistics.median(c.values()):.2f} | {others} |")
         out += threads_table(run)
+        out += profile_table(run)
         out.append("")
     return "\n".join(out)
+
+
+def profile_table(run: PathRun) -> list[str]:
+    """Each arm's mean step at each position of its blocks, less the baseline's at the same
+    position (ms; rank 0; the first ``--burn-steps`` positions are burn-in): a start-up
+    transient shows in the first positions, a steady cost in every one."""
+    prof = run.profile_ms()
+    base = prof.get(run.name)
+    if not base:
+        return []
+    out = ["", f"step by position in the block, minus {run.name}'s at that position (ms; "
+           f"rank 0; the first positions are burn-in; {run.name}'s own in its row)", "",
+           "| arm | " + " | ".join(str(i) for i in range(len(base))) + " |",
+           "|---|" + "---|" * len(base)]
+    for arm in run.arms:
+        steps = prof.get(arm)
+        if not steps:
+            continue
+        cells = [f"{v:.1f}" if arm == run.name else f"{v - b:+.2f}"
+                 for v, b in zip(steps, base, strict=True)]
+        out.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
