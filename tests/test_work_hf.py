@@ -188,9 +188,11 @@ def _mixed_batches() -> list[dict[str, Any]]:
 
 
 def test_deferred_counts_cost_the_training_thread_one_op_a_batch_and_agree() -> None:
-    """What the callbacks use: per micro-batch at most one device operation, at the take at
-    most the lengths' ``cat`` and copy; the sums and FLOPs run where the values are read
-    (another thread), once, and agree with take()'s on-device reduction."""
+    """What the callbacks use: the forward hook launches nothing (it runs just after a log's
+    sync, where a launch is idle device time); ``settle()`` (where the device is busy) at most
+    one device operation per micro-batch; at the take at most the lengths' ``cat`` and copy;
+    the sums and FLOPs run where the values are read (another thread), once, and agree with
+    take()'s on-device reduction."""
     import threading
 
     formula = formula_from_config(_tiny_llama().config)
@@ -200,6 +202,9 @@ def test_deferred_counts_cost_the_training_thread_one_op_a_batch_and_agree() -> 
         eager.observe(batch)
         with OpCount() as count:
             deferred.observe(batch)
+        assert count.ops == [], count.ops
+        with OpCount() as count:
+            deferred.settle()
         assert len(count.ops) <= 1, count.ops
     expected = eager.take()
     with OpCount() as count:
@@ -285,6 +290,7 @@ def test_a_take_of_lengths_costs_its_reader_no_device_operation() -> None:
                  "attention_mask": torch.tensor([[1] * n + [0] * (9 - n), [1] * 9])}
         eager.observe(batch)
         deferred.observe(batch)
+    deferred.settle()  # where the session's marks call it: the masks' row sums
     expected = eager.take()
     with OpCount() as taking:
         work = deferred.take_deferred()
@@ -301,7 +307,7 @@ def test_a_take_of_lengths_costs_its_reader_no_device_operation() -> None:
 def test_a_take_of_many_lengths_is_summed_with_torch_on_the_host_and_agrees() -> None:
     """Beyond ``PYTHON_SUM_MAX`` lengths (a big batch, accumulation) the host copy is summed
     with torch, whose cost does not grow with the lengths as Python's does; same figures."""
-    from gpulens.work.hf import PYTHON_SUM_MAX
+    from gpulens.work.deferred import PYTHON_SUM_MAX
 
     formula = formula_from_config(_tiny_llama().config)
     assert formula is not None
@@ -328,7 +334,8 @@ def test_counts_kept_between_takes_are_folded_and_stay_right() -> None:
     for _ in range(FOLD_AT + 3):
         counter.observe({"input_ids": torch.ones((2, 4), dtype=torch.long),
                          "attention_mask": mask})
-    assert len(counter._lengths) == 3  # the first FOLD_AT were reduced into a running total
+    # the first FOLD_AT were reduced into a running total; the 3 since wait for settle()
+    assert len(counter._lengths) + len(counter._raw) == 3
     work = counter.take_deferred()
     assert set(work) == {"tokens"} and work["tokens"].item() == 4.0 * (FOLD_AT + 3)
 
@@ -392,3 +399,25 @@ def test_model_flops_without_a_config(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="gpulens")
     assert model_flops(torch.nn.Linear(4, 4)) is None
     assert any("no Hugging Face config" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cut_takes_its_own_batches_later_and_unsettled_masks_still_count() -> None:
+    """``cut()`` (the row of a log written at the next step's mark): the counts so far move
+    out without a device operation, the next step's batches stay for the next take, and masks
+    never settled are summed by the take itself."""
+    formula = formula_from_config(_tiny_llama().config)
+    assert formula is not None
+    counter = TokenCounter(formula, "causal")
+    first = {"input_ids": torch.ones((2, 9), dtype=torch.long),
+             "attention_mask": torch.tensor([[1] * 4 + [0] * 5, [1] * 9])}
+    second = {"input_ids": torch.ones((1, 9), dtype=torch.long),
+              "attention_mask": torch.tensor([[1] * 7 + [0] * 2])}
+    counter.observe(first)
+    with OpCount() as count:
+        part = counter.cut()
+    assert count.ops == []
+    counter.observe(second)  # the next step's forward, before the held row is written
+    counter.settle()
+    assert part.take_deferred()["tokens"].item() == 4 + 9  # never settled: the take sums it
+    assert counter.take_deferred()["tokens"].item() == 7
+    assert part.take_deferred() == {} and counter.take_deferred() == {}

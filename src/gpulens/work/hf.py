@@ -21,13 +21,13 @@ transformers and torch are imported only by the functions that need them.
 from __future__ import annotations
 
 import copy
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpulens.log import warn_once
 from gpulens.work.counter import CounterError, measure_formula
+from gpulens.work.deferred import DeferredCount, _Pending
 from gpulens.work.flops import Attention, FlopsFormula, _check_attention, formula_from_config
 from gpulens.work.precision import float32_matmul_dtype, normalize_dtype
 
@@ -170,9 +170,15 @@ class TokenCounter:
     Padding without a mask (a pad id the model only masks in the loss) cannot be told apart and
     counts as work.
 
-    **Cost on the training thread.** A micro-batch costs at most one device operation (the
-    mask's row sums, or the differences of ``cu_seq_lens_q``; packed ``position_ids`` are kept
-    as they are; shapes alone cost none), never a synchronisation. The rest (sums, the FLOPs
+    **Cost on the training thread.** The forward pre-hook launches nothing: it keeps the
+    micro-batch's mask (or ``cu_seq_lens_q``; packed ``position_ids``; shapes alone cost none).
+    :meth:`settle` turns the kept masks into sequence lengths (one device operation each, never
+    a synchronisation); the integrations call it where the host runs ahead of the device (before
+    the optimizer step, at the step's end), since work launched just after a synchronisation
+    (the step's first forward, after a log's ``loss.item()``) is time the device sits idle: on
+    an H200 the row sums made in the hook cost +0.25 pp of a 98 ms step
+    (``benchmarks/results/2026-11-27-h200-session-parts``). A mask is kept no longer than the
+    step that uses it. The rest (sums, the FLOPs
     formula) waits for the take: :meth:`take` runs it on the device (a few operations per take,
     the results left there); :meth:`take_deferred` starts the lengths' one copy to the host
     (a ``cat``, the copy and an event: three launches, no wait) and hands the sums to whoever
@@ -198,6 +204,9 @@ class TokenCounter:
         """Per micro-batch, the lengths of its sequences (1-D integer tensors)."""
         self._positions: list[Any] = []
         """Packed micro-batches' ``position_ids`` (2-D integer tensors)."""
+        self._raw: list[tuple[str, Any]] = []
+        """Micro-batches' attention masks (``"mask"``) and ``cu_seq_lens_q`` (``"cu"``) not
+        yet turned into lengths (:meth:`settle`)."""
         self._folded: tuple[Any, Any] | None = None
         """Running (tokens, FLOPs) of folded tensor counts (0-d tensors on their device)."""
         self._micro = 0
@@ -236,12 +245,43 @@ class TokenCounter:
             return
         if counted:
             self._micro += 1
-            if len(self._lengths) + len(self._positions) >= FOLD_AT:
+            if len(self._lengths) + len(self._positions) + len(self._raw) >= FOLD_AT:
+                self.settle()
                 self._fold()
+
+    def settle(self) -> None:
+        """Turn the kept masks into sequence lengths on their device (one operation each, no
+        synchronisation), so that no mask is kept past its step. Call it where the host is ahead
+        of the device; :meth:`take` and :meth:`take_deferred` call it too."""
+        raw, self._raw = self._raw, []
+        try:
+            import torch
+
+            for kind, t in raw:
+                self._lengths.append(t.sum(dim=1, dtype=torch.int64) if kind == "mask"
+                                     else t[1:] - t[:-1])
+        except Exception as exc:  # never into training: these micro-batches go uncounted
+            warn_once("tokens:settle", "gpulens: cannot count the tokens of a batch (%s: %s): "
+                      "throughput and MFU are not reported for such batches",
+                      type(exc).__name__, exc)
+
+    def cut(self) -> TokenCounter:
+        """The counts kept so far, moved into a counter of their own whose
+        :meth:`take_deferred` can run later (no device operation here); this one starts
+        again. A row written after its step ended (at a point where the host is ahead of the
+        device) reads its own micro-batches, not the next step's."""
+        part = TokenCounter(self.formula, self.attention)
+        part._shape_flops = self._shape_flops
+        part._tokens, part._flops, part._micro = self._tokens, self._flops, self._micro
+        part._lengths, part._positions, part._raw = self._lengths, self._positions, self._raw
+        part._folded = self._folded
+        self._reset()
+        return part
 
     def take(self) -> StepWork:
         """The work since the previous take, and start again. Tensor counts are reduced on
         their device here (no synchronisation): the values are 0-d tensors there."""
+        self.settle()
         micro = self._micro
         tokens, flops = self._reduce_kept()
         work = StepWork(tokens=tokens, flops=flops if (self.formula is not None and micro) else
@@ -261,6 +301,7 @@ class TokenCounter:
         if not self._micro:
             self._reset()
             return {}
+        self.settle()
         out: dict[str, Any]
         if self._lengths or self._positions or self._folded is not None:
             pending = _Pending(self, self._lengths, self._positions, self._folded)
@@ -282,7 +323,7 @@ class TokenCounter:
 
         mask = batch.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            self._lengths.append(mask.sum(dim=1, dtype=torch.int64))
+            self._raw.append(("mask", mask))
             return True
         if isinstance(mask, torch.Tensor):
             warn_once("tokens:mask4d",
@@ -290,7 +331,7 @@ class TokenCounter:
                       "every position is counted as a token", mask.dim())
         cu = batch.get("cu_seq_lens_q")
         if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2:
-            self._lengths.append(cu[1:] - cu[:-1])
+            self._raw.append(("cu", cu))
             return True
         pos = batch.get("position_ids")
         if isinstance(pos, torch.Tensor) and pos.dim() == 2:
@@ -382,179 +423,6 @@ class TokenCounter:
                 per_tok = p + 1 if window is None else (p + 1).clamp(max=window)
             total = total + per_pair * per_tok.sum()
         return 3.0 * total
-
-
-PYTHON_SUM_MAX = 100
-"""Up to this many sequence lengths a take's host copy is summed in Python (4 us for 16, 11 us
-for 64), beyond with torch on the host tensor (16-20 us whatever the number; Python took 600
-us for 4,096): ``benchmarks/results/2026-11-27-cpu-relay-layout/lengths_out.txt``."""
-
-
-class _Pending:
-    """The kept counts of one take, reduced once, by the first reader (any thread).
-
-    The usual take holds only sequence lengths (attention masks' row sums, ``cu_seq_lens_q``
-    differences).  Their one copy to the host starts **on the training thread, at the take**
-    (a ``cat`` of the micro-batches' lengths, the copy to pinned memory and an event behind it:
-    three launches, no wait), and the reader only asks the event and sums the host's integers:
-    in Python, or with torch on the host tensor beyond :data:`PYTHON_SUM_MAX`.  So
-    :meth:`landed` can tell, without waiting, when the sums can be had, and the training thread
-    reads them itself at its next ``log()`` (:mod:`gpulens.transport.relay`): no other thread of
-    the training process wakes for them.  Packed ``position_ids`` (a figure per token) and folded
-    totals are reduced on the device by the reader (a dozen operations: the relay thread, a
-    second later), and their two sums copied.
-
-    Device work runs on the stream the training thread used when it took the counts (the kept
-    tensors were made there, so it comes after them).  Copies reach the host without a
-    blocking wait: each is polled (:func:`gpulens.transport.relay.stage`): a thread blocked in a
-    device copy holds the training thread up too (``transport/relay.py``).
-    """
-
-    def __init__(self, counter: TokenCounter, lengths: list[Any], positions: list[Any],
-                 folded: tuple[Any, Any] | None) -> None:
-        self._counter = counter
-        self._parts: tuple[list[Any], list[Any], tuple[Any, Any] | None] | None = (
-            lengths, positions, folded)
-        self._plain = (counter._tokens, counter._flops)
-        self._stream = _stream_of([*lengths, *positions, *(folded or ())])
-        self._result: tuple[float, float | None] | None = None
-        self._lock = threading.Lock()
-        self._copy: Any = None
-        """The lengths' copy to the host, started at the take (see the class doc)."""
-        if lengths and not positions and folded is None:
-            self._copy = _stage_lengths(lengths)
-            if self._copy is not None:
-                self._parts = None
-
-    def result(self) -> tuple[float, float | None]:
-        with self._lock:
-            if self._result is None:
-                if self._copy is not None:
-                    from gpulens.transport.relay import Staged
-
-                    staged, self._copy = self._copy, None
-                    self._result = self._sum_host(staged.value() if isinstance(staged, Staged)
-                                                  else staged)
-                else:
-                    assert self._parts is not None
-                    parts, self._parts = self._parts, None
-                    self._result = self._reduce(*parts)
-            return self._result
-
-    def landed(self) -> bool:
-        """Whether :meth:`result` can be had now without waiting for the device: the take's
-        lengths have reached the host (never waits).  A take reduced on the device by its
-        reader (packed positions, folded totals) is not."""
-        if self._result is not None:
-            return True
-        staged = self._copy
-        if staged is None:
-            return False
-        from gpulens.transport.relay import Staged
-
-        return staged.landed() if isinstance(staged, Staged) else True
-
-    def _sum_host(self, host: Any) -> tuple[float, float | None]:
-        """(tokens, FLOPs) of the lengths' host copy, the plain counts added."""
-        plain_tokens, plain_flops = self._plain
-        formula = self._counter.formula
-        host_tokens: float | None
-        host_flops: float | None
-        if host.numel() <= PYTHON_SUM_MAX:
-            values: list[int] = host.tolist()
-            host_tokens = float(sum(values))
-            host_flops = (None if formula is None
-                          else formula.training_flops(values, self._counter.attention))
-        else:  # many lengths: torch on the host copy, a flat ~20 us
-            host_tokens = float(host.sum())
-            flops_t = self._counter._flops_of_lengths(host)
-            host_flops = None if flops_t is None else float(flops_t)
-        return (host_tokens + plain_tokens,
-                host_flops + plain_flops if host_flops is not None else None)
-
-    def _reduce(self, lengths: list[Any], positions: list[Any],
-                folded: tuple[Any, Any] | None) -> tuple[float, float | None]:
-        import contextlib
-
-        import torch
-
-        from gpulens.transport.relay import stage
-
-        context: Any = contextlib.nullcontext()
-        if self._stream is not None:
-            context = torch.cuda.stream(self._stream)
-        plain_tokens, plain_flops = self._plain
-        with context:
-            tokens, flops = self._counter._reduce_tensors(lengths, positions, folded)
-            staged = [stage(x.to(torch.float64)) if isinstance(x, torch.Tensor) else x
-                      for x in (tokens, flops)]
-        host_tokens, host_flops = (_host_float(x) for x in staged)
-        assert host_tokens is not None
-        return (host_tokens + plain_tokens,
-                host_flops + plain_flops if host_flops is not None else None)
-
-
-def _stage_lengths(lengths: list[Any]) -> Any:
-    """On the training thread, at a take: the micro-batches' lengths as one tensor on its way
-    to the host (:func:`gpulens.transport.relay.stage`: a ``Staged`` copy for CUDA tensors,
-    the tensor itself on a CPU), or ``None`` if that failed (the reader then reduces the
-    lengths itself)."""
-    import torch
-
-    from gpulens.transport.relay import stage
-
-    try:
-        return stage(torch.cat(lengths) if len(lengths) > 1 else lengths[0])
-    except Exception as exc:  # never into training: the reader's path still counts them
-        warn_once("tokens:stage", "gpulens: could not start the copy of the token counts "
-                  "(%s: %s); they are reduced off the training thread instead",
-                  type(exc).__name__, exc)
-        return None
-
-
-def _host_float(value: Any) -> float | None:
-    """A staged device copy's value once its event says it landed (polled); a number or a
-    host tensor as it is."""
-    from gpulens.transport.relay import Staged
-
-    if isinstance(value, Staged):
-        value = value.value()
-    return None if value is None else float(value)
-
-
-def _stream_of(tensors: list[Any]) -> Any:
-    """The training thread's current stream on the device of the first CUDA tensor, or None."""
-    for t in tensors:
-        if getattr(t, "is_cuda", False):
-            import torch
-
-            return torch.cuda.current_stream(t.device)
-    return None
-
-
-class DeferredCount:
-    """One figure (tokens or FLOPs) of a :meth:`TokenCounter.take_deferred`: ``item()`` (or
-    ``float()``) reduces the kept counts and returns once their sums have reached the host
-    (polling an event, never a blocking device read); call it off the training thread. Reading
-    either figure reduces both, once."""
-
-    def __init__(self, pending: _Pending, index: int) -> None:
-        self._pending = pending
-        self._index = index
-
-    def item(self) -> float:
-        value = self._pending.result()[self._index]
-        if value is None:
-            raise ValueError("no FLOPs formula: the FLOPs of these tokens are unknown")
-        return float(value)
-
-    def __float__(self) -> float:
-        return self.item()
-
-    def landed(self) -> bool:
-        """Whether ``item()`` would return without waiting for the device (never waits):
-        ``Monitor.log`` converts a mark on the training thread once this holds."""
-        return self._pending.landed()
 
 
 class TokensSeenDelta:
