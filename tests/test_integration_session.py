@@ -5,6 +5,7 @@ loop-fed integrations; and the callbacks' work and logged metrics on their cheap
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -248,3 +249,87 @@ def test_lightning_reads_logged_metrics_only_for_extra_sinks(
     fit(GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05))
     assert len(reads) == 2  # one a row
     assert all("train/loss" in r for r in read_rows(sink))
+
+
+class LogAtSpy:
+    """Records every ``Monitor.log_at`` call: (at, step, keywords), and when it came."""
+
+    def __init__(self, monitor: gpulens.Monitor) -> None:
+        self.calls: list[tuple[Any, int, dict[str, Any], float]] = []
+        real = monitor.log_at
+
+        def log_at(at: Any, step: int, **kw: Any) -> None:
+            self.calls.append((at, step, dict(kw), time.monotonic()))
+            real(at, step, **kw)
+
+        monitor.log_at = log_at  # type: ignore[method-assign]
+
+
+def test_a_later_row_launches_nothing_at_the_log_and_is_written_at_the_next_mark() -> None:
+    """Hugging Face's ``on_log`` comes just after a device sync: ``row(..., later=True)``
+    launches no device operation and writes nothing there; the next step's optimizer mark
+    writes it, its window ending at the log, with its own step's tokens and phases (not the
+    next step's, which began in between)."""
+    from gpulens.work.hf import TokenCounter
+    from tests.test_work_hf import OpCount
+
+    sink, counter = MemorySink(), TokenCounter(None)
+    mon = monitor(sink)
+    spy = LogAtSpy(mon)
+    session = TrainingSession(mon, start_step=0, steps_done=0, phases=StepPhases(cuda=False),
+                              work=counter).start()
+
+    def step(real_tokens: int) -> None:
+        session.step_begin()
+        batch = {"input_ids": torch.ones((1, 9), dtype=torch.long),
+                 "attention_mask": torch.tensor([[1] * real_tokens + [0] * (9 - real_tokens)])}
+        with OpCount() as hook:
+            counter.observe(batch)
+        assert hook.ops == []  # the forward hook: just after a sync too
+        time.sleep(0.02)
+        session.before_optimizer()
+        session.step_end()
+
+    step(4)
+    with OpCount() as at_log:
+        session.row(1, 1, {"loss": 1.0}, later=True)
+    logged = time.monotonic()
+    session.resume()
+    assert at_log.ops == [] and spy.calls == []
+    time.sleep(0.05)  # the next step's data wait: after the log, so not the row's
+    step(7)
+    (at, row_step, kw, written) = spy.calls[0]
+    assert row_step == 1 and kw["loss"] == 1.0 and at[0] <= logged < written
+    assert kw["tokens"].item() == 4
+    assert kw.get("perf/data_wait_s", 0.0) < 0.04
+    session.row(2, 2, {"loss": 0.5}, later=True)
+    session.stop()  # writes the held row first
+    assert [c[1] for c in spy.calls] == [1, 2] and spy.calls[1][2]["tokens"].item() == 7
+    assert spy.calls[1][2]["perf/data_wait_s"] >= 0.04
+    assert [r.step for r in sink.rows] == [1, 2]
+
+
+def test_a_held_row_is_written_when_the_session_is_dropped(no_gc: None) -> None:
+    sink = MemorySink()
+    session: TrainingSession | None = TrainingSession(monitor(sink), start_step=0,
+                                                      steps_done=0).start()
+    assert session is not None
+    session.row(1, 1, {"loss": 2.0}, later=True)
+    session = None  # dropped without stop(): its finalizer writes the held row
+    assert [r.step for r in sink.rows] == [1] and sink.rows[0].values["train/loss"] == 2.0
+
+
+def test_a_row_that_cannot_be_written_later_is_said_and_counted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    mon = monitor(MemorySink())
+    session = TrainingSession(mon, start_step=0, steps_done=0).start()
+    session.row(1, 1, {"loss": 1.0}, later=True)
+
+    def broken(*args: Any, **kw: Any) -> None:
+        raise OSError("disk gone")
+
+    mon.log_at = broken  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="gpulens"):
+        session.before_optimizer()  # training goes on
+    session.stop()
+    assert session.dropped_rows == 1 and "disk gone" in caplog.text

@@ -19,6 +19,7 @@ from tests.support.wandb_reader import find_run_file, read_history
 
 transformers = pytest.importorskip("transformers")
 
+import gpulens  # noqa: E402
 from gpulens.integrations.transformers import GPUMonitorCallback  # noqa: E402
 
 GPU_KEY = "gpu/0/util_pct"
@@ -144,6 +145,42 @@ def test_report_to_none_rows_on_hf_log_steps_with_hf_scalars(tmp_path: Path) -> 
         assert all(0.0 <= s <= 100.0 for s in shares)
         assert sum(shares) == pytest.approx(100.0)
         assert row["perf/steps"] == 4 or row is rows[0]
+
+
+def test_on_log_writes_nothing_the_next_optimizer_step_writes_the_row(tmp_path: Path) -> None:
+    """HF calls ``on_log`` right after ``loss.item()`` synchronised the device: the callback
+    writes its row at the next step's ``on_pre_optimizer_step`` (the device then busy), the
+    last at the end of training; every log still has its row, at its step."""
+    sink = tmp_path / "gpu.jsonl"
+    callback = GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)
+    where: list[str] = []
+    current = ["-"]
+
+    def hooked(name: str) -> None:
+        real = getattr(callback, name)
+
+        def hook(*args: Any, **kw: Any) -> Any:
+            current[0] = name
+            try:
+                return real(*args, **kw)
+            finally:
+                current[0] = "-"
+        setattr(callback, name, hook)
+
+    for name in ("on_log", "on_pre_optimizer_step", "on_step_end", "on_train_end"):
+        hooked(name)
+    real_log_at = gpulens.Monitor.log_at
+
+    def log_at(self: gpulens.Monitor, *args: Any, **kw: Any) -> None:
+        where.append(current[0])
+        real_log_at(self, *args, **kw)
+
+    trainer = make_trainer(tmp_path, callback, max_steps=12, logging_steps=4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpulens.Monitor, "log_at", log_at)
+        trainer.train()
+    assert where == ["on_pre_optimizer_step", "on_pre_optimizer_step", "on_train_end"]
+    assert [r["step"] for r in read_jsonl(sink)] == loss_steps(trainer) == [4, 8, 12]
 
 
 def test_default_sink_is_jsonl_in_output_dir(tmp_path: Path) -> None:

@@ -186,8 +186,7 @@ class Monitor:
         """``"process"`` or ``"thread"`` once started."""
         self.context: RunContext | None = None
         self.sink_stats: dict[str, SinkStats] = {}
-        """Per sink (named as given: ``"jsonl:runs/gpu.jsonl"``, a class name for an object),
-        rows written and dropped: filled by :meth:`stop`."""
+        """Per sink (named as given, a class name for an object): rows written and dropped."""
         self._transport: Transport | None = None
         self._relay: MarkRelay | None = None
         self._link: _Link | None = None
@@ -246,8 +245,7 @@ class Monitor:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        # an exception on the way out of one rank: the other ranks may be stuck in training's
-        # own collectives, so the last rows are not gathered (that would wait for them)
+        # an exception: the other ranks may be stuck in training's collectives, so no gather
         self.stop(collective=exc_type is None)
 
     @property
@@ -420,6 +418,12 @@ class Monitor:
         model's FLOPs (``flops``, or ``flops_per_token`` given to the monitor)
         ``perf/tflops`` and ``perf/mfu_pct``; in a distributed job the ranks' work is summed.
         """
+        self.log_at(None, step, tokens=tokens, samples=samples, flops=flops, **scalars)
+
+    def log_at(self, at: tuple[float, float] | None, step: int, *, tokens: Any = None,
+               samples: Any = None, flops: Any = None, **scalars: Any) -> None:
+        """:meth:`log` of a step that ended at ``at`` (``time.monotonic(), time.time()``; None:
+        now): a row written later, where it costs least (``TrainingSession.row``)."""
         if not self._started:
             if self._stopped:
                 raise RuntimeError("Monitor.log() after stop(): this monitor is stopped "
@@ -431,7 +435,7 @@ class Monitor:
                       "backwards (a resume without start(step=...)?); rows keep the steps given",
                       step, self._last_step)
         self._last_step = step
-        now = time.monotonic()
+        now, wall = at if at is not None else (time.monotonic(), time.time())
         alloc = None
         if now >= self._alloc_due and self._torch_indices:
             self._alloc_due = now + self._slow
@@ -454,7 +458,7 @@ class Monitor:
         assert relay is not None
         # a Mark's fields, as they cross; in a distributed job the gather takes the row the
         # engine makes of it on another thread (log() itself never wakes the gather thread)
-        relay.put((step, now, time.time(), scalars, alloc))
+        relay.put((step, now, wall, scalars, alloc))
         transport = self._transport
         if transport is not None:
             transport.take_rows()  # rows back, for this process's sinks and the gather
@@ -535,8 +539,7 @@ class Monitor:
 
     # -- live view ---------------------------------------------------------------------------
     def latest(self) -> dict[str, float]:
-        """The newest sample of each metric, keyed like rows (for live views); ``{}`` when not
-        running or when the engine does not answer within 2 s."""
+        """The newest sample of each metric, keyed like rows; ``{}`` if stopped or silent 2 s."""
         transport = self._transport
         return transport.latest(2.0) if transport is not None and self._started else {}
 
@@ -544,16 +547,15 @@ class Monitor:
         """The processes on the watched GPUs, by GPU then process id (for live views such as
         ``gpulens watch``): process id, GPU, GPU memory held (GB of 1e9 bytes, ``None`` where
         the driver does not say), and, for processes this one can see, name, user and command
-        line.  Read by the engine at the call from NVML's running-process lists (in the engine
-        process; with ``isolation="thread"``, on the calling thread: do not call it from the
-        training loop); ``[]`` when not running or when the engine does not answer within 2 s."""
+        line.  Read by the engine from NVML's process lists (with ``isolation="thread"``, on the
+        calling thread: not from the training loop); ``[]`` when not running or no answer in 2 s."""
         transport = self._transport
         return transport.processes(2.0) if transport is not None and self._started else []
 
     @property
     def dropped_marks(self) -> int:
-        """Step marks dropped on their way to becoming rows (the engine did not keep up; their
-        steps fold into the next row's window; ``stop()`` warns if any)."""
+        """Step marks dropped on their way to rows (their steps fold into the next row's
+        window; ``stop()`` warns if any)."""
         transport, relay = self._transport, self._relay
         if transport is None or relay is None:
             return self._dropped_marks
@@ -562,8 +564,7 @@ class Monitor:
 
 def _prepare(sinks: Sequence[SinkSpec | Sink]) -> list[tuple[str, SinkSpec | Sink]]:
     """Each sink with its name in the run (:func:`~gpulens.sinks.unique_names`), prepared
-    (:func:`~gpulens.sinks.prepare_sinks`): every cheap check made, in the caller, before
-    anything is created."""
+    (:func:`~gpulens.sinks.prepare_sinks`): every cheap check made before anything is made."""
     return list(zip(unique_names(sinks), prepare_sinks(sinks), strict=True))
 
 
@@ -580,8 +581,7 @@ def _stop_dropped(link: _Link, relay: MarkRelay) -> None:
 
 
 def _stop_quietly(link: _Link, relay: MarkRelay) -> None:
-    """Last-resort cleanup (see :func:`_stop_dropped`).  In a forked child it only lets go of
-    the parent's engine."""
+    """Last-resort cleanup (:func:`_stop_dropped`); a forked child only lets go of the engine."""
     transport, writer, gather = link.transport, link.writer, link.gather
     if transport is None or writer is None:
         return

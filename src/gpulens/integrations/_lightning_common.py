@@ -267,6 +267,10 @@ class _BatchWork:
             warn_once("lightning-work", "gpulens: cannot count the work of a batch (%r); no "
                       "throughput or MFU for it", exc)
 
+    def settle(self) -> None:
+        if self._counter is not None:
+            self._counter.settle()
+
     def take_deferred(self) -> dict[str, Any]:
         out, self._sums = self._sums, {}
         if self._counter is not None:

@@ -93,7 +93,10 @@ class StepPhases:
                 return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call,unused-ignore]
 
         self._new_event = event_factory
-        self._pending: deque[tuple[str, Any]] = deque()
+        self._pending: deque[tuple[int, str, Any]] = deque()
+        """(sequence number, label, stamp) of each mark not yet read."""
+        self._made = 0
+        """Marks made so far (the next mark's sequence number)."""
         self._free: list[Any] = []
         """Device events read for the last time, recorded again by later marks (no event is
         made or destroyed per mark once a few steps have run)."""
@@ -132,21 +135,30 @@ class StepPhases:
             self._pending.popleft()
             self._last = None
             self.dropped += 1
-        self._pending.append((label, stamp))
+        self._pending.append((self._made, label, stamp))
+        self._made += 1
+
+    def cut(self) -> int:
+        """Where a window ends, for a :meth:`collect` made later (``upto``): the marks made so
+        far. A plain counter read: no device call."""
+        return self._made
 
     # -- reading ---------------------------------------------------------------------------------
-    def collect(self, steps: int) -> dict[str, float]:
+    def collect(self, steps: int, upto: int | None = None) -> dict[str, float]:
         """Phase figures of the steps completed since the previous ``collect``.
 
         Args:
             steps: optimizer steps in the window (for the per-step seconds); ``<= 0`` leaves the
                 ``_s`` keys out.
+            upto: a :meth:`cut` taken when the window ended: marks made after it are left for
+                the next window (a row written later than its step ended, at a point where the
+                host is ahead of the device, reads only its own steps). ``None``: every mark.
 
         Returns:
             ``perf/<phase>_pct`` and ``perf/<phase>_s`` for the phases that were observed; an
             empty dict when no complete interval was seen (never zeros for "unknown").
         """
-        self._drain()
+        self._drain(upto)
         totals, seen = self._totals, self._seen
         self._totals = dict.fromkeys(_PHASES, 0.0)
         self._seen = dict.fromkeys(_PHASES, False)
@@ -161,9 +173,11 @@ class StepPhases:
                 out[f"perf/{phase}_s"] = totals[phase] / steps
         return out
 
-    def _drain(self) -> None:
+    def _drain(self, upto: int | None = None) -> None:
         while self._pending:
-            label, stamp = self._pending[0]
+            seq, label, stamp = self._pending[0]
+            if upto is not None and seq >= upto:
+                return  # a later window's
             if self.cuda and not stamp.query():
                 return  # later marks cannot have completed before this one
             self._pending.popleft()

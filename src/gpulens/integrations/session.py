@@ -13,6 +13,7 @@ calls on a :class:`TrainingSession`::
     session.step_end()
     session.resume()                     # after logging, evaluation, a checkpoint, an epoch end
     session.row(step, steps_done, scalars)   # the framework logged: one row
+    session.row(step, steps_done, scalars, later=True)   # ... written at the next mark
     session.stop()                       # training ended: every rank's last rows meet
     session.stop(collective=False)       # an exception on this rank: no gather
 
@@ -24,15 +25,25 @@ What it guarantees:
   :meth:`gpulens.Monitor.log` keywords. The work values may be deferred counts
   (:meth:`gpulens.work.hf.TokenCounter.take_deferred`): the monitor reads them off the training
   thread.
+* **Nothing launched just after a sync.** Where the framework logs right after it synchronised
+  the device (Hugging Face reads the loss with ``.item()`` and then calls ``on_log``), what the
+  row does on the training thread before the next step's first kernel is time the device sits
+  idle: on an H200 the phase figures and token counts written there cost +0.39 pp of a 98 ms
+  step, and the row alone +0.07 (``benchmarks/results/2026-11-27-h200-session-parts``). So
+  ``row(..., later=True)`` only notes where the window ends (a clock read, two counters) and
+  writes the row at the next ``before_optimizer`` or ``step_end`` mark, while the device is
+  busy with the backward pass, with the window still ending at the log. The marks also turn
+  the step's kept masks into token counts there (``WorkSource.settle``).
 * **One stop.** :meth:`stop` is idempotent; it stops the monitor and lets go of the work
   counter (the forward hook it put on the model). ``collective=False`` is for exception paths:
   this rank's last windows are not gathered, since the other ranks may be stuck in training's
   own collectives.
 * **A finalizer without a reference cycle.** When a session is dropped without a stop (the
   framework raised and has no exception hook: Hugging Face), garbage collection or interpreter
-  exit stops the monitor with ``collective=False`` and detaches the counter. The finalizer holds
-  the monitor and the counter, never the session or the callback, so a dropped callback is
-  collected as soon as its last reference goes.
+  exit writes a row still held for later, stops the monitor with ``collective=False`` and
+  detaches the counter. The finalizer holds the monitor, the counter and the held row, never
+  the session or the callback, so a dropped callback is collected as soon as its last
+  reference goes.
 
 :class:`SessionCallback` is what the two callbacks hold between hooks: their arguments, checked
 when the callback is made, and the running session.
@@ -43,6 +54,7 @@ at the loop's own steps (Accelerate's tracker, verl's logger).
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -50,6 +62,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from gpulens.integrations.phases import StepPhases
+from gpulens.log import warn_once
 from gpulens.monitor import Monitor
 from gpulens.settings import Settings, normalize_run_dtype
 from gpulens.sinks import SinkSpec, as_sink
@@ -70,7 +83,9 @@ def monitor_for_run(settings: Settings, sinks: Iterable[str | SinkSpec | Sink],
 
 class WorkSource(Protocol):
     """Counts the work of a run's training steps (:class:`gpulens.work.hf.TokenCounter`, the
-    Lightning callback's per-batch counter)."""
+    Lightning callback's per-batch counter). It may also have ``settle()`` (launch what the
+    kept batches' counts need; called where the device is busy) and ``cut()`` (the counts so
+    far as a source of their own, taken later: rows written ``later``)."""
 
     def take_deferred(self) -> dict[str, Any]:
         """The work since the previous call as ``Monitor.log`` keywords (``tokens``, ``flops``,
@@ -82,9 +97,33 @@ class WorkSource(Protocol):
         ...
 
 
-def _finish(monitor: Monitor, work: WorkSource | None) -> None:
+class _Held:
+    """A row of ``row(..., later=True)``, waiting for the next mark: its step, the window's
+    optimizer steps, the framework's scalars, where the window ended (the phases' cut, the
+    work's, the clocks)."""
+
+    __slots__ = ("at", "phases_cut", "scalars", "step", "steps", "work")
+
+    def __init__(self, step: int, steps: int, scalars: dict[str, Any], phases_cut: int | None,
+                 work: Any, at: tuple[float, float]) -> None:
+        self.step, self.steps, self.scalars = step, steps, scalars
+        self.phases_cut, self.work, self.at = phases_cut, work, at
+
+
+def _write_held(monitor: Monitor, held: _Held, phases: StepPhases | None) -> None:
+    values = dict(held.scalars)
+    if phases is not None and held.phases_cut is not None:
+        values.update(phases.collect(held.steps, upto=held.phases_cut))
+    if held.work is not None:
+        values.update(held.work.take_deferred())
+    monitor.log_at(held.at, held.step, **values)
+
+
+def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held]) -> None:
     """The finalizer: the session was dropped without a stop."""
     try:
+        if box:
+            _write_held(monitor, box.pop(), None)
         monitor.stop(collective=False)
     finally:
         if work is not None:
@@ -111,6 +150,10 @@ class TrainingSession:
         """Optimizer steps done at the previous row (or at the start)."""
         self._start_step = int(start_step)
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self.dropped_rows = 0
+        """Rows held for later that could not be written (said once)."""
+        self._held: list[_Held] = []
+        """The row of ``row(..., later=True)`` until the next mark writes it (at most one)."""
 
     @property
     def running(self) -> bool:
@@ -124,7 +167,7 @@ class TrainingSession:
             if self.work is not None:
                 self.work.close()
             raise
-        self._finalizer = weakref.finalize(self, _finish, self.monitor, self.work)
+        self._finalizer = weakref.finalize(self, _finish, self.monitor, self.work, self._held)
         if self.phases is not None:
             self.phases.resume()
         return self
@@ -136,6 +179,7 @@ class TrainingSession:
         if finalizer is None or not finalizer.detach():
             return
         try:
+            self._write_held()
             self.monitor.stop(collective=collective)
         finally:
             if self.work is not None:
@@ -149,10 +193,21 @@ class TrainingSession:
     def before_optimizer(self) -> None:
         if self.phases is not None:
             self.phases.before_optimizer()
+        self._busy_device()
 
     def step_end(self) -> None:
         if self.phases is not None:
             self.phases.step_end()
+        self._busy_device()
+
+    def _busy_device(self) -> None:
+        """A mark made while the device is busy with the step: the work launched here hides
+        behind it (the step's masks into counts, a held row written)."""
+        settle = getattr(self.work, "settle", None)
+        if settle is not None:
+            settle()
+        if self._held:
+            self._write_held()
 
     def resume(self) -> None:
         if self.phases is not None:
@@ -163,16 +218,44 @@ class TrainingSession:
         """Optimizer steps between the previous row (or the start) and ``steps_done``."""
         return int(steps_done) - self.steps_done
 
-    def row(self, step: int, steps_done: int, scalars: Mapping[str, Any]) -> None:
+    def row(self, step: int, steps_done: int, scalars: Mapping[str, Any], *,
+            later: bool = False) -> None:
         """End the window at ``step`` and write one row: ``scalars``, the phase figures of the
-        window's optimizer steps and its work. ``steps_done``: optimizer steps done by now."""
+        window's optimizer steps and its work. ``steps_done``: optimizer steps done by now.
+
+        ``later``: the framework calls this just after it synchronised the device (see the
+        module doc): note where the window ends now, write the row at the next
+        ``before_optimizer`` / ``step_end`` mark (or at :meth:`stop`, or :meth:`flush`)."""
+        self._write_held()  # a row still held (no mark came between two logs) goes first
+        steps = self.steps_since_row(steps_done)
+        self.steps_done = int(steps_done)
+        cut = getattr(self.work, "cut", None) if later else None
+        if later and (self.work is None or cut is not None):
+            held = _Held(int(step), steps, dict(scalars),
+                         self.phases.cut() if self.phases is not None else None,
+                         cut() if cut is not None else None, (time.monotonic(), time.time()))
+            self._held.append(held)
+            return
         values = dict(scalars)
         if self.phases is not None:
-            values.update(self.phases.collect(self.steps_since_row(steps_done)))
+            values.update(self.phases.collect(steps))
         if self.work is not None:
             values.update(self.work.take_deferred())
         self.monitor.log(step, **values)
-        self.steps_done = int(steps_done)
+
+    def flush(self) -> None:
+        """Write a row still held for later now (evaluation, a checkpoint, an epoch's end)."""
+        self._write_held()
+
+    def _write_held(self) -> None:
+        if not self._held:
+            return
+        try:
+            _write_held(self.monitor, self._held.pop(), self.phases)
+        except Exception as exc:  # a monitoring fault never stops training: said, counted
+            self.dropped_rows += 1
+            warn_once("session:held", "gpulens: a row could not be written (%r); rows that "
+                      "fail so are counted in TrainingSession.dropped_rows", exc)
 
 
 class SessionCallback:

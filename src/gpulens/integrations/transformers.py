@@ -20,11 +20,18 @@ What it does, hook by hook:
   ``grad_norm`` from Hugging Face, so the rows sent to them leave out ``train/*`` (except
   ``train/global_step``). Sinks given as ``sinks=`` get full rows. With neither, rows go to
   ``{output_dir}/gpulens.jsonl``.
-* ``on_log`` with a training log (one holding ``loss``): ``monitor.log(state.global_step,
-  **logs)`` with exactly the numbers Hugging Face logged. Hugging Face averages the loss over the
+* ``on_log`` with a training log (one holding ``loss``): a row at ``state.global_step`` with
+  exactly the numbers Hugging Face logged. Hugging Face averages the loss over the
   ``logging_steps`` optimizer steps since its previous log, and the GPU window spans the same
-  steps. ``global_step`` counts optimizer steps, so under gradient accumulation a step is
-  ``gradient_accumulation_steps`` micro-batches. Evaluation logs (``eval_*``) make no row: their
+  steps. Hugging Face calls ``on_log`` just after ``loss.item()`` synchronised the device, so
+  anything launched there leaves the GPU idle: the window ends at ``on_log``, but the row is
+  written at the next step's ``on_pre_optimizer_step`` (or ``on_step_end``; before an
+  evaluation or a save; at ``on_train_end``), while the device is busy with the backward pass
+  (``TrainingSession.row(..., later=True)``; on an H200 this took the callback's cost on a
+  step that syncs every step from +0.40 pp to +0.08 pp, not separable from zero:
+  ``benchmarks/results/2026-11-27-h200-session-parts-later``). ``global_step`` counts
+  optimizer steps, so under gradient accumulation a step is ``gradient_accumulation_steps``
+  micro-batches. Evaluation logs (``eval_*``) make no row: their
   time falls into the next training window.
 * ``on_train_end``, Hugging Face's own end-of-training signal (not a key of the logs: other
   options add ``train_runtime`` to every log): writes a last row if optimizer steps ran since
@@ -127,9 +134,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
             measured once with ``FlopCounterMode`` on the meta device), so that rows carry
             ``perf/tokens_per_s``, ``perf/tflops``, ``perf/mfu_pct`` and
             ``perf/tokens_per_j``; the dtype comes from ``TrainingArguments`` (``bf16``,
-            ``fp16``, ``tf32``) and the model.  See :mod:`gpulens.work`.  Per micro-batch
-            this costs the training thread at most one device operation (the mask's row
-            sums); the sums and the FLOPs are computed off it.
+            ``fp16``, ``tf32``) and the model.  See :mod:`gpulens.work`.  The forward hook
+            only keeps the mask; its row sums (one device operation per micro-batch) are
+            launched at the optimizer mark, the sums and the FLOPs computed off the thread.
         tracker_keys: what the W&B and MLflow runs of ``report_to`` get: ``"default"`` (a
             handful of job-level GPU figures beside HF's loss: :mod:`gpulens.sinks.layout`) or
             ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else ``"default"``.
@@ -204,13 +211,15 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         self._resume()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._resume()
+        self._resume(flush=True)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._resume()
+        self._resume(flush=True)
 
-    def _resume(self) -> None:
+    def _resume(self, flush: bool = False) -> None:
         if self.session is not None:
+            if flush:  # a row held for the next step is written before a pause, not after
+                self.session.flush()
             self.session.resume()
 
     # -- rows ------------------------------------------------------------------------------------
@@ -228,7 +237,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         step = int(state.global_step)
         scalars = {k: float(v) for k, v in logs.items() if _is_number(v)}
         if "loss" in logs:
-            session.row(step, step, scalars)
+            # HF has just read the loss (a device sync): the row is written at the next
+            # step's optimizer mark, while the device is busy (TrainingSession.row)
+            session.row(step, step, scalars, later=True)
             self._tail = None
         elif session.steps_since_row(step) > 0 and not any(k.startswith("eval_") for k in logs):
             # another log between training logs, e.g. the end-of-training summary: its numbers
