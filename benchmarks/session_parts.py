@@ -15,7 +15,9 @@ as the ``Trainer`` does at each log), whose noise is a fraction of that. Arms, e
 ``phases``         ``mon`` plus the step marks (``StepPhases`` on CUDA events: four a step)
 ``tokens``         ``mon`` plus the token counter (``TokenCounter``: a forward pre-hook, the
                    mask's row sums per micro-batch, the lengths' copy at each row)
-``full``           ``mon`` with both, as ``GPUMonitorCallback`` runs them
+``full``           ``mon`` with both, each row written at the log (just after the sync)
+``later``          ``full`` with ``row(..., later=True)``, as the Hugging Face callback runs it:
+                   the row written at the next step's optimizer mark, the device busy
 
 Each step is timed on the GPU's timeline (an event at each step's end); a block's value is
 the mean of its measured steps, read in percentage points of the same round's ``off``
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import overhead_gpu as og
 import paired
 
-ARMS = ("off", "off_b", "mon", "phases", "tokens", "full")
+ARMS = ("off", "off_b", "mon", "phases", "tokens", "full", "later")
 
 
 def session_for(arm: str, s: og.Setup, out: Path, step: int, interval: float) -> Any:
@@ -54,9 +56,9 @@ def session_for(arm: str, s: og.Setup, out: Path, step: int, interval: float) ->
     from gpulens.work.hf import TokenCounter, model_flops
 
     mon = gpulens.Monitor(interval=interval, sinks=[f"jsonl:{out / f'{arm}-{step}.jsonl'}"])
-    phases = StepPhases() if arm in ("phases", "full") else None
-    work = TokenCounter(model_flops(s.model)).attach(s.model) if arm in ("tokens", "full") \
-        else None
+    phases = StepPhases() if arm in ("phases", "full", "later") else None
+    work = TokenCounter(model_flops(s.model)).attach(s.model) \
+        if arm in ("tokens", "full", "later") else None
     return TrainingSession(mon, start_step=step - 1, steps_done=step - 1, phases=phases,
                            work=work).start()
 
@@ -90,7 +92,7 @@ def block(s: og.Setup, arm: str, burn: int, steps: int, start: int, out: Path,
             session.step_end()
         value = float(loss.item())
         if session is not None:
-            session.row(step, step, {"loss": value})
+            session.row(step, step, {"loss": value}, later=arm == "later")
         mark()
         walls.append(time.perf_counter())
     if session is not None:
@@ -116,6 +118,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--max-rounds", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arms", default=",".join(ARMS), help="a subset, off first")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None)
@@ -124,22 +127,25 @@ def main() -> None:
         args.burn, args.steps, args.max_rounds = 2, 4, 2
     s: Any = og.setup(args.quick, args.target_ms, None, None)
     s.masks = [s.torch.ones_like(b) for b in s.batches]
-    values: dict[str, dict[int, float]] = {a: {} for a in ARMS}
-    profile: dict[str, list[float]] = {a: [0.0] * (args.burn + args.steps) for a in ARMS}
+    arms = tuple(args.arms.split(","))
+    if arms[0] != "off" or not set(arms) <= set(ARMS):
+        raise SystemExit(f"--arms: a subset of {ARMS}, off first")
+    values: dict[str, dict[int, float]] = {a: {} for a in arms}
+    profile: dict[str, list[float]] = {a: [0.0] * (args.burn + args.steps) for a in arms}
     tmp = Path(tempfile.mkdtemp(prefix="session-parts-"))
     t_end = time.monotonic() + args.budget_s
     rnd, step = 0, 1000
     while rnd < args.max_rounds and (rnd < 2 or time.monotonic() < t_end):
-        for arm in paired.round_order(list(ARMS), args.seed, rnd):
+        for arm in paired.round_order(list(arms), args.seed, rnd):
             times = block(s, arm, args.burn, args.steps, step, tmp, args.interval)
             step += args.burn + args.steps
             values[arm][rnd] = statistics.fmean(times[args.burn:])
             profile[arm] = [a + b for a, b in zip(profile[arm], times, strict=True)]
         rnd += 1
-        og.log(f"round {rnd}: " + ", ".join(f"{a} {values[a][rnd - 1] * 1e3:.2f}" for a in ARMS))
+        og.log(f"round {rnd}: " + ", ".join(f"{a} {values[a][rnd - 1] * 1e3:.2f}" for a in arms))
         if args.json:
             args.json.write_text(json.dumps({"values": values, "rounds": rnd}))
-    comps = paired.compare(values, dict.fromkeys(ARMS, "off"), seed=args.seed)
+    comps = paired.compare(values, dict.fromkeys(arms, "off"), seed=args.seed)
     base = profile["off"]
     hw = og.hardware(s)
     lines = [f"## A framework session's parts on a plain loop that syncs every step "
@@ -151,7 +157,7 @@ def main() -> None:
              f"{args.burn} are burn-in", "",
              "| arm | " + " | ".join(str(i) for i in range(len(base))) + " |",
              "|---|" + "---|" * len(base)]
-    for arm in ARMS:
+    for arm in arms:
         cells = [f"{1e3 * v / rnd:.1f}" if arm == "off" else f"{1e3 * (v - b) / rnd:+.2f}"
                  for v, b in zip(profile[arm], base, strict=True)]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
@@ -162,7 +168,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "values": values, "rounds": rnd, "profile_ms": {
-                a: [1e3 * v / rnd for v in profile[a]] for a in ARMS},
+                a: [1e3 * v / rnd for v in profile[a]] for a in arms},
             "comparisons": [c.as_dict() for c in comps], "versions": og.versions(),
             "hardware": hw, "args": vars(args)}, indent=1, default=str))
 

@@ -566,8 +566,10 @@ def test_each_node_serves_its_gpus_to_a_real_prometheus(tmp_path: Path) -> None:
             time.sleep(0.1)
         labels = sorted((g["metric"]["node"], g["metric"]["rank"], g["metric"]["gpu"],
                          g["metric"]["host"]) for g in gpus)
+        ended = result.get("done")  # the job ended first: its own output says why
         assert [x[:3] for x in labels] == [("0", "0", "0"), ("1", "1", "1")], (
-            gpus, (tmp_path / "prometheus.log").read_text()[-2000:])
+            gpus, (tmp_path / "prometheus.log").read_text()[-2000:],
+            None if ended is None else (ended.returncode, ended.stderr[-4000:]))
         assert sorted(x[3] for x in labels) == sorted(NODE_NAMES)
         (ranks,) = query("gpulens_job_ranks")
         assert float(ranks["value"][1]) == 2.0
