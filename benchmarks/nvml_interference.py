@@ -34,8 +34,6 @@ Prints Markdown (``--md`` writes it too).
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import multiprocessing as mp
 import os
 import random
@@ -47,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import loop_rounds as lr
 import overhead_gpu as og
 import paired
 
@@ -126,51 +125,29 @@ def _stats(values: list[float]) -> dict[str, float]:
             "p90_ms": 1e3 * v[int(0.9 * (len(v) - 1))], "max_ms": 1e3 * v[-1]}
 
 
-def block(s: og.Setup, burn: int, steps: int, start: int) -> float:
-    """Mean seconds per step over ``steps`` steps after ``burn``, on the GPU timeline."""
-    torch = s.torch
-    cuda = s.device.type == "cuda"
-    events: list[Any] = []
-    walls: list[float] = []
-    for i in range(burn + steps + 1):
+def block(s: og.Setup, steps: int, start: int) -> list[float]:
+    """Seconds of each of ``steps`` steps, on the GPU timeline."""
+    clock = lr.StepClock(s)
+    clock.stamp()
+    for i in range(steps):
         og.train_step(s, start + i)
-        if cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            events.append(e)
-        walls.append(time.perf_counter())
-    if cuda:
-        events[-1].synchronize()
-        times = [a.elapsed_time(b) / 1e3 for a, b in zip(events[burn:], events[burn + 1:],
-                                                          strict=False)]
-    else:
-        times = [b - a for a, b in zip(walls[burn:], walls[burn + 1:], strict=False)]
-    return statistics.fmean(times)
+        clock.stamp()
+    return clock.times()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rate", type=float, default=50.0)
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    lr.add_args(p, burn=3, max_rounds=200)
+    p.add_argument("--rate", type=float, default=50.0, help="reads a second of each kind")
     p.add_argument("--interval", type=float, default=0.1, help="the engine arm's interval")
-    p.add_argument("--target-ms", type=float, default=100.0)
-    p.add_argument("--burn", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--budget-s", type=float, default=300.0)
-    p.add_argument("--max-rounds", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     args = p.parse_args()
     if args.quick:
         args.burn, args.steps, args.max_rounds = 1, 3, 2
     s = og.setup(args.quick, args.target_ms, None, None)
-    step_s = block(s, 1, 5, 0)
+    step_s = statistics.fmean(block(s, 6, 0)[1:])
     rate = f"@{args.rate:g}"
     arms = ["idle", "idle_b", "fast" + rate, "samples" + rate, "energy" + rate, "gpm" + rate,
             "engine"]
-    values: dict[str, dict[int, float]] = {a: {} for a in arms}
-    durations: dict[str, Any] = {}
     parent, child = mp.get_context("spawn").Pipe()
     cuda = s.device.type == "cuda"
     index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]) if cuda else 0
@@ -178,50 +155,30 @@ def main() -> None:
         target=reader, args=(child, index, args.rate, args.interval, step_s, not cuda),
         daemon=True)
     proc.start()
-    t_end = time.monotonic() + args.budget_s
-    rnd = 0
-    step = 100
-    while rnd < args.max_rounds and (rnd == 0 or time.monotonic() < t_end):
-        order = paired.round_order(arms, args.seed, rnd)
-        for arm in order:
-            parent.send(arm)
-            assert parent.recv() == "ok"
-            values[arm][rnd] = block(s, args.burn, args.steps, step)
-            step += args.burn + args.steps + 1
-        rnd += 1
-        if args.json:
-            args.json.write_text(json.dumps({"values": values, "rounds": rnd}, indent=1))
-        og.log(f"round {rnd}: " + ", ".join(f"{a} {values[a][rnd - 1] * 1e3:.2f}"
-                                            for a in arms))
-    parent.send("idle")
-    parent.recv()
+
+    def run_block(arm: str, step: int) -> list[float]:
+        parent.send(arm)  # the reader switches before the block's burn-in
+        assert parent.recv() == "ok"
+        return block(s, args.burn + args.steps, step)
+
+    rounds = lr.Rounds(arms)
+    rounds.run(args, run_block)
     parent.send("quit")
     durations = parent.recv()
     proc.join(10)
-    baseline_of = {a: "idle" for a in arms}
-    comps = paired.compare(values, baseline_of, seed=args.seed)
+    plan = engine_plan(args.interval, step_s)
     lines = [f"## NVML reads from another process against a step that syncs every step "
              f"({og.hardware(s).get('gpu', s.device)})",
              f"model {s.n_params / 1e6:.1f}M params, batch {s.batch_size} x {s.seq_len}; "
-             f"step {step_s * 1e3:.1f} ms; {rnd} rounds of {args.burn} + {args.steps} steps an "
-             f"arm; reads at {args.rate:g}/s (`engine`: {engine_plan(args.interval, step_s)})",
-             "", paired.table(comps), "",
+             f"step {step_s * 1e3:.1f} ms; {rounds.rounds} rounds of {args.burn} + "
+             f"{args.steps} steps an arm; reads at {args.rate:g}/s (`engine`: {plan})",
+             "", paired.table(rounds.comparisons("idle", args.seed)), "",
              "| read | calls | median ms | p90 ms | max ms |", "|---|---|---|---|---|"]
     for kind, st in durations.items():
         lines.append(f"| {kind} | {st['n']} | {st['median_ms']:.3f} | {st['p90_ms']:.3f} | "
                      f"{st['max_ms']:.3f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.md:
-        args.md.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps({
-            "values": values, "rounds": rnd, "durations": durations, "step_s": step_s,
-            "comparisons": [c.as_dict() for c in comps],
-            "engine_plan": engine_plan(args.interval, step_s), "versions": og.versions(),
-            "hardware": og.hardware(s)}, indent=1, default=str))
-    if any(math.isnan(c.est.mean) for c in comps):
-        sys.exit(1)
+    lr.write(args, lines, rounds, "idle",
+             {"durations": durations, "step_s": step_s, "engine_plan": plan}, s)
 
 
 if __name__ == "__main__":

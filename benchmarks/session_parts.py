@@ -30,16 +30,13 @@ the mean of its measured steps, read in percentage points of the same round's ``
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import loop_rounds as lr
 import overhead_gpu as og
 import paired
 
@@ -66,13 +63,8 @@ def session_for(arm: str, s: og.Setup, out: Path, step: int, interval: float) ->
 def block(s: og.Setup, arm: str, burn: int, steps: int, start: int, out: Path,
           interval: float) -> list[float]:
     """Seconds of each step of one block (burn-in included), on the GPU timeline."""
-    torch = s.torch
-    cuda = s.device.type == "cuda"
-    events: list[Any] = []
-    walls: list[float] = []
-    mark = (lambda: events.append(_event(torch))) if cuda else (lambda: None)
-    mark()
-    walls.append(time.perf_counter())
+    clock = lr.StepClock(s)
+    clock.stamp()
     session: Any = None
     for i in range(burn + steps):
         step = start + i
@@ -93,35 +85,17 @@ def block(s: og.Setup, arm: str, burn: int, steps: int, start: int, out: Path,
         value = float(loss.item())
         if session is not None:
             session.row(step, step, {"loss": value}, later=arm == "later")
-        mark()
-        walls.append(time.perf_counter())
+        clock.stamp()
     if session is not None:
         session.stop()
-    if cuda:
-        events[-1].synchronize()
-        return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(events)]
-    return [b - a for a, b in itertools.pairwise(walls)]
-
-
-def _event(torch: Any) -> Any:
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
+    return clock.times()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--target-ms", type=float, default=100.0)
-    p.add_argument("--interval", type=float, default=0.1)
-    p.add_argument("--burn", type=int, default=5)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--budget-s", type=float, default=300.0)
-    p.add_argument("--max-rounds", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
+    lr.add_args(p, burn=5, max_rounds=300)
+    p.add_argument("--interval", type=float, default=0.1, help="the monitor's interval")
     p.add_argument("--arms", default=",".join(ARMS), help="a subset, off first")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--md", type=Path, default=None)
     args = p.parse_args()
     if args.quick:
         args.burn, args.steps, args.max_rounds = 2, 4, 2
@@ -130,47 +104,19 @@ def main() -> None:
     arms = tuple(args.arms.split(","))
     if arms[0] != "off" or not set(arms) <= set(ARMS):
         raise SystemExit(f"--arms: a subset of {ARMS}, off first")
-    values: dict[str, dict[int, float]] = {a: {} for a in arms}
-    profile: dict[str, list[float]] = {a: [0.0] * (args.burn + args.steps) for a in arms}
     tmp = Path(tempfile.mkdtemp(prefix="session-parts-"))
-    t_end = time.monotonic() + args.budget_s
-    rnd, step = 0, 1000
-    while rnd < args.max_rounds and (rnd < 2 or time.monotonic() < t_end):
-        for arm in paired.round_order(list(arms), args.seed, rnd):
-            times = block(s, arm, args.burn, args.steps, step, tmp, args.interval)
-            step += args.burn + args.steps
-            values[arm][rnd] = statistics.fmean(times[args.burn:])
-            profile[arm] = [a + b for a, b in zip(profile[arm], times, strict=True)]
-        rnd += 1
-        og.log(f"round {rnd}: " + ", ".join(f"{a} {values[a][rnd - 1] * 1e3:.2f}" for a in arms))
-        if args.json:
-            args.json.write_text(json.dumps({"values": values, "rounds": rnd}))
-    comps = paired.compare(values, dict.fromkeys(arms, "off"), seed=args.seed)
-    base = profile["off"]
+    rounds = lr.Rounds(arms)
+    rounds.run(args, lambda arm, step: block(s, arm, args.burn, args.steps, step, tmp,
+                                             args.interval))
     hw = og.hardware(s)
     lines = [f"## A framework session's parts on a plain loop that syncs every step "
              f"({hw.get('gpu', hw['device'])})",
              f"model {s.n_params / 1e6:.1f}M params, batch {s.batch_size} x {s.seq_len}; "
-             f"{rnd} rounds of {args.burn} + {args.steps} steps an arm; monitor interval "
-             f"{args.interval:g} s", "", paired.table(comps, 0.3), "",
-             f"step by position in the block (ms, mean of rounds), less off's; the first "
-             f"{args.burn} are burn-in", "",
-             "| arm | " + " | ".join(str(i) for i in range(len(base))) + " |",
-             "|---|" + "---|" * len(base)]
-    for arm in arms:
-        cells = [f"{1e3 * v / rnd:.1f}" if arm == "off" else f"{1e3 * (v - b) / rnd:+.2f}"
-                 for v, b in zip(profile[arm], base, strict=True)]
-        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.md:
-        args.md.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps({
-            "values": values, "rounds": rnd, "profile_ms": {
-                a: [1e3 * v / rnd for v in profile[a]] for a in arms},
-            "comparisons": [c.as_dict() for c in comps], "versions": og.versions(),
-            "hardware": hw, "args": vars(args)}, indent=1, default=str))
+             f"{rounds.rounds} rounds of {args.burn} + {args.steps} steps an arm; monitor "
+             f"interval {args.interval:g} s", "",
+             paired.table(rounds.comparisons("off", args.seed), 0.3), "",
+             *rounds.profile_table("off", args.burn)]
+    lr.write(args, lines, rounds, "off", {}, s)
 
 
 if __name__ == "__main__":

@@ -279,6 +279,37 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
             ours = {t for t in threads if t.startswith("gpulens-")}
             assert bool(ours) == arm.endswith("_gpulens"), (arm, threads)
         assert "other threads' CPU by name, rank 0" in out
+        # each arm's step by position in its blocks: 2 burn-in + 10 counted
+        profile = data["paths"][name]["profile_ms_rank0"]
+        assert set(profile) == set(data["paths"][name]["arms"])
+        assert all(len(steps) == 12 for steps in profile.values())
+    assert "step by position in the block" in out
+
+
+def test_session_parts_quick_runs_every_part_and_the_later_row(tmp_path: Path) -> None:
+    """Each part of a callback's session on the plain loop, against ``off`` and its A/A arm,
+    with the step by position in the block (burn-in included)."""
+    out = run_script("session_parts.py", tmp_path, "--json", str(tmp_path / "s.json"))
+    data = json.loads((tmp_path / "s.json").read_text())
+    arms = ["off", "off_b", "mon", "phases", "tokens", "full", "later"]
+    assert list(data["values"]) == arms and data["rounds"] == 2
+    assert all(len(v) == 2 for v in data["values"].values())
+    assert {c["arm"] for c in data["comparisons"]} == set(arms[1:])
+    positions = table_lines(out, "arm | 0 | 1 |")
+    assert [r[0] for r in positions] == arms and all(len(r) == 1 + 2 + 4 for r in positions)
+    assert all(len(p) == 6 for p in data["profile_ms"].values())
+
+
+def test_nvml_interference_quick_reads_each_kind_in_another_process(tmp_path: Path) -> None:
+    """Each kind of NVML read made from a spawned reader (the simulated NVML on a CPU),
+    with what each read took."""
+    out = run_script("nvml_interference.py", tmp_path, "--json", str(tmp_path / "n.json"))
+    data = json.loads((tmp_path / "n.json").read_text())
+    assert set(data["durations"]) == {"fast", "samples", "energy", "gpm"}
+    assert all(d["n"] >= 1 and d["median_ms"] > 0 for d in data["durations"].values())
+    assert {c["arm"] for c in data["comparisons"]} == {
+        "idle_b", "fast@50", "samples@50", "energy@50", "gpm@50", "engine"}
+    assert "| read | calls |" in out
 
 
 def test_paths_aa_quick_blocks_mode_runs_one_training_per_arm(tmp_path: Path) -> None:
