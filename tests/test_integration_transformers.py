@@ -20,6 +20,7 @@ from tests.support.wandb_reader import find_run_file, read_history
 transformers = pytest.importorskip("transformers")
 
 import gpulens  # noqa: E402
+from gpulens.integrations.session import TrainingSession  # noqa: E402
 from gpulens.integrations.transformers import GPUMonitorCallback  # noqa: E402
 
 GPU_KEY = "gpu/0/util_pct"
@@ -181,6 +182,37 @@ def test_on_log_writes_nothing_the_next_optimizer_step_writes_the_row(tmp_path: 
         trainer.train()
     assert where == ["on_pre_optimizer_step", "on_pre_optimizer_step", "on_train_end"]
     assert [r["step"] for r in read_jsonl(sink)] == loss_steps(trainer) == [4, 8, 12]
+
+
+def test_a_row_held_at_a_log_is_written_when_an_evaluation_starts(tmp_path: Path) -> None:
+    """An evaluation right after a log (``eval_steps`` = ``logging_steps``) may take minutes:
+    the held row is written at its first batch (``on_prediction_step``), not after it."""
+    sink = tmp_path / "gpu.jsonl"
+    callback = GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)
+    batches = [0]  # evaluation batches seen so far
+    written_at: list[int] = []  # the batch count when a held row was written
+    real_flush = TrainingSession.flush
+
+    def flush(self: TrainingSession) -> None:
+        if self._held:
+            written_at.append(batches[0])
+        real_flush(self)
+
+    trainer = make_trainer(tmp_path, callback, max_steps=8, logging_steps=4, eval_steps=4)
+    real_prediction = callback.on_prediction_step
+
+    def on_prediction_step(*args: Any, **kw: Any) -> Any:
+        batches[0] += 1
+        return real_prediction(*args, **kw)
+
+    callback.on_prediction_step = on_prediction_step  # type: ignore[method-assign]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TrainingSession, "flush", flush)
+        trainer.train()
+    per_eval = batches[0] // 2
+    assert per_eval > 1  # 64 points, 16 a batch
+    assert written_at == [1, per_eval + 1]  # each at its evaluation's first batch
+    assert [r["step"] for r in read_jsonl(sink)] == loss_steps(trainer) == [4, 8]
 
 
 def test_default_sink_is_jsonl_in_output_dir(tmp_path: Path) -> None:

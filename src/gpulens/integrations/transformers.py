@@ -25,8 +25,8 @@ What it does, hook by hook:
   ``logging_steps`` optimizer steps since its previous log, and the GPU window spans the same
   steps. Hugging Face calls ``on_log`` just after ``loss.item()`` synchronised the device, so
   anything launched there leaves the GPU idle: the window ends at ``on_log``, but the row is
-  written at the next step's ``on_pre_optimizer_step`` (or ``on_step_end``; before an
-  evaluation or a save; at ``on_train_end``), while the device is busy with the backward pass
+  written at the next step's ``on_pre_optimizer_step`` (or ``on_step_end``; at an evaluation's
+  first batch; after a save; at ``on_train_end``), while the device is busy with the backward pass
   (``TrainingSession.row(..., later=True)``; on an H200 this took the callback's cost on a
   step that syncs every step from +0.40 pp to +0.08 pp, not separable from zero:
   ``benchmarks/results/2026-11-27-h200-session-parts-later``). ``global_step`` counts
@@ -209,6 +209,12 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._resume()
+
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # an evaluation's first batch: a row held since the log is written now, not after
+        # the whole evaluation (its window still ends at the log)
+        if self.session is not None:
+            self.session.flush()
 
     def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._resume(flush=True)
