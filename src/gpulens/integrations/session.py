@@ -123,7 +123,10 @@ def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held]) -> None
     """The finalizer: the session was dropped without a stop."""
     try:
         if box:
-            _write_held(monitor, box.pop(), None)
+            try:
+                _write_held(monitor, box.pop(), None)
+            except Exception as exc:  # the stop below must still run
+                warn_once("session:held", "gpulens: a row could not be written (%r)", exc)
         monitor.stop(collective=False)
     finally:
         if work is not None:
