@@ -368,3 +368,23 @@ def test_a_gpu_that_does_not_exist_stops_fit_before_any_step(
         fit(pl, callback, [], tmp_path)
     assert callback.monitor is None
     assert not sink.exists()
+
+
+def test_a_cut_of_the_batch_work_takes_its_own_batches_later() -> None:
+    """``cut()`` (a row written later): the sums so far move out, the next batches stay for
+    the next take; the module's own ``tokens_per_batch`` is asked once a batch."""
+    from gpulens.integrations._lightning_common import _BatchWork
+
+    class Module:
+        def tokens_per_batch(self, batch: Any) -> int:
+            return int(batch["n"])
+
+    work = _BatchWork(Module())
+    work.observe({"n": 3})
+    work.observe({"n": 4})
+    part = work.cut()
+    work.observe({"n": 10})
+    work.settle()
+    assert part.take_deferred() == {"tokens": 7}
+    assert work.take_deferred() == {"tokens": 10}
+    assert part.take_deferred() == {} and work.take_deferred() == {}

@@ -226,10 +226,20 @@ def test_gradient_accumulation_steps_are_optimizer_steps(tmp_path: Path) -> None
     sink = tmp_path / "gpu.jsonl"
     trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
                            max_steps=6, logging_steps=3, grad_accum=4)
-    trainer.train()
+    settled: list[int] = []
+    real = TrainingSession.micro_step_end
+
+    def micro_step_end(self: TrainingSession) -> None:
+        settled.append(1)
+        real(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TrainingSession, "micro_step_end", micro_step_end)
+        trainer.train()
     rows = read_jsonl(sink)
     assert [r["step"] for r in rows] == loss_steps(trainer) == [3, 6]
     assert rows[1]["perf/steps"] == 3
+    assert len(settled) == 6 * (4 - 1)  # every micro-batch but each step's last (on_step_end)
 
 
 def test_tail_after_last_log_gets_a_row_at_the_final_summary(tmp_path: Path) -> None:

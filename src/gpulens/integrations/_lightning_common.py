@@ -271,6 +271,14 @@ class _BatchWork:
         if self._counter is not None:
             self._counter.settle()
 
+    def cut(self) -> _BatchWork:
+        """The work so far as a source of its own (no device operation); this one starts
+        again."""
+        part = _BatchWork.__new__(_BatchWork)
+        part._hooks, part._sums, self._sums = self._hooks, self._sums, {}
+        part._counter = self._counter.cut() if self._counter is not None else None
+        return part
+
     def take_deferred(self) -> dict[str, Any]:
         out, self._sums = self._sums, {}
         if self._counter is not None:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
@@ -83,13 +83,20 @@ def monitor_for_run(settings: Settings, sinks: Iterable[str | SinkSpec | Sink],
 
 class WorkSource(Protocol):
     """Counts the work of a run's training steps (:class:`gpulens.work.hf.TokenCounter`, the
-    Lightning callback's per-batch counter). It may also have ``settle()`` (launch what the
-    kept batches' counts need; called where the device is busy) and ``cut()`` (the counts so
-    far as a source of their own, taken later: rows written ``later``)."""
+    Lightning callback's per-batch counter)."""
 
     def take_deferred(self) -> dict[str, Any]:
         """The work since the previous call as ``Monitor.log`` keywords (``tokens``, ``flops``,
         ``samples``; ``{}`` when none was counted)."""
+        ...
+
+    def settle(self) -> None:
+        """Launch what the kept batches' counts need (called where the device is busy)."""
+        ...
+
+    def cut(self) -> WorkSource:
+        """The work so far as a source of its own, taken later (a row written ``later``); no
+        device operation. This one starts again."""
         ...
 
     def close(self) -> None:
@@ -97,20 +104,21 @@ class WorkSource(Protocol):
         ...
 
 
+@dataclass(slots=True)
 class _Held:
     """A row of ``row(..., later=True)``, waiting for the next mark: its step, the window's
     optimizer steps, the framework's scalars, where the window ended (the phases' cut, the
-    work's, the clocks)."""
+    work's, the clocks: ``time.monotonic()``, ``time.time()``)."""
 
-    __slots__ = ("at", "phases_cut", "scalars", "step", "steps", "work")
+    step: int
+    steps: int
+    scalars: dict[str, Any]
+    phases_cut: int | None
+    work: WorkSource | None
+    at: tuple[float, float]
 
-    def __init__(self, step: int, steps: int, scalars: dict[str, Any], phases_cut: int | None,
-                 work: Any, at: tuple[float, float]) -> None:
-        self.step, self.steps, self.scalars = step, steps, scalars
-        self.phases_cut, self.work, self.at = phases_cut, work, at
 
-
-def _write_held(monitor: Monitor, held: _Held, phases: StepPhases | None) -> None:
+def _write(monitor: Monitor, held: _Held, phases: StepPhases | None) -> None:
     values = dict(held.scalars)
     if phases is not None and held.phases_cut is not None:
         values.update(phases.collect(held.steps, upto=held.phases_cut))
@@ -124,7 +132,7 @@ def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held]) -> None
     try:
         if box:
             try:
-                _write_held(monitor, box.pop(), None)
+                _write(monitor, box.pop(), None)
             except Exception as exc:  # the stop below must still run
                 warn_once("session:held", "gpulens: a row could not be written (%r)", exc)
         monitor.stop(collective=False)
@@ -203,12 +211,18 @@ class TrainingSession:
             self.phases.step_end()
         self._busy_device()
 
+    def micro_step_end(self) -> None:
+        """A micro-batch's backward was launched (gradient accumulation; Hugging Face's
+        ``on_substep_end``): its counts are settled here, while the device is busy, so the
+        masks kept never outnumber one micro-batch's."""
+        if self.work is not None:
+            self.work.settle()
+
     def _busy_device(self) -> None:
         """A mark made while the device is busy with the step: the work launched here hides
         behind it (the step's masks into counts, a held row written)."""
-        settle = getattr(self.work, "settle", None)
-        if settle is not None:
-            settle()
+        if self.work is not None:
+            self.work.settle()
         if self._held:
             self._write_held()
 
@@ -232,12 +246,12 @@ class TrainingSession:
         self._write_held()  # a row still held (no mark came between two logs) goes first
         steps = self.steps_since_row(steps_done)
         self.steps_done = int(steps_done)
-        cut = getattr(self.work, "cut", None) if later else None
-        if later and (self.work is None or cut is not None):
-            held = _Held(int(step), steps, dict(scalars),
-                         self.phases.cut() if self.phases is not None else None,
-                         cut() if cut is not None else None, (time.monotonic(), time.time()))
-            self._held.append(held)
+        if later:
+            self._held.append(_Held(
+                int(step), steps, dict(scalars),
+                self.phases.cut() if self.phases is not None else None,
+                self.work.cut() if self.work is not None else None,
+                (time.monotonic(), time.time())))
             return
         values = dict(scalars)
         if self.phases is not None:
@@ -254,7 +268,7 @@ class TrainingSession:
         if not self._held:
             return
         try:
-            _write_held(self.monitor, self._held.pop(), self.phases)
+            _write(self.monitor, self._held.pop(), self.phases)
         except Exception as exc:  # a monitoring fault never stops training: said, counted
             self.dropped_rows += 1
             warn_once("session:held", "gpulens: a row could not be written (%r); rows that "

@@ -203,6 +203,10 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         if self.session is not None:
             self.session.before_optimizer()
 
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.session is not None:  # a micro-batch under gradient accumulation
+            self.session.micro_step_end()
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.session is not None:
             self.session.step_end()
