@@ -261,7 +261,8 @@ class TrainingSession:
         self.monitor.log(step, **values)
 
     def flush(self) -> None:
-        """Write a row still held for later now (evaluation, a checkpoint, an epoch's end)."""
+        """Write a row still held for later now (Hugging Face: an evaluation's first batch, a
+        save)."""
         self._write_held()
 
     def _write_held(self) -> None:
