@@ -5,7 +5,6 @@ from __future__ import annotations
 import pickle
 import sys
 import threading
-import time
 import types
 from typing import Any
 
@@ -184,7 +183,7 @@ class UserLoggingRun(AttachedRun):
 
     def __init__(self) -> None:
         super().__init__(answers=10_000)
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.joined: list[tuple[float, int]] = []  # (gpulens/step, the record's step)
 
     def commit(self) -> None:
@@ -201,6 +200,12 @@ class UserLoggingRun(AttachedRun):
                 self.step_now += 1
             elif data:
                 self.joined.append((data["gpulens/step"], self.step_now))
+                self.lock.notify_all()
+
+    def wait_joined(self, n: int, timeout: float) -> bool:
+        """Until ``n`` rows have joined records (False if ``timeout`` passed first)."""
+        with self.lock:
+            return self.lock.wait_for(lambda: len(self.joined) >= n, timeout)
 
 
 def test_the_placer_puts_waiting_rows_into_records_as_the_user_frees_them() -> None:
@@ -221,11 +226,9 @@ def test_the_placer_puts_waiting_rows_into_records_as_the_user_frees_them() -> N
         for step in range(2, 6):  # the burst: record 0 is taken, so they wait
             sink.write(Row(step=step, time=0.01 * step, values={"gpu/0/util_pct": 50.0}))
         assert len(run.joined) == 1 and len(sink._queue) == 4
-        for _ in range(4):  # the user logs: a record frees up each time
+        for n in range(2, 6):  # the user logs: a record frees up each time
             run.commit()
-            deadline = time.monotonic() + 10
-            while len(run.joined) < run.step_now - 99 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            assert run.wait_joined(n, timeout=10), run.joined
         assert run.joined == [(1.0, 100), (2.0, 101), (3.0, 102), (4.0, 103), (5.0, 104)]
         assert not sink._queue
     finally:
