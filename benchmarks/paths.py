@@ -65,10 +65,34 @@ class Clock:
         self.events: list[Any] = []
         self.listeners: list[Callable[[int], None]] = []
         """Called with the stamp's index after each stamp."""
+        self.epoch = time.time() - time.perf_counter()
+        """Add to a ``wall`` stamp for Unix seconds (to line blocks up with a GPU log)."""
+        self.gc: list[tuple[float, int]] = []
+        """At each stamp: (seconds the garbage collector has run, its full collections) since
+        :meth:`watch_gc`, in any thread (the collector holds the GIL: training waits)."""
+        self._gc_s = 0.0
+        self._gc_full = 0
+        self._gc_t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+            return
+        self._gc_s += time.perf_counter() - self._gc_t0
+        self._gc_full += info.get("generation") == 2
+
+    def watch_gc(self) -> None:
+        """Time every garbage collection until :meth:`unwatch_gc` (``gc.callbacks``)."""
+        gc.callbacks.append(self._on_gc)
+
+    def unwatch_gc(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     def stamp(self) -> None:
         for listener in self.listeners:
             listener(len(self.cpu))
+        self.gc.append((self._gc_s, self._gc_full))
         self.cpu.append(time.thread_time())
         self.proc.append(time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID))
         self.wall.append(time.perf_counter())
@@ -198,6 +222,12 @@ class Schedule:
     round_wall_s: float = field(init=False, default=float("nan"))
     """Host wall-clock seconds a round took (starts and stops included), once :meth:`values`
     has read the run's clock."""
+    steps: dict[tuple[int, str], dict[str, list[float]]] = field(init=False,
+                                                                 default_factory=dict)
+    """(round, arm) -> its counted steps, once :meth:`values` has read the run's clock: ``ms``
+    (each step), ``cpu_ms`` (the training thread's CPU), ``gc_ms`` (the collector's time),
+    ``full_gc`` (full collections) and ``span`` (Unix seconds at the block's first counted
+    step's start and its last step's end, host clock): what makes the noise."""
     profile_s: dict[str, list[float]] = field(init=False, default_factory=dict)
     """Per arm, the mean seconds of the step at each position of its blocks (burn-in steps
     included), over the rounds, once :meth:`values` has read the run's clock: whether a cost
@@ -274,6 +304,17 @@ class Schedule:
                 slots = by_pos.setdefault(where[1], [[0.0, 0] for _ in range(self.block)])
                 slots[pos][0] += w
                 slots[pos][1] += 1
+            if where is not None and where[2] and index + 1 < len(clock.gc):
+                rec = self.steps.setdefault(where[:2], {"ms": [], "cpu_ms": [], "gc_ms": [],
+                                                        "full_gc": [], "span": []})
+                (g0, f0), (g1, f1) = clock.gc[index], clock.gc[index + 1]
+                rec["ms"].append(round(w * 1e3, 4))
+                rec["cpu_ms"].append(round(c * 1e3, 4))
+                rec["gc_ms"].append(round((g1 - g0) * 1e3, 4))
+                rec["full_gc"].append(f1 - f0)
+                if not rec["span"]:
+                    rec["span"] = [clock.epoch + clock.wall[index], 0.0]
+                rec["span"][1] = clock.epoch + clock.wall[index + 1]
             if where is not None and where[2]:
                 acc = sums.setdefault(where[:2], [0.0, 0.0, 0.0, 0.0])
                 acc[0] += w
@@ -439,7 +480,11 @@ class HfPath:
         extra = [gated(cb, schedule.runs("gpulens"), "hf") for cb in gpulens_callbacks(
             "gpulens", "gpulens.integrations.transformers", self.interval, clock, None)]
         schedule.watch_threads(clock)
-        self._train(f"interleaved-{schedule.first_round}", schedule.total_steps, extra, clock)
+        clock.watch_gc()
+        try:
+            self._train(f"interleaved-{schedule.first_round}", schedule.total_steps, extra, clock)
+        finally:
+            clock.unwatch_gc()
         return schedule.values(clock)
 
     def _train(self, name: str, steps: int, extra: list[Any], clock: Clock) -> None:
@@ -513,7 +558,11 @@ class LightningPath:
         if any(kind_of(a) == "dsm" for a in schedule.arms):
             extra.append(gated(self._dsm(), schedule.runs("dsm"), "pl"))
         schedule.watch_threads(clock)
-        self._fit(f"interleaved-{schedule.first_round}", schedule.total_steps, extra, clock)
+        clock.watch_gc()
+        try:
+            self._fit(f"interleaved-{schedule.first_round}", schedule.total_steps, extra, clock)
+        finally:
+            clock.unwatch_gc()
         return schedule.values(clock)
 
     def _fit(self, name: str, steps: int, extra: list[Any], clock: Clock) -> None:
@@ -589,7 +638,11 @@ class WandbLoopPath:
         step of each gpulens block and stopped at the first step after it."""
         clock = Clock(self.s.device.type == "cuda")
         schedule.watch_threads(clock)
-        self._loop(schedule.total_steps, schedule.runs("gpulens"), clock, None)
+        clock.watch_gc()
+        try:
+            self._loop(schedule.total_steps, schedule.runs("gpulens"), clock, None)
+        finally:
+            clock.unwatch_gc()
         return schedule.values(clock)
 
     def _loop(self, steps: int, on: Callable[[int], bool] | None, clock: Clock,

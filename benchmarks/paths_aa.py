@@ -118,6 +118,8 @@ class PathRun:
         self.round_s: list[float] = []
         self.plan: paired.Plan | None = None
         self.failed: str | None = None
+        self.steps: dict[str, dict[int, dict[str, list[float]]]] = {a: {} for a in self.arms}
+        """Per arm and round, this rank's counted steps (``paths.Schedule.steps``)."""
         self.profile: dict[str, list[tuple[float, int]]] = {}
         """Per arm, per position in its blocks (burn-in included): (sum of the step's mean
         seconds over the training runs, weighted by their rounds; rounds), this rank's."""
@@ -156,6 +158,7 @@ class PathRun:
             "orders": self.orders, "round_s": self.round_s,
             "plan": self.plan.as_dict() if self.plan else None, "failed": self.failed,
             "profile_ms_rank0": self.profile_ms(),
+            "steps_rank0": self.steps,
             "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est, bound)}
                             for c in comps],
         }
@@ -281,6 +284,8 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
                 run.thread_steps[r][arm] = run.thread_steps[r].get(arm, 0) + steps.get(arm, 0)
         run.orders.extend(schedule.orders)
         run.add_profile(schedule.profile_s, todo)
+        for (rnd, arm), rec in schedule.steps.items():
+            run.steps[arm][rnd] = rec
         for (rnd, arm), (_, cpu_s, others_s) in mine.items():
             per_rank = [r[(rnd, arm)][0] for r in ranks]
             run.values[arm][rnd] = max(per_rank)
@@ -355,9 +360,39 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
                 out.append(f"| {arm} | {statistics.median(v.values()) * 1e3:.3f} | "
                            f"{statistics.median(c.values()):.2f} | {others} |")
         out += threads_table(run)
+        out += noise_table(run)
         out += profile_table(run)
         out.append("")
     return "\n".join(out)
+
+
+def noise_table(run: PathRun) -> list[str]:
+    """What the counted steps of each arm look like one by one (rank 0): their spread, the
+    slow ones (over the arm's median + 5 ms), and the garbage collector's share: whether a
+    path's per-round noise is many small differences or a few slow steps, and whose."""
+    out: list[str] = []
+    for arm in run.arms:
+        recs = list(run.steps[arm].values())
+        ms = [v for r in recs for v in r["ms"]]
+        if len(ms) < 2:
+            continue
+        if not out:
+            out = ["", "counted steps one by one (rank 0): slow = over the arm's median + 5 ms; "
+                   "gc = the garbage collector's time in the step", "",
+                   "| arm | steps | median (ms) | p99 (ms) | max (ms) | slow steps | slow steps' "
+                   "excess (ms/step, all steps) | gc (ms/step) | full collections | slow steps "
+                   "with gc > 1 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+        med = statistics.median(ms)
+        p99 = sorted(ms)[min(len(ms) - 1, round(0.99 * (len(ms) - 1)))]
+        pairs = [(v, g) for r in recs for v, g in zip(r["ms"], r["gc_ms"], strict=True)]
+        slow = [(v, g) for v, g in pairs if v > med + 5.0]
+        excess = sum(v - med for v, _ in slow) / len(ms)
+        gc_ms = statistics.fmean(g for _, g in pairs)
+        full = sum(int(f) for r in recs for f in r["full_gc"])
+        out.append(f"| {arm} | {len(ms)} | {med:.2f} | {p99:.2f} | {max(ms):.2f} | {len(slow)} "
+                   f"| {excess:.3f} | {gc_ms:.3f} | {full} | "
+                   f"{sum(1 for _, g in slow if g > 1.0)} |")
+    return out
 
 
 def profile_table(run: PathRun) -> list[str]:

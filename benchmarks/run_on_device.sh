@@ -17,7 +17,8 @@
 # Environment: GPULENS_BENCH_PATHS (paths-hf/-lw: the paths to run instead of the part's two),
 # GPULENS_BENCH_BUDGET_S (seconds for an overhead script's rounds, per path for
 # paths_aa.py; defaults per part below), GPULENS_BENCH_ARGS (extra arguments for the overhead
-# scripts, e.g. --quick to try a part on a CPU).
+# scripts, e.g. --quick to try a part on a CPU), GPULENS_PART_LIMIT_S (paths-hf/-lw: the
+# script's time limit, default 490 s), GPULENS_BENCH_SMI=1 (paths-hf/-lw: smi.csv, below).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export OUT="${OUT:-/tmp/gpulens-bench-out}"
@@ -55,6 +56,24 @@ step() {
     echo "   $name exit $? after $((SECONDS - t0)) s"
 }
 
+# With GPULENS_BENCH_SMI=1: the GPUs' clocks, power, temperature and throttle reasons twice a
+# second into $OUT/smi.csv (nvidia-smi, another process, the same in every arm), to line each
+# block up with what the GPU did (its "span" in paths_aa.json, Unix seconds)
+SMI_PID=
+smi_start() {
+    [ "${GPULENS_BENCH_SMI:-0}" = 1 ] || return 0
+    command -v nvidia-smi > /dev/null || { echo "no nvidia-smi: no smi.csv"; return 0; }
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.active,utilization.gpu \
+        --format=csv -lms 500 > "$OUT/smi.csv" 2>&1 &
+    SMI_PID=$!
+    echo "== nvidia-smi every 0.5 s into smi.csv (pid $SMI_PID; its clock: $(date '+%Z %z'))"
+}
+smi_stop() {
+    [ -n "$SMI_PID" ] && kill "$SMI_PID" 2> /dev/null
+    SMI_PID=
+    return 0
+}
+
 overhead() {  # overhead LIMIT_S BUDGET_S ARGS...
     local limit=$1 budget=$2
     shift 2
@@ -86,14 +105,16 @@ main() {
         local which=hf_ls1,hf_ls10
         [ "$PART" = paths-lw ] && which=lightning,wandb_loop
         which=${GPULENS_BENCH_PATHS:-$which}
-        step "paths_aa.py $which" 490 paths_aa.md \
+        smi_start
+        step "paths_aa.py $which" "${GPULENS_PART_LIMIT_S:-490}" paths_aa.md \
             python3 benchmarks/paths_aa.py --paths "$which" \
             --budget-s "${GPULENS_BENCH_BUDGET_S:-190}" --json "$OUT/paths_aa.json" "${EXTRA[@]}"
+        smi_stop
         ;;
     paths-ddp)
         local n
         n=$(python3 -c "import torch; print(torch.cuda.device_count() or 2)")  # CPU try: 2
-        step "paths_aa.py hf_ls1 on $n GPUs" 320 paths_aa_ddp.md \
+        step "paths_aa.py hf_ls1 on $n GPUs" "${GPULENS_PART_LIMIT_S:-320}" paths_aa_ddp.md \
             python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
             benchmarks/paths_aa.py --paths hf_ls1 --budget-s "${GPULENS_BENCH_BUDGET_S:-230}" \
             --json "$OUT/paths_aa_ddp.json" "${EXTRA[@]}"

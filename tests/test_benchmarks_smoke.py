@@ -283,7 +283,15 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
         profile = data["paths"][name]["profile_ms_rank0"]
         assert set(profile) == set(data["paths"][name]["arms"])
         assert all(len(steps) == 12 for steps in profile.values())
+        # every counted step, one by one: 10 a block, a span that runs forward in time
+        for arm, rounds in data["paths"][name]["steps_rank0"].items():
+            assert sorted(rounds) == ["0", "1"], (name, arm)
+            for rec in rounds.values():
+                assert all(len(rec[k]) == 10 for k in ("ms", "cpu_ms", "gc_ms", "full_gc"))
+                assert all(v > 0 for v in rec["ms"]) and all(g >= 0 for g in rec["gc_ms"])
+                assert 0 < rec["span"][1] - rec["span"][0] < 600
     assert "step by position in the block" in out
+    assert "counted steps one by one (rank 0)" in out
 
 
 def test_session_parts_quick_runs_every_part_and_the_later_row(tmp_path: Path) -> None:
@@ -596,3 +604,31 @@ def test_thread_sampler_counts_where_a_gpulens_thread_spends_its_time(tmp_path: 
     sampler.dump()
     text = (tmp_path / "samples_rank0.txt").read_text()
     assert text.startswith("===== gpulens-test-N: 50 samples")
+
+
+def test_clock_times_each_garbage_collection_into_the_step_it_ran_in() -> None:
+    """The per-step record the GPU runs keep: a full collection between two stamps lands in
+    that step, with its time; none outside ``watch_gc``."""
+    sys.path.insert(0, str(BENCH))
+    import gc
+
+    import paths  # benchmarks/paths.py
+
+    clock = paths.Clock(cuda=False)
+    clock.stamp()
+    clock.watch_gc()
+    try:
+        clock.stamp()
+        junk = [[i] for i in range(200_000)]
+        gc.collect()
+        del junk
+        clock.stamp()
+    finally:
+        clock.unwatch_gc()
+    gc.collect()
+    clock.stamp()
+    (s0, f0), (s1, f1), (s2, f2), (s3, f3) = clock.gc
+    assert (s0, f0) == (s1, f1) == (0.0, 0)
+    assert f2 >= 1 and s2 > 0  # gc.collect() (and any the list set off) in the second step
+    assert (s3, f3) == (s2, f2)  # after unwatch_gc: not seen
+    assert clock._on_gc not in gc.callbacks

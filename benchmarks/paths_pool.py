@@ -1,0 +1,134 @@
+"""Pool the rounds of several ``paths_aa.py`` runs of one path into one comparison (issue 18).
+
+A device call lasts at most ten minutes; a path whose A/A noise asks for more rounds than one
+call holds runs in several calls, each a training run of its own. Each round is paired inside
+itself (every arm ran in it, in a shuffled order), so rounds from different calls pool: each
+round keeps its own per-round difference, and the pooled mean, 95 % interval and verdict are
+``paired.py``'s over all of them. What makes pooling honest is deciding the calls before
+seeing any of them (the number of calls is set in advance, not until a result looks good), and
+pooling only runs of the same path, model, batch and kind of GPU: this script refuses runs
+that differ in any of these, and prints each run's own figures beside the pooled ones.
+
+    python benchmarks/paths_pool.py results/X/paths_aa.json results/Y/paths_aa.json \\
+        --path hf_ls1 --md pooled.md --json pooled.json
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import paired
+
+ROUND_STRIDE = 100_000
+"""A pooled round's key: ``run index * ROUND_STRIDE + round`` (a run has far fewer rounds)."""
+
+
+def identity(doc: dict[str, Any]) -> dict[str, Any]:
+    """What must be the same for two runs' rounds to pool."""
+    meta = doc["meta"]
+    hw = meta.get("hardware", {})
+    model = meta.get("model", {})
+    args = meta.get("args", {})
+    return {"gpu": hw.get("gpu", hw.get("device")), "world_size": meta.get("world_size"),
+            "n_params": model.get("n_params"), "batch": model.get("batch"),
+            "seq_len": model.get("seq_len"), "mode": args.get("mode"),
+            "measured_steps": args.get("measured_steps"), "burn_steps": args.get("burn_steps"),
+            "interval": args.get("interval")}
+
+
+def pool(docs: list[dict[str, Any]], name: str) -> dict[str, dict[int, float]]:
+    """arm -> pooled round key -> seconds per step, over every run that has path ``name``."""
+    values: dict[str, dict[int, float]] = {}
+    for i, doc in enumerate(docs):
+        run = doc["paths"].get(name)
+        if run is None:
+            continue
+        for arm, figures in run["arms"].items():
+            into = values.setdefault(arm, {})
+            for rnd, ms in figures["per_round_ms"].items():
+                into[i * ROUND_STRIDE + int(rnd)] = ms / 1e3
+    return values
+
+
+def aa_sd(values: dict[str, dict[int, float]], name: str) -> float:
+    """The larger per-round SD (pp) of the A/A arm's and the gpulens arm's differences."""
+    sds = []
+    for arm in (paired.aa_name(name), f"{name}_gpulens"):
+        if arm in values and name in values:
+            s = paired.sd(list(paired.per_round_pp(values[arm], values[name]).values()))
+            if math.isfinite(s):
+                sds.append(s)
+    return max(sds) if sds else math.nan
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("runs", nargs="+", type=Path, help="paths_aa.json files")
+    p.add_argument("--path", required=True, help="the path to pool, e.g. hf_ls1")
+    p.add_argument("--bound-pp", type=float, default=0.3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--md", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    docs = [json.loads(f.read_text()) for f in args.runs]
+    have = [(f, d) for f, d in zip(args.runs, docs, strict=True) if args.path in d["paths"]]
+    if not have:
+        print(f"paths_pool.py: no run has path {args.path!r}", file=sys.stderr)
+        return 2
+    ids = [identity(d) for _, d in have]
+    differ = sorted({k for i in ids for k in i if i[k] != ids[0][k]})
+    if differ:
+        print(f"paths_pool.py: the runs differ in {', '.join(differ)}; not pooled:",
+              file=sys.stderr)
+        for (f, _), i in zip(have, ids, strict=True):
+            print(f"  {f}: " + ", ".join(f"{k}={i[k]}" for k in differ), file=sys.stderr)
+        return 2
+    values = pool([d for _, d in have], args.path)
+    arms = list(values)
+    comps = paired.compare(values, dict.fromkeys(arms, args.path), seed=args.seed)
+    sd = aa_sd(values, args.path)
+    rounds = len(values.get(args.path, {}))
+    plan = paired.Plan(0, sd, paired.rounds_needed(sd, args.bound_pp), None, rounds, sd,
+                       args.bound_pp)
+    lines = [f"## {args.path}: {rounds} rounds pooled from {len(have)} runs",
+             "", "identity: " + json.dumps(ids[0]), "",
+             "| run | date | commit | rounds | its A/A SD (pp) | gpulens - baseline (pp) |",
+             "|---|---|---|---|---|---|"]
+    per_run = []
+    for f, d in have:
+        one = pool([d], args.path)
+        c = {x.arm: x for x in paired.compare(one, dict.fromkeys(one, args.path),
+                                              seed=args.seed)}
+        g = c.get(f"{args.path}_gpulens")
+        n = len(one.get(args.path, {}))
+        s = aa_sd(one, args.path)
+        lines.append(f"| {f} | {d['meta'].get('date')} | {d['meta'].get('commit')} | {n} | "
+                     f"{s:.3f} | {paired.fmt_est(g.est) if g else '-'} |")
+        per_run.append({"file": str(f), "date": d["meta"].get("date"),
+                        "commit": d["meta"].get("commit"), "rounds": n, "sd_pp": s,
+                        "gpulens": g.as_dict() if g else None})
+    lines += ["", plan.line().replace("fixed by the command (no pilot)", "pooled"), "",
+              paired.table(comps, args.bound_pp), "", *paired.bias_notes(comps)]
+    text = "\n".join(lines)
+    print(text)
+    if args.md:
+        args.md.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "path": args.path, "identity": ids[0], "runs": per_run, "plan": plan.as_dict(),
+            "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est,
+                                                                                args.bound_pp)}
+                            for c in comps]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
