@@ -74,6 +74,39 @@ class Clock:
         self._gc_full = 0
         self._gc_t0 = 0.0
 
+        self.forwards: dict[int, Any] = {}
+        """Stamp count -> the event (or host time) of the first forward that began after that
+        many stamps (:meth:`forward_begins`): splits a step into its gap and its busy part."""
+
+    def forward_begins(self) -> None:
+        """At a step's first forward (a pre-hook of the benchmark's, in every arm, before
+        gpulens's): an event on the GPU's timeline (no sync), so each step splits into the
+        *gap* (the previous step's end to this forward: what the host did between, HF's log
+        and sync included, with the GPU idle once its queue ran dry) and the *busy* part (this
+        forward to the step's end)."""
+        k = len(self.cpu)
+        if k in self.forwards:
+            return  # a later forward of the same step (gradient accumulation)
+        if self.cuda:
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.forwards[k] = event
+        else:
+            self.forwards[k] = time.perf_counter()
+
+    def split(self, index: int) -> tuple[float, float] | None:
+        """(gap, busy) seconds of the step that stamp ``index + 1`` ended, once every stamp
+        has run (after :meth:`steps`); ``None`` without a forward mark in it."""
+        fwd = self.forwards.get(index + 1)
+        if fwd is None or index + 1 >= len(self.wall):
+            return None
+        if self.cuda:
+            a, b = self.events[index], self.events[index + 1]
+            return a.elapsed_time(fwd) / 1e3, fwd.elapsed_time(b) / 1e3
+        return fwd - self.wall[index], self.wall[index + 1] - fwd
+
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._gc_t0 = time.perf_counter()
@@ -226,8 +259,9 @@ class Schedule:
                                                                  default_factory=dict)
     """(round, arm) -> its counted steps, once :meth:`values` has read the run's clock: ``ms``
     (each step), ``cpu_ms`` (the training thread's CPU), ``gc_ms`` (the collector's time),
-    ``full_gc`` (full collections) and ``span`` (Unix seconds at the block's first counted
-    step's start and its last step's end, host clock): what makes the noise."""
+    ``full_gc`` (full collections), ``span`` (Unix seconds at the block's first counted
+    step's start and its last step's end, host clock), and where the path marks its forwards
+    (``Clock.forward_begins``) ``gap_ms`` and ``busy_ms`` (:meth:`Clock.split`)."""
     profile_s: dict[str, list[float]] = field(init=False, default_factory=dict)
     """Per arm, the mean seconds of the step at each position of its blocks (burn-in steps
     included), over the rounds, once :meth:`values` has read the run's clock: whether a cost
@@ -263,6 +297,13 @@ class Schedule:
         def on(step: int) -> bool:
             where = self.place(step)
             return where is not None and kind_of(where[1]) == kind
+        return on
+
+    def runs_arm(self, arm: str) -> Callable[[int], bool]:
+        """Whether step ``step`` is in a block of ``arm``."""
+        def on(step: int) -> bool:
+            where = self.place(step)
+            return where is not None and where[1] == arm
         return on
 
     def watch_threads(self, clock: Clock) -> None:
@@ -307,6 +348,10 @@ class Schedule:
             if where is not None and where[2] and index + 1 < len(clock.gc):
                 rec = self.steps.setdefault(where[:2], {"ms": [], "cpu_ms": [], "gc_ms": [],
                                                         "full_gc": [], "span": []})
+                parts = clock.split(index)
+                if parts is not None:
+                    rec.setdefault("gap_ms", []).append(round(parts[0] * 1e3, 4))
+                    rec.setdefault("busy_ms", []).append(round(parts[1] * 1e3, 4))
                 (g0, f0), (g1, f1) = clock.gc[index], clock.gc[index + 1]
                 rec["ms"].append(round(w * 1e3, 4))
                 rec["cpu_ms"].append(round(c * 1e3, 4))
@@ -327,22 +372,28 @@ class Schedule:
 
 
 def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
-                      instrument: Instrument | None) -> list[Any]:
+                      instrument: Instrument | None,
+                      variant: dict[str, Any] | None = None) -> list[Any]:
     """``[GPUMonitorCallback(interval)]`` of ``module`` for a gpulens arm, else ``[]``;
     ``GPULENS_PATHS_MONITOR_KW`` (JSON) replaces fields of its settings, and
     ``GPULENS_PATHS_CALLBACK_KW`` (JSON) attributes of the callback, e.g.
-    ``{"follow_report_to": false}``: rows to a JSONL file instead of the framework's W&B run."""
+    ``{"follow_report_to": false}``: rows to a JSONL file instead of the framework's W&B run.
+    ``variant``: the same for one arm (``paths_aa.py --variants``): callback attributes, and
+    settings fields under ``"monitor"``."""
     if kind_of(arm) != "gpulens":
         return []
     import importlib
 
     callback = importlib.import_module(module).GPUMonitorCallback(interval=interval)
-    extra = json.loads(os.environ.get("GPULENS_PATHS_MONITOR_KW") or "{}")
+    variant = dict(variant or {})
+    extra = {**json.loads(os.environ.get("GPULENS_PATHS_MONITOR_KW") or "{}"),
+             **variant.pop("monitor", {})}
     if extra:  # which reads cost, e.g. {"gpm": false, "energy": false, "driver_samples": false}
         import dataclasses
 
         callback.settings = dataclasses.replace(callback.settings, **extra)
-    for name, value in json.loads(os.environ.get("GPULENS_PATHS_CALLBACK_KW") or "{}").items():
+    attrs = {**json.loads(os.environ.get("GPULENS_PATHS_CALLBACK_KW") or "{}"), **variant}
+    for name, value in attrs.items():
         if not hasattr(callback, name):
             raise SystemExit(f"GPULENS_PATHS_CALLBACK_KW: the callback has no attribute {name!r}")
         setattr(callback, name, value)
@@ -351,8 +402,8 @@ def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
     return [callback]
 
 
-HF_GATED = ("on_pre_optimizer_step", "on_step_end", "on_log", "on_epoch_begin", "on_evaluate",
-            "on_save")
+HF_GATED = ("on_pre_optimizer_step", "on_substep_end", "on_step_end", "on_log", "on_epoch_begin",
+            "on_prediction_step", "on_evaluate", "on_save")
 PL_GATED = ("on_before_optimizer_step", "on_train_batch_end", "on_train_epoch_start",
             "on_validation_end")
 PL_ALWAYS = ("setup", "teardown", "on_exception")
@@ -435,9 +486,11 @@ class HfPath:
     ``gpulens``: plus ``GPUMonitorCallback(interval)``."""
 
     def __init__(self, s: og.Setup, tmp: Path, log_every: int, report_to: list[str],
-                 interval: float) -> None:
+                 interval: float, variants: dict[str, dict[str, Any]] | None = None) -> None:
         import torch
 
+        self.variants = variants or {}
+        """Arm -> its gpulens callback's attributes (``gpulens_callbacks``' ``variant``)."""
         self.s, self.tmp, self.log_every = s, tmp, log_every
         self.report_to, self.interval = report_to, interval
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -477,8 +530,11 @@ class HfPath:
     def interleaved(self, schedule: Schedule) -> dict[tuple[int, str], tuple[float, float, float]]:
         """One ``train()`` through every block of ``schedule``."""
         clock = Clock(self.s.device.type == "cuda")
-        extra = [gated(cb, schedule.runs("gpulens"), "hf") for cb in gpulens_callbacks(
-            "gpulens", "gpulens.integrations.transformers", self.interval, clock, None)]
+        extra = [gated(cb, schedule.runs_arm(arm), "hf")
+                 for arm in schedule.arms if kind_of(arm) == "gpulens"
+                 for cb in gpulens_callbacks(arm, "gpulens.integrations.transformers",
+                                             self.interval, clock, None,
+                                             self.variants.get(arm))]
         schedule.watch_threads(clock)
         clock.watch_gc()
         try:
@@ -507,6 +563,7 @@ class HfPath:
             bf16=False, ddp_find_unused_parameters=False,
         )
         model = copy.deepcopy(s.model)
+        model.register_forward_pre_hook(lambda *_: clock.forward_begins())  # before gpulens's
         trainer = Trainer(model=model, args=targs, train_dataset=self.dataset(steps),
                           callbacks=[*extra, Stamp()])
         trainer.train()

@@ -60,7 +60,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,10 @@ DDP_PATHS = ("hf_ls1", "hf_ls10")
 
 def make_path(name: str, s: og.Setup, tmp: Path, args: argparse.Namespace) -> Any:
     if name.startswith("hf_ls"):
-        return paths.HfPath(s, tmp, int(name[len("hf_ls"):]), ["wandb"], args.interval)
+        return paths.HfPath(s, tmp, int(name[len("hf_ls"):]), ["wandb"], args.interval,
+                            {variant_arm(name, v): kw for v, kw in args.variants.items()})
+    if args.variants:
+        raise ValueError(f"--variants: only the HF paths take them, not {name!r}")
     if name == "lightning":
         return paths.LightningPath(s, tmp, 1, args.interval)
     if name == "wandb_loop":
@@ -83,8 +86,29 @@ def make_path(name: str, s: og.Setup, tmp: Path, args: argparse.Namespace) -> An
     raise ValueError(f"unknown path {name!r}; known: {', '.join(PATHS)}")
 
 
-def arms_of(name: str, dsm: bool = False) -> list[str]:
-    arms = [name, paired.aa_name(name), f"{name}_gpulens"]
+def variant_arm(name: str, variant: str) -> str:
+    """The arm of a ``--variants`` entry: gpulens with other settings, e.g. ``hf_ls1_jsonl_gpulens``."""
+    return f"{name}_{variant}_gpulens"
+
+
+def parse_variants(text: str) -> dict[str, dict[str, Any]]:
+    """``NAME=JSON;NAME=JSON`` -> {NAME: attributes}: each an extra gpulens arm whose callback
+    gets those attributes (and, under ``"monitor"``, settings fields)."""
+    out: dict[str, dict[str, Any]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, sep, kw = part.partition("=")
+        if not sep or not name.isidentifier():
+            raise SystemExit(f"--variants: {part!r} is not NAME=JSON")
+        value = json.loads(kw)
+        if not isinstance(value, dict):
+            raise SystemExit(f"--variants: {name}'s JSON is not an object")
+        out[name] = value
+    return out
+
+
+def arms_of(name: str, dsm: bool = False, variants: Iterable[str] = ()) -> list[str]:
+    arms = [name, paired.aa_name(name), f"{name}_gpulens",
+            *(variant_arm(name, v) for v in variants)]
     if dsm and name == "lightning":
         arms.append(f"{name}_dsm")  # Lightning's DeviceStatsMonitor, the built-in peer
     return arms
@@ -104,9 +128,9 @@ def pilot_sd(values: dict[str, dict[int, float]], name: str) -> float:
 class PathRun:
     """Every round of one path, and how many were run and why."""
 
-    def __init__(self, name: str, dsm: bool = False) -> None:
+    def __init__(self, name: str, dsm: bool = False, variants: Iterable[str] = ()) -> None:
         self.name = name
-        self.arms = arms_of(name, dsm)
+        self.arms = arms_of(name, dsm, variants)
         self.values: dict[str, dict[int, float]] = {a: {} for a in self.arms}
         self.cpu_ms: dict[str, dict[int, float]] = {a: {} for a in self.arms}
         self.others_ms: dict[str, dict[int, float]] = {a: {} for a in self.arms}
@@ -392,6 +416,39 @@ def noise_table(run: PathRun) -> list[str]:
         out.append(f"| {arm} | {len(ms)} | {med:.2f} | {p99:.2f} | {max(ms):.2f} | {len(slow)} "
                    f"| {excess:.3f} | {gc_ms:.3f} | {full} | "
                    f"{sum(1 for _, g in slow if g > 1.0)} |")
+    return out + split_table(run)
+
+
+def split_table(run: PathRun) -> list[str]:
+    """Where an arm's extra time sits (rank 0): per round, the mean of its steps' *gap* (the
+    previous step's end to this step's first forward, on the GPU's timeline: the host's work
+    between steps, HF's log after its sync included) and *busy* part (that forward to the
+    step's end), less the baseline's; mean and 95 % interval over the rounds (ms)."""
+    def per_round(arm: str, key: str) -> dict[int, float]:
+        return {r: statistics.fmean(rec[key]) for r, rec in run.steps[arm].items()
+                if rec.get(key)}
+
+    base = {k: per_round(run.name, k) for k in ("gap_ms", "busy_ms")}
+    if not base["gap_ms"]:
+        return []
+    out = ["", f"each step split at its first forward (rank 0): gap = the previous step's end "
+           f"to that forward, busy = the rest (ms, mean of rounds; difference to {run.name} "
+           f"per round, mean [95 % CI])", "",
+           "| arm | gap (ms) | busy (ms) | gap - baseline (ms) | busy - baseline (ms) |",
+           "|---|---|---|---|---|"]
+    for arm in run.arms:
+        cells = []
+        diffs = []
+        for key in ("gap_ms", "busy_ms"):
+            mine = per_round(arm, key)
+            cells.append(f"{statistics.fmean(mine.values()):.3f}" if mine else "-")
+            d = {r: v - base[key][r] for r, v in mine.items() if r in base[key]}
+            if arm == run.name or len(d) < 2:
+                diffs.append("-")
+                continue
+            e = paired.Estimate.of(d)
+            diffs.append(f"{e.mean:+.3f} [{e.lo:+.3f}, {e.hi:+.3f}]")
+        out.append(f"| {arm} | {' | '.join(cells)} | {' | '.join(diffs)} |")
     return out
 
 
@@ -448,6 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lightning-dsm", action="store_true",
                    help="add Lightning's DeviceStatsMonitor as a fourth arm of the lightning path")
+    p.add_argument("--variants", type=parse_variants, default={},
+                   help="HF paths: extra gpulens arms, NAME=JSON;... of the callback's "
+                   "attributes (settings fields under \"monitor\"), e.g. "
+                   "'jsonl={\"follow_report_to\": false};bare={\"count_work\": false, "
+                   "\"time_phases\": false}'")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.steps = args.steps or (6 if args.quick else 20)
@@ -528,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         og.collect(True)
     try:
         for name in names:
-            run = PathRun(name, args.lightning_dsm)
+            run = PathRun(name, args.lightning_dsm,
+                          args.variants if name.startswith("hf_ls") else ())
             runs.append(run)
             path = make_path(name, s, tmp, args)
             runner = run_interleaved if args.mode == "interleaved" else run_blocks

@@ -18,7 +18,8 @@
 # GPULENS_BENCH_BUDGET_S (seconds for an overhead script's rounds, per path for
 # paths_aa.py; defaults per part below), GPULENS_BENCH_ARGS (extra arguments for the overhead
 # scripts, e.g. --quick to try a part on a CPU), GPULENS_PART_LIMIT_S (paths-hf/-lw: the
-# script's time limit, default 490 s), GPULENS_BENCH_SMI=1 (paths-hf/-lw: smi.csv, below).
+# script's time limit, default 490 s), GPULENS_BENCH_SMI=1 (paths-hf/-lw: smi.csv, below),
+# GPULENS_BENCH_VARIANTS (paths-hf: paths_aa.py's --variants, one argument).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export OUT="${OUT:-/tmp/gpulens-bench-out}"
@@ -105,9 +106,11 @@ main() {
         local which=hf_ls1,hf_ls10
         [ "$PART" = paths-lw ] && which=lightning,wandb_loop
         which=${GPULENS_BENCH_PATHS:-$which}
+        local variants=()
+        [ -n "${GPULENS_BENCH_VARIANTS:-}" ] && variants=(--variants "$GPULENS_BENCH_VARIANTS")
         smi_start
         step "paths_aa.py $which" "${GPULENS_PART_LIMIT_S:-490}" paths_aa.md \
-            python3 benchmarks/paths_aa.py --paths "$which" \
+            python3 benchmarks/paths_aa.py --paths "$which" "${variants[@]}" \
             --budget-s "${GPULENS_BENCH_BUDGET_S:-190}" --json "$OUT/paths_aa.json" "${EXTRA[@]}"
         smi_stop
         ;;

@@ -290,8 +290,13 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
                 assert all(len(rec[k]) == 10 for k in ("ms", "cpu_ms", "gc_ms", "full_gc"))
                 assert all(v > 0 for v in rec["ms"]) and all(g >= 0 for g in rec["gc_ms"])
                 assert 0 < rec["span"][1] - rec["span"][0] < 600
+                if name.startswith("hf_"):  # each step split at its first forward
+                    assert len(rec["gap_ms"]) == len(rec["busy_ms"]) == 10
+                    for m, g, b in zip(rec["ms"], rec["gap_ms"], rec["busy_ms"], strict=True):
+                        assert g >= 0 and b > 0 and abs(g + b - m) < 0.01 * m
     assert "step by position in the block" in out
     assert "counted steps one by one (rank 0)" in out
+    assert "each step split at its first forward (rank 0)" in out
 
 
 def test_session_parts_quick_runs_every_part_and_the_later_row(tmp_path: Path) -> None:
