@@ -87,7 +87,7 @@ def make_path(name: str, s: og.Setup, tmp: Path, args: argparse.Namespace) -> An
 
 
 def variant_arm(name: str, variant: str) -> str:
-    """The arm of a ``--variants`` entry: gpulens with other settings, e.g. ``hf_ls1_jsonl_gpulens``."""
+    """The arm of a ``--variants`` entry, gpulens with other settings: ``hf_ls1_jsonl_gpulens``."""
     return f"{name}_{variant}_gpulens"
 
 
