@@ -635,6 +635,7 @@ class LightningPath:
             def __init__(self) -> None:
                 super().__init__()
                 self.model = copy.deepcopy(s.model)
+                self.model.register_forward_pre_hook(lambda *_: clock.forward_begins())
 
             def training_step(self, batch: Any, batch_idx: int) -> Any:
                 loss = self.model(**batch).loss

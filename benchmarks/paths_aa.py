@@ -77,8 +77,6 @@ def make_path(name: str, s: og.Setup, tmp: Path, args: argparse.Namespace) -> An
     if name.startswith("hf_ls"):
         return paths.HfPath(s, tmp, int(name[len("hf_ls"):]), ["wandb"], args.interval,
                             {variant_arm(name, v): kw for v, kw in args.variants.items()})
-    if args.variants:
-        raise ValueError(f"--variants: only the HF paths take them, not {name!r}")
     if name == "lightning":
         return paths.LightningPath(s, tmp, 1, args.interval)
     if name == "wandb_loop":

@@ -290,13 +290,37 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
                 assert all(len(rec[k]) == 10 for k in ("ms", "cpu_ms", "gc_ms", "full_gc"))
                 assert all(v > 0 for v in rec["ms"]) and all(g >= 0 for g in rec["gc_ms"])
                 assert 0 < rec["span"][1] - rec["span"][0] < 600
-                if name.startswith("hf_"):  # each step split at its first forward
+                if name != "wandb_loop":  # each step split at its first forward
                     assert len(rec["gap_ms"]) == len(rec["busy_ms"]) == 10
                     for m, g, b in zip(rec["ms"], rec["gap_ms"], rec["busy_ms"], strict=True):
                         assert g >= 0 and b > 0 and abs(g + b - m) < 0.01 * m
     assert "step by position in the block" in out
     assert "counted steps one by one (rank 0)" in out
     assert "each step split at its first forward (rank 0)" in out
+
+
+def test_paths_aa_variants_add_gpulens_arms_with_their_own_settings(tmp_path: Path) -> None:
+    """``--variants``: an extra gpulens arm per entry on the HF paths, each compared with the
+    baseline, its callback given its own attributes (an unknown one is an error); other
+    paths keep their three arms."""
+    out = run_inprocess("paths_aa.py", tmp_path, "--paths", "hf_ls1,lightning", "--rounds", "2",
+                        "--measured-steps", "4", "--burn-steps", "2", "--variants",
+                        'bare={"count_work": false, "time_phases": false}',
+                        "--json", str(tmp_path / "p.json"), preload=FRAMEWORKS)
+    data = json.loads((tmp_path / "p.json").read_text())
+    hf = data["paths"]["hf_ls1"]
+    assert list(hf["arms"]) == ["hf_ls1", "hf_ls1_b", "hf_ls1_gpulens", "hf_ls1_bare_gpulens"]
+    assert {c["arm"] for c in hf["comparisons"]} == set(list(hf["arms"])[1:])
+    assert (threads := hf["arms"]["hf_ls1_bare_gpulens"]["other_threads_us_per_step_by_rank"])
+    assert any(t.startswith("gpulens-") for t in threads[0])  # its own monitor ran
+    assert list(data["paths"]["lightning"]["arms"]) == ["lightning", "lightning_b",
+                                                         "lightning_gpulens"]
+    assert not hf["failed"] and not data["paths"]["lightning"]["failed"]
+    assert "| hf_ls1_bare_gpulens | hf_ls1 |" in out
+    with pytest.raises(SystemExit, match="no attribute 'nonsense'"):
+        run_inprocess("paths_aa.py", tmp_path, "--paths", "hf_ls1", "--rounds", "2",
+                      "--measured-steps", "4", "--burn-steps", "2",
+                      "--variants", 'x={"nonsense": 1}', preload=FRAMEWORKS)
 
 
 def test_session_parts_quick_runs_every_part_and_the_later_row(tmp_path: Path) -> None:
