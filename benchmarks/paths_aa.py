@@ -140,6 +140,8 @@ class PathRun:
         self.round_s: list[float] = []
         self.plan: paired.Plan | None = None
         self.failed: str | None = None
+        self.split_by_rank: list[dict[str, dict[int, tuple[float, float]]]] = []
+        """Per rank, arm and round: its steps' mean (gap, busy) in ms (``Clock.split``)."""
         self.steps: dict[str, dict[int, dict[str, list[float]]]] = {a: {} for a in self.arms}
         """Per arm and round, this rank's counted steps (``paths.Schedule.steps``)."""
         self.profile: dict[str, list[tuple[float, int]]] = {}
@@ -181,6 +183,7 @@ class PathRun:
             "plan": self.plan.as_dict() if self.plan else None, "failed": self.failed,
             "profile_ms_rank0": self.profile_ms(),
             "steps_rank0": self.steps,
+            "split_ms_by_rank": self.split_by_rank,
             "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est, bound)}
                             for c in comps],
         }
@@ -308,6 +311,13 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
         run.add_profile(schedule.profile_s, todo)
         for (rnd, arm), rec in schedule.steps.items():
             run.steps[arm][rnd] = rec
+        split = {key: (statistics.fmean(rec["gap_ms"]), statistics.fmean(rec["busy_ms"]))
+                 for key, rec in schedule.steps.items() if rec.get("gap_ms")}
+        for r, by_key in enumerate(gather(split)):
+            while len(run.split_by_rank) <= r:
+                run.split_by_rank.append({a: {} for a in run.arms})
+            for (rnd, arm), pair in by_key.items():
+                run.split_by_rank[r][arm][rnd] = pair
         for (rnd, arm), (_, cpu_s, others_s) in mine.items():
             per_rank = [r[(rnd, arm)][0] for r in ranks]
             run.values[arm][rnd] = max(per_rank)
@@ -422,31 +432,30 @@ def split_table(run: PathRun) -> list[str]:
     previous step's end to this step's first forward, on the GPU's timeline: the host's work
     between steps, HF's log after its sync included) and *busy* part (that forward to the
     step's end), less the baseline's; mean and 95 % interval over the rounds (ms)."""
-    def per_round(arm: str, key: str) -> dict[int, float]:
-        return {r: statistics.fmean(rec[key]) for r, rec in run.steps[arm].items()
-                if rec.get(key)}
-
-    base = {k: per_round(run.name, k) for k in ("gap_ms", "busy_ms")}
-    if not base["gap_ms"]:
+    if not any(by_arm.get(run.name) for by_arm in run.split_by_rank):
         return []
-    out = ["", f"each step split at its first forward (rank 0): gap = the previous step's end "
-           f"to that forward, busy = the rest (ms, mean of rounds; difference to {run.name} "
-           f"per round, mean [95 % CI])", "",
-           "| arm | gap (ms) | busy (ms) | gap - baseline (ms) | busy - baseline (ms) |",
-           "|---|---|---|---|---|"]
-    for arm in run.arms:
-        cells = []
-        diffs = []
-        for key in ("gap_ms", "busy_ms"):
-            mine = per_round(arm, key)
-            cells.append(f"{statistics.fmean(mine.values()):.3f}" if mine else "-")
-            d = {r: v - base[key][r] for r, v in mine.items() if r in base[key]}
-            if arm == run.name or len(d) < 2:
-                diffs.append("-")
-                continue
-            e = paired.Estimate.of(d)
-            diffs.append(f"{e.mean:+.3f} [{e.lo:+.3f}, {e.hi:+.3f}]")
-        out.append(f"| {arm} | {' | '.join(cells)} | {' | '.join(diffs)} |")
+    ranks = len(run.split_by_rank)
+    out = ["", f"each step split at its first forward: gap = the previous step's end to that "
+           f"forward, busy = the rest (ms, mean of rounds; difference to {run.name} per round, "
+           f"mean [95 % CI]; in DDP a rank's busy part holds its wait for the others)", "",
+           "| rank | arm | gap (ms) | busy (ms) | gap - baseline (ms) | busy - baseline (ms) |",
+           "|---|---|---|---|---|---|"]
+    for rank, by_arm in enumerate(run.split_by_rank):
+        base = by_arm.get(run.name, {})
+        for arm in run.arms:
+            mine = by_arm.get(arm, {})
+            cells, diffs = [], []
+            for i in (0, 1):
+                cells.append(f"{statistics.fmean(v[i] for v in mine.values()):.3f}"
+                             if mine else "-")
+                d = {r: v[i] - base[r][i] for r, v in mine.items() if r in base}
+                if arm == run.name or len(d) < 2:
+                    diffs.append("-")
+                    continue
+                e = paired.Estimate.of(d)
+                diffs.append(f"{e.mean:+.3f} [{e.lo:+.3f}, {e.hi:+.3f}]")
+            out.append(f"| {rank if ranks > 1 else 0} | {arm} | {' | '.join(cells)} | "
+                       f"{' | '.join(diffs)} |")
     return out
 
 

@@ -296,7 +296,10 @@ def test_paths_aa_quick_interleaves_blocks_of_each_user_path(tmp_path: Path) -> 
                         assert g >= 0 and b > 0 and abs(g + b - m) < 0.01 * m
     assert "step by position in the block" in out
     assert "counted steps one by one (rank 0)" in out
-    assert "each step split at its first forward (rank 0)" in out
+    assert "each step split at its first forward: gap" in out
+    for name in ("hf_ls1", "lightning"):  # one rank: (gap, busy) per arm and round
+        (split,) = data["paths"][name]["split_ms_by_rank"]
+        assert all(len(split[arm]) == 2 for arm in data["paths"][name]["arms"])
 
 
 def test_paths_aa_variants_add_gpulens_arms_with_their_own_settings(tmp_path: Path) -> None:
@@ -373,6 +376,10 @@ def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) ->
     for arm in data["paths"]["hf_ls1"]["arms"].values():
         for rnd, ranks in arm["per_rank_ms"].items():
             assert len(ranks) == 2 and arm["per_round_ms"][rnd] == pytest.approx(max(ranks))
+    # every rank's steps split at the first forward, each rank in the table
+    split = data["paths"]["hf_ls1"]["split_ms_by_rank"]
+    assert len(split) == 2 and all(len(split[r]["hf_ls1_gpulens"]) == 2 for r in (0, 1))
+    assert sum(line.startswith("| 1 | hf_ls1") for line in proc.stdout.splitlines()) == 3
 
 
 def test_callback_cost_quick_splits_the_callbacks_cpu_by_hook(tmp_path: Path) -> None:
