@@ -19,7 +19,7 @@
 # paths_aa.py; defaults per part below), GPULENS_BENCH_ARGS (extra arguments for the overhead
 # scripts, e.g. --quick to try a part on a CPU), GPULENS_PART_LIMIT_S (paths-hf/-lw: the
 # script's time limit, default 490 s), GPULENS_BENCH_SMI=1 (paths-hf/-lw: smi.csv, below),
-# GPULENS_BENCH_VARIANTS (paths-hf: paths_aa.py's --variants, one argument).
+# GPULENS_BENCH_VARIANTS (paths-hf, paths-ddp: paths_aa.py's --variants, one argument).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export OUT="${OUT:-/tmp/gpulens-bench-out}"
@@ -115,11 +115,13 @@ main() {
         smi_stop
         ;;
     paths-ddp)
-        local n
+        local n variants=()
+        [ -n "${GPULENS_BENCH_VARIANTS:-}" ] && variants=(--variants "$GPULENS_BENCH_VARIANTS")
         n=$(python3 -c "import torch; print(torch.cuda.device_count() or 2)")  # CPU try: 2
         step "paths_aa.py hf_ls1 on $n GPUs" "${GPULENS_PART_LIMIT_S:-320}" paths_aa_ddp.md \
             python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
-            benchmarks/paths_aa.py --paths hf_ls1 --budget-s "${GPULENS_BENCH_BUDGET_S:-230}" \
+            benchmarks/paths_aa.py --paths hf_ls1 "${variants[@]}" \
+            --budget-s "${GPULENS_BENCH_BUDGET_S:-230}" \
             --json "$OUT/paths_aa_ddp.json" "${EXTRA[@]}"
         ;;
     *)
