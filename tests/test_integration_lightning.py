@@ -179,6 +179,21 @@ def test_gradient_accumulation_logs_on_optimizer_steps(pkg: tuple[Any, Any],
     assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [1, 3, 5]
 
 
+def test_gpm_false_leaves_the_gpm_activity_out_of_the_rows(pkg: tuple[Any, Any],
+                                                          tmp_path: Path) -> None:
+    """``gpm=False``: the rows keep utilization but carry no GPM activity (the default does)."""
+    pl, ours = pkg
+    seen = {}
+    for gpm in (True, False):
+        logger = pl.loggers.CSVLogger(str(tmp_path), name=f"csv-{gpm}")
+        fit(pl, ours.GPUMonitorCallback(interval=0.05, gpm=gpm), [logger], tmp_path / str(gpm),
+            max_steps=8)
+        rows = csv_rows(logger)
+        assert steps_with(rows, GPU_KEY) == [3, 7]
+        seen[gpm] = steps_with(rows, "gpu/0/sm_active_pct")
+    assert seen == {True: [3, 7], False: []}
+
+
 def test_validation_leaves_the_training_rows_alone(pkg: tuple[Any, Any],
                                                    tmp_path: Path) -> None:
     pl, ours = pkg

@@ -148,6 +148,22 @@ def test_report_to_none_rows_on_hf_log_steps_with_hf_scalars(tmp_path: Path) -> 
         assert row["perf/steps"] == 4 or row is rows[0]
 
 
+@pytest.mark.parametrize("gpm", [True, False])
+def test_gpm_false_leaves_the_gpm_activity_out_of_the_rows(tmp_path: Path, gpm: bool) -> None:
+    """``gpm=False`` (the switch for the GPM reads' cost, docs/benchmarks.md): the rows keep
+    utilization and the rest but carry no GPM activity; the default carries it."""
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05,
+                                                        gpm=gpm), max_steps=8)
+    trainer.train()
+    rows = read_jsonl(sink)
+    assert [r["step"] for r in rows] == [4, 8]
+    for row in rows:
+        assert GPU_KEY in row
+        assert ("gpu/0/sm_active_pct" in row) is gpm
+        assert ("gpu/0/tensor_active_pct" in row) is gpm
+
+
 def test_on_log_writes_nothing_the_next_optimizer_step_writes_the_row(tmp_path: Path) -> None:
     """HF calls ``on_log`` right after ``loss.item()`` synchronised the device: the callback
     writes its row at the next step's ``on_pre_optimizer_step`` (the device then busy), the

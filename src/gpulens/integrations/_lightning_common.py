@@ -86,6 +86,9 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
             batch (``input_ids``, ``attention_mask``: padding is not work) with the FLOPs of
             the module's (or its ``model``'s) Hugging Face config; the dtype from the
             Trainer's ``precision``.
+        gpm: read GPM (Hopper and newer: SM, tensor-core and DRAM activity, ``*_active_pct``).
+            ``False`` leaves those keys out; on two H200s under DDP it took about half of
+            gpulens's cost to a Hugging Face step (``docs/benchmarks.md``, "seventh session").
 """
 
 
@@ -155,8 +158,9 @@ class GPUMonitorHooks(SessionCallback):
         phases: bool = True,
         work: bool = True,
         tracker_keys: str | None = None,
+        gpm: bool = True,
     ) -> None:
-        super().__init__(sinks, interval, gpus, backend, tracker_keys, phases, work)
+        super().__init__(sinks, interval, gpus, backend, tracker_keys, phases, work, gpm)
         self.to_loggers = to_loggers
         self._train_keys = False
         """Rows carry the module's logged metrics as ``train/*`` (an extra sink wants them)."""

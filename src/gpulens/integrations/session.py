@@ -283,18 +283,19 @@ class SessionCallback:
     the :class:`TrainingSession` of the running training run.
 
     Args: as the callbacks' (``sinks``, ``interval``, ``gpus``, ``backend``, ``tracker_keys``,
-    ``phases``, ``work``).
+    ``phases``, ``work``, ``gpm``).
     """
 
     def __init__(self, sinks: Sequence[str | Sink] | None, interval: float,
                  gpus: Sequence[int] | None, backend: str | None, tracker_keys: str | None,
-                 phases: bool, work: bool) -> None:
+                 phases: bool, work: bool, gpm: bool = True) -> None:
         super().__init__()
         from gpulens.sinks.layout import resolve_keys
 
         self.sinks: list[str | Sink] = list(sinks or ())
         self.settings = Settings(gpus=None if gpus is None else tuple(gpus), interval=interval,
-                                 sinks=tuple(as_sink(s) for s in self.sinks), backend=backend)
+                                 sinks=tuple(as_sink(s) for s in self.sinks), backend=backend,
+                                 gpm=gpm)
         self.tracker_keys = resolve_keys(tracker_keys)
         self.time_phases = phases
         self.count_work = work

@@ -140,6 +140,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         tracker_keys: what the W&B and MLflow runs of ``report_to`` get: ``"default"`` (a
             handful of job-level GPU figures beside HF's loss: :mod:`gpulens.sinks.layout`) or
             ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else ``"default"``.
+        gpm: read GPM (Hopper and newer: SM, tensor-core and DRAM activity, ``*_active_pct``).
+            ``False`` leaves those keys out; on two H200s under DDP it took about half of
+            gpulens's cost to a Hugging Face step (``docs/benchmarks.md``, "seventh session").
     """
 
     def __init__(
@@ -153,8 +156,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         phases: bool = True,
         work: bool = True,
         tracker_keys: str | None = None,
+        gpm: bool = True,
     ) -> None:
-        super().__init__(sinks, interval, gpus, backend, tracker_keys, phases, work)
+        super().__init__(sinks, interval, gpus, backend, tracker_keys, phases, work, gpm)
         self.follow_report_to = follow_report_to
         self._tail: tuple[int, dict[str, float]] | None = None
         self._mlflow_run: Any = None
