@@ -668,3 +668,39 @@ def test_clock_times_each_garbage_collection_into_the_step_it_ran_in() -> None:
     assert f2 >= 1 and s2 > 0  # gc.collect() (and any the list set off) in the second step
     assert (s3, f3) == (s2, f2)  # after unwatch_gc: not seen
     assert clock._on_gc not in gc.callbacks
+
+
+def _paths_doc(batch: int, rounds: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """A ``paths_aa.py`` JSON of path ``hf_ls1`` with these per-round step times (ms)."""
+    return {"meta": {"hardware": {"gpu": "NVIDIA H200"}, "world_size": 1, "date": "d",
+                     "commit": "c", "model": {"n_params": 1, "batch": batch, "seq_len": 8},
+                     "args": {"mode": "interleaved", "measured_steps": 20, "burn_steps": 5,
+                              "interval": 0.1}},
+            "paths": {"hf_ls1": {"arms": {a: {"per_round_ms": v} for a, v in rounds.items()}}}}
+
+
+def test_paths_pool_pools_rounds_of_like_runs_and_refuses_unlike_ones(tmp_path: Path) -> None:
+    """Rounds of two runs of one path pool into one comparison (each round kept paired);
+    runs of another batch are refused."""
+    one = {"hf_ls1": {"0": 100.0, "1": 100.0}, "hf_ls1_b": {"0": 100.0, "1": 100.0},
+           "hf_ls1_gpulens": {"0": 101.0, "1": 101.0}}
+    two = {"hf_ls1": {"0": 200.0, "1": 200.0, "2": 200.0},
+           "hf_ls1_b": {"0": 200.0, "1": 200.0, "2": 200.0},
+           "hf_ls1_gpulens": {"0": 202.0, "1": 202.0, "2": 202.0}}
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps(_paths_doc(19, one)))
+    b.write_text(json.dumps(_paths_doc(19, two)))
+    c.write_text(json.dumps(_paths_doc(18, two)))
+    ok = subprocess.run([sys.executable, str(BENCH / "paths_pool.py"), str(a), str(b),
+                         "--path", "hf_ls1", "--json", str(tmp_path / "pooled.json")],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    out = ok.stdout
+    pooled = json.loads((tmp_path / "pooled.json").read_text())
+    assert pooled["plan"]["rounds_done"] == 5 and [r["rounds"] for r in pooled["runs"]] == [2, 3]
+    (g,) = [x for x in pooled["comparisons"] if x["arm"] == "hf_ls1_gpulens"]
+    assert g["rounds"] == 5 and g["mean_pp"] == pytest.approx(1.0)  # +1 % in every round
+    assert "5 rounds pooled from 2 runs" in out
+    proc = subprocess.run([sys.executable, str(BENCH / "paths_pool.py"), str(a), str(c),
+                           "--path", "hf_ls1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "differ in batch" in proc.stderr
