@@ -17,7 +17,7 @@ hydra = pytest.importorskip("hydra")
 from omegaconf import OmegaConf  # noqa: E402
 
 import gpulens  # noqa: E402
-from gpulens.integrations.hydra import from_config  # noqa: E402
+from gpulens.integrations.hydra import from_config, settings_from_config  # noqa: E402
 
 APP_CONFIG = """\
 trainer:
@@ -57,6 +57,18 @@ def test_keys_added_on_the_command_line(compose: Any, tmp_path: Path) -> None:
     assert [s.name for s in monitor.sinks] == [f"jsonl:{sink}"]  # type: ignore[union-attr]
 
 
+def test_gpm_switch_from_the_command_line_and_the_group(compose: Any) -> None:
+    """``trainer.gpu_monitor_gpm`` / ``gpu_monitor.gpm`` reach the monitor's settings (GPM is
+    read by default)."""
+    on = settings_from_config(compose(["+trainer.enable_gpu_monitoring=true"]))
+    off = settings_from_config(compose(["+trainer.enable_gpu_monitoring=true",
+                                        "+trainer.gpu_monitor_gpm=false"]))
+    group = settings_from_config(compose(["+gpu_monitor=default", "gpu_monitor.gpm=false"]))
+    assert on is not None and on.gpm is True
+    assert off is not None and off.gpm is False
+    assert group is not None and group.gpm is False
+
+
 def test_explicit_false_turns_it_off(compose: Any) -> None:
     assert from_config(compose(["+trainer.enable_gpu_monitoring=false"])) is None
 
@@ -91,6 +103,8 @@ def test_config_group_is_typed(compose: Any) -> None:
         (["+trainer.enable_gpu_monitoring=true", "+trainer.gpu_monitor_sinks=3"],
          "trainer.gpu_monitor_sinks"),
         (["+gpu_monitor=default", "gpu_monitor.gpus=[-1]"], "gpu_monitor.gpus"),
+        (["+trainer.enable_gpu_monitoring=true", "+trainer.gpu_monitor_gpm=sometimes"],
+         "trainer.gpu_monitor_gpm"),
         (["+gpu_monitor=default", "gpu_monitor.backend=cuda"], "gpu_monitor.backend"),
     ],
 )

@@ -18,7 +18,8 @@ Keys read (all optional):
 ``trainer.enable_gpu_monitoring``   bool, default false (true when ``gpu_monitor`` is chosen)
 ``trainer.gpu_monitor_interval``    seconds between cheap GPU samples, > 0 (default 0.5)
 ``trainer.gpu_monitor_sinks``       list of sink names, or one comma-separated string
-``gpu_monitor.enabled|interval|sinks|gpus|backend``  the same, from the config group
+``trainer.gpu_monitor_gpm``         bool, default true: read GPM (SM, tensor-core, DRAM activity)
+``gpu_monitor.enabled|interval|sinks|gpm|gpus|backend``  the same, from the config group
 ==================================  =========================================================
 
 ``trainer.*`` keys win over the ``gpu_monitor`` group. A bad value raises ``ValueError`` naming
@@ -46,6 +47,7 @@ __all__ = ["GpuMonitorConfig", "from_config", "register_configs", "settings_from
 ENABLE_KEY = "trainer.enable_gpu_monitoring"
 INTERVAL_KEY = "trainer.gpu_monitor_interval"
 SINKS_KEY = "trainer.gpu_monitor_sinks"
+GPM_KEY = "trainer.gpu_monitor_gpm"
 GROUP = "gpu_monitor"
 DEFAULT_INTERVAL = 0.5
 
@@ -61,6 +63,8 @@ class GpuMonitorConfig:
     """Seconds between cheap GPU samples."""
     sinks: list[str] = field(default_factory=list)
     """Sink names: ``wandb``, ``mlflow``, ``jsonl:PATH``, ``prometheus:PORT``."""
+    gpm: bool = True
+    """Read GPM (SM, tensor-core and DRAM activity); false leaves those keys out."""
     gpus: list[int] | None = None
     """CUDA device numbers to watch; null: those this process uses."""
     backend: str | None = None
@@ -121,6 +125,7 @@ def settings_from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (
     names = _first(cfg, (SINKS_KEY, f"{GROUP}.sinks") if has_group else (SINKS_KEY,))
     named: list[SinkSpec | Sink] = [] if names is None else list(_as_sinks(*names))
     chosen = named or [as_sink(s) for s in default_sinks]
+    gpm = _first(cfg, (GPM_KEY, f"{GROUP}.gpm") if has_group else (GPM_KEY,))
     gpus = _first(cfg, (f"{GROUP}.gpus",)) if has_group else None
     backend = _first(cfg, (f"{GROUP}.backend",)) if has_group else None
     return Settings(
@@ -128,6 +133,7 @@ def settings_from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (
         interval=interval_value,
         sinks=(*chosen, *(as_sink(s) for s in sinks)),
         backend=None if backend is None else _as_backend(*backend),
+        gpm=True if gpm is None else _as_bool(*gpm),
     )
 
 
