@@ -140,8 +140,8 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         tracker_keys: what the W&B and MLflow runs of ``report_to`` get: ``"default"`` (a
             handful of job-level GPU figures beside HF's loss: :mod:`gpulens.sinks.layout`) or
             ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else ``"default"``.
-        gpm: read GPM (Hopper and newer: SM, tensor-core and DRAM activity, ``*_active_pct``).
-            ``False`` leaves those keys out. In one short run on two H200s under DDP, GPM
+        gpm: read GPM (Hopper and newer: ``sm_active_pct``, ``sm_occupancy_pct``,
+            ``tensor_active_pct``, ``dram_bw_pct``); ``False`` leaves those keys out. In one short run on two H200s under DDP, GPM
             was about half of gpulens's cost to a Hugging Face step (+0.9 pp of about 1.8;
             ``docs/benchmarks.md``, "seventh session", which also gives the run against it).
     """
