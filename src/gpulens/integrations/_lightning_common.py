@@ -87,9 +87,10 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
             the module's (or its ``model``'s) Hugging Face config; the dtype from the
             Trainer's ``precision``.
         gpm: read GPM (Hopper and newer: ``sm_active_pct``, ``sm_occupancy_pct``,
-            ``tensor_active_pct``, ``dram_bw_pct``); ``False`` leaves those keys out. In one short run on two H200s under DDP, GPM
-            was about half of gpulens's cost to a Hugging Face step (+0.9 pp of about 1.8;
-            ``docs/benchmarks.md``, "seventh session", which also gives the run against it).
+            ``tensor_active_pct``, ``dram_bw_pct``); ``False`` leaves those keys out. In one
+            short run on two H200s under DDP, GPM was about half of gpulens's cost to a
+            Hugging Face step (+0.9 pp of about 1.8; ``docs/benchmarks.md``, "seventh
+            session", which also gives the run against it).
 """
 
 
