@@ -25,7 +25,13 @@ is the mean of its measured steps; each arm is read in percentage points of the 
 also reports what each read took (median and 90th percentile, ms): with the effect per
 second of reading, that gives the cost of the engine's actual rate.
 
+One reader process serves the whole run by default, and it reads every kind once at its start,
+so a cost of a read being *in use at all* (GPM's, say) would sit in the idle arms too and
+cancel. ``--fresh-reader`` starts a reader of its own for every block, before its burn-in, that
+touches only its arm's kinds, and ends it after the block: that kind of cost then shows.
+
     python benchmarks/nvml_interference.py --budget-s 300 --json $OUT/nvml_interference.json
+    python benchmarks/nvml_interference.py --fresh-reader --rate 4 --budget-s 300
     python benchmarks/nvml_interference.py --quick          # a smoke run on a CPU (no reads)
 
 Prints Markdown (``--md`` writes it too).
@@ -72,18 +78,31 @@ def engine_plan(interval: float, step_s: float) -> list[tuple[str, float]]:
             ("energy", 1.0), ("samples", samples)]
 
 
+KINDS = ("fast", "samples", "energy", "gpm")
+
+
+def kinds_of(arm: str) -> tuple[str, ...]:
+    """The kinds of read an arm makes (``idle``: none; ``engine``: all)."""
+    kind = arm.split("@")[0]
+    if kind.startswith("idle"):
+        return ()
+    return KINDS if kind == "engine" else (kind,)
+
+
 def reader(conn: Any, nvml_index: int, rate: float, interval: float, step_s: float,
-           simulated: bool = False) -> None:
+           simulated: bool = False, prime: tuple[str, ...] = KINDS) -> None:
     """The reader process: waits for an arm name, reads at its rate until the next one
-    (``simulated``: against gpulens's simulated NVML, for a smoke run on a CPU)."""
+    (``simulated``: against gpulens's simulated NVML, for a smoke run on a CPU). ``prime``:
+    the kinds read once at the start (GPM's first sample, the buffers' start); with
+    ``--fresh-reader`` only the block's own, so an idle block's reader never touched GPM."""
     from gpulens.sources.nvml import NvmlSource
     from gpulens.sources.simulated import SimulatedNVML
 
     src = NvmlSource(SimulatedNVML(1) if simulated else None)
     src.open()
     dev = src.device(nvml_index)
-    for kind in ("fast", "samples", "energy", "gpm"):
-        _reads(dev, kind)()  # first calls: GPM's first sample, the buffers' start
+    for kind in prime:
+        _reads(dev, kind)()
     arm = "idle"
     durations: dict[str, list[float]] = {}
     plan: list[tuple[Callable[[], object], float, str]] = []
@@ -93,7 +112,7 @@ def reader(conn: Any, nvml_index: int, rate: float, interval: float, step_s: flo
         if conn.poll(wait):
             msg = conn.recv()
             if msg == "quit":
-                conn.send({k: _stats(v) for k, v in durations.items()})
+                conn.send(durations)
                 src.close()
                 return
             arm = msg
@@ -140,6 +159,11 @@ def main() -> None:
     lr.add_args(p, burn=3, max_rounds=200)
     p.add_argument("--rate", type=float, default=50.0, help="reads a second of each kind")
     p.add_argument("--interval", type=float, default=0.1, help="the engine arm's interval")
+    p.add_argument("--fresh-reader", action="store_true",
+                   help="a reader process of its own for every block, started before its "
+                   "burn-in and ended after it, that reads only its arm's kinds: a cost of "
+                   "GPM (or another read) being in use at all, not of each read, then shows "
+                   "against the idle arms (one reader for the whole run cannot show it)")
     args = p.parse_args()
     if args.quick:
         args.burn, args.steps, args.max_rounds = 1, 3, 2
@@ -148,37 +172,57 @@ def main() -> None:
     rate = f"@{args.rate:g}"
     arms = ["idle", "idle_b", "fast" + rate, "samples" + rate, "energy" + rate, "gpm" + rate,
             "engine"]
-    parent, child = mp.get_context("spawn").Pipe()
     cuda = s.device.type == "cuda"
     index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]) if cuda else 0
-    proc = mp.get_context("spawn").Process(
-        target=reader, args=(child, index, args.rate, args.interval, step_s, not cuda),
-        daemon=True)
-    proc.start()
+    durations: dict[str, list[float]] = {}
+
+    def start_reader(prime: tuple[str, ...]) -> tuple[Any, Any]:
+        parent, child = mp.get_context("spawn").Pipe()
+        proc = mp.get_context("spawn").Process(
+            target=reader, args=(child, index, args.rate, args.interval, step_s, not cuda,
+                                 prime), daemon=True)
+        proc.start()
+        return parent, proc
+
+    def end_reader(parent: Any, proc: Any) -> None:
+        parent.send("quit")
+        for kind, values in parent.recv().items():
+            durations.setdefault(kind, []).extend(values)
+        proc.join(10)
+
+    shared = None if args.fresh_reader else start_reader(KINDS)
 
     def run_block(arm: str, step: int) -> list[float]:
-        parent.send(arm)  # the reader switches before the block's burn-in
-        assert parent.recv() == "ok"
-        return block(s, args.burn + args.steps, step)
+        one = shared or start_reader(kinds_of(arm))
+        one[0].send(arm)  # the reader switches (or starts) before the block's burn-in
+        assert one[0].recv() == "ok"
+        try:
+            return block(s, args.burn + args.steps, step)
+        finally:
+            if shared is None:
+                end_reader(*one)
 
     rounds = lr.Rounds(arms)
     rounds.run(args, run_block)
-    parent.send("quit")
-    durations = parent.recv()
-    proc.join(10)
+    if shared is not None:
+        end_reader(*shared)
+    stats = {k: _stats(v) for k, v in durations.items()}
     plan = engine_plan(args.interval, step_s)
     lines = [f"## NVML reads from another process against a step that syncs every step "
              f"({og.hardware(s).get('gpu', s.device)})",
              f"model {s.n_params / 1e6:.1f}M params, batch {s.batch_size} x {s.seq_len}; "
              f"step {step_s * 1e3:.1f} ms; {rounds.rounds} rounds of {args.burn} + "
-             f"{args.steps} steps an arm; reads at {args.rate:g}/s (`engine`: {plan})",
+             f"{args.steps} steps an arm; reads at {args.rate:g}/s (`engine`: {plan}); "
+             + ("a fresh reader process for every block, touching only its arm's reads"
+                if args.fresh_reader else "one reader process for the whole run"),
              "", paired.table(rounds.comparisons("idle", args.seed)), "",
              "| read | calls | median ms | p90 ms | max ms |", "|---|---|---|---|---|"]
-    for kind, st in durations.items():
+    for kind, st in stats.items():
         lines.append(f"| {kind} | {st['n']} | {st['median_ms']:.3f} | {st['p90_ms']:.3f} | "
                      f"{st['max_ms']:.3f} |")
     lr.write(args, lines, rounds, "idle",
-             {"durations": durations, "step_s": step_s, "engine_plan": plan}, s)
+             {"durations": stats, "step_s": step_s, "engine_plan": plan,
+              "fresh_reader": args.fresh_reader}, s)
 
 
 if __name__ == "__main__":

@@ -350,6 +350,23 @@ def test_nvml_interference_quick_reads_each_kind_in_another_process(tmp_path: Pa
     assert {c["arm"] for c in data["comparisons"]} == {
         "idle_b", "fast@50", "samples@50", "energy@50", "gpm@50", "engine"}
     assert "| read | calls |" in out
+    assert data["fresh_reader"] is False and "one reader process for the whole run" in out
+
+
+def test_nvml_interference_fresh_reader_touches_only_its_arms_reads(tmp_path: Path) -> None:
+    """``--fresh-reader``: a reader per block that reads (and primes) only its arm's kinds, so
+    an idle block runs beside a reader that never touched GPM; the reads are still timed."""
+    sys.path.insert(0, str(BENCH))
+    import nvml_interference as ni  # benchmarks/nvml_interference.py
+
+    assert ni.kinds_of("idle") == ni.kinds_of("idle_b") == ()
+    assert ni.kinds_of("gpm@50") == ("gpm",) and ni.kinds_of("engine") == ni.KINDS
+    out = run_script("nvml_interference.py", tmp_path, "--fresh-reader",
+                     "--json", str(tmp_path / "n.json"))
+    data = json.loads((tmp_path / "n.json").read_text())
+    assert data["fresh_reader"] is True and "a fresh reader process for every block" in out
+    assert set(data["durations"]) <= {"fast", "samples", "energy", "gpm"}
+    assert sum(d["n"] for d in data["durations"].values()) >= 1  # reads made in the blocks
 
 
 def test_paths_aa_quick_blocks_mode_runs_one_training_per_arm(tmp_path: Path) -> None:

@@ -86,11 +86,9 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
             batch (``input_ids``, ``attention_mask``: padding is not work) with the FLOPs of
             the module's (or its ``model``'s) Hugging Face config; the dtype from the
             Trainer's ``precision``.
-        gpm: read GPM (Hopper and newer: ``sm_active_pct``, ``sm_occupancy_pct``,
-            ``tensor_active_pct``, ``dram_bw_pct``); ``False`` leaves those keys out. In one
-            short run on two H200s under DDP, GPM was about half of gpulens's cost to a
-            Hugging Face step (+0.9 pp of about 1.8; ``docs/benchmarks.md``, "seventh
-            session", which also gives the run against it).
+        gpm: ``False``: no GPM reads, and no ``sm_active_pct``, ``sm_occupancy_pct``,
+            ``tensor_active_pct`` or ``dram_bw_pct`` (Hopper and newer); what GPM costs a
+            step is in ``docs/benchmarks.md`` ("seventh session").
 """
 
 

@@ -157,8 +157,8 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         follow_report_to: bool = True,
         phases: bool = True,
         work: bool = True,
-        tracker_keys: str | None = None,
         gpm: bool = True,
+        tracker_keys: str | None = None,
     ) -> None:
         super().__init__(sinks, interval, gpus, backend, tracker_keys, phases, work, gpm)
         self.follow_report_to = follow_report_to
