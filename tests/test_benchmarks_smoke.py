@@ -721,3 +721,36 @@ def test_paths_pool_pools_rounds_of_like_runs_and_refuses_unlike_ones(tmp_path: 
     proc = subprocess.run([sys.executable, str(BENCH / "paths_pool.py"), str(a), str(c),
                            "--path", "hf_ls1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "differ in batch" in proc.stderr
+
+
+def test_block_design_finds_short_blocks_cheaper_where_the_step_wanders(tmp_path: Path) -> None:
+    """Steps that wander in long runs (a slow square wave): short windows differ almost as
+    much as whole blocks, so they need less device time for the same precision; the table
+    has every block length that fits twice into a block, and the run's own."""
+    import random
+
+    rng = random.Random(0)
+    level = 0.0
+    steps: dict[str, dict[str, Any]] = {"hf_ls1": {}, "hf_ls1_b": {}}
+    t = 0.0
+    for rnd in range(30):
+        for arm in ("hf_ls1", "hf_ls1_b"):
+            ms = []
+            for _ in range(20):
+                if rng.random() < 0.1:  # a new level every ~10 steps, +-2 ms
+                    level = rng.choice((-2.0, 2.0))
+                ms.append(100.0 + level + rng.gauss(0, 0.2))
+            steps[arm][str(rnd)] = {"ms": ms, "span": [t, t + 2.0]}
+            t += 2.5
+    doc = {"meta": {"args": {"measured_steps": 20, "burn_steps": 5}},
+           "paths": {"hf_ls1": {"steps_rank0": steps, "arms": {"hf_ls1": {"per_round_ms": {
+               r: 100.0 for r in steps["hf_ls1"]}}}}}}
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, str(BENCH / "block_design.py"),
+                           str(tmp_path / "p.json"), "--path", "hf_ls1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r[0]: r for r in table_lines(proc.stdout, "B (counted steps)")}
+    assert list(rows) == ["2", "3", "4", "5", "6", "7", "20 (the run)"]
+    assert float(rows["20 (the run)"][4]) == pytest.approx(1.0)
+    assert float(rows["4"][4]) < 0.8  # short blocks: less device time for the same precision
