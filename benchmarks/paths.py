@@ -395,7 +395,8 @@ def gpulens_callbacks(arm: str, module: str, interval: float, clock: Clock,
     attrs = {**json.loads(os.environ.get("GPULENS_PATHS_CALLBACK_KW") or "{}"), **variant}
     for name, value in attrs.items():
         if not hasattr(callback, name):
-            raise SystemExit(f"GPULENS_PATHS_CALLBACK_KW: the callback has no attribute {name!r}")
+            raise SystemExit(f"GPULENS_PATHS_CALLBACK_KW or --variants: the callback has no "
+                             f"attribute {name!r}")
         setattr(callback, name, value)
     if instrument is not None:
         instrument(callback, clock)
