@@ -401,6 +401,20 @@ def test_model_flops_without_a_config(caplog: pytest.LogCaptureFixture) -> None:
     assert any("no Hugging Face config" in r.getMessage() for r in caplog.records)
 
 
+def test_a_cut_of_an_attached_counter_leaves_the_hook_with_the_counter() -> None:
+    """A cut part holds counts, not the model's hook: closing it (a held row dropped) does not
+    stop the live counter from counting the next forwards."""
+    model = _tiny_llama().train()
+    counter = TokenCounter(model_flops(model)).attach(model)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    model(input_ids=torch.ones((1, 4), dtype=torch.long), attention_mask=mask)
+    part = counter.cut()
+    part.close()
+    model(input_ids=torch.ones((1, 4), dtype=torch.long), attention_mask=mask)
+    assert counter.take_deferred()["tokens"].item() == 3
+    counter.close()
+
+
 def test_a_cut_takes_its_own_batches_later_and_unsettled_masks_still_count() -> None:
     """``cut()`` (the row of a log written at the next step's mark): the counts so far move
     out without a device operation, the next step's batches stay for the next take, and masks

@@ -9,6 +9,8 @@ in :mod:`gpulens.integrations._lightning_internals`, and nowhere else.
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -278,8 +280,8 @@ class _BatchWork:
     def cut(self) -> _BatchWork:
         """The work so far as a source of its own (no device operation); this one starts
         again."""
-        part = _BatchWork.__new__(_BatchWork)
-        part._hooks, part._sums, self._sums = self._hooks, self._sums, {}
+        part = copy.copy(self)
+        self._sums = {}
         part._counter = self._counter.cut() if self._counter is not None else None
         return part
 

@@ -272,12 +272,9 @@ class TokenCounter:
         :meth:`take_deferred` can run later (no device operation here); this one starts
         again. A row written after its step ended (at a point where the host is ahead of the
         device) reads its own micro-batches, not the next step's."""
-        part = TokenCounter(self.formula, self.attention)
-        part._shape_flops = self._shape_flops
-        part._tokens, part._flops, part._micro = self._tokens, self._flops, self._micro
-        part._lengths, part._positions, part._raw = self._lengths, self._positions, self._raw
-        part._folded = self._folded
-        self._reset()
+        part = copy.copy(self)  # every count kept so far, whatever fields a count has
+        part._handle = None  # the hook stays this counter's: closing the part detaches nothing
+        self._reset()  # new lists here; the part keeps the old ones
         return part
 
     def take(self) -> StepWork:
