@@ -10,7 +10,6 @@ in :mod:`gpulens.integrations._lightning_internals`, and nowhere else.
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Mapping, Sequence
 from typing import Any
 
