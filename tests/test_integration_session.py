@@ -277,12 +277,16 @@ def test_a_later_row_launches_nothing_at_the_log_and_is_written_at_the_next_mark
     writes it, its window ending at the log, with its own step's tokens and phases (not the
     next step's, which began in between)."""
     from gpulens.work.hf import TokenCounter
+    from tests.test_integration_phases import FakeGpu
     from tests.test_work_hf import OpCount
 
     sink, counter = MemorySink(), TokenCounter(None)
     mon = monitor(sink)
     spy = LogAtSpy(mon)
-    session = TrainingSession(mon, start_step=0, steps_done=0, phases=StepPhases(cuda=False),
+    gpu = FakeGpu()  # a device timeline the test moves on: no sleeps make the phases
+    gpu.now = float("inf")  # every mark's event has completed when it is read
+    session = TrainingSession(mon, start_step=0, steps_done=0,
+                              phases=StepPhases(cuda=True, event_factory=gpu.event),
                               work=counter).start()
 
     def step(real_tokens: int) -> None:
@@ -292,7 +296,7 @@ def test_a_later_row_launches_nothing_at_the_log_and_is_written_at_the_next_mark
         with OpCount() as hook:
             counter.observe(batch)
         assert hook.ops == []  # the forward hook: just after a sync too
-        time.sleep(0.02)
+        gpu.queued += 0.02  # forward and backward
         session.before_optimizer()
         session.step_end()
 
@@ -302,16 +306,17 @@ def test_a_later_row_launches_nothing_at_the_log_and_is_written_at_the_next_mark
     logged = time.monotonic()
     session.resume()
     assert at_log.ops == [] and spy.calls == []
-    time.sleep(0.3)  # the next step's data wait: after the log, so not the row's
+    gpu.queued += 0.3  # the next step's data wait: after the log, so not the row's
     step(7)
     (at, row_step, kw, written) = spy.calls[0]
     assert row_step == 1 and kw["loss"] == 1.0 and at[0] <= logged < written
     assert kw["tokens"].item() == 4
-    assert kw["perf/data_wait_s"] < 0.3  # its own wait, not the next step's
+    assert kw["perf/data_wait_s"] == 0.0  # its own wait, not the next step's
+    assert kw["perf/forward_backward_s"] == pytest.approx(0.02)
     session.row(2, 2, {"loss": 0.5}, later=True)
     session.stop()  # writes the held row first
     assert [c[1] for c in spy.calls] == [1, 2] and spy.calls[1][2]["tokens"].item() == 7
-    assert spy.calls[1][2]["perf/data_wait_s"] >= 0.3
+    assert spy.calls[1][2]["perf/data_wait_s"] == pytest.approx(0.3)
     assert [r.step for r in sink.rows] == [1, 2]
 
 
