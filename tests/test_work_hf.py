@@ -401,6 +401,30 @@ def test_model_flops_without_a_config(caplog: pytest.LogCaptureFixture) -> None:
     assert any("no Hugging Face config" in r.getMessage() for r in caplog.records)
 
 
+def test_a_mask_that_cannot_be_summed_is_not_counted_and_never_reported_as_zero(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A kept mask whose row sums fail at :meth:`settle` is one WARNING; that micro-batch
+    goes uncounted (as a batch ``observe`` cannot read), and a window with no other batch
+    has no token figure at all, never a 0."""
+    caplog.set_level(logging.WARNING, logger="gpulens")
+
+    class Unsummable(torch.Tensor):
+        def sum(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("no sums here")
+
+    bad = {"input_ids": torch.ones((1, 4), dtype=torch.long),
+           "attention_mask": torch.ones((1, 4), dtype=torch.long).as_subclass(Unsummable)}
+    good = {"input_ids": torch.ones((1, 4), dtype=torch.long),
+            "attention_mask": torch.tensor([[1, 1, 0, 0]])}
+    counter = TokenCounter(None)
+    counter.observe(bad)
+    assert counter.take_deferred() == {}
+    counter.observe(bad)
+    counter.observe(good)
+    assert counter.take_deferred()["tokens"].item() == 2
+    assert sum("no sums here" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_a_cut_of_an_attached_counter_leaves_the_hook_with_the_counter() -> None:
     """A cut part holds counts, not the model's hook: closing it (a held row dropped) does not
     stop the live counter from counting the next forwards."""

@@ -256,16 +256,19 @@ class TokenCounter:
         synchronisation), so that no mask is kept past its step. Call it where the host is ahead
         of the device; :meth:`take` and :meth:`take_deferred` call it too."""
         raw, self._raw = self._raw, []
-        try:
-            import torch
+        if not raw:
+            return
+        import torch
 
-            for kind, t in raw:
+        for kind, t in raw:
+            try:
                 self._lengths.append(t.sum(dim=1, dtype=torch.int64) if kind == "mask"
                                      else t[1:] - t[:-1])
-        except Exception as exc:  # never into training: these micro-batches go uncounted
-            warn_once("tokens:settle", "gpulens: cannot count the tokens of a batch (%s: %s): "
-                      "throughput and MFU are not reported for such batches",
-                      type(exc).__name__, exc)
+            except Exception as exc:  # never into training: this micro-batch goes uncounted,
+                self._micro -= 1  # as one observe() cannot read (a window of none: no figure)
+                warn_once("tokens:settle", "gpulens: cannot count the tokens of a batch (%s: "
+                          "%s): throughput and MFU are not reported for such batches",
+                          type(exc).__name__, exc)
 
     def cut(self) -> TokenCounter:
         """The counts kept so far, moved into a counter of their own whose
@@ -297,10 +300,10 @@ class TokenCounter:
         sequence lengths (the usual case) the copy of the lengths to the host starts here, on
         the calling thread (a ``cat``, the copy, an event: no wait), so reading them takes no
         device operation; packed ``position_ids`` are reduced on the device by the reader."""
+        self.settle()  # first: a batch it cannot count leaves the count
         if not self._micro:
             self._reset()
             return {}
-        self.settle()
         out: dict[str, Any]
         if self._lengths or self._positions or self._folded is not None:
             pending = _Pending(self, self._lengths, self._positions, self._folded)
