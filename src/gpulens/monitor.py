@@ -186,7 +186,7 @@ class Monitor:
         """``"process"`` or ``"thread"`` once started."""
         self.context: RunContext | None = None
         self.sink_stats: dict[str, SinkStats] = {}
-        """Per sink (named as given, a class name for an object): rows written and dropped."""
+        """Rows written and dropped per sink (named as given, or by class); filled by stop()."""
         self._transport: Transport | None = None
         self._relay: MarkRelay | None = None
         self._link: _Link | None = None
