@@ -88,8 +88,8 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
             the module's (or its ``model``'s) Hugging Face config; the dtype from the
             Trainer's ``precision``.
         gpm: ``False``: no GPM reads, and no ``sm_active_pct``, ``sm_occupancy_pct``,
-            ``tensor_active_pct`` or ``dram_bw_pct`` (Hopper and newer); what GPM costs a
-            step is in ``docs/benchmarks.md`` ("seventh session").
+            ``tensor_active_pct`` or ``dram_bw_pct`` (Hopper and newer); GPM did not make a
+            step dearer in the runs of ``docs/benchmarks.md`` ("eighth session").
 """
 
 

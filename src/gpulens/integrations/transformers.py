@@ -141,10 +141,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
             handful of job-level GPU figures beside HF's loss: :mod:`gpulens.sinks.layout`) or
             ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else ``"default"``.
         gpm: read GPM (Hopper and newer: ``sm_active_pct``, ``sm_occupancy_pct``,
-            ``tensor_active_pct``, ``dram_bw_pct``); ``False`` leaves those keys out. In one
-            short run on two H200s under DDP, GPM was about half of gpulens's cost to a
-            Hugging Face step (+0.9 pp of about 1.8; ``docs/benchmarks.md``, "seventh
-            session", which also gives the run against it).
+            ``tensor_active_pct``, ``dram_bw_pct``); ``False`` leaves those keys out. It
+            does not make a step cheaper: under DDP on two H200s a step cost the same with
+            GPM off, and with no NVML read at all (``docs/benchmarks.md``, "eighth session").
     """
 
     def __init__(
