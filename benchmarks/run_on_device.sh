@@ -9,12 +9,14 @@
 #                                                #   against their A/A arms (paths_aa.py)
 #   bash benchmarks/run_on_device.sh paths-lw    # <9 min: Lightning and the W&B sink's loop
 #   bash benchmarks/run_on_device.sh paths-ddp   # <6 min, 2 GPUs: HF logging every step, DDP
+#                                                #   (GPULENS_BENCH_PATHS=hf_ls10: every 10)
 # Each part installs the carried wheels (benchmarks/device_setup.sh, ~20 s), prints the hardware,
 # runs its scripts each under a time limit of its own (one hang cannot take the other figures),
 # and leaves at most 8 files under $OUT (the device tool brings back no more): run.log and the
 # scripts' Markdown and JSON. The overhead scripts rewrite their JSON after every round, so a
 # time limit still leaves figures.
-# Environment: GPULENS_BENCH_PATHS (paths-hf/-lw: the paths to run instead of the part's two),
+# Environment: GPULENS_BENCH_PATHS (paths-hf/-lw: the paths to run instead of the part's two;
+# paths-ddp: hf_ls1 or hf_ls10),
 # GPULENS_BENCH_BUDGET_S (seconds for an overhead script's rounds, per path for
 # paths_aa.py; defaults per part below), GPULENS_BENCH_ARGS (extra arguments for the overhead
 # scripts, e.g. --quick to try a part on a CPU), GPULENS_PART_LIMIT_S (paths-hf/-lw: the
@@ -117,10 +119,11 @@ main() {
     paths-ddp)
         local n variants=()
         [ -n "${GPULENS_BENCH_VARIANTS:-}" ] && variants=(--variants "$GPULENS_BENCH_VARIANTS")
+        local which=${GPULENS_BENCH_PATHS:-hf_ls1}
         n=$(python3 -c "import torch; print(torch.cuda.device_count() or 2)")  # CPU try: 2
-        step "paths_aa.py hf_ls1 on $n GPUs" "${GPULENS_PART_LIMIT_S:-320}" paths_aa_ddp.md \
+        step "paths_aa.py $which on $n GPUs" "${GPULENS_PART_LIMIT_S:-320}" paths_aa_ddp.md \
             python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
-            benchmarks/paths_aa.py --paths hf_ls1 "${variants[@]}" \
+            benchmarks/paths_aa.py --paths "$which" "${variants[@]}" \
             --budget-s "${GPULENS_BENCH_BUDGET_S:-230}" \
             --json "$OUT/paths_aa_ddp.json" "${EXTRA[@]}"
         ;;
