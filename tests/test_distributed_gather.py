@@ -166,6 +166,56 @@ def test_two_nodes_rows_meet_on_rank_0() -> None:
     assert not any(job.rows[r] for r in (1, 2, 3))
 
 
+def test_a_one_node_job_is_gathered_by_rank_0_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """One node: rank 0 leads it and writes the job's row in the same pass; no summary goes
+    through the store, and the other ranks run no gpulens thread at all (under DDP each
+    thread's Python is time the training process loses). A rank that exits is still told
+    once and its rows are marked partial."""
+    job = Job(world=3, nodes=1)
+    assert [job.g[r].is_leader for r in range(3)] == [True, False, False]
+    assert job.g[0].channel is None and job.g[0]._rx_thread is None
+    assert all(job.g[r]._thread is None and job.g[r].channel is None for r in (1, 2))
+    assert all(r.gpus for r in job.shapes[0].ranks if r.rank != 0)  # the run's metadata
+    for step in (1, 2, 3):
+        job.log(step)
+    rows = job.wait_rows(0, 3)
+    v = rows[-1].values
+    assert (v["job/ranks"], v["job/nodes"], v["job/world"], v["job/partial"]) == (3, 1, 3, 0)
+    assert all(f"gpu/{r}/util_pct" in v for r in range(3))
+    assert v["gpu/all/util_pct_mean"] == pytest.approx(61.0)
+    assert v["gpu/all/power_w_sum"] == pytest.approx(303.0)
+    assert v["work/tokens"] == 24.0 and v["train/loss"] == pytest.approx(1 / 3)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ring = job.g[2].ring
+    assert ring is not None
+    ring.claim(job.g[2].m.slot, 2, dead.pid)  # rank 2 "exits"
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        for step in (4, 5):
+            job.log(step, ranks=[0, 1])
+        rows = job.wait_rows(0, 5)
+        job.stop()
+    assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows[3:]] == [(2, 1)] * 2
+    assert len([r for r in caplog.records if "rank 2 " in r.getMessage()]) == 1
+    assert [r.step for r in rows] == [1, 2, 3, 4, 5] and not job.rows[1] and not job.rows[2]
+
+
+def test_a_one_node_job_with_the_large_view_keeps_a_leader_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``full_gpus()`` ranks the node's row (every GPU, for the node's own sinks) and
+    the job's (aggregates) differ, so the second rank leads and rank 0 only merges."""
+    monkeypatch.setenv("GPULENS_FULL_GPUS", "2")
+    job = Job(world=3, nodes=1)
+    assert [job.g[r].is_leader for r in range(3)] == [False, True, False]
+    job.log(1)
+    rows0, node_rows = job.wait_rows(0, 1), job.wait_rows(1, 1)
+    job.stop()
+    assert rows0[0].values["job/ranks"] == 3
+    assert not any(k.startswith("gpu/0/") for k in rows0[0].values)
+    assert {k.split("/")[1] for k in node_rows[0].values if k.startswith("gpu/")} >= {
+        "0", "1", "2"}
+
+
 def test_steps_that_go_backwards_keep_the_gather_going() -> None:
     """A loop that counts each epoch's steps from 1 (or logs a step twice) gets every row: the
     keys (step, seq) stay distinct (a repeated key made the gather fail, once, for good)."""

@@ -6,16 +6,21 @@ Roles, from the start exchange (:mod:`gpulens.distributed.start`):
   node's shared file (:mod:`~gpulens.distributed.nodering`), where the rows back from the
   engine are handed on: in ``log()``, on the training thread (a list of floats packed and
   copied into shared memory: no network, no wait, no thread woken);
-* each node's *leader* (its second rank, or its only one) runs a thread (``gpulens-gather``):
-  it reads its node's entries, matches them by step, reduces each row
+* each node's *leader* (:attr:`~gpulens.distributed.start.Membership.leader`) runs a thread
+  (``gpulens-gather``): it reads its node's entries, matches them by step, reduces each row
   (:func:`aggregate.reduce_node`), pushes the node summary to rank 0
   (:mod:`~gpulens.distributed.channel`) and, in a job of more than
   :data:`~gpulens.schema.FULL_GPUS` ranks, hands its node row to its engine (the node's JSONL
   and Prometheus);
 * rank 0 runs a thread too: it pops the summaries and merges them with its own row
   (:func:`aggregate.merge_job`) into the job's row for its engine and every sink (the
-  trackers' view: :mod:`gpulens.sinks.layout`).  Rank 0 leads no node of two or more ranks,
-  so its work per row is O(nodes) whatever the node size.
+  trackers' view: :mod:`gpulens.sinks.layout`).  In a job of several nodes rank 0 leads no
+  node of two or more ranks, so its work per row is O(nodes) whatever the node size.
+* a job of one node (at most :data:`~gpulens.schema.FULL_GPUS` ranks): rank 0 leads it, and
+  its thread reduces the node and writes the job's row in one pass.  No summary crosses the
+  store and no other rank runs a thread: under DDP on two H200s the other arrangement (the
+  second rank leading, a store hop a row) cost each rank 0.5-0.6 ms of Python a row in its
+  training process (``docs/design-notes.md``, "eighth session").
 
 Faults.  A row waits for the ranks of its node at most :data:`NODE_WAIT_S` after the
 leader's own row for that step, and for the nodes at most :data:`JOB_WAIT_S` after rank 0's
@@ -133,9 +138,12 @@ class JobGather:
             path = ring_dir() / f"gpulens-{self.m.token}-n{self.node}"
             self._ring = NodeRing.create(path, len(self.m.members), RING, agg.RANK_WIDTH)
             store.set(self.m.prefix + f"ring/{self.node}", str(path))
-        if self.is_leader or self.is_writer:
+        # a leader pushes its summaries; rank 0 pops them (and wakes its popping thread
+        # through a channel of its own), unless it leads the job's only node itself
+        hears = self.is_writer and not (self.is_leader and self.m.nodes == 1)
+        if (self.is_leader and not self.is_writer) or hears:
             self._channel = UpChannel(_clone(store), self.m.prefix, self.m.nodes)
-        if self.is_writer:
+        if hears:
             rx_store = _clone(store)
             with contextlib.suppress(Exception):  # its pops wait: no time-out while it runs
                 rx_store.set_timeout(timedelta(days=1))

@@ -10,9 +10,10 @@ Every rank, at ``Monitor.start()`` (keys under ``gpulens/<restart>/<generation>/
                   wait   all                        (bounded: START_TIMEOUT_S)
                   get    token, node/<key>/members, nodes
 
-so each rank learns its node's members (global ranks), the node's leader (its lowest rank,
-which is local rank 0 under torchrun and Slurm's block distribution), its slot on the node and
-the number of nodes: O(1) store operations per rank, O(ranks of its node + nodes) bytes.
+so each rank learns its node's members (global ranks), the node's leader
+(:attr:`Membership.leader`: rank 0 in a job of one node, else the node's second rank), its slot
+on the node and the number of nodes: O(1) store operations per rank, O(ranks of its node +
+nodes) bytes.
 
 Then each rank's GPU, once its engine has opened it (``id/<rank>``): each leader reads its
 node's (``multi_get`` of its members' keys) and writes the node's list (``nodeinfo/<node>``);
@@ -35,6 +36,7 @@ from typing import Any
 from gpulens.distributed.topology import JobShape, Placement, RankInfo
 from gpulens.log import logger
 from gpulens.model import GpuInfo
+from gpulens.schema import full_gpus
 
 START_TIMEOUT_S = 120.0
 """How long a rank waits at ``start()`` for the others to join the exchange."""
@@ -83,9 +85,14 @@ class Membership:
 
     @property
     def leader(self) -> int:
-        """The node's leader: its second-lowest rank where it has two or more (so that rank 0,
-        which merges the nodes, never also reduces its node: its work stays O(nodes)), else
-        its one rank."""
+        """The node's leader. In a job of one node of at most
+        :func:`~gpulens.schema.full_gpus` ranks, rank 0 (which writes the job's rows anyway:
+        the node's row is the job's, no summary crosses the store, and no other rank runs a
+        gather thread). Otherwise the node's second-lowest rank where it has two or more (so
+        that rank 0, which merges the nodes, never also reduces a node: its work stays
+        O(nodes)), else its one rank. Every rank computes the same."""
+        if len(self.node_keys) == 1 and len(self.members) <= full_gpus():
+            return self.members[0]
         return self.members[1] if len(self.members) > 1 else self.members[0]
 
     @property
