@@ -121,11 +121,12 @@ with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
         mon.log(step, loss=1.0 / step)
         waits.append(time.perf_counter() - t0)
         time.sleep(0.02)
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("gpulens"))
 mine = list(gathers)
 dist.barrier()
 # one file per rank: the ranks' stdout lines interleave in torchrun's stream
 with open(f"{sys.argv[2]}.{rank}", "w") as f:
-    json.dump({"rank": rank, "waits": waits, "gathers": mine}, f)
+    json.dump({"rank": rank, "waits": waits, "gathers": mine, "threads": threads}, f)
 for name, real in reals.items():
     setattr(dist, name, real)
 dist.destroy_process_group()
@@ -247,6 +248,17 @@ def test_log_never_waits_for_another_rank(ddp_examples: Path) -> None:
     for r in results.values():
         assert r["gathers"] == [], r["gathers"]
     check_rows(jsonl(out / "late.jsonl"), [1, 2, 3, 4, 5, 6])
+
+
+@pytest.mark.xdist_group("ddp-examples")
+def test_a_one_node_job_gathers_on_rank_0_alone(ddp_examples: Path) -> None:
+    """Two ranks on one node: rank 0 reads the node's shared memory and writes the job's row
+    on its one gather thread (no thread waiting on the store); rank 1 runs no gather thread at
+    all, so none of the gather's Python runs in its training process."""
+    threads = {rank: json.loads((ddp_examples / f"result.{rank}").read_text())["threads"]
+               for rank in (0, 1)}
+    assert "gpulens-gather" in threads[0] and "gpulens-gather-rx" not in threads[0], threads
+    assert not any(name.startswith("gpulens-gather") for name in threads[1]), threads
 
 
 @pytest.mark.xdist_group("ddp-examples")
