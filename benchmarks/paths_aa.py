@@ -38,7 +38,10 @@ arm's interval is the run's envelope. The claim sought is "indistinguishable wit
 pilot of ``--pilot`` rounds measures the per-round SD (the larger of the A/A arm's and the
 gpulens arm's) and sets the rounds that bound asks for (``paired.rounds_needed``); the path's
 time budget (``--budget-s``) caps them, and the report says how many were needed and whether the
-cap left the bound unresolved.
+cap left the bound unresolved. With ``--variants`` (HF paths: gpulens arms with other settings
+in the same rounds) a last table gives the default gpulens arm minus each variant, paired per
+round: the total in pp, each rank's gap and busy part in ms (``variants_vs_gpulens`` in the
+JSON): what a setting takes away.
 
     python benchmarks/paths_aa.py --paths hf_ls1,hf_ls10 --budget-s 210       # one GPU
     torchrun --nproc-per-node 2 benchmarks/paths_aa.py --paths hf_ls1 --budget-s 230
@@ -184,6 +187,7 @@ class PathRun:
             "profile_ms_rank0": self.profile_ms(),
             "steps_rank0": self.steps,
             "split_ms_by_rank": self.split_by_rank,
+            "variants_vs_gpulens": variants_vs_gpulens(self, seed),
             "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est, bound)}
                             for c in comps],
         }
@@ -424,7 +428,7 @@ def noise_table(run: PathRun) -> list[str]:
         out.append(f"| {arm} | {len(ms)} | {med:.2f} | {p99:.2f} | {max(ms):.2f} | {len(slow)} "
                    f"| {excess:.3f} | {gc_ms:.3f} | {full} | "
                    f"{sum(1 for _, g in slow if g > 1.0)} |")
-    return out + split_table(run)
+    return out + split_table(run) + variants_table(run)
 
 
 def split_table(run: PathRun) -> list[str]:
@@ -456,6 +460,64 @@ def split_table(run: PathRun) -> list[str]:
                 diffs.append(f"{e.mean:+.3f} [{e.lo:+.3f}, {e.hi:+.3f}]")
             out.append(f"| {rank if ranks > 1 else 0} | {arm} | {' | '.join(cells)} | "
                        f"{' | '.join(diffs)} |")
+    return out
+
+
+def variants_vs_gpulens(run: PathRun, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Each ``--variants`` arm against the default gpulens arm of the same rounds: per round,
+    gpulens's difference to the baseline minus the variant's (pp; positive: the variant is
+    cheaper), and each rank's gap and busy part, gpulens's minus the variant's (ms): what the
+    variant's setting takes away, paired."""
+    main = f"{run.name}_gpulens"
+    base = run.values.get(run.name, {})
+    out: dict[str, dict[str, Any]] = {}
+    if not run.values.get(main):
+        return out
+    g = paired.per_round_pp(run.values[main], base)
+    for arm in run.arms:
+        if arm == main or not arm.endswith("_gpulens"):
+            continue
+        total = paired.minus(g, paired.per_round_pp(run.values[arm], base))
+        if len(total) < 2:
+            continue
+        parts: list[dict[str, Any]] = []
+        for by_arm in run.split_by_rank:
+            mine, theirs = by_arm.get(main, {}), by_arm.get(arm, {})
+            rank_parts: dict[str, Any] = {}
+            for i, part in ((0, "gap_ms"), (1, "busy_ms")):
+                d = {r: v[i] - theirs[r][i] for r, v in mine.items() if r in theirs}
+                if len(d) >= 2:
+                    e = paired.Estimate.of(d, seed)
+                    rank_parts[part] = {"mean": e.mean, "ci95": [e.lo, e.hi], "n": e.n}
+            parts.append(rank_parts)
+        e = paired.Estimate.of(total, seed)
+        out[arm] = {"total_pp": {"mean": e.mean, "ci95": [e.lo, e.hi], "n": e.n},
+                    "by_rank": parts}
+    return out
+
+
+def variants_table(run: PathRun, seed: int = 0) -> list[str]:
+    """:func:`variants_vs_gpulens` as a table (empty without variants)."""
+    found = variants_vs_gpulens(run, seed)
+    if not found:
+        return []
+    main = f"{run.name}_gpulens"
+
+    def fmt(d: dict[str, Any] | None) -> str:
+        if not d:
+            return "-"
+        lo, hi = d["ci95"]
+        return f"{d['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+    out = ["", f"{main} minus each variant, paired per round (positive: the variant's setting "
+           f"takes that much away; total in pp of the baseline's step, parts in ms, mean "
+           f"[95 % CI])", "", "| variant | total (pp) | rank | gap (ms) | busy (ms) |",
+           "|---|---|---|---|---|"]
+    for arm, got in found.items():
+        ranks = got["by_rank"] or [{}]
+        for rank, parts in enumerate(ranks):
+            out.append(f"| {arm} | {fmt(got['total_pp']) if rank == 0 else ''} | {rank} | "
+                       f"{fmt(parts.get('gap_ms'))} | {fmt(parts.get('busy_ms'))} |")
     return out
 
 

@@ -320,6 +320,17 @@ def test_paths_aa_variants_add_gpulens_arms_with_their_own_settings(tmp_path: Pa
                                                          "lightning_gpulens"]
     assert not hf["failed"] and not data["paths"]["lightning"]["failed"]
     assert "| hf_ls1_bare_gpulens | hf_ls1 |" in out
+    # paired against the default gpulens arm: the total, and each rank's gap and busy part
+    vs = hf["variants_vs_gpulens"]["hf_ls1_bare_gpulens"]
+    assert vs["total_pp"]["n"] == 2 and len(vs["by_rank"]) == 1
+    assert set(vs["by_rank"][0]) == {"gap_ms", "busy_ms"}
+    g, v = (hf["arms"][a]["per_round_ms"] for a in ("hf_ls1_gpulens", "hf_ls1_bare_gpulens"))
+    base = hf["arms"]["hf_ls1"]["per_round_ms"]
+    want = sum(100 * (g[r] - v[r]) / base[r] for r in base) / len(base)
+    assert vs["total_pp"]["mean"] == pytest.approx(want)
+    assert "| hf_ls1_bare_gpulens | " in out and "minus each variant, paired per round" in out
+    assert "variants_vs_gpulens" not in data["paths"]["lightning"] or not data["paths"][
+        "lightning"]["variants_vs_gpulens"]
     with pytest.raises(SystemExit, match="no attribute 'nonsense'"):
         run_inprocess("paths_aa.py", tmp_path, "--paths", "hf_ls1", "--rounds", "2",
                       "--measured-steps", "4", "--burn-steps", "2",
