@@ -168,7 +168,7 @@ def test_two_nodes_rows_meet_on_rank_0() -> None:
 
 def test_a_one_node_job_is_gathered_by_rank_0_alone(caplog: pytest.LogCaptureFixture) -> None:
     """One node: rank 0 leads it and writes the job's row in the same pass; no summary goes
-    through the store, and the other ranks run no gpulens thread at all (under DDP each
+    through the store, and the other ranks run no gather thread (under DDP each
     thread's Python is time the training process loses). A rank that exits is still told
     once and its rows are marked partial."""
     job = Job(world=3, nodes=1)

@@ -18,9 +18,9 @@ Roles, from the start exchange (:mod:`gpulens.distributed.start`):
   node of two or more ranks, so its work per row is O(nodes) whatever the node size.
 * a job of one node (at most :data:`~gpulens.schema.FULL_GPUS` ranks): rank 0 leads it, and
   its thread reduces the node and writes the job's row in one pass.  No summary crosses the
-  store and no other rank runs a thread: under DDP on two H200s the other arrangement (the
-  second rank leading, a store hop a row) cost each rank 0.5-0.6 ms of Python a row in its
-  training process (``docs/design-notes.md``, "eighth session").
+  store and no other rank runs a gather thread: under DDP on two H200s the other arrangement
+  (the second rank leading, a store hop a row) cost each rank 0.5-0.6 ms of Python a row in
+  its training process (``docs/design-notes.md``, "eighth session").
 
 Faults.  A row waits for the ranks of its node at most :data:`NODE_WAIT_S` after the
 leader's own row for that step, and for the nodes at most :data:`JOB_WAIT_S` after rank 0's
