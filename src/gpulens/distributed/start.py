@@ -90,7 +90,8 @@ class Membership:
         the node's row is the job's, no summary crosses the store, and no other rank runs a
         gather thread). Otherwise the node's second-lowest rank where it has two or more (so
         that rank 0, which merges the nodes, never also reduces a node: its work stays
-        O(nodes)), else its one rank. Every rank computes the same."""
+        O(nodes)), else its one rank. Every rank computes the same (``full_gpus()`` reads the
+        job's environment, which a launcher gives every rank alike)."""
         if len(self.node_keys) == 1 and len(self.members) <= full_gpus():
             return self.members[0]
         return self.members[1] if len(self.members) > 1 else self.members[0]
