@@ -166,54 +166,61 @@ def test_two_nodes_rows_meet_on_rank_0() -> None:
     assert not any(job.rows[r] for r in (1, 2, 3))
 
 
-def test_a_one_node_job_is_gathered_by_rank_0_alone(caplog: pytest.LogCaptureFixture) -> None:
-    """One node: rank 0 leads it and writes the job's row in the same pass; no summary goes
-    through the store, and the other ranks run no gather thread (under DDP each
+def test_a_two_rank_job_is_gathered_by_rank_0_alone(caplog: pytest.LogCaptureFixture) -> None:
+    """One node of two ranks: rank 0 leads it and writes the job's row in the same pass; no
+    summary goes through the store, and the other rank runs no gather thread (under DDP each
     thread's Python is time the training process loses). A rank that exits is still told
     once and its rows are marked partial."""
-    job = Job(world=3, nodes=1)
-    assert [job.g[r].is_leader for r in range(3)] == [True, False, False]
+    job = Job(world=2, nodes=1)
+    assert [job.g[r].is_leader for r in range(2)] == [True, False]
     assert job.g[0].channel is None and job.g[0]._rx_thread is None
-    assert all(job.g[r]._thread is None and job.g[r].channel is None for r in (1, 2))
-    assert all(r.gpus for r in job.shapes[0].ranks if r.rank != 0)  # the run's metadata
+    assert job.g[1]._thread is None and job.g[1].channel is None
+    assert job.shapes[0].ranks[1].gpus  # the run's metadata has the other rank's GPU
     for step in (1, 2, 3):
         job.log(step)
     rows = job.wait_rows(0, 3)
     v = rows[-1].values
-    assert (v["job/ranks"], v["job/nodes"], v["job/world"], v["job/partial"]) == (3, 1, 3, 0)
-    assert all(f"gpu/{r}/util_pct" in v for r in range(3))
-    assert v["gpu/all/util_pct_mean"] == pytest.approx(61.0)
-    assert v["gpu/all/power_w_sum"] == pytest.approx(303.0)
-    assert v["work/tokens"] == 24.0 and v["train/loss"] == pytest.approx(1 / 3)
+    assert (v["job/ranks"], v["job/nodes"], v["job/world"], v["job/partial"]) == (2, 1, 2, 0)
+    assert all(f"gpu/{r}/util_pct" in v for r in range(2))
+    assert v["gpu/all/util_pct_mean"] == pytest.approx(60.5)
+    assert v["gpu/all/power_w_sum"] == pytest.approx(201.0)
+    assert v["work/tokens"] == 16.0 and v["train/loss"] == pytest.approx(1 / 3)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    ring = job.g[2].ring
+    ring = job.g[1].ring
     assert ring is not None
-    ring.claim(job.g[2].m.slot, 2, dead.pid)  # rank 2 "exits"
+    ring.claim(job.g[1].m.slot, 1, dead.pid)  # rank 1 "exits"
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         for step in (4, 5):
-            job.log(step, ranks=[0, 1])
+            job.log(step, ranks=[0])
         rows = job.wait_rows(0, 5)
         job.stop()
-    assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows[3:]] == [(2, 1)] * 2
-    assert len([r for r in caplog.records if "rank 2 " in r.getMessage()]) == 1
-    assert [r.step for r in rows] == [1, 2, 3, 4, 5] and not job.rows[1] and not job.rows[2]
+    assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows[3:]] == [(1, 1)] * 2
+    assert len([r for r in caplog.records if "rank 1 " in r.getMessage()]) == 1
+    assert [r.step for r in rows] == [1, 2, 3, 4, 5] and not job.rows[1]
 
 
-def test_a_one_node_job_with_the_large_view_keeps_a_leader_of_its_own(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above ``full_gpus()`` ranks the node's row (every GPU, for the node's own sinks) and
-    the job's (aggregates) differ, so the second rank leads and rank 0 only merges."""
-    monkeypatch.setenv("GPULENS_FULL_GPUS", "2")
-    job = Job(world=3, nodes=1)
-    assert [job.g[r].is_leader for r in range(3)] == [False, True, False]
+@pytest.mark.parametrize(("world", "full"), [(3, None), (2, "1")])
+def test_rank_0_leads_no_larger_node_nor_one_with_the_large_view(
+        world: int, full: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three ranks on one node: the second rank leads (rank 0 leading would carry more of the
+    gather than any rank does, ``start.RANK0_LEADS_UP_TO``). Two ranks with the large view
+    (``GPULENS_FULL_GPUS=1``): the node's row (every GPU, for the node's own sinks) and the
+    job's (aggregates) differ, so the second rank leads and writes node rows."""
+    if full is not None:
+        monkeypatch.setenv("GPULENS_FULL_GPUS", full)
+    job = Job(world=world, nodes=1)
+    assert [job.g[r].is_leader for r in range(world)] == [False, True] + [False] * (world - 2)
+    assert job.g[0]._rx_thread is not None and job.g[1]._thread is not None
     job.log(1)
-    rows0, node_rows = job.wait_rows(0, 1), job.wait_rows(1, 1)
+    rows0 = job.wait_rows(0, 1)
+    node_rows = job.wait_rows(1, 1) if full is not None else []
     job.stop()
-    assert rows0[0].values["job/ranks"] == 3
-    assert not any(k.startswith("gpu/0/") for k in rows0[0].values)
-    assert {k.split("/")[1] for k in node_rows[0].values if k.startswith("gpu/")} >= {
-        "0", "1", "2"}
+    assert rows0[0].values["job/ranks"] == world
+    if full is not None:
+        assert not any(k.startswith("gpu/0/") for k in rows0[0].values)
+        assert {k.split("/")[1] for k in node_rows[0].values if k.startswith("gpu/")} >= {
+            "0", "1"}
 
 
 def test_steps_that_go_backwards_keep_the_gather_going() -> None:

@@ -9,8 +9,8 @@
 * **Topology** (:mod:`.topology`, :mod:`.start`): at ``Monitor.start()`` every rank reads its
   launcher's environment (torchrun, Slurm, Lightning, Accelerate, MPI) and joins a short
   exchange through the job's own ``torch.distributed`` store: it learns its node's members and
-  leader (:attr:`.start.Membership.leader`: rank 0 in a job of one node, else the node's
-  second rank); leaders collect their node's GPUs, rank 0 every node's, for
+  leader (:attr:`.start.Membership.leader`: rank 0 in a job of one node of two ranks, else
+  the node's second rank); leaders collect their node's GPUs, rank 0 every node's, for
   the run's metadata (:class:`.topology.JobShape` in the JSONL ``run_start`` and the trackers'
   config).
 * **Node level** (:mod:`.nodering`): each rank writes each raw row, as a fixed-size entry, into

@@ -16,11 +16,12 @@ Roles, from the start exchange (:mod:`gpulens.distributed.start`):
   (:func:`aggregate.merge_job`) into the job's row for its engine and every sink (the
   trackers' view: :mod:`gpulens.sinks.layout`).  In a job of several nodes rank 0 leads no
   node of two or more ranks, so its work per row is O(nodes) whatever the node size.
-* a job of one node (at most :data:`~gpulens.schema.FULL_GPUS` ranks): rank 0 leads it, and
-  its thread reduces the node and writes the job's row in one pass.  No summary crosses the
-  store and no other rank runs a gather thread: under DDP on two H200s the other arrangement
-  (the second rank leading, a store hop a row) cost each rank 0.5-0.6 ms of Python a row in
-  its training process (``docs/design-notes.md``, "eighth session").
+* a job of one node of two ranks: rank 0 leads it, and its thread reduces the node and
+  writes the job's row in one pass.  No summary crosses the store and the other rank runs no
+  gather thread (under DDP on two H200s the other arrangement cost each rank 0.5-0.6 ms of
+  Python a row in its training process, ``docs/design-notes.md``, "eighth session").  Not
+  beyond two: rank 0 would then carry more than any rank did before
+  (:data:`~gpulens.distributed.start.RANK0_LEADS_UP_TO`).
 
 Faults.  A row waits for the ranks of its node at most :data:`NODE_WAIT_S` after the
 leader's own row for that step, and for the nodes at most :data:`JOB_WAIT_S` after rank 0's
