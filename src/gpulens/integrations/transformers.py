@@ -142,8 +142,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
             ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else ``"default"``.
         gpm: read GPM (Hopper and newer: ``sm_active_pct``, ``sm_occupancy_pct``,
             ``tensor_active_pct``, ``dram_bw_pct``); ``False`` leaves those keys out. It
-            does not make a step cheaper: under DDP on two H200s a step cost the same with
-            GPM off, and with no NVML read at all (``docs/benchmarks.md``, "eighth session").
+            did not make a step cheaper: under DDP on two H200s (37 paired rounds) neither GPM
+            off nor no NVML read at all made the step cheaper (``docs/benchmarks.md``,
+            "eighth session").
     """
 
     def __init__(
