@@ -1,7 +1,8 @@
 """The two-level gather in one process: each "rank" is a :class:`JobGather` made in a thread of
 its own over one in-memory store (``torch.distributed.HashStore``), with real node files in
-``/dev/shm``.  Fast; waits on rows, never on the clock.  The same code under two real
-``torchrun`` launches: ``tests/test_integration_distributed.py``."""
+``/dev/shm``; in a job of one node each rank's per-row work is a :class:`RowGather` made from
+its plan, as its engine makes it.  Fast; waits on rows, never on the clock.  The same code
+under two real ``torchrun`` launches: ``tests/test_integration_distributed.py``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from gpulens.distributed import levels  # noqa: E402
 from gpulens.distributed.channel import UpChannel  # noqa: E402
 from gpulens.distributed.gather import JobGather  # noqa: E402
 from gpulens.distributed.nodering import LOST, NodeRing, sweep_stale  # noqa: E402
+from gpulens.distributed.rows import RowGather  # noqa: E402
 from gpulens.distributed.topology import Placement, placement_from_env  # noqa: E402
 from gpulens.log import reset_warnings  # noqa: E402
 from gpulens.model import GpuInfo, Row, RunContext  # noqa: E402
@@ -50,12 +52,23 @@ class Job:
 
         self._parallel(make)
         self.shapes: dict[int, Any] = {}
+        self.w: dict[int, RowGather] = {}
+        """Each rank's per-row work: its engine's (one node, made here as the engine makes
+        it) or its JobGather's (several nodes)."""
 
         def start(r: int) -> None:
-            self.shapes[r] = self.g[r].shape_before_engine()
+            g = self.g[r]
+            self.shapes[r] = g.shape_before_engine()
+            plan = g.engine_plan()  # as Monitor.start hands it to the engine
             gpu = GpuInfo(index=r, name="sim", uuid=f"GPU-{r}", pci_bus_id=f"0:{r}")
-            self.g[r].bind(RunContext(gpus=(gpu,), hostname="h", backend="simulated",
-                                      interval=0.1, job=self.shapes[r]))
+            g.bind(RunContext(gpus=(gpu,), hostname="h", backend="simulated",
+                              interval=0.1, job=self.shapes[r]))
+            if plan is not None:
+                self.w[r] = RowGather(plan, self.rows[r].append, gpu=r,
+                                      shape=self.shapes[r]).start()
+            else:
+                assert g.work is not None
+                self.w[r] = g.work
 
         self._parallel(start)
 
@@ -74,7 +87,7 @@ class Job:
                       "perf/steps": 1.0, "perf/step_time_s": 0.5, "work/cpu_s": 0.1,
                       "work/tokens": 8.0, "train/loss": 1.0 / step,
                       "train/global_step": float(step)}
-            self.g[r].local_row(Row(step=step, time=float(step), values=values))
+            self.w[r].local_row(Row(step=step, time=float(step), values=values))
 
     def wait_rows(self, rank: int, n: int) -> list[Row]:
         deadline = time.monotonic() + WAIT_S
@@ -84,7 +97,11 @@ class Job:
         return self.rows[rank]
 
     def stop(self) -> None:
-        self._parallel(lambda r: self.g[r].flush(WAIT_S))
+        def stop(r: int) -> None:
+            self.w[r].flush(WAIT_S)  # an engine's stop, or its JobGather's
+            self.g[r].flush(WAIT_S)
+
+        self._parallel(stop)
 
 
 @pytest.fixture
@@ -166,15 +183,17 @@ def test_two_nodes_rows_meet_on_rank_0() -> None:
     assert not any(job.rows[r] for r in (1, 2, 3))
 
 
-def test_a_two_rank_job_is_gathered_by_rank_0_alone(caplog: pytest.LogCaptureFixture) -> None:
-    """One node of two ranks: rank 0 leads it and writes the job's row in the same pass; no
-    summary goes through the store, and the other rank runs no gather thread (under DDP each
-    thread's Python is time the training process loses). A rank that exits is still told
-    once and its rows are marked partial."""
+def test_a_two_rank_job_is_gathered_by_rank_0s_engine(caplog: pytest.LogCaptureFixture) -> None:
+    """One node of two ranks: the engines gather. Rank 0's leads the node and writes the
+    job's row in the same pass; no summary goes through the store, the other rank's runs no
+    gather thread, and no training process does any per-row work (under DDP each thread's
+    Python there is time the step loses). A rank that exits is still told once and its rows
+    are marked partial."""
     job = Job(world=2, nodes=1)
     assert [job.g[r].is_leader for r in range(2)] == [True, False]
-    assert job.g[0].channel is None and job.g[0]._rx_thread is None
-    assert job.g[1]._thread is None and job.g[1].channel is None
+    assert all(job.g[r].in_engine and job.g[r].work is None for r in range(2))
+    assert job.w[0].channel is None and job.w[0]._rx_thread is None
+    assert job.w[1]._thread is None and job.w[1].channel is None
     assert job.shapes[0].ranks[1].gpus  # the run's metadata has the other rank's GPU
     for step in (1, 2, 3):
         job.log(step)
@@ -200,18 +219,24 @@ def test_a_two_rank_job_is_gathered_by_rank_0_alone(caplog: pytest.LogCaptureFix
     assert [r.step for r in rows] == [1, 2, 3, 4, 5] and not job.rows[1]
 
 
-@pytest.mark.parametrize(("world", "full"), [(3, None), (2, "1")])
-def test_rank_0_leads_no_larger_node_nor_one_with_the_large_view(
+@pytest.mark.parametrize(("world", "full"), [(3, None), (8, None), (2, "1")])
+def test_rank_0_s_engine_leads_one_node_but_not_the_large_view(
         world: int, full: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three ranks on one node: the second rank leads (rank 0 leading would carry more of the
-    gather than any rank does, ``start.RANK0_LEADS_UP_TO``). Two ranks with the large view
-    (``GPULENS_FULL_GPUS=1``): the node's row (every GPU, for the node's own sinks) and the
-    job's (aggregates) differ, so the second rank leads and writes node rows."""
+    """Three or eight ranks on one node: rank 0's engine leads (the engines' Python is not
+    the training processes'). Two ranks with the large view (``GPULENS_FULL_GPUS=1``): the
+    node's row (every GPU, for the node's own sinks) and the job's (aggregates) differ, so
+    the second rank leads and writes node rows, and the training processes gather."""
     if full is not None:
         monkeypatch.setenv("GPULENS_FULL_GPUS", full)
     job = Job(world=world, nodes=1)
-    assert [job.g[r].is_leader for r in range(world)] == [False, True] + [False] * (world - 2)
-    assert job.g[0]._rx_thread is not None and job.g[1]._thread is not None
+    if full is None:
+        assert [job.g[r].is_leader for r in range(world)] == [True] + [False] * (world - 1)
+        assert all(job.g[r].in_engine for r in range(world))
+        assert job.w[0]._thread is not None and job.w[0]._rx_thread is None
+    else:
+        assert [job.g[r].is_leader for r in range(world)] == [False, True]
+        assert not any(job.g[r].in_engine for r in range(world))
+        assert job.w[0]._rx_thread is not None and job.w[1]._thread is not None
     job.log(1)
     rows0 = job.wait_rows(0, 1)
     node_rows = job.wait_rows(1, 1) if full is not None else []
@@ -386,7 +411,7 @@ def test_rows_logged_in_a_burst_wake_the_gather_thread_once() -> None:
     """Rows that come while a wake-up is pending join it: one notify (one thread switch) for
     a burst, not one per row; and they all meet on rank 0 all the same."""
     job = Job(world=2, nodes=1)
-    g0 = job.g[0]
+    g0 = job.w[0]
     with g0._wake:  # the thread cannot start its pass until the burst is in
         wakes = g0.stats["wakes"]
         job.log(1, ranks=[0])

@@ -33,6 +33,7 @@ CORE = ("gpulens", "pynvml", "psutil")
 LIGHT_MODULES = (
     "gpulens", "gpulens.schema", "gpulens.model", "gpulens.sinks", "gpulens.sinks.base",
     "gpulens.tune",  # torch comes with a sweep, not with the package
+    "gpulens.distributed.rows",  # the gather's per-row work, run by a one-node job's engines
 )
 
 _PROBE = """

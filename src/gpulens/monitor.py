@@ -1,7 +1,6 @@
 """``Monitor``: the client the training loop holds.  Thin: it stamps step marks, reads the
-torch allocator, writes the sinks given as objects (a framework's loggers), and takes part in
-the rank gather; the engine (:mod:`gpulens.engine`) does the rest, in a process of gpulens's
-own (:mod:`gpulens.transport.process`) or, as a fallback, in a thread.
+torch allocator, writes the sinks given as objects, and joins the rank gather's start; the
+engine (:mod:`gpulens.engine`) does the rest, in a process of its own or, as a fallback, a thread.
 
 ::
 
@@ -63,13 +62,11 @@ class _Link:
         """A row from the engine (its thread; or, from an engine process, ``log()`` or the
         link thread): a rank's own row for the gather, or a finished row for this process's
         sinks."""
-        if not final:
+        if not final:  # a job of several nodes: for this process's gather
             if self.gather is not None:
                 self.gather.local_row(row)
-            return
-        writer = self.writer
-        if writer is not None:
-            writer.submit(row)
+        elif self.writer is not None:
+            self.writer.submit(row)
 
     def finish_merged(self, row: Row) -> None:
         """Rank 0: a row that met every rank's goes to the engine to be finished (work,
@@ -324,7 +321,7 @@ class Monitor:
                 writer.open(context)
             except BaseException:
                 if link.transport is not None:
-                    link.transport.stop(2.0, 2.0)
+                    link.transport.stop(2.0, 2.0, collective=False)
                 if gather is not None:
                     gather.close()
                 raise
@@ -367,7 +364,9 @@ class Monitor:
         spec = EngineSpec(
             interval=settings.interval, gpus=settings.gpus, backend=backend,
             buffer_rows=settings.buffer_rows, step=int(step), sinks=tuple(engine_sinks),
-            rows_back=bool(local), gather=link.gather is not None,
+            rows_back=bool(local),
+            gather=link.gather is not None and not link.gather.in_engine,
+            gather_plan=link.gather.engine_plan() if link.gather is not None else None,
             rank=link.gather.placement if link.gather is not None else distributed_env(),
             job=link.gather.shape_before_engine() if link.gather is not None else None,
             log_level=effective_level(), dtype=settings.dtype,
@@ -511,17 +510,15 @@ class Monitor:
                 return self.sink_stats
             relay.close(min(total, 10.0))
             gather = self._gather
-            if gather is not None and collective:
-                # the last windows of every rank meet before the engine stops: they come
-                # back raw, the gather merges them, the engine finishes them
-                transport.drain(total)
-                try:
+            if gather is not None and not gather.in_engine:
+                if collective:  # several nodes: the last rows come back raw and meet here
+                    transport.drain(total)
                     gather.flush(total)
-                except Exception as exc:
-                    logger.warning("gpulens: gathering the last rows failed: %r", exc)
+                gather.close()
+            # one node: the engines meet the other ranks' last rows as they stop
+            engine_stats = transport.stop(total, stall, collective)
             if gather is not None:
                 gather.close()
-            engine_stats = transport.stop(total, stall)
             client_dropped = relay.dropped + transport.dropped_marks
             self._dropped_marks = client_dropped + transport.engine_dropped_marks
             local_stats = steplogger.close(total, stall)
@@ -591,9 +588,11 @@ def _stop_quietly(link: _Link, relay: MarkRelay) -> None:
             relay.forget()
             return
         relay.close(1.0)
+        if gather is not None and not gather.in_engine:
+            gather.close()  # before the engine: no row comes back to it once it closes
+        transport.stop(2.0, 2.0, collective=False)
         if gather is not None:
             gather.close()
-        transport.stop(2.0, 2.0)
         writer.close(2.0, 2.0)
     except Exception as exc:
         logger.warning("gpulens: stopping a monitor that was dropped without stop() failed: "

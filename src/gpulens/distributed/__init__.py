@@ -9,8 +9,8 @@
 * **Topology** (:mod:`.topology`, :mod:`.start`): at ``Monitor.start()`` every rank reads its
   launcher's environment (torchrun, Slurm, Lightning, Accelerate, MPI) and joins a short
   exchange through the job's own ``torch.distributed`` store: it learns its node's members and
-  leader (:attr:`.start.Membership.leader`: rank 0 in a job of one node of two ranks, else
-  the node's second rank); leaders collect their node's GPUs, rank 0 every node's, for
+  leader (:attr:`.start.Membership.leader`: rank 0 in a job of one node, else the node's
+  second rank); leaders collect their node's GPUs, rank 0 every node's, for
   the run's metadata (:class:`.topology.JobShape` in the JSONL ``run_start`` and the trackers'
   config).
 * **Node level** (:mod:`.nodering`): each rank writes each raw row, as a fixed-size entry, into
@@ -21,10 +21,14 @@
   least active GPUs, the busiest ranks) and pushes it onto one store queue; rank 0 pops them.
   Rank 0 receives O(nodes) bytes a row; no rank opens a connection of its own (the store's is
   the launcher's), and no rank ever holds every GPU's row.
-* The gather's work runs in one thread on each leader (``gpulens-gather``); a non-leader rank
-  writes its entries from the thread that brings rows back from its engine.  ``log()`` does
-  nothing for the gather: the rows wake the thread, once a batch (at most one pass per
-  :data:`~.gather.PASS_S`, each taking every row waiting), whatever the logging rate.
+* **Where the per-row work runs** (:mod:`.rows`): in a job of one node, in the ranks'
+  engines: each engine writes its own entries, rank 0's reduces and merges them and finishes
+  the job's row, and the training processes do nothing per row for the gather (no row comes
+  back to them, no thread of it shares their interpreter).  In a job of several nodes, in the
+  training processes (the store is a torch object): one thread on each leader and on rank 0
+  (``gpulens-gather``), a non-leader rank writing its entries from the thread that brings rows
+  back from its engine.  ``log()`` does nothing for the gather: rows wake the thread, once a
+  batch (at most one pass per :data:`~.rows.PASS_S`), whatever the logging rate.
 
 :class:`~.gather.JobGather` is the piece ``Monitor`` makes; how it survives faults (a rank or
 node that dies, stalls or comes late) is in :mod:`.gather`.

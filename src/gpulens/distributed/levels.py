@@ -1,5 +1,5 @@
 """The two levels' book-keeping, each on its rank's gather thread only
-(:class:`~gpulens.distributed.gather.JobGather` runs them): :class:`NodeLevel` on a node's
+(:class:`~gpulens.distributed.rows.RowGather` runs them): :class:`NodeLevel` on a node's
 leader, :class:`JobLevel` on rank 0.  Rows are matched by key: (step, how many rows of that
 step came before it on the rank), so ranks whose rows come at different moments, or a rank
 whose engine dropped a mark, still line up.
@@ -20,7 +20,7 @@ from gpulens.log import logger
 from gpulens.model import Row
 
 if TYPE_CHECKING:
-    from gpulens.distributed.gather import JobGather
+    from gpulens.distributed.rows import RowGather
 
 NODE_WAIT_S = 10.0
 """How long a node's leader waits for a rank's row of a step once its own is in."""
@@ -100,7 +100,7 @@ def energy_per_step(values: dict[str, float], key: str) -> None:
 class _Teller:
     """Says once what rows lack, and when it is back (rank 0: WARNING; a leader: INFO)."""
 
-    def __init__(self, g: JobGather) -> None:
+    def __init__(self, g: RowGather) -> None:
         self.g = g
         self.ranks: set[int] = set()
         self.nodes: set[int] = set()
@@ -143,7 +143,7 @@ class _Teller:
 class NodeLevel:
     """A leader's: its node's entries -> node summaries (and node rows)."""
 
-    def __init__(self, g: JobGather) -> None:
+    def __init__(self, g: RowGather) -> None:
         self.g = g
         m = g.m
         self.slots = [i for i in range(len(m.members)) if i != m.slot]
@@ -169,7 +169,7 @@ class NodeLevel:
             key = self.own_keys.next(row.step)
             p = self.pending.setdefault(key, _Pending())
             p.own, p.since = row, now
-            p.entries[g.rank] = agg.pack_rank(row.step, row.time, row.values, g.rank, g._gpu,
+            p.entries[g.rank] = agg.pack_rank(row.step, row.time, row.values, g.rank, g.gpu,
                                               g.node)
             self.order.append(key)
         ring = g.ring
@@ -269,7 +269,7 @@ class NodeLevel:
 class JobLevel:
     """Rank 0's: its own rows and the nodes' summaries -> the job's rows."""
 
-    def __init__(self, g: JobGather) -> None:
+    def __init__(self, g: RowGather) -> None:
         self.g = g
         self.own_keys = _Keys()
         self.pending: dict[Key, _Pending] = {}

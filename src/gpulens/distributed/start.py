@@ -11,8 +11,8 @@ Every rank, at ``Monitor.start()`` (keys under ``gpulens/<restart>/<generation>/
                   get    token, node/<key>/members, nodes
 
 so each rank learns its node's members (global ranks), the node's leader
-(:attr:`Membership.leader`: rank 0 in a job of one node of two ranks, else the node's second
-rank), its slot on the node and the number of nodes: O(1) store operations per rank, O(ranks
+(:attr:`Membership.leader`: rank 0 in a job of one node, else the node's second rank), its
+slot on the node and the number of nodes: O(1) store operations per rank, O(ranks
 of its node + nodes) bytes.
 
 Then each rank's GPU, once its engine has opened it (``id/<rank>``): each leader reads its
@@ -38,13 +38,6 @@ from gpulens.log import logger
 from gpulens.model import GpuInfo
 from gpulens.schema import full_gpus
 
-RANK0_LEADS_UP_TO = 2
-"""The largest one-node job whose node rank 0 leads itself. Measured on a CPU, old and new
-side by side (``benchmarks/results/2026-11-27-cpu-one-node-leader``, the gather's Python a
-row): at 2 ranks rank 0 leading keeps the busiest rank's share (208-233 us against 183-254)
-and cuts the job's (340-460 -> 210-235); at 4 and 8 ranks it still cuts the job's (by a fifth
-to a third) but makes rank 0 the busiest by far (376-390 against 295-306 at 4,
-729-751 against 540-555 at 8), and under DDP every rank waits for the busiest."""
 START_TIMEOUT_S = 120.0
 """How long a rank waits at ``start()`` for the others to join the exchange."""
 
@@ -92,16 +85,19 @@ class Membership:
 
     @property
     def leader(self) -> int:
-        """The node's leader. In a job of one node of :data:`RANK0_LEADS_UP_TO` ranks (and
-        no more than :func:`~gpulens.schema.full_gpus`), rank 0: it writes the job's rows
-        anyway, the node's row is the job's, no summary crosses the store and the other rank
-        runs no gather thread. Otherwise the node's second-lowest rank where it has two or
-        more (so that rank 0, which merges the nodes and feeds the trackers, never also
-        reduces a node of several ranks), else its one rank. Every rank computes the same
-        (``full_gpus()`` reads the job's environment, which a launcher gives every rank
-        alike)."""
-        if len(self.node_keys) == 1 and len(self.members) <= min(RANK0_LEADS_UP_TO,
-                                                                 full_gpus()):
+        """The node's leader.  In a job of one node (of no more than
+        :func:`~gpulens.schema.full_gpus` ranks), rank 0: the ranks' engines do the gather's
+        per-row work (:mod:`gpulens.distributed.rows`), rank 0's writes the job's rows anyway,
+        the node's row is the job's and no summary crosses the store.  Otherwise the node's
+        second-lowest rank where it has two or more (so that rank 0, whose training process
+        merges the nodes, never also reduces a node of several ranks), else its one rank.
+        Every rank computes the same (``full_gpus()`` reads the job's environment, which a
+        launcher gives every rank alike).
+
+        (Before the engines gathered, rank 0 led a one-node job of two ranks only: in the
+        training process, leading 4 or 8 made rank 0 the busiest rank by 23-39 % on a CPU,
+        ``benchmarks/results/2026-11-27-cpu-one-node-leader``.)"""
+        if len(self.node_keys) == 1 and len(self.members) <= full_gpus():
             return self.members[0]
         return self.members[1] if len(self.members) > 1 else self.members[0]
 

@@ -14,9 +14,12 @@ client reported (tokens, FLOPs, CPU time) becomes throughput, TFLOP/s and MFU
 (:mod:`gpulens.work.mfu`, against the GPU's peak in the run's dtype), the advice rules read it
 (:mod:`gpulens.engine.rules`: ``alerts/<rule>`` keys, alert events, a WARNING when one fires),
 and the finished row goes to the engine's sinks and, for the client's sinks, back
-(``on_row(row, final=True)``).  In a distributed job the raw row of each window goes back
-instead (``final=False``) to meet the other ranks' in the client; rank 0's client hands the
-merged row to :meth:`Engine.finish`, which finishes it in a thread of the engine's own.
+(``on_row(row, final=True)``).  In a distributed job of one node the engine does its rank's
+part of the gather itself (:mod:`gpulens.distributed.rows`, ``spec.gather_plan``): its raw
+rows go into the node's shared file, and rank 0's engine merges every rank's into the job's
+rows and finishes them in a thread of its own.  In a job of several nodes the raw row of each
+window goes back instead (``final=False``) to meet the other ranks' in the client; rank 0's
+client hands the merged row to :meth:`Engine.finish`.
 
 The same engine runs in a process of gpulens's own (:mod:`gpulens.transport.process`) or in a
 thread of the training process (:mod:`gpulens.transport.inproc`).  It never imports the
@@ -33,17 +36,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from gpulens.engine.finish import Finisher
 from gpulens.engine.sampler import MAX_MARKS, GpuState, Sampler
 from gpulens.engine.spec import EngineSpec
 from gpulens.errors import NvmlUnavailable
 from gpulens.log import logger, warn_once
-from gpulens.model import Event, Mark, Row, RunContext, SinkStats
+from gpulens.model import Event, GpuInfo, Mark, Row, RunContext, SinkStats
 from gpulens.sinks.writer import STALL_S, StepLogger
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
 from gpulens.sources.processes import GpuProcess
+
+if TYPE_CHECKING:
+    from gpulens.distributed.rows import RowGather
 
 ENERGY_PROBE_S = 0.35
 """How long the engine reads each GPU's energy counter back to back, once sampling has begun,
@@ -68,6 +75,7 @@ class Engine:
         self._finisher: Finisher | None = None
         self._merged: queue.SimpleQueue[Row | None] = queue.SimpleQueue()
         self._merged_thread: threading.Thread | None = None
+        self._gather: RowGather | None = None
         self._probe: threading.Thread | None = None
         self._notes: list[Event] = []
         self._notes_lock = threading.Lock()
@@ -116,10 +124,12 @@ class Engine:
             raise
         self._source, self._steplogger, self.context = source, steplogger, context
         self._finisher = finisher
-        if spec.gather:
+        if spec.gather or spec.gather_plan is not None:
             self._merged_thread = threading.Thread(target=self._finish_merged,
                                                    name="gpulens-finish", daemon=True)
             self._merged_thread.start()
+        if spec.gather_plan is not None:
+            self._gather = self._join_gather(spec, infos, context)
         self._sampler = Sampler(
             states,
             interval=spec.interval,
@@ -194,10 +204,32 @@ class Engine:
             out.append((key, visible[g], g))
         return out
 
+    def _join_gather(self, spec: EngineSpec, infos: tuple[GpuInfo, ...], context: RunContext
+                     ) -> RowGather | None:
+        """This rank's part of a one-node job's gather (``spec.gather_plan``); ``None`` (said)
+        where it cannot open the node's file: its rows are then not gathered."""
+        from gpulens.distributed.rows import RowGather
+
+        plan = spec.gather_plan
+        assert plan is not None
+        try:
+            return RowGather(plan, self.finish, gpu=infos[0].index if infos else plan.m.rank,
+                             shape=context.job).start()
+        except Exception as exc:
+            logger.warning("gpulens: rank %d's engine could not join its node's gather (%r); "
+                           "its rows are not gathered", plan.m.rank, exc)
+            return None
+
     # -- running -----------------------------------------------------------------------------
     def _emit(self, row: Row) -> None:
         """A window's row (sampler thread): finished and written, or, in a distributed job,
-        back to the client raw, to meet the other ranks'."""
+        to meet the other ranks' (in this engine's gather, or back to the client raw)."""
+        gather = self._gather
+        if gather is not None:
+            gather.local_row(row)
+            return
+        if self.spec.gather_plan is not None:
+            return  # this rank's gather could not start (said)
         if self.spec.gather:
             if self._on_row is not None:
                 self._on_row(row, False)
@@ -299,10 +331,21 @@ class Engine:
         sampler = self._sampler
         return sampler.dropped_marks if sampler is not None else self._drained_marks
 
-    def stop(self, timeout: float, stall: float = STALL_S) -> dict[str, SinkStats]:
-        """Close the last windows, finish what is merged, write what the sinks hold (see
-        :meth:`StepLogger.close`), release NVML.  Idempotent."""
+    def stop(self, timeout: float, stall: float = STALL_S, collective: bool = True
+             ) -> dict[str, SinkStats]:
+        """Close the last windows, meet the other ranks' last rows where this engine gathers
+        (``collective``; bounded, :meth:`RowGather.flush`: the time it takes comes out of
+        ``timeout``, down to a floor of a second), finish what is merged, write what the
+        sinks hold (see :meth:`StepLogger.close`), release NVML.  Idempotent."""
         self.drain()
+        gather, self._gather = self._gather, None
+        if gather is not None:
+            began = time.monotonic()
+            if collective:
+                gather.flush(timeout)
+            else:
+                gather.close()
+            timeout = max(min(timeout, 1.0), timeout - (time.monotonic() - began))
         thread, self._merged_thread = self._merged_thread, None
         if thread is not None:
             self._merged.put(None)

@@ -4,9 +4,12 @@ process), from which :class:`gpulens.engine.engine.Engine` builds everything."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpulens.model import JobShape, SinkSpec
+
+if TYPE_CHECKING:
+    from gpulens.distributed.rows import GatherPlan
 
 WORK_TOKENS = "work/tokens"
 WORK_SAMPLES = "work/samples"
@@ -49,8 +52,13 @@ class EngineSpec:
     rows_back: bool = False
     """Hand every finished row back to the client, for its own sinks."""
     gather: bool = False
-    """A distributed job: each window's raw row goes back to the client for the rank gather;
-    rank 0's client sends the merged row back to be finished (:meth:`Engine.finish`)."""
+    """A distributed job of several nodes: each window's raw row goes back to the client for
+    the rank gather; rank 0's client sends the merged row back to be finished
+    (:meth:`Engine.finish`)."""
+    gather_plan: GatherPlan | None = None
+    """A distributed job of one node: the engine does this rank's part of the gather itself
+    (:mod:`gpulens.distributed.rows`): its raw rows go into the node's file, and rank 0's
+    engine merges and finishes the job's rows."""
     rank: tuple[int, int, int] | None = None
     """(global rank, local rank, world size) in a distributed job."""
     job: JobShape | None = None

@@ -47,8 +47,10 @@ class Transport(Protocol):
     def processes(self, timeout: float) -> list[GpuProcess]:
         """The processes on the engine's GPUs (``[]`` if it cannot answer)."""
 
-    def stop(self, timeout: float, stall: float) -> dict[str, SinkStats]:
-        """Stop the engine; the figures of the sinks it wrote."""
+    def stop(self, timeout: float, stall: float, collective: bool = True
+             ) -> dict[str, SinkStats]:
+        """Stop the engine; the figures of the sinks it wrote.  ``collective``: where the
+        engine gathers, its last rows meet the other ranks' (False: no wait for them)."""
 
     @property
     def dropped_marks(self) -> int:

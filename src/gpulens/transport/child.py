@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         tx.send(msgs.Failed(False, type(exc).__name__, str(exc)))
         return 1
     tx.send(msgs.Ready(context, torch_indices))
-    timeout, stall = 120.0, 20.0
+    timeout, stall, collective = 120.0, 20.0, True
     next_stats = time.monotonic() + STATS_EVERY_S
     stopping = False
     while not stopping:
@@ -82,16 +82,17 @@ def main(argv: list[str]) -> int:
                 rows_out(STOP_GRACE_S)
                 tx.send(msgs.Drained())
             elif isinstance(msg, msgs.Stop):
-                timeout, stall = msg.timeout, msg.stall
+                timeout, stall, collective = msg.timeout, msg.stall, msg.collective
                 stopping = True
                 break
         if rx.eof:
-            break  # the training process is gone: write what we hold and end
+            collective = False  # the training process is gone: write what we hold and end
+            break
         if time.monotonic() >= next_stats:
             next_stats = time.monotonic() + STATS_EVERY_S
             tx.send(msgs.StatsOut(engine.stats(), engine.dropped_marks))
     dropped = engine.dropped_marks
-    stats = engine.stop(timeout, stall)
+    stats = engine.stop(timeout, stall, collective)
     rows_out(STOP_GRACE_S)
     tx.send(msgs.Stopped(stats, dropped))
     # Everything is written and closed: end now.  A normal exit would wait for what tracker

@@ -62,12 +62,13 @@ class InprocTransport:
         engine = self._engine
         return engine.processes() if engine is not None else []
 
-    def stop(self, timeout: float, stall: float) -> dict[str, SinkStats]:
+    def stop(self, timeout: float, stall: float, collective: bool = True
+             ) -> dict[str, SinkStats]:
         engine, self._engine = self._engine, None
         if engine is None:
             return {}
         self._engine_dropped = engine.dropped_marks
-        return engine.stop(timeout, stall)
+        return engine.stop(timeout, stall, collective)
 
     dropped_marks = 0
     """Nothing is dropped on the way: a mark is appended to the engine's queue."""

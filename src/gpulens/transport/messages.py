@@ -61,6 +61,9 @@ class Stop(NamedTuple):
     """Seconds the engine may spend writing what its sinks hold."""
     stall: float
     """Seconds without progress after which it gives up on a sink."""
+    collective: bool = True
+    """Where the engine gathers: its last rows meet the other ranks' (False: an exception
+    path, no wait for them)."""
 
 
 class Ready(NamedTuple):

@@ -433,7 +433,8 @@ class ProcessTransport:
                 self._replies.pop(seq, None)
 
     # -- stop ----------------------------------------------------------------------------------
-    def stop(self, timeout: float, stall: float) -> dict[str, SinkStats]:
+    def stop(self, timeout: float, stall: float, collective: bool = True
+             ) -> dict[str, SinkStats]:
         """Send what is queued and :class:`Stop`; wait for the last rows and the sinks'
         figures.  If the engine died, the figures it last sent, with every row it had not
         written counted as dropped."""
@@ -448,7 +449,7 @@ class ProcessTransport:
         deadline = time.monotonic() + timeout + STOP_GRACE_S
         tx = self._tx
         if tx is not None and not tx.closed:
-            tx.send(Stop(timeout, stall), force=True)
+            tx.send(Stop(timeout, stall, collective), force=True)
             while tx.pending_bytes and not tx.closed and time.monotonic() < deadline:
                 time.sleep(0.002)
                 tx.flush()

@@ -1,0 +1,316 @@
+"""The gather's per-row work (:class:`RowGather`): a rank's rows into its node's shared file, a
+node leader's node level, rank 0's job level (:mod:`~gpulens.distributed.levels`).
+
+Where it runs:
+
+* **a job of one node** (up to :func:`~gpulens.schema.full_gpus` ranks): in each rank's
+  *engine* (:mod:`gpulens.engine`), made from the picklable :class:`GatherPlan` that the start
+  exchange gave.  Each engine writes its rows into the node's file itself; rank 0's engine
+  leads the node, reduces and merges each row and finishes it where it is finished anyway.
+  Nothing of it runs in the training process: no row comes back to it, no thread of the
+  gather shares its interpreter (under DDP on two H200s that Python cost each rank 0.5-0.6 ms
+  a row of its step, ``docs/design-notes.md``, "eighth session").
+* **a job of several nodes**: in the training process (:class:`~.gather.JobGather` makes it at
+  ``bind``), since a node's summary crosses to rank 0 through the launcher's store, a torch
+  object the engine cannot open without importing torch.
+
+Either way one thread (``gpulens-gather``) on a leader and on rank 0 does the work, at most
+one pass per :data:`PASS_S`; rank 0 of several nodes has a second (``gpulens-gather-rx``) that
+waits for the nodes' summaries.  Its faults are :mod:`~.gather`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpulens.distributed import aggregate as agg
+from gpulens.distributed.channel import MAX_QUEUED_PER_NODE, UpChannel
+from gpulens.distributed.levels import POLL_S, JobLevel, NodeLevel
+from gpulens.distributed.nodering import NodeRing
+from gpulens.distributed.start import Membership
+from gpulens.distributed.topology import JobShape
+from gpulens.log import logger, warn_once
+from gpulens.model import Row
+
+__all__ = ["PASS_S", "RING", "GatherPlan", "RowGather"]
+
+RING = 64
+"""Entries each rank's slot holds (a leader that falls further behind loses entries)."""
+PASS_S = 0.01
+"""The gather thread works at most once per this many seconds: rows that come faster (a loop
+logging every step) are taken in batches, so its wake-ups are bounded by 1/PASS_S a second
+whatever the logging rate."""
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """What a rank's :class:`RowGather` needs from the start exchange (it pickles: it crosses
+    to the engine process)."""
+
+    m: Membership
+    ring: str
+    """The node's shared file."""
+    full: int
+    """:func:`~gpulens.schema.full_gpus` of the job (read once, in the training process)."""
+
+    def open_ring(self) -> NodeRing:
+        return NodeRing.attach(Path(self.ring), len(self.m.members), RING, agg.RANK_WIDTH)
+
+
+class RowGather:
+    """One rank's per-row part of the gather (module doc).  ``local_row`` takes this rank's
+    raw rows in order; finished rows (a node's row on its leader in a job of more than
+    ``full`` ranks, the job's on rank 0) go to ``submit``.
+
+    Args:
+        plan: from the start exchange.
+        submit: where finished rows go (the engine's finishing).
+        gpu: this rank's GPU number (its entries say it).
+        shape: the job's shape as this rank knows it (the WARNINGs name nodes and GPUs).
+        ring: the node's file, opened already (default: opened from ``plan``).
+        channel: a leader's push of its summaries to rank 0 (several nodes).
+        rx_channel: rank 0's own connection for popping them (several nodes).
+    """
+
+    def __init__(self, plan: GatherPlan, submit: Callable[[Row], None], *, gpu: int,
+                 shape: JobShape | None = None, ring: NodeRing | None = None,
+                 channel: UpChannel | None = None, rx_channel: UpChannel | None = None
+                 ) -> None:
+        self.m = m = plan.m
+        self.rank, self.world = m.rank, m.world
+        self.is_writer = self.rank == 0
+        self.is_leader = m.is_leader
+        self.node = m.node
+        self.full = plan.full
+        self.scaled = self.world > self.full
+        self.shape = shape
+        self.gpu = gpu
+        self._submit = submit
+        self._ring: NodeRing | None = ring if ring is not None else plan.open_ring()
+        self._lock = threading.Lock()
+        self._written = 0
+        self._closed = False
+        self._finishing = False
+        self._wake = threading.Condition()
+        self._signalled = False
+        """A wake-up is pending (under ``_wake``): later rows do not notify again."""
+        self._own: deque[Row] = deque()
+        """The leader's own rows, for the node level."""
+        self._own_job: deque[Row] = deque()
+        """Rank 0's own rows, for the job level."""
+        self.late_rows = 0
+        self.stats: dict[str, float] = {"rows": 0, "partial": 0, "lost": 0, "busy_s": 0.0,
+                                        "cpu_s": 0.0, "wakes": 0, "passes": 0}
+        """For benchmarks: rows written (node rows on a leader, job rows on rank 0), partial
+        ones, entries lost; the gather thread's wall and CPU seconds at work, the wake-ups
+        sent to it and the passes it made (each takes every row waiting)."""
+        self._channel = channel
+        self._rx_channel = rx_channel
+        self._rx: deque[bytes] = deque()
+        """Summaries rank 0's receiving thread took, for the gather thread."""
+        self._thread: threading.Thread | None = None
+        self._rx_thread: threading.Thread | None = None
+
+    def start(self) -> RowGather:
+        """Start the thread (a leader, rank 0) and rank 0's receiving thread (several
+        nodes)."""
+        if self.is_leader or self.is_writer:
+            self._thread = threading.Thread(target=self._work, name="gpulens-gather",
+                                            daemon=True)
+            self._thread.start()
+        if self._rx_channel is not None:
+            self._rx_thread = threading.Thread(target=self._receive, name="gpulens-gather-rx",
+                                               daemon=True)
+            self._rx_thread.start()
+        return self
+
+    # -- rows in ---------------------------------------------------------------------------
+    def local_row(self, row: Row) -> None:
+        """This rank's raw row, in order."""
+        with self._lock:
+            if self._closed:
+                self.late_rows += 1
+            else:
+                if self.is_leader:
+                    self._own.append(row)
+                elif self._ring is not None:
+                    entry = agg.pack_rank(row.step, row.time, row.values, self.rank,
+                                          self.gpu, self.node)
+                    self._ring.write(self.m.slot, self._written, entry)
+                    self._written += 1
+                if self.is_writer:
+                    self._own_job.append(row)
+        if self._closed:
+            warn_once("gather-late", "gpulens: a row of rank %d came after its gather closed "
+                      "at stop and is not written (counted in late_rows)", self.rank)
+        elif self.is_leader or self.is_writer:
+            self._signal()
+
+    def _signal(self) -> None:
+        """Wake the gather thread, once until it starts its next pass (rows that come while a
+        wake-up is pending join that pass: no notify, no thread switch per row)."""
+        if self._signalled:  # read without the lock: at worst one notify too many
+            return
+        with self._wake:
+            self._signalled = True
+            self.stats["wakes"] += 1
+            self._wake.notify()
+
+    def take_rx(self) -> list[bytes]:
+        """The node summaries rank 0's receiving thread took since the last call."""
+        with self._lock:
+            got = list(self._rx)
+            self._rx.clear()
+        return got
+
+    def take_own(self, job: bool) -> list[Row]:
+        """The rows that came since the last call (the thread's side of :meth:`local_row`)."""
+        with self._lock:
+            queue = self._own_job if job else self._own
+            rows = list(queue)
+            queue.clear()
+        return rows
+
+    # -- the threads ---------------------------------------------------------------------------
+    def _receive(self) -> None:
+        """Rank 0: wait for node summaries on the store (a connection of its own)."""
+        channel = self._rx_channel
+        assert channel is not None
+        while not self._closed:
+            try:
+                got = [raw for raw in channel.pop_wait() if raw]
+            except Exception as exc:
+                if not self._closed:
+                    logger.warning("gpulens: rank 0 can no longer read the nodes' figures from "
+                                   "the job's store (%r); rows go on with its own node's", exc)
+                return
+            if got:
+                with self._lock:
+                    self._rx.extend(got)
+                self._signal()
+
+    def _work(self) -> None:
+        node = NodeLevel(self) if self.is_leader else None
+        job = JobLevel(self) if self.is_writer else None
+        last = -PASS_S
+        try:
+            while True:
+                with self._wake:
+                    if self._closed:
+                        return
+                    if not self._signalled:
+                        self._wake.wait(self._sleep(node, job))
+                    # a batch: at most one pass per PASS_S (a stop cuts the wait short)
+                    rest = last + PASS_S - time.monotonic()
+                    if rest > 0 and not (self._finishing or self._closed):
+                        self._wake.wait(rest)
+                    self._signalled = False
+                    finishing = self._finishing
+                last = time.monotonic()
+                self.stats["passes"] += 1
+                t1, c1 = time.perf_counter(), time.thread_time()
+                if node is not None:
+                    for summary, node_out in node.poll():
+                        self._hand_up(summary, node_out, job)
+                if job is not None:
+                    job.poll()
+                self.stats["busy_s"] += time.perf_counter() - t1
+                self.stats["cpu_s"] += time.thread_time() - c1
+                if finishing and (node is None or node.finished()) and (
+                        job is None or job.finished()):
+                    if node is not None and not self.is_writer and self._channel is not None:
+                        self._channel.push(self.node, agg.NodeSummary.done(self.node))
+                    return
+        except Exception as exc:
+            if not self._closed:
+                logger.warning("gpulens: rank %d's gather failed (%r); the rows it gathers are "
+                               "no longer written", self.rank, exc)
+
+    def _sleep(self, node: NodeLevel | None, job: JobLevel | None) -> float | None:
+        """How long the thread may sleep: a leader with a row waiting for its ranks looks at
+        the node's file every :data:`POLL_S`; rank 0 sleeps until a summary or its own row
+        comes, or its oldest row's wait runs out."""
+        if self._finishing or (node is not None and node.waiting()):
+            return POLL_S
+        due = job.due() if job is not None else None
+        return None if due is None else max(0.0, due)
+
+    def _hand_up(self, summary: agg.NodeSummary, node_out: dict[str, float],
+                 job: JobLevel | None) -> None:
+        if job is not None:  # rank 0 leads its node
+            job.add(summary, node_out)
+            return
+        channel = self._channel
+        if channel is not None and not channel.push(
+                self.node, summary.encode(agg.featured_slots(self.world, self.full))):
+            warn_once("gather-full", "gpulens: node %d's figures wait in the store for rank 0 "
+                      "(more than %d rows behind); later ones are dropped until it catches up",
+                      self.node, MAX_QUEUED_PER_NODE)
+
+    def submit(self, row: Row) -> None:
+        """A finished node or job row."""
+        self._submit(row)
+
+    # -- stop ----------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> None:
+        """At stop, after this rank's last rows came: a rank marks its slot done; a leader and
+        rank 0 write the rows they can still complete (waiting for the ranks and nodes while
+        they may still come, at most :data:`~.levels.JOB_WAIT_S` past the last progress and
+        ``timeout`` in all), then :meth:`close`."""
+        try:
+            with self._lock:
+                if self._ring is not None and not self.is_leader:
+                    self._ring.finish(self.m.slot, self._written)
+            thread = self._thread
+            if thread is None:
+                return
+            with self._wake:
+                self._finishing = True
+                self._wake.notify()
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("gpulens: rank %d's last rows did not meet the others' within "
+                               "%.0f s; they are not written", self.rank, timeout or 0.0)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the threads; a rank marks its slot done.  Not a collective; idempotent.  (The
+        node's file is removed by the process that made it: :class:`~.gather.JobGather`.)"""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ring, self._ring = self._ring, None
+        with self._wake:
+            self._wake.notify()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(2.0)
+        if self._rx_thread is not None and self._channel is not None:
+            with contextlib.suppress(Exception):
+                self._channel.wake()  # its waiting pop returns
+            self._rx_thread.join(2.0)
+        if ring is not None:
+            if not self.is_leader:
+                ring.finish(self.m.slot, self._written)
+            ring.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def ring(self) -> NodeRing | None:
+        return self._ring
+
+    @property
+    def channel(self) -> UpChannel | None:
+        return self._channel
+
