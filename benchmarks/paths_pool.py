@@ -7,7 +7,9 @@ round keeps its own per-round difference, and the pooled mean, 95 % interval and
 ``paired.py``'s over all of them. What makes pooling honest is deciding the calls before
 seeing any of them (the number of calls is set in advance, not until a result looks good), and
 pooling only runs of the same path, model, batch and kind of GPU: this script refuses runs
-that differ in any of these, and prints each run's own figures beside the pooled ones.
+that differ in any of these, and prints each run's own figures beside the pooled ones, and,
+where the runs have variant arms (``paths_aa.py --variants``), the gpulens arm minus each,
+paired per round.
 
     python benchmarks/paths_pool.py results/X/paths_aa.json results/Y/paths_aa.json \\
         --path hf_ls1 --md pooled.md --json pooled.json
@@ -69,6 +71,23 @@ def aa_sd(values: dict[str, dict[int, float]], name: str) -> float:
     return max(sds) if sds else math.nan
 
 
+def variants_vs_gpulens(values: dict[str, dict[int, float]], name: str, seed: int = 0
+                        ) -> dict[str, paired.Estimate]:
+    """The default gpulens arm minus each variant arm (``<name>_<variant>_gpulens``), paired
+    per round, in pp of that round's baseline step: what the variant's setting takes away."""
+    base, main_arm = values.get(name), values.get(f"{name}_gpulens")
+    if base is None or main_arm is None:
+        return {}
+    ours = paired.per_round_pp(main_arm, base)
+    out = {}
+    for arm, per in values.items():
+        if arm.startswith(f"{name}_") and arm.endswith("_gpulens") and arm != f"{name}_gpulens":
+            theirs = paired.per_round_pp(per, base)
+            out[arm] = paired.Estimate.of({r: ours[r] - theirs[r] for r in ours if r in theirs},
+                                          seed)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="paths_aa.json files")
@@ -117,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
                         "gpulens": g.as_dict() if g else None})
     lines += ["", plan.line().replace("fixed by the command (no pilot)", "pooled"), "",
               paired.table(comps, args.bound_pp), "", *paired.bias_notes(comps)]
+    variants = variants_vs_gpulens(values, args.path, args.seed)
+    if variants:
+        lines += ["", "gpulens minus each variant, paired per round (pp of the baseline's "
+                  "step; positive: the variant's setting takes that much away)", "",
+                  "| variant | rounds | total (pp): mean [95 % CI] |", "|---|---|---|"]
+        lines += [f"| {arm} | {est.n} | {paired.fmt_est(est)} |"
+                  for arm, est in variants.items()]
     text = "\n".join(lines)
     print(text)
     if args.md:
@@ -126,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             "path": args.path, "identity": ids[0], "runs": per_run, "plan": plan.as_dict(),
             "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est,
                                                                                 args.bound_pp)}
-                            for c in comps]}, indent=2))
+                            for c in comps],
+            "variants_vs_gpulens": {a: e.as_dict() for a, e in variants.items()}}, indent=2))
     return 0
 
 

@@ -708,13 +708,16 @@ def _paths_doc(batch: int, rounds: dict[str, dict[str, float]]) -> dict[str, Any
 
 
 def test_paths_pool_pools_rounds_of_like_runs_and_refuses_unlike_ones(tmp_path: Path) -> None:
-    """Rounds of two runs of one path pool into one comparison (each round kept paired);
-    runs of another batch are refused."""
+    """Rounds of two runs of one path pool into one comparison (each round kept paired), and
+    so does the gpulens arm's difference to each variant arm; runs of another batch are
+    refused."""
     one = {"hf_ls1": {"0": 100.0, "1": 100.0}, "hf_ls1_b": {"0": 100.0, "1": 100.0},
-           "hf_ls1_gpulens": {"0": 101.0, "1": 101.0}}
+           "hf_ls1_gpulens": {"0": 101.0, "1": 101.0},
+           "hf_ls1_nogather_gpulens": {"0": 100.5, "1": 100.5}}
     two = {"hf_ls1": {"0": 200.0, "1": 200.0, "2": 200.0},
            "hf_ls1_b": {"0": 200.0, "1": 200.0, "2": 200.0},
-           "hf_ls1_gpulens": {"0": 202.0, "1": 202.0, "2": 202.0}}
+           "hf_ls1_gpulens": {"0": 202.0, "1": 202.0, "2": 202.0},
+           "hf_ls1_nogather_gpulens": {"0": 201.0, "1": 201.0, "2": 201.0}}
     a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
     a.write_text(json.dumps(_paths_doc(19, one)))
     b.write_text(json.dumps(_paths_doc(19, two)))
@@ -728,7 +731,9 @@ def test_paths_pool_pools_rounds_of_like_runs_and_refuses_unlike_ones(tmp_path: 
     assert pooled["plan"]["rounds_done"] == 5 and [r["rounds"] for r in pooled["runs"]] == [2, 3]
     (g,) = [x for x in pooled["comparisons"] if x["arm"] == "hf_ls1_gpulens"]
     assert g["rounds"] == 5 and g["mean_pp"] == pytest.approx(1.0)  # +1 % in every round
-    assert "5 rounds pooled from 2 runs" in out
+    v = pooled["variants_vs_gpulens"]["hf_ls1_nogather_gpulens"]
+    assert v["rounds"] == 5 and v["mean_pp"] == pytest.approx(0.5)  # half of it, paired
+    assert "5 rounds pooled from 2 runs" in out and "| hf_ls1_nogather_gpulens | 5 |" in out
     proc = subprocess.run([sys.executable, str(BENCH / "paths_pool.py"), str(a), str(c),
                            "--path", "hf_ls1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "differ in batch" in proc.stderr
