@@ -273,11 +273,8 @@ class JobGather:
             ring.close()
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def ring(self) -> NodeRing | None:
+        """The node's file as this process opened it (``None`` once closed)."""
         return self._ring
 
 
