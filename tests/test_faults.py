@@ -256,8 +256,12 @@ def test_mlflow_server_gone_mid_run(mlflow_server_gone: dict[str, TrackerGone]) 
     # log()'s cost with the server down, beside it up: benchmarks/unit_timings.py
     assert "did not stop in" not in got.text  # stop() kept to its timeout
     st = got.stats["mlflow"]
-    assert st.written == 2 and st.dropped == 20
-    assert any("20 dropped" in m for m in got.messages)
+    # rows 1-2 were in the server's store before the kill; the answer to row 2's write may
+    # still have been on its way (the kill cuts it), and a write whose answer never came is
+    # counted dropped: the sink cannot know that it landed (seen once in a fresh clone's CI:
+    # 1 written, 21 dropped)
+    assert st.written + st.dropped == 22 and st.written <= 2
+    assert any(f"{st.dropped} dropped" in m for m in got.messages)
 
 
 class _Gate(MemorySink):
