@@ -65,7 +65,7 @@ class Job:
                               interval=0.1, job=self.shapes[r]))
             if plan is not None:
                 self.w[r] = RowGather(plan, self.rows[r].append, gpu=r,
-                                      shape=self.shapes[r]).start()
+                                      ring=plan.open_ring(), shape=self.shapes[r]).start()
             else:
                 assert g.work is not None
                 self.w[r] = g.work
@@ -321,6 +321,34 @@ def test_a_stalled_rank_is_waited_for_once_then_not(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len([m for m in warnings if "rank 2" in m]) == 1, warnings
     assert any("rank 2 sends rows again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rank_that_cannot_open_its_node_file_trains_on_and_is_told(
+        fast_waits: None, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two nodes (the training processes gather): rank 2 cannot open its node's file. Its
+    start does not fail (a monitoring fault never stops training); it says so once, and the
+    job's rows go on without it, marked partial."""
+    from gpulens.distributed import gather
+
+    real = gather.attach_ring
+
+    def attach(path: Path, m: Any) -> NodeRing:
+        if m.rank == 2:
+            raise OSError("no such file")
+        return real(path, m)
+
+    monkeypatch.setattr(gather, "attach_ring", attach)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        job = Job(world=4, nodes=2)
+        for step in (1, 2):
+            job.log(step)
+        rows = job.wait_rows(0, 2)
+        job.stop()
+    assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows] == [(3, 1)] * 2
+    said = [r.getMessage() for r in caplog.records if "could not join" in r.getMessage()]
+    assert said == ["gpulens: rank 2 could not join its node's gather (OSError('no such "
+                    "file')); its rows are not gathered"]
 
 
 def test_a_node_that_never_sends_is_told_once(fast_waits: None,

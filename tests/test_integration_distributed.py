@@ -361,6 +361,45 @@ def test_a_rank_that_raises_ends_the_job_and_gpulens_does_not_hold_it(tmp_path: 
     assert not done.leftovers
 
 
+ONE_NODE_DYING = """
+import os, sys, time
+import torch.distributed as dist
+import gpulens
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 13):
+        if rank == 1 and step == 5:
+            os._exit(0)  # no stop(), no goodbye: its engine process is left to notice
+        mon.log(step, loss=1.0 / step)
+        time.sleep(0.05)
+"""
+
+
+def test_a_rank_that_dies_in_a_one_node_job_is_told_by_rank_0s_engine(tmp_path: Path) -> None:
+    """One node, the engines gathering (the default): rank 1 dies at step 5 without a stop.
+    Rank 0's engine process says so in one WARNING that reaches rank 0's output, the rows go
+    on to step 12 without it, marked partial, and no process of gpulens outlives the job
+    (rank 1's engine ends when its training process is gone)."""
+    script = tmp_path / "dying.py"
+    script.write_text(ONE_NODE_DYING)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT / "src"))
+    done = run_torchrun([str(script), str(tmp_path / "rows.jsonl")], cwd=tmp_path, env=env,
+                        timeout=120.0)
+    assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
+    assert not done.leftovers, done.leftovers
+    rows = jsonl(tmp_path / "rows.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [(r["job/ranks"], r["job/partial"]) for r in rows[:4]] == [(2, 0)] * 4
+    assert [(r["job/ranks"], r["job/partial"]) for r in rows[4:]] == [(1, 1)] * 8
+    told = [line for line in done.stderr.splitlines()
+            if "WARNING" in line and "rank 1 " in line]
+    assert len(told) == 1 and "marked partial" in told[0], told
+
+
 # -- two nodes on this host -------------------------------------------------------------------
 NODE_NAMES = ("fake-a", "fake-b")
 

@@ -49,11 +49,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from gpulens.distributed import aggregate as agg
 from gpulens.distributed.channel import UpChannel
 from gpulens.distributed.levels import JOB_WAIT_S, NODE_WAIT_S
 from gpulens.distributed.nodering import NodeRing, ring_dir
-from gpulens.distributed.rows import PASS_S, RING, GatherPlan, RowGather
+from gpulens.distributed.rows import (
+    PASS_S,
+    RING,
+    GatherPlan,
+    RowGather,
+    attach_ring,
+    create_ring,
+)
 from gpulens.distributed.start import (
     START_TIMEOUT_S,
     Membership,
@@ -108,14 +114,12 @@ class JobGather:
         self.shape: JobShape | None = None
         self._shaped = False
         self._ring: NodeRing | None = None
-        self._ring_path: Path | None = None
         self._closed = False
         self.work: RowGather | None = None
         """The per-row work, where it runs in this process (a job of several nodes)."""
         if self.is_leader:
             path = ring_dir() / f"gpulens-{self.m.token}-n{self.node}"
-            self._ring = NodeRing.create(path, len(self.m.members), RING, agg.RANK_WIDTH)
-            self._ring_path = path
+            self._ring = create_ring(path, self.m)
             store.set(self.m.prefix + f"ring/{self.node}", str(path))
 
     # -- start -------------------------------------------------------------------------------
@@ -195,7 +199,7 @@ class JobGather:
         ring = self._ring
         if ring is not None:
             ring.claim(self.m.slot, self.rank, os.getpid())
-        plan = GatherPlan(self.m, str(self._ring_path or ""), self.full)
+        plan = GatherPlan(self.m, str(ring.path) if ring is not None else "", self.full)
         channel = rx = None
         # a leader pushes its summaries; rank 0 pops them (and wakes its popping thread
         # through a channel of its own)
@@ -215,12 +219,12 @@ class JobGather:
             wait = max(0.001, self._deadline - time.monotonic())
             self._store.wait([key], timedelta(seconds=wait))
             path = Path(self._store.get(key).decode())
-            ring = NodeRing.attach(path, len(self.m.members), RING, agg.RANK_WIDTH)
+            ring = attach_ring(path, self.m)
         except Exception as exc:
             logger.warning("gpulens: rank %d could not join its node's gather (%r); its rows "
                            "are not gathered", self.rank, exc)
             return
-        self._ring, self._ring_path = ring, path
+        self._ring = ring
 
     # -- rows (where this process does the per-row work) ---------------------------------------
     def local_row(self, row: Row) -> None:

@@ -60,7 +60,17 @@ class GatherPlan:
     """:func:`~gpulens.schema.full_gpus` of the job (read once, in the training process)."""
 
     def open_ring(self) -> NodeRing:
-        return NodeRing.attach(Path(self.ring), len(self.m.members), RING, agg.RANK_WIDTH)
+        return attach_ring(Path(self.ring), self.m)
+
+
+def attach_ring(path: Path, m: Membership) -> NodeRing:
+    """Open the node's file that ``m``'s leader made (``ValueError`` if it is not that)."""
+    return NodeRing.attach(path, len(m.members), RING, agg.RANK_WIDTH)
+
+
+def create_ring(path: Path, m: Membership) -> NodeRing:
+    """Make ``m``'s node's file (its leader, at the start exchange)."""
+    return NodeRing.create(path, len(m.members), RING, agg.RANK_WIDTH)
 
 
 class RowGather:
@@ -73,13 +83,14 @@ class RowGather:
         submit: where finished rows go (the engine's finishing).
         gpu: this rank's GPU number (its entries say it).
         shape: the job's shape as this rank knows it (the WARNINGs name nodes and GPUs).
-        ring: the node's file, opened already (default: opened from ``plan``).
+        ring: the node's file, opened (:meth:`GatherPlan.open_ring`); ``None`` where this
+            rank could not open it (said where that failed): its rows are not gathered.
         channel: a leader's push of its summaries to rank 0 (several nodes).
         rx_channel: rank 0's own connection for popping them (several nodes).
     """
 
     def __init__(self, plan: GatherPlan, submit: Callable[[Row], None], *, gpu: int,
-                 shape: JobShape | None = None, ring: NodeRing | None = None,
+                 ring: NodeRing | None, shape: JobShape | None = None,
                  channel: UpChannel | None = None, rx_channel: UpChannel | None = None
                  ) -> None:
         self.m = m = plan.m
@@ -92,7 +103,7 @@ class RowGather:
         self.shape = shape
         self.gpu = gpu
         self._submit = submit
-        self._ring: NodeRing | None = ring if ring is not None else plan.open_ring()
+        self._ring = ring
         self._lock = threading.Lock()
         self._written = 0
         self._closed = False

@@ -214,7 +214,7 @@ class Engine:
         assert plan is not None
         try:
             return RowGather(plan, self.finish, gpu=infos[0].index if infos else plan.m.rank,
-                             shape=context.job).start()
+                             ring=plan.open_ring(), shape=context.job).start()
         except Exception as exc:
             logger.warning("gpulens: rank %d's engine could not join its node's gather (%r); "
                            "its rows are not gathered", plan.m.rank, exc)
