@@ -141,6 +141,20 @@ class Estimate:
                 "rounds": self.n}
 
 
+def variants_minus(values: Mapping[str, Mapping[int, float]], name: str
+                   ) -> dict[str, dict[int, float]]:
+    """Per variant arm of path ``name`` (``<name>_<variant>_gpulens``, ``paths_aa.py
+    --variants``): per round, the default gpulens arm's difference to the baseline minus the
+    variant's (pp; positive: the variant's setting takes that much away), paired."""
+    base, main = values.get(name), values.get(f"{name}_gpulens")
+    if not base or not main:
+        return {}
+    ours = per_round_pp(main, base)
+    return {arm: minus(ours, per_round_pp(per, base)) for arm, per in values.items()
+            if arm.startswith(f"{name}_") and arm.endswith("_gpulens")
+            and arm != f"{name}_gpulens"}
+
+
 def verdict(est: Estimate, envelope: Estimate | None, than: str) -> str:
     """"higher than X" / "lower than X" where the interval excludes 0 and lies wholly outside
     the A/A envelope's interval; otherwise "not separable"."""

@@ -469,15 +469,8 @@ def variants_vs_gpulens(run: PathRun, seed: int = 0) -> dict[str, dict[str, Any]
     cheaper), and each rank's gap and busy part, gpulens's minus the variant's (ms): what the
     variant's setting takes away, paired."""
     main = f"{run.name}_gpulens"
-    base = run.values.get(run.name, {})
     out: dict[str, dict[str, Any]] = {}
-    if not run.values.get(main):
-        return out
-    g = paired.per_round_pp(run.values[main], base)
-    for arm in run.arms:
-        if arm == main or not arm.endswith("_gpulens"):
-            continue
-        total = paired.minus(g, paired.per_round_pp(run.values[arm], base))
+    for arm, total in paired.variants_minus(run.values, run.name).items():
         if len(total) < 2:
             continue
         parts: list[dict[str, Any]] = []

@@ -71,23 +71,6 @@ def aa_sd(values: dict[str, dict[int, float]], name: str) -> float:
     return max(sds) if sds else math.nan
 
 
-def variants_vs_gpulens(values: dict[str, dict[int, float]], name: str, seed: int = 0
-                        ) -> dict[str, paired.Estimate]:
-    """The default gpulens arm minus each variant arm (``<name>_<variant>_gpulens``), paired
-    per round, in pp of that round's baseline step: what the variant's setting takes away."""
-    base, main_arm = values.get(name), values.get(f"{name}_gpulens")
-    if base is None or main_arm is None:
-        return {}
-    ours = paired.per_round_pp(main_arm, base)
-    out = {}
-    for arm, per in values.items():
-        if arm.startswith(f"{name}_") and arm.endswith("_gpulens") and arm != f"{name}_gpulens":
-            theirs = paired.per_round_pp(per, base)
-            out[arm] = paired.Estimate.of({r: ours[r] - theirs[r] for r in ours if r in theirs},
-                                          seed)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="paths_aa.json files")
@@ -136,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         "gpulens": g.as_dict() if g else None})
     lines += ["", plan.line().replace("fixed by the command (no pilot)", "pooled"), "",
               paired.table(comps, args.bound_pp), "", *paired.bias_notes(comps)]
-    variants = variants_vs_gpulens(values, args.path, args.seed)
+    variants = {arm: paired.Estimate.of(d, args.seed)
+                for arm, d in paired.variants_minus(values, args.path).items()}
     if variants:
         lines += ["", "gpulens minus each variant, paired per round (pp of the baseline's "
                   "step; positive: the variant's setting takes that much away)", "",
