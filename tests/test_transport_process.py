@@ -673,3 +673,31 @@ def test_rows_of_a_loop_that_stopped_logging_still_come(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert [r.step for r in sink.rows] == [1], "the row never came without another log()"
         assert handed == [(1, "gpulens-link")]
+
+
+def test_an_engine_that_cannot_join_its_nodes_gather_says_so_and_runs_on(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The default path of a one-node job: the engine process joins the gather itself. One
+    that cannot open the node's file says so in a WARNING that reaches the training process,
+    starts all the same and stops cleanly; its rows are not gathered (and not written as if
+    they were the job's)."""
+    from dataclasses import replace
+
+    from gpulens.distributed.rows import GatherPlan
+    from gpulens.distributed.start import Membership
+
+    m = Membership(prefix="p/", token="t", rank=1, world=2, node=0, node_name="h",
+                   members=(0, 1), node_keys=("h",), local_rank=1, launcher="test", arrived=2)
+    spec = replace(_spec(), gather_plan=GatherPlan(m, str(tmp_path / "no-such-ring"), 8),
+                   rank=(1, 1, 2), rows_back=True)
+    rows: list[Any] = []
+    proc = ProcessTransport()
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        proc.start(spec, on_row=lambda row, final: rows.append(row))
+        for step in (1, 2):
+            proc.send_mark((step, time.monotonic(), time.time(), {}, None))
+        proc.stop(5.0, 5.0)  # the marks' windows close at the engine's stop: their rows come
+        proc.take_rows()
+    said = [r.getMessage() for r in caplog.records if "could not join" in r.getMessage()]
+    assert len(said) == 1 and "rank 1's engine" in said[0], caplog.text
+    assert rows == []
