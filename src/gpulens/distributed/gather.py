@@ -115,6 +115,8 @@ class JobGather:
         self._shaped = False
         self._ring: NodeRing | None = None
         self._closed = False
+        self._late = 0
+        """Rows that came with no per-row work here to take them (counted in late_rows)."""
         self.work: RowGather | None = None
         """The per-row work, where it runs in this process (a job of several nodes)."""
         if self.is_leader:
@@ -236,8 +238,6 @@ class JobGather:
             work.local_row(row)
         else:
             self._late += 1
-
-    _late = 0
 
     @property
     def late_rows(self) -> int:
