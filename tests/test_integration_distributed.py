@@ -41,7 +41,7 @@ import pytest
 from tests.support import slow_rank_ddp
 from tests.support.jsonl import read_lines, read_rows
 from tests.support.shared_run import shared_run
-from tests.support.torchrun import kill_all_jobs, run_torchrun
+from tests.support.torchrun import TorchrunResult, kill_all_jobs, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -345,17 +345,23 @@ with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
 """
 
 
+def _run_script(tmp_path: Path, text: str, timeout: float) -> TorchrunResult:
+    """``text`` as a script under ``torchrun`` (2 ranks, simulated GPUs, this tree's gpulens),
+    given ``tmp_path/rows.jsonl`` as its argument."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(ROOT / "src"))
+    return run_torchrun([str(script), str(tmp_path / "rows.jsonl")], cwd=tmp_path, env=env,
+                        timeout=timeout)
+
+
 def test_a_rank_that_raises_ends_the_job_and_gpulens_does_not_hold_it(tmp_path: Path) -> None:
     """An exception leaves rank 1's ``with Monitor``: its stop() must not wait in gpulens's
     gather for rank 0 (stuck in DDP's all-reduce, and torchrun then ends it); the job ends in
     seconds, not at gloo's 30-minute time-out."""
-    script = tmp_path / "raising.py"
-    script.write_text(RAISING_RANK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
-    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT / "src"))
-    done = run_torchrun([str(script), str(tmp_path / "rows.jsonl")], cwd=tmp_path, env=env,
-                        timeout=90.0)
+    done = _run_script(tmp_path, RAISING_RANK, timeout=90.0)
     assert not done.timed_out, done.stderr[-4000:]
     assert done.returncode != 0 and "rank 1 fails at step 5" in done.stderr
     assert not done.leftovers
@@ -382,13 +388,7 @@ def test_a_rank_that_dies_in_a_one_node_job_is_told_by_rank_0s_engine(tmp_path: 
     Rank 0's engine process says so in one WARNING that reaches rank 0's output, the rows go
     on to step 12 without it, marked partial, and no process of gpulens outlives the job
     (rank 1's engine ends when its training process is gone)."""
-    script = tmp_path / "dying.py"
-    script.write_text(ONE_NODE_DYING)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
-    env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT / "src"))
-    done = run_torchrun([str(script), str(tmp_path / "rows.jsonl")], cwd=tmp_path, env=env,
-                        timeout=120.0)
+    done = _run_script(tmp_path, ONE_NODE_DYING, timeout=120.0)
     assert not done.timed_out and done.returncode == 0, done.stderr[-4000:]
     assert not done.leftovers, done.leftovers
     rows = jsonl(tmp_path / "rows.jsonl")
