@@ -424,6 +424,20 @@ def test_callback_cost_quick_splits_the_callbacks_cpu_by_hook(tmp_path: Path) ->
         assert f"### {group}" in out
 
 
+def test_step_work_ab_switches_the_callbacks_work_per_segment_in_one_run(
+        tmp_path: Path) -> None:
+    out = run_inprocess("step_work_ab.py", tmp_path, "--rounds", "3", "--segment", "4",
+                        "--log-every", "2", "--warmup", "4", "--json",
+                        str(tmp_path / "s.json"), preload=FRAMEWORKS)
+    res = json.loads((tmp_path / "s.json").read_text())["result"]
+    assert res["rounds"] == 3
+    assert res["on_minus_off"]["rounds"] == res["off_b_minus_off"]["rounds"] == 3
+    host = res["host_us_per_on_step"]
+    # only the on segments ran gpulens's hooks: every one was timed, the forward's too
+    assert host["on_log"] > 0 and host["observe"] > 0 and host["_busy_device"] > 0
+    assert "| `on` (every hook) |" in out and "| `off_b` (A/A) |" in out
+
+
 # --- the statistics of the A/A method -----------------------------------------------------------
 
 

@@ -330,6 +330,63 @@ def test_a_held_row_is_written_when_the_session_is_dropped(no_gc: None) -> None:
     assert [r.step for r in sink.rows] == [1] and sink.rows[0].values["train/loss"] == 2.0
 
 
+def test_a_session_dropped_while_its_model_lives_on_is_stopped_and_unhooked(
+        no_gc: None) -> None:
+    """The forward hook on the model holds the session weakly: a notebook that keeps its model
+    and drops the callback (and with it the session) still gets the held row written, the
+    monitor stopped and the hook removed, by reference counting alone."""
+    sink = MemorySink()
+    model = torch.nn.Linear(2, 2)
+    mon = monitor(sink)
+    session: TrainingSession | None = TrainingSession(mon, start_step=0, steps_done=0,
+                                                      model=model).start()
+    assert session is not None and len(model._forward_hooks) == 1
+    session.row(1, 1, {"loss": 2.0}, later=True)
+    ref = weakref.ref(session)
+    session = None
+    assert ref() is None
+    assert [r.step for r in sink.rows] == [1] and not model._forward_hooks
+    assert mon._stopped
+    model(torch.ones(1, 2))  # the model trains on, hook-free
+
+
+def test_a_held_row_is_written_after_the_next_training_forward_not_at_a_mark() -> None:
+    """With a model the session writes a held row (and settles the kept masks) after the next
+    training forward, where its kernels are queued; the marks after it find nothing to do.
+    An evaluation forward writes nothing. The hook is removed at stop."""
+    from gpulens.work.hf import TokenCounter
+
+    sink = MemorySink()
+    model = torch.nn.Linear(2, 2)
+    counter = TokenCounter(None)
+    mon = monitor(sink)
+    written: list[int] = []
+    real = mon.log_at
+
+    def log_at(at: Any, step: int, **values: Any) -> None:
+        written.append(step)
+        real(at, step, **values)
+
+    mon.log_at = log_at  # type: ignore[method-assign]
+    session = TrainingSession(mon, start_step=0, steps_done=0, work=counter,
+                              model=model).start()
+    session.row(1, 1, {"loss": 1.0}, later=True)
+    model.eval()
+    model(torch.ones(1, 2))
+    assert written == []
+    model.train()
+    counter.observe({"input_ids": torch.ones((1, 4), dtype=torch.long),
+                     "attention_mask": torch.tensor([[1, 1, 1, 0]])})
+    model(torch.ones(1, 2))
+    assert written == [1] and counter._raw == [] and len(counter._lengths) == 1  # settled
+    session.before_optimizer()
+    session.step_end()
+    assert written == [1]
+    session.stop()
+    assert not model._forward_hooks
+    assert [r.step for r in sink.rows] == [1]
+
+
 def test_a_row_that_cannot_be_written_later_is_said_and_counted(
         caplog: pytest.LogCaptureFixture) -> None:
     mon = monitor(MemorySink())

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 import gpulens  # noqa: E402
 from gpulens.integrations.session import TrainingSession  # noqa: E402
 from gpulens.integrations.transformers import GPUMonitorCallback  # noqa: E402
+from gpulens.work.hf import TokenCounter  # noqa: E402
 
 GPU_KEY = "gpu/0/util_pct"
 MLFLOW_GPU_KEY = "gpu_util_pct_mean"  # the tracker view's key beside HF's bare "loss"
@@ -164,14 +165,16 @@ def test_gpm_false_leaves_the_gpm_activity_out_of_the_rows(tmp_path: Path, gpm: 
         assert ("gpu/0/tensor_active_pct" in row) is gpm
 
 
-def test_on_log_writes_nothing_the_next_optimizer_step_writes_the_row(tmp_path: Path) -> None:
-    """HF calls ``on_log`` right after ``loss.item()`` synchronised the device: the callback
-    writes its row at the next step's ``on_pre_optimizer_step`` (the device then busy), the
-    last at the end of training; every log still has its row, at its step."""
+def test_on_log_writes_nothing_the_next_forward_writes_the_row(tmp_path: Path) -> None:
+    """HF calls ``on_log`` right after ``loss.item()`` synchronised the device, and every
+    step's hooks after its ``isnan(loss)`` sync: the callback writes its row after the next
+    step's forward (its kernels queued, the device busy), never in a step hook, the last at
+    the end of training; every log still has its row, at its step."""
     sink = tmp_path / "gpu.jsonl"
     callback = GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)
     where: list[str] = []
     current = ["-"]
+    settled: list[str] = []
 
     def hooked(name: str) -> None:
         real = getattr(callback, name)
@@ -184,20 +187,47 @@ def test_on_log_writes_nothing_the_next_optimizer_step_writes_the_row(tmp_path: 
                 current[0] = "-"
         setattr(callback, name, hook)
 
-    for name in ("on_log", "on_pre_optimizer_step", "on_step_end", "on_train_end"):
+    for name in ("on_log", "on_step_begin", "on_pre_optimizer_step", "on_step_end",
+                 "on_train_end"):
         hooked(name)
     real_log_at = gpulens.Monitor.log_at
+    real_settle = TokenCounter.settle
 
     def log_at(self: gpulens.Monitor, *args: Any, **kw: Any) -> None:
         where.append(current[0])
         real_log_at(self, *args, **kw)
 
-    trainer = make_trainer(tmp_path, callback, max_steps=12, logging_steps=4)
+    def settle(self: TokenCounter) -> None:
+        if self._raw:  # masks to turn into counts: where is that launched?
+            settled.append(current[0])
+        real_settle(self)
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=16,
+                                     vocab_size=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+
+    class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            mask = torch.tensor([1] * 11 + [0] * 5)
+            ids = torch.arange(16) % 64
+            return {"input_ids": ids, "attention_mask": mask,
+                    "labels": ids.masked_fill(mask == 0, -100)}
+
+    trainer = make_trainer(tmp_path, callback, max_steps=12, logging_steps=4, model=model,
+                           dataset=Rows())
+    model.register_forward_pre_hook(lambda *_: current.__setitem__(0, "forward"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpulens.Monitor, "log_at", log_at)
+        mp.setattr(TokenCounter, "settle", settle)
         trainer.train()
-    assert where == ["on_pre_optimizer_step", "on_pre_optimizer_step", "on_train_end"]
+    assert where == ["forward", "forward", "on_train_end"]
+    assert settled == ["forward"] * 12  # each step's mask, after its forward
     assert [r["step"] for r in read_jsonl(sink)] == loss_steps(trainer) == [4, 8, 12]
+    assert not model._forward_hooks  # the hook goes with the run
 
 
 def test_a_row_held_at_a_log_is_written_when_an_evaluation_starts(tmp_path: Path) -> None:

@@ -31,9 +31,12 @@ What it guarantees:
   idle: on an H200 the phase figures and token counts written there cost +0.39 pp of a 98 ms
   step, and the row alone +0.07 (``benchmarks/results/2026-11-27-h200-session-parts``). So
   ``row(..., later=True)`` only notes where the window ends (a clock read, two counters) and
-  writes the row at the next ``before_optimizer`` or ``step_end`` mark, while the device is
-  busy with the backward pass, with the window still ending at the log. The marks also turn
-  the step's kept masks into token counts there (``WorkSource.settle``).
+  writes the row later, with the window still ending at the log: at the end of the next
+  training forward of the session's ``model`` (its kernels queued: the device is busy), or
+  without a model at the next ``before_optimizer`` / ``step_end`` mark. The step's kept masks
+  are turned into token counts at the same points (``WorkSource.settle``). Hugging Face also
+  synchronises after every backward (``isnan(loss)``), so its marks come while the device
+  waits: there only a CUDA event is recorded.
 * **One stop.** :meth:`stop` is idempotent; it stops the monitor and lets go of the work
   counter (the forward hook it put on the model). ``collective=False`` is for exception paths:
   this rank's last windows are not gathered, since the other ranks may be stuck in training's
@@ -127,8 +130,10 @@ def _write(monitor: Monitor, held: _Held, phases: StepPhases | None) -> None:
     monitor.log_at(held.at, held.step, **values)
 
 
-def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held]) -> None:
+def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held], hook: Any) -> None:
     """The finalizer: the session was dropped without a stop."""
+    if hook is not None:
+        hook.remove()
     try:
         if box:
             try:
@@ -150,13 +155,21 @@ class TrainingSession:
         steps_done: optimizer steps done when training starts (a resumed run's restored count).
         phases: times the phases of each step (``None``: no ``perf/*`` phase keys).
         work: counts each window's work (``None``: none counted).
+        model: the model the training loop runs (a ``torch.nn.Module``): the end of each of
+            its training forwards is where the device is busy for certain (its kernels are
+            queued), so the session does its launches and writes there (:meth:`_busy_device`,
+            from a forward hook that holds the session weakly); ``None``: at the marks only.
     """
 
     def __init__(self, monitor: Monitor, *, start_step: int, steps_done: int,
-                 phases: StepPhases | None = None, work: WorkSource | None = None) -> None:
+                 phases: StepPhases | None = None, work: WorkSource | None = None,
+                 model: Any = None) -> None:
         self.monitor = monitor
         self.phases = phases
         self.work = work
+        self._model = model
+        self._hook: Any = None
+        """The forward hook on ``model`` (a ``RemovableHandle``) while the session runs."""
         self.steps_done = int(steps_done)
         """Optimizer steps done at the previous row (or at the start)."""
         self._start_step = int(start_step)
@@ -178,7 +191,10 @@ class TrainingSession:
             if self.work is not None:
                 self.work.close()
             raise
-        self._finalizer = weakref.finalize(self, _finish, self.monitor, self.work, self._held)
+        if self._model is not None:
+            self._hook = _after_forwards(self._model, self)
+        self._finalizer = weakref.finalize(self, _finish, self.monitor, self.work, self._held,
+                                           self._hook)
         if self.phases is not None:
             self.phases.resume()
         return self
@@ -189,6 +205,9 @@ class TrainingSession:
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is None or not finalizer.detach():
             return
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
         try:
             self._write_held()
             self.monitor.stop(collective=collective)
@@ -219,8 +238,10 @@ class TrainingSession:
             self.work.settle()
 
     def _busy_device(self) -> None:
-        """A mark made while the device is busy with the step: the work launched here hides
-        behind it (the step's masks into counts, a held row written)."""
+        """A point where the device is busy with the step: the work launched here hides
+        behind it (the step's masks into counts, a held row written). The end of each
+        training forward of the session's ``model``; the marks too, where nothing is left
+        to do once a forward came (a model given) but that does all of it without one."""
         if self.work is not None:
             self.work.settle()
         if self._held:
@@ -274,6 +295,29 @@ class TrainingSession:
             self.dropped_rows += 1
             warn_once("session:held", "gpulens: a row could not be written (%r); rows that "
                       "fail so are counted in TrainingSession.dropped_rows", exc)
+
+
+def _after_forwards(model: Any, session: TrainingSession) -> Any:
+    """A forward hook on ``model`` that calls ``session._busy_device()`` after each training
+    forward was launched (the session held weakly: a model kept by the user never keeps a
+    dropped session, its monitor and its finalizer alive). Hugging Face's ``Trainer``
+    synchronises the device after every backward (``logging_nan_inf_filter``'s
+    ``isnan(loss)``), so from there to the next forward its queue is empty and every
+    microsecond of host work at ``on_pre_optimizer_step``, ``on_step_end`` and
+    ``on_step_begin`` is a microsecond the device waits; at the end of a forward the host is
+    ahead of the device by the forward's own run time."""
+    ref = weakref.ref(session)
+
+    def after_forward(module: Any, args: Any, output: Any) -> None:
+        live = ref()
+        if live is not None and module.training:
+            try:
+                live._busy_device()
+            except Exception as exc:  # never into training
+                warn_once("session:forward", "gpulens: %r after a forward; its counts and "
+                          "rows are written at the step's marks instead", exc)
+
+    return model.register_forward_hook(after_forward)
 
 
 class SessionCallback:

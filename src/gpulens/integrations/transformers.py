@@ -25,11 +25,13 @@ What it does, hook by hook:
   ``logging_steps`` optimizer steps since its previous log, and the GPU window spans the same
   steps. Hugging Face calls ``on_log`` just after ``loss.item()`` synchronised the device, so
   anything launched there leaves the GPU idle: the window ends at ``on_log``, but the row is
-  written at the next step's ``on_pre_optimizer_step`` (or ``on_step_end``; at an evaluation's
-  first batch; after a save; at ``on_train_end``), while the device is busy with the backward pass
-  (``TrainingSession.row(..., later=True)``; on an H200 this took the callback's cost on a
-  step that syncs every step from +0.40 pp to +0.08 pp, not separable from zero:
-  ``benchmarks/results/2026-11-27-h200-session-parts-later``). ``global_step`` counts
+  written at the end of the next training forward (a forward hook on the model, where the
+  forward's kernels are queued and the device is busy; at an evaluation's first batch; after a
+  save; at ``on_train_end``) (``TrainingSession.row(..., later=True)``). Hugging Face also
+  synchronises after every backward (``logging_nan_inf_filter`` reads ``isnan(loss)``), so from
+  there to the next forward the device waits for the host: the step hooks
+  (``on_pre_optimizer_step``, ``on_step_end``, ``on_step_begin``) record a CUDA event each and
+  nothing else; the attention masks are summed after the forward too. ``global_step`` counts
   optimizer steps, so under gradient accumulation a step is ``gradient_accumulation_steps``
   micro-batches. Evaluation logs (``eval_*``) make no row: their
   time falls into the next training window.
@@ -136,7 +138,7 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
             ``perf/tokens_per_j``; the dtype comes from ``TrainingArguments`` (``bf16``,
             ``fp16``, ``tf32``) and the model.  See :mod:`gpulens.work`.  The forward hook
             only keeps the mask; its row sums (one device operation per micro-batch) are
-            launched at the optimizer mark, the sums and the FLOPs computed off the thread.
+            launched after the forward, the sums and the FLOPs computed off the thread.
         tracker_keys: what the W&B and MLflow runs of ``report_to`` get: ``"default"`` (a
             handful of job-level GPU figures beside HF's loss: :mod:`gpulens.sinks.layout`) or
             ``"all"``; ``None``: ``GPULENS_TRACKER_KEYS``, else ``"default"``.
@@ -169,8 +171,8 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop(collective=False)  # a previous train() that raised left it running
         rank0 = bool(state.is_world_process_zero)
-        model = kwargs.get("model") if self.count_work else None
-        dtype, counter = _work_of(args, model)
+        model = kwargs.get("model")
+        dtype, counter = _work_of(args, model) if self.count_work else (None, None)
         monitor = monitor_for_run(self.settings, self._sinks_for(args) if rank0 else [], dtype)
         check_sinks(monitor.sinks)  # a one-line error before any run or file is made
         if rank0 and self._follows(args, "mlflow"):
@@ -181,7 +183,7 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         work: WorkSource | None = counter.attach(model) if counter is not None else None
         self.session = TrainingSession(monitor, start_step=step, steps_done=step,
                                        phases=self._phases(getattr(args, "device", None)),
-                                       work=work).start()
+                                       work=work, model=_module(model)).start()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self.session
@@ -254,7 +256,7 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         scalars = {k: float(v) for k, v in logs.items() if _is_number(v)}
         if "loss" in logs:
             # HF has just read the loss (a device sync): the row is written at the next
-            # step's optimizer mark, while the device is busy (TrainingSession.row)
+            # step's forward, while the device is busy (TrainingSession.row)
             session.row(step, step, scalars, later=True)
             self._tail = None
         elif session.steps_since_row(step) > 0 and not any(k.startswith("eval_") for k in logs):
@@ -319,6 +321,11 @@ def _work_of(args: Any, model: Any) -> tuple[str | None, Any]:
         log.warning("gpulens: cannot count this model's tokens and FLOPs (%r); no "
                     "throughput or MFU", exc)
         return None, None
+
+
+def _module(model: Any) -> Any:
+    """``model`` when it takes forward hooks (a ``torch.nn.Module``), else ``None``."""
+    return model if callable(getattr(model, "register_forward_hook", None)) else None
 
 
 def _is_number(value: Any) -> bool:

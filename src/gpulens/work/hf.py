@@ -173,14 +173,15 @@ class TokenCounter:
     **Cost on the training thread.** The forward pre-hook launches nothing: it keeps the
     micro-batch's mask (or ``cu_seq_lens_q``; packed ``position_ids``; shapes alone cost none).
     :meth:`settle` turns the kept masks into sequence lengths (one device operation each, never
-    a synchronisation); the integrations call it where the host runs ahead of the device (at
-    each micro-batch's end, before the optimizer step, at the step's end), since work launched
-    just after a synchronisation (the step's first forward, after a log's ``loss.item()``) is
-    time the device sits idle: on
+    a synchronisation); the integrations call it where the host runs ahead of the device (the
+    Hugging Face callback: at the end of each training forward, whose kernels are queued),
+    since work launched just after a synchronisation (the step's first forward, after a log's
+    ``loss.item()``; after Hugging Face's ``isnan(loss)`` of every backward) is time the
+    device sits idle: on
     an H200 the row sums made in the hook cost +0.25 pp of a 98 ms step
     (``benchmarks/results/2026-11-27-h200-session-parts``). A mask is kept (a reference, no
     copy) no longer than the step that uses it; one a data pipeline rewrites in place before
-    the optimizer mark is counted as rewritten. The rest (sums, the FLOPs
+    it is settled is counted as rewritten. The rest (sums, the FLOPs
     formula) waits for the take: :meth:`take` runs it on the device (a few operations per take,
     the results left there); :meth:`take_deferred` starts the lengths' one copy to the host
     (a ``cat``, the copy and an event: three launches, no wait) and hands the sums to whoever

@@ -1,0 +1,271 @@
+"""What the Hugging Face callback's own work costs a step, with its monitor running throughout:
+short stretches of steps with and without that work, alternated within ONE training run
+(issue 18).
+
+``paths_aa.py`` compares whole arms (gpulens started and stopped with each block of ~25 steps)
+and needs 50-200 rounds of ~3 s blocks to resolve +-0.3 pp, because a block's mean moves by about
+1 pp from block to block. This script asks a narrower question at a finer grain: the monitor
+(its engine process, its NVML reads) runs for the whole ``train()``; only what the callback does
+on the training thread is switched, per *segment* of ``--segment`` optimizer steps:
+
+``on``     every hook of ``GPUMonitorCallback`` (the phase marks: a CUDA event each; the token
+           counter's forward pre-hook; its after-forward hook, where the attention masks are
+           summed and a held row is written; ``on_log``'s row), as in a user's run;
+``off``    none of it: the hooks return at once (HF still calls them), no row is written;
+``off_b``  the same again: the A/A segment.
+
+A round is the three segments in a seeded shuffled order. A segment's value is the mean GPU
+time of its steps (CUDA events recorded at each ``on_step_end``, as ``paths.py``'s ``Clock``),
+its first ``--skip`` steps left out (a row held at the previous segment's last log is written in
+the next ``on`` segment's first step; the switch itself). Per round: ``on`` minus ``off`` and
+``off_b`` minus ``off`` in percentage points of ``off``; their means with 95 % bootstrap
+intervals (``paired.py``). The A/A line is the design's own noise.
+
+Also printed, from the ``on`` segments: the host time spent inside each gpulens hook per step
+(``perf_counter`` around each; the forward hooks included), so a cost on the GPU's timeline can
+be set beside the host time that causes it.
+
+    python benchmarks/step_work_ab.py --log-every 1 --budget-s 150 --json out.json  # one GPU
+    python benchmarks/step_work_ab.py --quick --rounds 3                            # CPU smoke
+
+Compare two trees by running the script against each tree's ``src`` (``PYTHONPATH``), one after
+the other on one warm machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import overhead_gpu as og  # the model and its warm-up
+import paired
+import paths
+
+SEGMENTS = ("on", "off", "off_b")
+
+
+class Gate:
+    """Whether the current step's segment runs gpulens's hooks, and the host time they took."""
+
+    def __init__(self, segment: int, rounds: int, warmup: int, seed: int) -> None:
+        self.segment, self.warmup = segment, warmup
+        rng = random.Random(seed)
+        self.order: list[list[str]] = []
+        for _ in range(rounds):
+            kinds = list(SEGMENTS)
+            rng.shuffle(kinds)
+            self.order.append(kinds)
+        self.on = True  # the warm-up runs every hook
+        self.host_s: dict[str, float] = {}
+        self.on_steps = 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + len(self.order) * len(SEGMENTS) * self.segment
+
+    def kind_of(self, step: int) -> str | None:
+        """The segment kind of optimizer step ``step`` (1-based); ``None`` in the warm-up."""
+        k = step - self.warmup - 1
+        if k < 0:
+            return None
+        seg = k // self.segment
+        rnd, pos = divmod(seg, len(SEGMENTS))
+        return self.order[rnd][pos] if rnd < len(self.order) else None
+
+    def begin_step(self, step: int) -> None:
+        kind = self.kind_of(step)
+        self.on = kind in (None, "on")
+        if kind == "on":
+            self.on_steps += 1
+
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` run only while the gate is on, its host time added to ``name``'s."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return None
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.host_s[name] = self.host_s.get(name, 0.0) + time.perf_counter() - t0
+        return run
+
+
+@contextlib.contextmanager
+def gated_library(gate: Gate) -> Iterator[None]:
+    """The token counter's per-batch hook and the session's after-forward work, gated and timed
+    (patched on their classes for the run)."""
+    from gpulens.integrations import session as session_mod
+    from gpulens.work.hf import TokenCounter
+
+    saved = [(TokenCounter, "observe", TokenCounter.observe)]
+    if hasattr(session_mod.TrainingSession, "_busy_device"):
+        saved.append((session_mod.TrainingSession, "_busy_device",
+                      session_mod.TrainingSession._busy_device))
+    try:
+        for owner, name, fn in saved:
+            setattr(owner, name, gate.timed(name, fn))
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def make_callbacks(gate: Gate, inner: Any, clock: paths.Clock) -> list[Any]:
+    from transformers import TrainerCallback
+
+    per_step = ("on_step_begin", "on_pre_optimizer_step", "on_substep_end", "on_step_end",
+                "on_log", "on_epoch_begin", "on_prediction_step", "on_evaluate", "on_save")
+    for name in per_step:
+        setattr(inner, name, gate.timed(name, getattr(inner, name)))
+
+    class Switch(TrainerCallback):  # type: ignore[misc]
+        """First in the list: decides each step's segment before gpulens's hooks run."""
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            gate.begin_step(int(state.global_step) + 1)
+
+    class Stamp(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *args: Any, **kw: Any) -> None:
+            clock.stamp()
+
+    return [Switch(), inner, Stamp()]
+
+
+def train(s: og.Setup, hf: paths.HfPath, gate: Gate, clock: paths.Clock, out: Path) -> None:
+    import copy
+
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    from gpulens.integrations.transformers import GPUMonitorCallback
+
+    cuda = s.device.type == "cuda"
+    targs = TrainingArguments(
+        output_dir=str(out), max_steps=gate.total_steps, per_device_train_batch_size=s.batch_size,
+        logging_steps=hf.log_every, report_to=[], save_strategy="no", eval_strategy="no",
+        optim="adamw_torch_fused" if cuda else "adamw_torch", learning_rate=1e-4,
+        lr_scheduler_type="constant", warmup_steps=0, dataloader_num_workers=0,
+        dataloader_pin_memory=cuda, disable_tqdm=True, use_cpu=not cuda, seed=0, bf16=False)
+    model = copy.deepcopy(s.model)
+    model.register_forward_pre_hook(lambda *_: clock.forward_begins())
+    inner = GPUMonitorCallback(interval=hf.interval)
+    trainer = Trainer(model=model, args=targs, train_dataset=hf.dataset(gate.total_steps),
+                      callbacks=make_callbacks(gate, inner, clock))
+    trainer.remove_callback(PrinterCallback)  # a line a log on stdout: not the report
+    with gated_library(gate):
+        trainer.train()
+
+
+def analyse(gate: Gate, clock: paths.Clock, skip: int) -> dict[str, Any]:
+    times, _ = clock.steps(1)  # times[i]: step i + 2 (stamp i + 1 minus stamp i)
+    by_step = {i + 2: t for i, t in enumerate(times)}
+    per_round: dict[str, dict[int, float]] = {k: {} for k in SEGMENTS}
+    split: dict[str, dict[int, tuple[float, float]]] = {k: {} for k in SEGMENTS}
+    for rnd, kinds in enumerate(gate.order):
+        for pos, kind in enumerate(kinds):
+            first = gate.warmup + (rnd * len(SEGMENTS) + pos) * gate.segment + 1
+            steps = range(first + skip, first + gate.segment)
+            vals = [by_step[k] for k in steps if k in by_step]
+            parts = [p for p in (clock.split(k - 2) for k in steps) if p is not None]
+            if vals:
+                per_round[kind][rnd] = statistics.fmean(vals)
+            if parts:
+                split[kind][rnd] = (statistics.fmean(p[0] for p in parts),
+                                    statistics.fmean(p[1] for p in parts))
+    base = per_round["off"]
+    out: dict[str, Any] = {"rounds": len(base),
+                           "step_ms": statistics.fmean(base.values()) * 1e3 if base else math.nan}
+    for kind in ("on", "off_b"):
+        est = paired.Estimate.of(paired.per_round_pp(per_round[kind], base))
+        out[f"{kind}_minus_off"] = est.as_dict()
+        for j, part in enumerate(("gap", "busy")):
+            diffs = {r: (split[kind][r][j] - split["off"][r][j]) * 1e3
+                     for r in split[kind] if r in split["off"]}
+            m, lo, hi = paired.mean_ci(list(diffs.values()))
+            out[f"{kind}_minus_off_{part}_ms"] = {"mean": m, "ci95": [lo, hi]}
+    steps = max(1, gate.on_steps)
+    out["host_us_per_on_step"] = {k: v / steps * 1e6 for k, v in sorted(gate.host_s.items())}
+    out["per_round_s"] = {k: {str(r): v for r, v in d.items()} for k, d in per_round.items()}
+    return out
+
+
+def report(res: dict[str, Any], meta: dict[str, Any]) -> str:
+    def line(name: str, key: str) -> str:
+        e = res[key]
+        lo, hi = e["ci95_pp"]
+        gap, busy = res[f"{key}_gap_ms"], res[f"{key}_busy_ms"]
+        return (f"| {name} | {e['mean_pp']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {e['sd_pp']:.2f} | "
+                f"{gap['mean']:+.3f} [{gap['ci95'][0]:+.3f}, {gap['ci95'][1]:+.3f}] | "
+                f"{busy['mean']:+.3f} [{busy['ci95'][0]:+.3f}, {busy['ci95'][1]:+.3f}] |")
+    host = res["host_us_per_on_step"]
+    rows = "\n".join(f"| `{k}` | {v:.1f} |" for k, v in host.items())
+    return "\n".join([
+        f"# The HF callback's own work, segments of {meta['segment']} steps "
+        f"(logging every {meta['log_every']})", "",
+        f"gpulens {meta['gpulens']}; {meta['device']}; batch {meta['batch']} x {meta['seq']}; "
+        f"{res['rounds']} rounds; `off` step {res['step_ms']:.2f} ms; the first {meta['skip']} "
+        f"step(s) of each segment left out.", "",
+        "| segment minus `off` | pp of the step, 95 % | SD a round | gap (ms) | busy part (ms) |",
+        "|---|---|---|---|---|",
+        line("`on` (every hook)", "on_minus_off"),
+        line("`off_b` (A/A)", "off_b_minus_off"), "",
+        f"Host time inside gpulens per `on` step (us, total {sum(host.values()):.1f}; hooks "
+        "nest: `_busy_device` runs inside the forward and the marks):", "",
+        "| hook | us a step |", "|---|---|", rows, ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--segment", type=int, default=10, help="optimizer steps a segment")
+    p.add_argument("--skip", type=int, default=1, help="first steps of a segment left out")
+    p.add_argument("--rounds", type=int, default=None, help="default: as --budget-s allows")
+    p.add_argument("--budget-s", type=float, default=120.0)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--interval", type=float, default=0.5)
+    p.add_argument("--target-ms", type=float, default=120.0)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a tiny model on the CPU")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.segment % args.log_every:
+        p.error("--segment must be a multiple of --log-every (a log in every segment)")
+
+    import gpulens
+
+    paths.bench_options_from_env()
+    s = og.setup(args.quick, args.target_ms, args.batch, None)
+    step_s = og.time_steps(s, 3)
+    rounds = args.rounds or max(2, int(args.budget_s / (step_s * 1.1 * args.segment * 3)))
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = paths.HfPath(s, Path(tmp), args.log_every, [], args.interval)
+        gate = Gate(args.segment, rounds, args.warmup, args.seed)
+        clock = paths.Clock(s.device.type == "cuda")
+        og.log(f"{rounds} rounds of 3 segments x {args.segment} steps, ~{step_s * 1e3:.0f} ms "
+               "a step")
+        train(s, hf, gate, clock, Path(tmp) / "hf")
+    res = analyse(gate, clock, args.skip)
+    meta = {"gpulens": gpulens.__file__, "device": str(s.device), "batch": s.batch_size,
+            "seq": s.seq_len, "segment": args.segment, "skip": args.skip,
+            "log_every": args.log_every, "seed": args.seed,
+            "hardware": og.hardware(s), "versions": og.versions()}
+    print(report(res, meta))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"meta": meta, "result": res}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
