@@ -27,6 +27,7 @@ be set beside the host time that causes it.
 
     python benchmarks/step_work_ab.py --log-every 1 --budget-s 150 --json out.json  # one GPU
     python benchmarks/step_work_ab.py --quick --rounds 3                            # CPU smoke
+    torchrun --nproc-per-node 2 benchmarks/step_work_ab.py --rounds 12 --batch 19   # DDP
 
 Compare two trees by running the script against each tree's ``src`` (``PYTHONPATH``), one after
 the other on one warm machine.
@@ -213,7 +214,8 @@ def report(res: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join([
         f"# The HF callback's own work, segments of {meta['segment']} steps "
         f"(logging every {meta['log_every']})", "",
-        f"gpulens {meta['gpulens']}; {meta['device']}; batch {meta['batch']} x {meta['seq']}; "
+        f"gpulens {meta['gpulens']}; {meta['device']} (rank {meta['rank']} of "
+        f"{meta['world_size']}); batch {meta['batch']} x {meta['seq']}; "
         f"{res['rounds']} rounds; `off` step {res['step_ms']:.2f} ms; the first {meta['skip']} "
         f"step(s) of each segment left out.", "",
         "| segment minus `off` | pp of the step, 95 % | SD a round | gap (ms) | busy part (ms) |",
@@ -243,10 +245,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.segment % args.log_every:
         p.error("--segment must be a multiple of --log-every (a log in every segment)")
 
+    import os
+
     import gpulens
 
     paths.bench_options_from_env()
-    s = og.setup(args.quick, args.target_ms, args.batch, None)
+    og.quiet_libraries()
+    if args.quick:
+        os.environ["GPULENS_BACKEND"] = "simulated"
+        os.environ.setdefault("GPULENS_SIMULATED_GPUS", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank, device = 0, None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: HF's DDP, each rank its GPU
+        if args.rounds is None or args.batch is None:
+            p.error("under torchrun give --rounds and --batch (every rank runs the same)")
+        import torch
+        import torch.distributed as dist
+
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = torch.cuda.is_available() and not args.quick
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+        device = f"cuda:{local}" if cuda else "cpu"
+    s = og.setup(args.quick, args.target_ms, args.batch, None, device)
     step_s = og.time_steps(s, 3)
     rounds = args.rounds or max(2, int(args.budget_s / (step_s * 1.1 * args.segment * 3)))
     with tempfile.TemporaryDirectory() as tmp:
@@ -257,13 +278,16 @@ def main(argv: list[str] | None = None) -> int:
                "a step")
         train(s, hf, gate, clock, Path(tmp) / "hf")
     res = analyse(gate, clock, args.skip)
-    meta = {"gpulens": gpulens.__file__, "device": str(s.device), "batch": s.batch_size,
+    meta = {"gpulens": gpulens.__file__, "device": str(s.device), "rank": rank,
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")), "batch": s.batch_size,
             "seq": s.seq_len, "segment": args.segment, "skip": args.skip,
             "log_every": args.log_every, "seed": args.seed,
             "hardware": og.hardware(s), "versions": og.versions()}
     print(report(res, meta))
     if args.json is not None:
-        args.json.write_text(json.dumps({"meta": meta, "result": res}, indent=1, default=str))
+        out = args.json if rank == 0 else args.json.with_name(
+            f"{args.json.stem}.rank{rank}{args.json.suffix}")
+        out.write_text(json.dumps({"meta": meta, "result": res}, indent=1, default=str))
     return 0
 
 
