@@ -149,3 +149,49 @@ def test_device_events_are_recorded_again_once_read() -> None:
         assert out["perf/optimizer_s"] == pytest.approx(0.01)
         phases.resume()
     assert len(made) <= 8  # 200 marks
+
+
+def test_stream_lookup_builds_a_stream_only_for_a_stream_it_has_not_seen() -> None:
+    """The marks' current stream: built once per torch stream (a C call's key), again only
+    when the current stream changed, and the kept ones bounded."""
+    from gpulens.integrations.phases import stream_lookup
+
+    current = ["default"]
+    built: list[str] = []
+
+    def build() -> object:
+        built.append(current[0])
+        return ("Stream", current[0])
+
+    lookup = stream_lookup(lambda: current[0], build, keep=2)
+    assert [lookup() for _ in range(3)] == [("Stream", "default")] * 3 and built == ["default"]
+    current[0] = "side"  # inside a torch.cuda.stream(...) context
+    assert lookup() == ("Stream", "side")
+    current[0] = "default"
+    assert lookup() == ("Stream", "default") and built == ["default", "side"]
+    current[0] = "third"  # a third stream: the kept ones are dropped, not grown
+    lookup()
+    current[0] = "default"
+    lookup()
+    assert built == ["default", "side", "third", "default"]
+
+
+def test_events_of_another_kind_are_recorded_without_a_stream() -> None:
+    """An ``event_factory``'s events (another accelerator's) get ``record()``, as before: only
+    torch's own CUDA events are given the looked-up stream."""
+    recorded: list[tuple[object, ...]] = []
+
+    class Event:
+        def record(self, *args: object) -> None:
+            recorded.append(args)
+
+        def query(self) -> bool:
+            return True
+
+        def elapsed_time(self, end: Event) -> float:
+            return 1.0
+
+    phases = StepPhases(cuda=True, event_factory=Event)
+    phases.step_begin()
+    phases.step_end()
+    assert recorded == [(), ()] and phases._stream is None

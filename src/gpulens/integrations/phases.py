@@ -77,8 +77,9 @@ class StepPhases:
             and ``elapsed_time(end)`` in milliseconds, e.g. another accelerator's events.
 
     Each mark costs a ``perf_counter`` call (plus one ``cudaEventRecord`` with ``cuda=True``;
-    the events are reused once read, so none is created or destroyed per mark in steady state).
-    Not thread-safe: mark and collect from the training thread.
+    the events are reused once read, so none is created or destroyed per mark in steady state;
+    the current stream is looked up without building a ``torch.cuda.Stream`` per mark:
+    :func:`current_stream_lookup`). Not thread-safe: mark and collect from the training thread.
     """
 
     def __init__(self, cuda: bool | None = None,
@@ -86,6 +87,7 @@ class StepPhases:
         if cuda is None:
             cuda = _cuda_available()
         self.cuda = cuda
+        self._default_events = cuda and event_factory is None
         if cuda and event_factory is None:
             import torch
 
@@ -93,6 +95,10 @@ class StepPhases:
                 return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call,unused-ignore]
 
         self._new_event = event_factory
+        self._stream: Callable[[], Any] | None = None
+        """The current stream of torch's events (``None``: ``record()`` finds it itself)."""
+        if self._default_events:
+            self._stream = current_stream_lookup()
         self._pending: deque[tuple[int, str, Any]] = deque()
         """(sequence number, label, stamp) of each mark not yet read."""
         self._made = 0
@@ -127,7 +133,10 @@ class StepPhases:
     def _mark(self, label: str) -> None:
         if self._new_event is not None and self.cuda:
             event = self._free.pop() if self._free else self._new_event()
-            event.record()
+            if self._stream is not None:
+                event.record(self._stream())
+            else:
+                event.record()
             stamp: Any = event
         else:
             stamp = time.perf_counter()
@@ -195,6 +204,48 @@ class StepPhases:
         if self.cuda:
             return max(0.0, float(start.elapsed_time(end)) / 1000.0)
         return max(0.0, float(end) - float(start))
+
+
+def current_stream_lookup() -> Callable[[], Any] | None:
+    """``torch.cuda.current_stream()`` for the phase marks, cheaper: torch's builds a new
+    ``Stream`` object in Python at every call (7.6 us of an ``Event.record()``'s 11.1 on an
+    H100 host, where ``record(stream)`` took 3.5: ``benchmarks/results/2026-11-28-h100-mark-cost``),
+    and the marks are made where the device waits for the host (Hugging Face's step hooks come
+    after its per-step ``isnan(loss)`` sync). ``None`` when this torch lacks the two C calls
+    it reads or they do not give what ``torch.cuda.current_stream()`` gives (checked once,
+    here; then ``record()`` finds the stream itself)."""
+    import torch
+
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if get_device is None or get_stream is None:
+        return None
+    lookup = stream_lookup(lambda: get_stream(get_device()), torch.cuda.current_stream)
+    try:
+        same = lookup() == torch.cuda.current_stream()
+    except Exception:  # another torch's private calls: the public path, never an error
+        return None
+    return lookup if same else None
+
+
+def stream_lookup(key: Callable[[], Any], build: Callable[[], Any],
+                  keep: int = 8) -> Callable[[], Any]:
+    """A function that returns ``build()``'s object for the current ``key()``, building it
+    only for a key it has not seen (at most ``keep`` kept): the current CUDA stream as a
+    ``torch.cuda.Stream``, rebuilt only when torch's current stream (a C call's tuple) changed,
+    e.g. under a ``torch.cuda.stream(...)`` context."""
+    known: dict[Any, Any] = {}
+
+    def current() -> Any:
+        k = key()
+        found = known.get(k)
+        if found is None:
+            if len(known) >= keep:
+                known.clear()
+            found = known[k] = build()
+        return found
+
+    return current
 
 
 def _cuda_available() -> bool:
