@@ -22,8 +22,9 @@ the next ``on`` segment's first step; the switch itself). Per round: ``on`` minu
 intervals (``paired.py``). The A/A line is the design's own noise.
 
 Also printed, from the ``on`` segments: the host time spent inside each gpulens hook per step
-(``perf_counter`` around each; the forward hooks included), so a cost on the GPU's timeline can
-be set beside the host time that causes it.
+(``perf_counter`` around each; the forward hooks included), and nested in them the phase marks
+(``_mark``: a CUDA event each on a GPU), so a cost on the GPU's timeline can be set beside the
+host time that causes it.
 
     python benchmarks/step_work_ab.py --log-every 1 --budget-s 150 --json out.json  # one GPU
     python benchmarks/step_work_ab.py --quick --rounds 3                            # CPU smoke
@@ -108,9 +109,11 @@ def gated_library(gate: Gate) -> Iterator[None]:
     """The token counter's per-batch hook and the session's after-forward work, gated and timed
     (patched on their classes for the run)."""
     from gpulens.integrations import session as session_mod
+    from gpulens.integrations.phases import StepPhases
     from gpulens.work.hf import TokenCounter
 
-    saved = [(TokenCounter, "observe", TokenCounter.observe)]
+    saved = [(TokenCounter, "observe", TokenCounter.observe),
+             (StepPhases, "_mark", StepPhases._mark)]
     if hasattr(session_mod.TrainingSession, "_busy_device"):
         saved.append((session_mod.TrainingSession, "_busy_device",
                       session_mod.TrainingSession._busy_device))
