@@ -5,6 +5,7 @@ loop-fed integrations; and the callbacks' work and logged metrics on their cheap
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -382,9 +383,16 @@ def test_a_held_row_is_written_after_the_next_training_forward_not_at_a_mark() -
     session.before_optimizer()
     session.step_end()
     assert written == [1]
+    session.row(2, 2, {"loss": 0.5}, later=True)
+    replica = threading.Thread(target=model, args=(torch.ones(1, 2),))  # nn.DataParallel's
+    replica.start()
+    replica.join()
+    assert written == [1]  # not from another thread: the session is not thread-safe
+    session.step_end()
+    assert written == [1, 2]  # the mark wrote it
     session.stop()
     assert not model._forward_hooks
-    assert [r.step for r in sink.rows] == [1]
+    assert [r.step for r in sink.rows] == [1, 2]
 
 
 def test_a_row_that_cannot_be_written_later_is_said_and_counted(

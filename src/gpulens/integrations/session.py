@@ -57,6 +57,7 @@ at the loop's own steps (Accelerate's tracker, verl's logger).
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -305,12 +306,18 @@ def _after_forwards(model: Any, session: TrainingSession) -> Any:
     ``isnan(loss)``), so from there to the next forward its queue is empty and every
     microsecond of host work at ``on_pre_optimizer_step``, ``on_step_end`` and
     ``on_step_begin`` is a microsecond the device waits; at the end of a forward the host is
-    ahead of the device by the forward's own run time."""
+    ahead of the device by the forward's own run time.
+
+    Only forwards on the thread that started the session count: ``nn.DataParallel`` (what
+    Hugging Face wraps a model in on several GPUs without a launcher) runs its replicas'
+    forwards, hooks included, on threads of its own at once; the session is not thread-safe,
+    so there the marks do the work."""
     ref = weakref.ref(session)
+    owner = threading.get_ident()
 
     def after_forward(module: Any, args: Any, output: Any) -> None:
         live = ref()
-        if live is not None and module.training:
+        if live is not None and module.training and threading.get_ident() == owner:
             try:
                 live._busy_device()
             except Exception as exc:  # never into training
