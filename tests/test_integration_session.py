@@ -428,3 +428,28 @@ def test_micro_batches_are_settled_as_they_end_so_masks_do_not_pile_up() -> None
     assert kept == [1, 1, 1, 1] and counter._raw == []
     assert counter.take_deferred()["tokens"].item() == 2 + 5 + 7 + 9
     session.stop()
+
+
+def test_a_model_that_takes_no_hook_leaves_the_work_to_the_marks(
+        caplog: pytest.LogCaptureFixture) -> None:
+    class NoHooks(torch.nn.Linear):
+        def register_forward_hook(self, *args: Any, **kw: Any) -> Any:
+            raise RuntimeError("a scripted module takes no hooks")
+
+    mon = monitor(MemorySink())
+    written: list[int] = []
+    real = mon.log_at
+
+    def log_at(at: Any, step: int, **values: Any) -> None:
+        written.append(step)
+        real(at, step, **values)
+
+    mon.log_at = log_at  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="gpulens"):
+        session = TrainingSession(mon, start_step=0, steps_done=0,
+                                  model=NoHooks(2, 2)).start()
+    assert "cannot hook the model's forward" in caplog.text
+    session.row(1, 1, {"loss": 1.0}, later=True)
+    session.before_optimizer()
+    assert written == [1]
+    session.stop()

@@ -193,7 +193,11 @@ class TrainingSession:
                 self.work.close()
             raise
         if self._model is not None:
-            self._hook = _after_forwards(self._model, self)
+            try:
+                self._hook = _after_forwards(self._model, self)
+            except Exception as exc:  # a model that takes no hook: the marks do the work
+                warn_once("session:hook", "gpulens: cannot hook the model's forward (%r); "
+                          "rows and token counts are written at the step hooks instead", exc)
         self._finalizer = weakref.finalize(self, _finish, self.monitor, self.work, self._held,
                                            self._hook)
         if self.phases is not None:
@@ -239,10 +243,11 @@ class TrainingSession:
             self.work.settle()
 
     def _busy_device(self) -> None:
-        """A point where the device is busy with the step: the work launched here hides
-        behind it (the step's masks into counts, a held row written). The end of each
-        training forward of the session's ``model``; the marks too, where nothing is left
-        to do once a forward came (a model given) but that does all of it without one."""
+        """The step's masks into counts, a held row written: work launched where the device
+        is busy, so that it hides behind the step. Called at the end of each training forward
+        of the session's ``model`` and at the ``before_optimizer`` / ``step_end`` marks: with
+        a model the forward has done it and a mark finds nothing left; without one the marks
+        do it all."""
         if self.work is not None:
             self.work.settle()
         if self._held:
