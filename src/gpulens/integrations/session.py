@@ -13,7 +13,7 @@ calls on a :class:`TrainingSession`::
     session.step_end()
     session.resume()                     # after logging, evaluation, a checkpoint, an epoch end
     session.row(step, steps_done, scalars)   # the framework logged: one row
-    session.row(step, steps_done, scalars, later=True)   # ... written at the next mark
+    session.row(step, steps_done, scalars, later=True)   # ... written after the next forward
     session.stop()                       # training ended: every rank's last rows meet
     session.stop(collective=False)       # an exception on this rank: no gather
 
