@@ -195,3 +195,41 @@ def test_events_of_another_kind_are_recorded_without_a_stream() -> None:
     phases.step_begin()
     phases.step_end()
     assert recorded == [(), ()] and phases._stream is None
+
+
+@pytest.mark.parametrize("private", ["agrees", "raises", "missing"])
+def test_the_marks_stream_comes_from_torchs_c_calls_only_where_they_agree_with_torch(
+        monkeypatch: pytest.MonkeyPatch, private: str) -> None:
+    """``current_stream_lookup`` reads torch's private C calls: used only when they give what
+    ``torch.cuda.current_stream()`` gives (checked once); otherwise ``None`` (``record()``
+    looks the stream up itself), never an error."""
+    import torch
+
+    from gpulens.integrations import phases
+
+    public: list[int] = []
+
+    def current_stream() -> tuple[str, int]:
+        public.append(1)
+        return ("stream", 7)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    if private == "missing":
+        monkeypatch.delattr(torch._C, "_cuda_getCurrentStream", raising=False)
+    else:
+        monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+
+        def get_stream(device: int) -> tuple[int, int, int]:
+            if private == "raises":
+                raise RuntimeError("another torch")
+            return (7, device, 1)
+
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", get_stream, raising=False)
+    lookup = phases.current_stream_lookup()
+    if private != "agrees":
+        assert lookup is None
+        return
+    assert lookup is not None
+    calls = len(public)
+    assert [lookup() for _ in range(5)] == [("stream", 7)] * 5
+    assert len(public) == calls  # no Stream built per mark: the one seen is kept

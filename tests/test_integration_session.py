@@ -62,6 +62,20 @@ def monitor(sink: MemorySink) -> gpulens.Monitor:
                            isolation="thread")
 
 
+def steps_written(mon: gpulens.Monitor) -> list[int]:
+    """The steps of the rows the session hands ``mon`` (``log_at``), in order, as they are
+    handed (a sink sees them later, from another thread)."""
+    written: list[int] = []
+    real = mon.log_at
+
+    def log_at(at: Any, step: int, **values: Any) -> None:
+        written.append(step)
+        real(at, step, **values)
+
+    mon.log_at = log_at  # type: ignore[method-assign]
+    return written
+
+
 @pytest.fixture
 def no_gc() -> Iterator[None]:
     """Collection off: what is freed is freed by its reference count alone."""
@@ -361,14 +375,7 @@ def test_a_held_row_is_written_after_the_next_training_forward_not_at_a_mark() -
     model = torch.nn.Linear(2, 2)
     counter = TokenCounter(None)
     mon = monitor(sink)
-    written: list[int] = []
-    real = mon.log_at
-
-    def log_at(at: Any, step: int, **values: Any) -> None:
-        written.append(step)
-        real(at, step, **values)
-
-    mon.log_at = log_at  # type: ignore[method-assign]
+    written = steps_written(mon)
     session = TrainingSession(mon, start_step=0, steps_done=0, work=counter,
                               model=model).start()
     session.row(1, 1, {"loss": 1.0}, later=True)
@@ -437,14 +444,7 @@ def test_a_model_that_takes_no_hook_leaves_the_work_to_the_marks(
             raise RuntimeError("a scripted module takes no hooks")
 
     mon = monitor(MemorySink())
-    written: list[int] = []
-    real = mon.log_at
-
-    def log_at(at: Any, step: int, **values: Any) -> None:
-        written.append(step)
-        real(at, step, **values)
-
-    mon.log_at = log_at  # type: ignore[method-assign]
+    written = steps_written(mon)
     with caplog.at_level("WARNING", logger="gpulens"):
         session = TrainingSession(mon, start_step=0, steps_done=0,
                                   model=NoHooks(2, 2)).start()

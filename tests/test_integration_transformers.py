@@ -388,15 +388,17 @@ def test_mlflow_rows_join_hf_run_on_global_step(tmp_path: Path,
 def test_exception_in_training_stops_monitor_when_callback_is_collected(tmp_path: Path) -> None:
     sink = tmp_path / "gpu.jsonl"
     callback = GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)
-    trainer = make_trainer(tmp_path, callback, model=Regression(fail_at=7), max_steps=12,
-                           logging_steps=2)
+    model = Regression(fail_at=7)
+    trainer = make_trainer(tmp_path, callback, model=model, max_steps=12, logging_steps=2)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.train()
     monitor = callback.monitor
     assert monitor is not None and monitor.running
+    assert len(model._forward_hooks) == 1  # the session's, left by the failed train()
     del trainer, callback
     gc.collect()
     assert not monitor.running
+    assert not model._forward_hooks  # the user's model outlives the callback, hook-free
     assert [r["step"] for r in read_jsonl(sink)] == [2, 4, 6]
 
 
@@ -412,6 +414,7 @@ def test_second_train_call_restarts_after_a_failed_one(tmp_path: Path) -> None:
     trainer.train()
     assert first is not None and not first.running
     assert callback.monitor is None  # stopped at the end
+    assert not model._forward_hooks  # neither train() left its hook behind
 
 
 def test_bad_arguments_fail_at_construction() -> None:

@@ -87,8 +87,8 @@ class StepPhases:
         if cuda is None:
             cuda = _cuda_available()
         self.cuda = cuda
-        self._default_events = cuda and event_factory is None
-        if cuda and event_factory is None:
+        default_events = cuda and event_factory is None
+        if default_events:
             import torch
 
             def event_factory() -> Any:
@@ -97,7 +97,7 @@ class StepPhases:
         self._new_event = event_factory
         self._stream: Callable[[], Any] | None = None
         """The current stream of torch's events (``None``: ``record()`` finds it itself)."""
-        if self._default_events:
+        if default_events:
             self._stream = current_stream_lookup()
         self._pending: deque[tuple[int, str, Any]] = deque()
         """(sequence number, label, stamp) of each mark not yet read."""

@@ -183,7 +183,7 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         work: WorkSource | None = counter.attach(model) if counter is not None else None
         self.session = TrainingSession(monitor, start_step=step, steps_done=step,
                                        phases=self._phases(getattr(args, "device", None)),
-                                       work=work, model=_module(model)).start()
+                                       work=work, model=model).start()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         session = self.session
@@ -321,11 +321,6 @@ def _work_of(args: Any, model: Any) -> tuple[str | None, Any]:
         log.warning("gpulens: cannot count this model's tokens and FLOPs (%r); no "
                     "throughput or MFU", exc)
         return None, None
-
-
-def _module(model: Any) -> Any:
-    """``model`` when it takes forward hooks (a ``torch.nn.Module``), else ``None``."""
-    return model if callable(getattr(model, "register_forward_hook", None)) else None
 
 
 def _is_number(value: Any) -> bool:
