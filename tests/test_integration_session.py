@@ -18,6 +18,7 @@ import torch
 import gpulens
 from gpulens.integrations.phases import StepPhases
 from gpulens.integrations.session import GateAction, StepGate, TrainingSession
+from gpulens.log import reset_warnings
 from gpulens.testing import MemorySink, SimulatedNVML
 from tests.support.jsonl import read_rows
 
@@ -439,6 +440,7 @@ def test_micro_batches_are_settled_as_they_end_so_masks_do_not_pile_up() -> None
 
 def test_a_model_that_takes_no_hook_leaves_the_work_to_the_marks(
         caplog: pytest.LogCaptureFixture) -> None:
+    reset_warnings()
     class NoHooks(torch.nn.Linear):
         def register_forward_hook(self, *args: Any, **kw: Any) -> Any:
             raise RuntimeError("a scripted module takes no hooks")
@@ -452,4 +454,22 @@ def test_a_model_that_takes_no_hook_leaves_the_work_to_the_marks(
     session.row(1, 1, {"loss": 1.0}, later=True)
     session.before_optimizer()
     assert written == [1]
+    session.stop()
+
+
+def test_a_fault_after_a_forward_is_said_once_and_training_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    reset_warnings()
+    mon = monitor(MemorySink())
+    model = torch.nn.Linear(2, 2)
+    session = TrainingSession(mon, start_step=0, steps_done=0, model=model).start()
+
+    def broken() -> None:
+        raise OSError("pipe gone")
+
+    session._busy_device = broken  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="gpulens"):
+        for _ in range(3):
+            assert model(torch.ones(1, 2)).shape == (1, 2)  # the forward's output, untouched
+    assert caplog.text.count("pipe gone") == 1
     session.stop()
