@@ -23,8 +23,10 @@ intervals (``paired.py``). The A/A line is the design's own noise.
 
 Also printed, from the ``on`` segments: the host time spent inside each gpulens hook per step
 (``perf_counter`` around each; the forward hooks included), and nested in them the phase marks
-(``_mark``: a CUDA event each on a GPU), so a cost on the GPU's timeline can be set beside the
-host time that causes it.
+(``_mark``: a CUDA event each on a GPU; ``record``: the event's record alone, inside a mark),
+so a cost on the GPU's timeline can be set beside the host time that causes it.
+``--host-marks`` times the phases on the host clock instead (no CUDA event): the hooks' time
+without the events.
 
     python benchmarks/step_work_ab.py --log-every 1 --budget-s 150 --json out.json  # one GPU
     python benchmarks/step_work_ab.py --quick --rounds 3                            # CPU smoke
@@ -71,6 +73,7 @@ class Gate:
         self.on = True  # the warm-up runs every hook
         self.host_s: dict[str, float] = {}
         self.on_steps = 0
+        self.in_mark = False
 
     @property
     def total_steps(self) -> int:
@@ -94,13 +97,20 @@ class Gate:
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` run only while the gate is on, its host time added to ``name``'s."""
         def run(*args: Any, **kwargs: Any) -> Any:
-            if not self.on:
+            if name == "record":  # only inside a mark, never skipped
+                if not self.in_mark:
+                    return fn(*args, **kwargs)
+            elif not self.on:
                 return None
+            if name == "_mark":
+                self.in_mark = True
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.host_s[name] = self.host_s.get(name, 0.0) + time.perf_counter() - t0
+                if name == "_mark":
+                    self.in_mark = False
         return run
 
 
@@ -117,6 +127,11 @@ def gated_library(gate: Gate) -> Iterator[None]:
     if hasattr(session_mod.TrainingSession, "_busy_device"):
         saved.append((session_mod.TrainingSession, "_busy_device",
                       session_mod.TrainingSession._busy_device))
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        # the CUDA event record alone, inside a mark (the benchmark's own clock records too:
+        # only records made while a mark runs count)
+        saved.append((torch.cuda.Event, "record", torch.cuda.Event.record))
     try:
         for owner, name, fn in saved:
             setattr(owner, name, gate.timed(name, fn))
@@ -147,7 +162,8 @@ def make_callbacks(gate: Gate, inner: Any, clock: paths.Clock) -> list[Any]:
     return [Switch(), inner, Stamp()]
 
 
-def train(s: og.Setup, hf: paths.HfPath, gate: Gate, clock: paths.Clock, out: Path) -> None:
+def train(s: og.Setup, hf: paths.HfPath, gate: Gate, clock: paths.Clock, out: Path,
+          host_marks: bool = False) -> None:
     import copy
 
     from transformers import PrinterCallback, Trainer, TrainingArguments
@@ -164,6 +180,10 @@ def train(s: og.Setup, hf: paths.HfPath, gate: Gate, clock: paths.Clock, out: Pa
     model = copy.deepcopy(s.model)
     model.register_forward_pre_hook(lambda *_: clock.forward_begins())
     inner = GPUMonitorCallback(interval=hf.interval)
+    if host_marks:  # the phases on the host clock: the hooks' time without a CUDA event
+        from gpulens.integrations.phases import StepPhases
+
+        inner._phases = lambda device: StepPhases(cuda=False)
     trainer = Trainer(model=model, args=targs, train_dataset=hf.dataset(gate.total_steps),
                       callbacks=make_callbacks(gate, inner, clock))
     trainer.remove_callback(PrinterCallback)  # a line a log on stdout: not the report
@@ -244,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--host-marks", action="store_true",
+                   help="phase marks on the host clock (no CUDA event): what the events cost")
     args = p.parse_args(argv)
     if args.segment % args.log_every:
         p.error("--segment must be a multiple of --log-every (a log in every segment)")
@@ -279,12 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         clock = paths.Clock(s.device.type == "cuda")
         og.log(f"{rounds} rounds of 3 segments x {args.segment} steps, ~{step_s * 1e3:.0f} ms "
                "a step")
-        train(s, hf, gate, clock, Path(tmp) / "hf")
+        train(s, hf, gate, clock, Path(tmp) / "hf", args.host_marks)
     res = analyse(gate, clock, args.skip)
     meta = {"gpulens": gpulens.__file__, "device": str(s.device), "rank": rank,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "batch": s.batch_size,
             "seq": s.seq_len, "segment": args.segment, "skip": args.skip,
-            "log_every": args.log_every, "seed": args.seed,
+            "log_every": args.log_every, "seed": args.seed, "host_marks": args.host_marks,
             "hardware": og.hardware(s), "versions": og.versions()}
     print(report(res, meta))
     if args.json is not None:
