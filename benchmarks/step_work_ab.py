@@ -62,8 +62,8 @@ SEGMENTS = ("on", "off", "off_b")
 class Gate:
     """Whether the current step's segment runs gpulens's hooks, and the host time they took."""
 
-    def __init__(self, segment: int, rounds: int, warmup: int, seed: int) -> None:
-        self.segment, self.warmup = segment, warmup
+    def __init__(self, segment: int, rounds: int, warmup: int, seed: int, skip: int = 1) -> None:
+        self.segment, self.warmup, self.skip = segment, warmup, skip
         rng = random.Random(seed)
         self.order: list[list[str]] = []
         for _ in range(rounds):
@@ -71,6 +71,7 @@ class Gate:
             rng.shuffle(kinds)
             self.order.append(kinds)
         self.on = True  # the warm-up runs every hook
+        self.counting = False
         self.host_s: dict[str, float] = {}
         self.on_steps = 0
         self.in_mark = False
@@ -91,7 +92,11 @@ class Gate:
     def begin_step(self, step: int) -> None:
         kind = self.kind_of(step)
         self.on = kind in (None, "on")
-        if kind == "on":
+        # timed: an `on` segment's steps after its first --skip (the warm-up's first calls,
+        # and a row held across the `off` segments, written at the next `on` segment's first
+        # log, are not a step's usual work; the GPU times skip them too)
+        self.counting = kind == "on" and (step - self.warmup - 1) % self.segment >= self.skip
+        if self.counting:
             self.on_steps += 1
 
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -108,7 +113,8 @@ class Gate:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.host_s[name] = self.host_s.get(name, 0.0) + time.perf_counter() - t0
+                if self.counting:
+                    self.host_s[name] = self.host_s.get(name, 0.0) + time.perf_counter() - t0
                 if name == "_mark":
                     self.in_mark = False
         return run
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or max(2, int(args.budget_s / (step_s * 1.1 * args.segment * 3)))
     with tempfile.TemporaryDirectory() as tmp:
         hf = paths.HfPath(s, Path(tmp), args.log_every, [], args.interval)
-        gate = Gate(args.segment, rounds, args.warmup, args.seed)
+        gate = Gate(args.segment, rounds, args.warmup, args.seed, args.skip)
         clock = paths.Clock(s.device.type == "cuda")
         og.log(f"{rounds} rounds of 3 segments x {args.segment} steps, ~{step_s * 1e3:.0f} ms "
                "a step")
