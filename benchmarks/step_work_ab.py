@@ -26,7 +26,8 @@ Also printed, from the ``on`` segments: the host time spent inside each gpulens 
 (``_mark``: a CUDA event each on a GPU; ``record``: the event's record alone, inside a mark),
 so a cost on the GPU's timeline can be set beside the host time that causes it.
 ``--host-marks`` times the phases on the host clock instead (no CUDA event): the hooks' time
-without the events.
+without the events. ``--monitor JSON`` changes the monitor's settings for the whole run (what
+the ``on`` segments' rows make the engine do: ``{"backend": "simulated"}`` reads no NVML).
 
     python benchmarks/step_work_ab.py --log-every 1 --budget-s 150 --json out.json  # one GPU
     python benchmarks/step_work_ab.py --quick --rounds 3                            # CPU smoke
@@ -169,7 +170,7 @@ def make_callbacks(gate: Gate, inner: Any, clock: paths.Clock) -> list[Any]:
 
 
 def train(s: og.Setup, hf: paths.HfPath, gate: Gate, clock: paths.Clock, out: Path,
-          host_marks: bool = False) -> None:
+          host_marks: bool = False, monitor: dict[str, Any] | None = None) -> None:
     import copy
 
     from transformers import PrinterCallback, Trainer, TrainingArguments
@@ -186,6 +187,10 @@ def train(s: og.Setup, hf: paths.HfPath, gate: Gate, clock: paths.Clock, out: Pa
     model = copy.deepcopy(s.model)
     model.register_forward_pre_hook(lambda *_: clock.forward_begins())
     inner = GPUMonitorCallback(interval=hf.interval)
+    if monitor:  # the monitor's own settings changed for the whole run (e.g. no NVML read)
+        import dataclasses
+
+        inner.settings = dataclasses.replace(inner.settings, **monitor)
     if host_marks:  # the phases on the host clock: the hooks' time without a CUDA event
         from gpulens.integrations.phases import StepPhases
 
@@ -272,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--host-marks", action="store_true",
                    help="phase marks on the host clock (no CUDA event): what the events cost")
+    p.add_argument("--monitor", default="{}",
+                   help='the monitor\'s settings for the whole run, JSON: {"driver_samples": '
+                        'false}, {"backend": "simulated"} (no NVML read at all)')
     args = p.parse_args(argv)
     if args.segment % args.log_every:
         p.error("--segment must be a multiple of --log-every (a log in every segment)")
@@ -307,12 +315,13 @@ def main(argv: list[str] | None = None) -> int:
         clock = paths.Clock(s.device.type == "cuda")
         og.log(f"{rounds} rounds of 3 segments x {args.segment} steps, ~{step_s * 1e3:.0f} ms "
                "a step")
-        train(s, hf, gate, clock, Path(tmp) / "hf", args.host_marks)
+        train(s, hf, gate, clock, Path(tmp) / "hf", args.host_marks, json.loads(args.monitor))
     res = analyse(gate, clock, args.skip)
     meta = {"gpulens": gpulens.__file__, "device": str(s.device), "rank": rank,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "batch": s.batch_size,
             "seq": s.seq_len, "segment": args.segment, "skip": args.skip,
             "log_every": args.log_every, "seed": args.seed, "host_marks": args.host_marks,
+            "monitor": args.monitor,
             "hardware": og.hardware(s), "versions": og.versions()}
     print(report(res, meta))
     if args.json is not None:
