@@ -26,7 +26,7 @@ Also printed, from the ``on`` segments: the host time spent inside each gpulens 
 (``_mark``: a CUDA event each on a GPU; ``record``: the event's record alone, inside a mark),
 so a cost on the GPU's timeline can be set beside the host time that causes it.
 ``--host-marks`` times the phases on the host clock instead (no CUDA event): the hooks' time
-without the events. ``--monitor JSON`` changes the monitor's settings for the whole run (what
+without the events. ``--settings JSON`` changes the monitor's settings for the whole run (what
 the ``on`` segments' rows make the engine do: ``{"backend": "simulated"}`` reads no NVML).
 
     python benchmarks/step_work_ab.py --log-every 1 --budget-s 150 --json out.json  # one GPU
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--host-marks", action="store_true",
                    help="phase marks on the host clock (no CUDA event): what the events cost")
-    p.add_argument("--monitor", default="{}",
+    p.add_argument("--settings", default="{}",
                    help='the monitor\'s settings for the whole run, JSON: {"driver_samples": '
                         'false}, {"backend": "simulated"} (no NVML read at all)')
     args = p.parse_args(argv)
@@ -315,13 +315,13 @@ def main(argv: list[str] | None = None) -> int:
         clock = paths.Clock(s.device.type == "cuda")
         og.log(f"{rounds} rounds of 3 segments x {args.segment} steps, ~{step_s * 1e3:.0f} ms "
                "a step")
-        train(s, hf, gate, clock, Path(tmp) / "hf", args.host_marks, json.loads(args.monitor))
+        train(s, hf, gate, clock, Path(tmp) / "hf", args.host_marks, json.loads(args.settings))
     res = analyse(gate, clock, args.skip)
     meta = {"gpulens": gpulens.__file__, "device": str(s.device), "rank": rank,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "batch": s.batch_size,
             "seq": s.seq_len, "segment": args.segment, "skip": args.skip,
             "log_every": args.log_every, "seed": args.seed, "host_marks": args.host_marks,
-            "monitor": args.monitor,
+            "monitor": args.settings,
             "hardware": og.hardware(s), "versions": og.versions()}
     print(report(res, meta))
     if args.json is not None:
