@@ -12,7 +12,7 @@ from gpulens.log import warn_once
 if TYPE_CHECKING:
     from gpulens.work.hf import TokenCounter
 
-__all__ = ["PYTHON_SUM_MAX", "DeferredCount"]
+__all__ = ["PYTHON_SUM_MAX", "DeferredCount", "home_device", "on_one_device"]
 
 
 PYTHON_SUM_MAX = 100
@@ -135,6 +135,7 @@ def _stage_lengths(lengths: list[Any]) -> Any:
     from gpulens.transport.relay import stage
 
     try:
+        lengths = on_one_device(lengths)
         return stage(torch.cat(lengths) if len(lengths) > 1 else lengths[0])
     except Exception as exc:  # never into training: the reader's path still counts them
         warn_once("tokens:stage", "gpulens: could not start the copy of the token counts "
@@ -153,13 +154,37 @@ def _host_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def home_device(tensors: list[Any]) -> Any:
+    """The device where counts kept on several devices meet (``nn.DataParallel`` runs a
+    replica's forward, the counter's pre-hook included, on every GPU: its masks stay there):
+    the lowest-numbered of theirs, so that every take and fold of one counter picks the same;
+    ``None`` when they all share one (the usual case: nothing moves)."""
+    devices = {t.device for t in tensors if hasattr(t, "device")}
+    if len(devices) <= 1:
+        return None
+    return min(devices, key=lambda d: (d.type, -1 if d.index is None else d.index))
+
+
+def on_one_device(tensors: list[Any], home: Any = None) -> list[Any]:
+    """``tensors`` with those off ``home`` (default: :func:`home_device`) copied there (no wait:
+    a device-to-device copy, ordered behind the tensor's work by torch)."""
+    if home is None:
+        home = home_device(tensors)
+    if home is None:
+        return tensors
+    return [t.to(home, non_blocking=True)
+            if hasattr(t, "device") and t.device != home else t for t in tensors]
+
+
 def _stream_of(tensors: list[Any]) -> Any:
-    """The training thread's current stream on the device of the first CUDA tensor, or None."""
+    """The training thread's current stream on the device the tensors' counts meet on (the
+    first CUDA tensor's, or :func:`home_device`'s), or None."""
+    home = home_device(tensors)
     for t in tensors:
         if getattr(t, "is_cuda", False):
             import torch
 
-            return torch.cuda.current_stream(t.device)
+            return torch.cuda.current_stream(home if home is not None else t.device)
     return None
 
 

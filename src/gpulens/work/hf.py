@@ -21,13 +21,14 @@ transformers and torch are imported only by the functions that need them.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpulens.log import warn_once
 from gpulens.work.counter import CounterError, measure_formula
-from gpulens.work.deferred import DeferredCount, _Pending
+from gpulens.work.deferred import DeferredCount, _Pending, home_device, on_one_device
 from gpulens.work.flops import Attention, FlopsFormula, _check_attention, formula_from_config
 from gpulens.work.precision import float32_matmul_dtype, normalize_dtype
 
@@ -197,6 +198,7 @@ class TokenCounter:
         self.attention: Attention = attention
         self._handle: Any = None
         self._shape_flops: dict[tuple[int, int], float | None] = {}
+        self._observing = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
@@ -238,19 +240,21 @@ class TokenCounter:
         self._reset()
 
     def observe(self, batch: Mapping[str, Any]) -> None:
-        """Add one micro-batch (the model's keyword inputs)."""
-        try:
-            counted = self._keep(batch)
-        except Exception as exc:  # a batch layout this does not understand: say so, go on
-            warn_once("tokens:batch",
-                      "gpulens: cannot count the tokens of a batch (%s: %s): throughput and "
-                      "MFU are not reported for such batches", type(exc).__name__, exc)
-            return
-        if counted:
-            self._micro += 1
-            if len(self._lengths) + len(self._positions) + len(self._raw) >= FOLD_AT:
-                self.settle()
-                self._fold()
+        """Add one micro-batch (the model's keyword inputs). Thread-safe: ``nn.DataParallel``
+        runs its replicas' forwards, this hook included, on a thread each at once."""
+        with self._observing:
+            try:
+                counted = self._keep(batch)
+            except Exception as exc:  # a batch layout this does not understand: say so, go on
+                warn_once("tokens:batch",
+                          "gpulens: cannot count the tokens of a batch (%s: %s): throughput "
+                          "and MFU are not reported for such batches", type(exc).__name__, exc)
+                return
+            if counted:
+                self._micro += 1
+                if len(self._lengths) + len(self._positions) + len(self._raw) >= FOLD_AT:
+                    self.settle()
+                    self._fold()
 
     def settle(self) -> None:
         """Turn the kept masks into sequence lengths on their device (one operation each, no
@@ -376,6 +380,12 @@ class TokenCounter:
 
         tokens: Any = 0
         flops: Any = 0.0 if self.formula is not None else None
+        home = home_device([*lengths, *positions, *(folded or ())])
+        if home is not None:  # nn.DataParallel's replicas kept counts on every GPU
+            lengths, positions = on_one_device(lengths, home), on_one_device(positions, home)
+            if folded is not None:
+                tokens_f, flops_f = on_one_device(list(folded), home)
+                folded = (tokens_f, flops_f)
         if folded is not None:
             tokens, flops = folded
         if lengths:
