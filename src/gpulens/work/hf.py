@@ -280,7 +280,11 @@ class TokenCounter:
         :meth:`take_deferred` can run later (no device operation here); this one starts
         again. A row written after its step ended (at a point where the host is ahead of the
         device) reads its own micro-batches, not the next step's."""
-        part = copy.copy(self)  # every count kept so far, whatever fields a count has
+        # every count kept so far, whatever fields a count has: the instance's fields copied
+        # as one dict (copy.copy took 14 us a cut inside a training step on a CPU, a C-level
+        # dict copy ~1; it runs in Hugging Face's on_log, where the device waits)
+        part = object.__new__(type(self))
+        part.__dict__.update(self.__dict__)
         part._handle = None  # the hook stays this counter's: closing the part detaches nothing
         self._reset()  # new lists here; the part keeps the old ones
         return part
