@@ -753,6 +753,44 @@ def test_paths_pool_pools_rounds_of_like_runs_and_refuses_unlike_ones(tmp_path: 
     assert proc.returncode == 2 and "differ in batch" in proc.stderr
 
 
+def _swab_doc(rank: int, batch: int, on: dict[str, float], off_b: dict[str, float],
+              off: dict[str, float]) -> dict[str, Any]:
+    meta = {"rank": rank, "log_every": 1, "batch": batch, "seq": 1024, "segment": 10,
+            "skip": 1, "world_size": 2, "hardware": {"gpu": "NVIDIA H200"},
+            "host_marks": False, "monitor": "{}"}
+    return {"meta": meta, "result": {"per_round_s": {"on": on, "off": off, "off_b": off_b}}}
+
+
+def test_step_work_pool_pools_each_ranks_rounds_and_refuses_unlike_runs(
+        tmp_path: Path) -> None:
+    """Rounds of two step_work_ab runs pool per rank, each round paired inside itself; the
+    verdict needs zero inside the interval and the interval within the bar; another batch is
+    refused."""
+    off = {str(r): 0.100 for r in range(6)}
+    plus = {str(r): 0.100 * (1 + (0.001 if r % 2 else -0.001)) for r in range(6)}  # +-0.1 pp
+    cost = {str(r): 0.101 for r in range(6)}  # +1 pp every round
+    files = []
+    for i, (rank, on) in enumerate([(0, plus), (0, plus), (1, cost), (1, cost)]):
+        f = tmp_path / f"r{i}.json"
+        f.write_text(json.dumps(_swab_doc(rank, 19, on, plus, off)))
+        files.append(str(f))
+    proc = subprocess.run([sys.executable, str(BENCH / "step_work_pool.py"), *files,
+                           "--json", str(tmp_path / "pooled.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pooled = json.loads((tmp_path / "pooled.json").read_text())["ranks"]
+    zero, one = pooled["0"]["pooled"]["on"], pooled["1"]["pooled"]["on"]
+    assert zero["rounds"] == one["rounds"] == 12  # two runs of six rounds each
+    assert zero["mean_pp"] == pytest.approx(0.0, abs=1e-9) and zero["within_bar"]
+    assert one["mean_pp"] == pytest.approx(1.0) and not one["within_bar"]
+    assert "| 0 | **pooled** |" in proc.stdout
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_swab_doc(0, 18, plus, plus, off)))
+    bad = subprocess.run([sys.executable, str(BENCH / "step_work_pool.py"), files[0],
+                          str(other)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "do not pool" in bad.stderr
+
+
 def test_block_design_finds_short_blocks_cheaper_where_the_step_wanders(tmp_path: Path) -> None:
     """Steps that wander in long runs (a slow square wave): short windows differ almost as
     much as whole blocks, so they need less device time for the same precision; the table
