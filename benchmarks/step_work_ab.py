@@ -232,6 +232,10 @@ def analyse(gate: Gate, clock: paths.Clock, skip: int) -> dict[str, Any]:
     steps = max(1, gate.on_steps)
     out["host_us_per_on_step"] = {k: v / steps * 1e6 for k, v in sorted(gate.host_s.items())}
     out["per_round_s"] = {k: {str(r): v for r, v in d.items()} for k, d in per_round.items()}
+    # every step's GPU time (s) by step number, and each step's segment kind: the noise's
+    # structure (outlier steps or drift) can be read afterwards, e.g. a median per segment
+    out["per_step_s"] = {str(k): v for k, v in sorted(by_step.items())}
+    out["kind_of_step"] = {str(k): gate.kind_of(k) for k in sorted(by_step)}
     return out
 
 

@@ -435,6 +435,10 @@ def test_step_work_ab_switches_the_callbacks_work_per_segment_in_one_run(
     host = res["host_us_per_on_step"]
     # only the on segments ran gpulens's hooks: every one was timed, the forward's too
     assert host["on_log"] > 0 and host["observe"] > 0 and host["_busy_device"] > 0
+    # every step's time kept, with its segment's kind (the warm-up's: none)
+    kinds = res["kind_of_step"]
+    assert set(res["per_step_s"]) == set(kinds) and len(kinds) >= 3 * 3 * 4
+    assert {k for k in kinds.values() if k} == {"on", "off", "off_b"}
     assert "| `on` (every hook) |" in out and "| `off_b` (A/A) |" in out
 
 

@@ -58,7 +58,11 @@ Face's loss and the GPU rows share it, and ends it at ``on_train_end`` if it is 
 Distributed jobs: every rank samples its own GPU and every rank calls ``monitor.log`` (a
 collective); Hugging Face calls ``on_log`` on every rank. Only ``state.is_world_process_zero``
 gets sinks. The row holds every rank's GPU (``gpu/{rank}/...``, ``gpu/all/...``); the
-``train/*`` and ``perf/*`` phase keys are rank 0's.
+``train/*`` and ``perf/*`` phase keys are rank 0's. Several GPUs without a launcher (Hugging
+Face then wraps the model in ``nn.DataParallel``): the one process samples every GPU it sees,
+the tokens of every replica's chunk are counted (their counts meet on the lowest-numbered
+GPU), and since the replicas' forwards run on threads of their own, the held row is written at
+``on_pre_optimizer_step`` instead of after the forward.
 
 Keys each row can carry, beside the GPU and host keys of :mod:`gpulens.schema` and the core's
 ``perf/step_time_s`` / ``perf/energy_per_step_j``:
