@@ -133,6 +133,23 @@ dist.destroy_process_group()
 """
 
 
+SLOW_GPU = """
+import sys, time
+import torch.distributed as dist
+import gpulens
+from gpulens.testing import Constant, PerGpu, SimulatedNVML
+
+dist.init_process_group("gloo")
+# the node's 2 simulated GPUs (one a rank): GPU 0 60 % busy (GPM), GPU 1 95 %
+backend = SimulatedNVML(gpus=2, load=PerGpu({1: Constant(0.95)}, default=Constant(0.6)))
+with gpulens.Monitor(interval=0.05, backend=backend, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 31):
+        time.sleep(0.1)
+        mon.log(step, loss=1.0 / step)
+dist.destroy_process_group()
+"""
+
+
 @pytest.fixture(scope="module")
 def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One ``torchrun --nproc_per_node 2`` launch that runs, one after another in the same two
@@ -150,6 +167,7 @@ def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _launch_ddp_examples(out: Path) -> None:
     (out / "late.py").write_text(LATE_RANK)
+    (out / "slow_gpu.py").write_text(SLOW_GPU)
     (out / "tune").mkdir()
     # the scripts that time CPU (slow_rank's evidence) or fork loader workers (tune) first,
     # before Lightning and Transformers start threads of their own in the ranks
@@ -169,6 +187,7 @@ def _launch_ddp_examples(out: Path) -> None:
         scripts["hf"] = [str(EXAMPLES / "hf_trainer.py"), "--output-dir", str(out / "hf"),
                          "--max-steps", "12", "--logging-steps", "4"]
     scripts["late"] = [str(out / "late.py"), str(out / "late.jsonl"), str(out / "result")]
+    scripts["slow-gpu"] = [str(out / "slow_gpu.py"), str(out / "slow-gpu.jsonl")]
     if installed("transformers") and installed("wandb"):
         # last: rank 0's W&B run (offline, under out/wandb: WANDB_DIR below) stays open until
         # the rank exits
@@ -262,6 +281,21 @@ def test_a_one_node_job_is_gathered_by_the_engines(ddp_examples: Path) -> None:
     assert not any(name.startswith("gpulens-gather") for name in threads[0] + threads[1]), (
         threads)
     check_rows(jsonl(ddp_examples / "late.jsonl"), [1, 2, 3, 4, 5, 6])
+
+
+@pytest.mark.xdist_group("ddp-examples")
+def test_a_slow_gpu_in_a_one_node_job_is_named_by_its_gpu_time(ddp_examples: Path) -> None:
+    """Two ranks on one node, the engines gathering, GPM on: rank 1's GPU is busier per step
+    (95 % against 60 %), and rank 0's engine names that GPU by its GPU busy time within 20
+    steps, once. (Before, an engine-gathered job's rules did not know it was distributed and
+    fell back to the ranks' CPU time, which did not differ.)"""
+    lines = read_lines(ddp_examples / "slow-gpu.jsonl")
+    fired = [x for x in lines if x.get("event") == "alert" and x["name"] == "slow_rank"
+             and x["state"] == "firing"]
+    assert len(fired) == 1, fired
+    # named as a GPU (the CPU basis names "rank 1 (node 0 ...)")
+    assert "GPU 1 (rank 1, node 0" in fired[0]["message"], fired[0]["message"]
+    assert fired[0]["step"] <= 20 + 1 and fired[0]["data"]["rank"] == 1
 
 
 @pytest.mark.xdist_group("ddp-examples")
