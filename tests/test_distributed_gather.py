@@ -37,8 +37,13 @@ WAIT_S = 30.0
 class Job:
     """``world`` ranks over ``nodes`` nodes, each a JobGather made in its own thread."""
 
-    def __init__(self, world: int, nodes: int, generation: int = 1) -> None:
-        self.store = dist.HashStore()
+    def __init__(self, world: int, nodes: int, generation: int = 1, tcp: bool = False) -> None:
+        """``tcp``: the job's store is a ``TCPStore`` (each rank a client of its own, as the
+        launchers give): the engines then gather a job of several nodes themselves."""
+        self.server: Any = None
+        if tcp:
+            self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = dist.HashStore() if not tcp else None
         self.world = world
         self.rows: dict[int, list[Row]] = {r: [] for r in range(world)}
         self.g: dict[int, JobGather] = {}
@@ -47,7 +52,9 @@ class Job:
         def make(r: int) -> None:
             place = Placement(rank=r, world=world, local_rank=r % per, node_index=r // per,
                               node_name=f"node{r // per}", launcher="test")
-            self.g[r] = JobGather(self.rows[r].append, store=self.store, placement=place,
+            store = self.store if self.server is None else dist.PrefixStore(
+                "default_pg", dist.TCPStore("127.0.0.1", self.server.port, is_master=False))
+            self.g[r] = JobGather(self.rows[r].append, store=store, placement=place,
                                   timeout=WAIT_S, generation=generation)
 
         self._parallel(make)
@@ -63,9 +70,8 @@ class Job:
             gpu = GpuInfo(index=r, name="sim", uuid=f"GPU-{r}", pci_bus_id=f"0:{r}")
             g.bind(RunContext(gpus=(gpu,), hostname="h", backend="simulated",
                               interval=0.1, job=self.shapes[r]))
-            if plan is not None:
-                self.w[r] = RowGather(plan, self.rows[r].append, gpu=r,
-                                      ring=plan.open_ring(), shape=self.shapes[r]).start()
+            if plan is not None:  # as the engine makes it
+                self.w[r] = plan.gather(self.rows[r].append, gpu=r, shape=self.shapes[r])
             else:
                 assert g.work is not None
                 self.w[r] = g.work
@@ -181,6 +187,47 @@ def test_two_nodes_rows_meet_on_rank_0() -> None:
     assert v["rank/3/gpu_relative_score"] == pytest.approx(50.0 / 53.0)
     # in a small job the node leaders write nothing of their own: rank 0's row has it all
     assert not any(job.rows[r] for r in (1, 2, 3))
+
+
+def test_with_a_tcp_store_the_engines_gather_several_nodes() -> None:
+    """Two nodes of two ranks on the launchers' kind of store (a ``TCPStore`` under torch's
+    ``PrefixStore``): every rank's engine gathers, the leaders' and rank 0's over connections
+    of their own to the store's host and port; no training process does any per-row work or
+    runs a thread of the gather. The rows are the ones the training processes made before."""
+    job = Job(world=4, nodes=2, tcp=True)
+    port = job.server.port
+    assert all(job.g[r].in_engine and job.g[r].work is None for r in range(4))
+    assert all(job.g[r].store_address == ("127.0.0.1", port) for r in range(4))
+    assert [job.g[r].is_leader for r in range(4)] == [False, True, False, True]
+    for step in (1, 2, 3):
+        job.log(step)
+    rows = job.wait_rows(0, 3)
+    job.stop()
+    assert [r.step for r in rows] == [1, 2, 3]
+    v = rows[-1].values
+    assert (v["job/ranks"], v["job/nodes"], v["job/world"], v["job/partial"]) == (4, 2, 4, 0)
+    assert all(f"gpu/{r}/util_pct" in v for r in range(4))
+    assert v["gpu/all/util_pct_mean"] == pytest.approx(61.5)
+    assert v["node/1/util_pct_mean"] == pytest.approx(62.5)
+    assert v["work/tokens"] == 32.0 and v["train/loss"] == pytest.approx(1 / 3)
+    assert not any(job.rows[r] for r in (1, 2, 3))
+    # the summaries went through the raw store, under the gather's own prefix
+    assert job.w[1].channel is not None and job.w[1].channel.bytes_out > 0
+
+
+def test_a_store_an_engine_cannot_reach_leaves_the_gather_to_the_training_process() -> None:
+    """A ``HashStore`` (or a ``FileStore``) cannot be opened from another process: a job of
+    several nodes is gathered in the training processes, as before."""
+    from gpulens.distributed.rows import store_address
+
+    assert store_address(dist.HashStore()) is None
+    assert store_address(dist.PrefixStore("p", dist.HashStore())) is None
+    job = Job(world=4, nodes=2)
+    assert not any(job.g[r].in_engine for r in range(4))
+    assert job.g[0].work is not None and job.g[1].work is not None
+    job.log(1)
+    assert [r.step for r in job.wait_rows(0, 1)] == [1]
+    job.stop()
 
 
 def test_a_two_rank_job_is_gathered_by_rank_0s_engine(caplog: pytest.LogCaptureFixture) -> None:

@@ -24,6 +24,10 @@ Roles, from the start exchange (:mod:`gpulens.distributed.start`):
   Under DDP on two H200s the gather's Python in the training processes cost each rank
   0.5-0.6 ms a row of its step (``docs/design-notes.md``, "eighth session").  With
   ``isolation="thread"`` the engines, and so the gather, run in the training processes.
+* **a job of several nodes** runs in the engines too where the job's store is a ``TCPStore``
+  (the launchers' ``env://``): the leaders' and rank 0's engines connect to it themselves
+  (:attr:`GatherPlan.store`); with another store the training processes do the per-row work
+  (:meth:`JobGather.bind`).
 
 Faults.  A row waits for the ranks of its node at most :data:`NODE_WAIT_S` after the
 leader's own row for that step, and for the nodes at most :data:`JOB_WAIT_S` after rank 0's
@@ -59,6 +63,7 @@ from gpulens.distributed.rows import (
     RowGather,
     attach_ring,
     create_ring,
+    store_address,
 )
 from gpulens.distributed.start import (
     START_TIMEOUT_S,
@@ -109,8 +114,14 @@ class JobGather:
         self.scaled = self.world > self.full
         """Above :func:`~gpulens.schema.full_gpus` ranks: node rows go to each node's sinks,
         rank 0's row holds aggregates and the worst few GPUs, not every GPU."""
-        self.in_engine = self.m.nodes == 1 and not self.scaled
-        """The engines do the per-row work (a job of one node: module doc)."""
+        self.crosses_store = not (self.m.nodes == 1 and not self.scaled)
+        """The job level goes through the store (several nodes, or node rows of their own):
+        rank 0 does not lead its node."""
+        self.store_address = store_address(store) if self.crosses_store else None
+        """The job's ``TCPStore`` (host, port), where the engines can reach it themselves."""
+        self.in_engine = not self.crosses_store or self.store_address is not None
+        """The engines do the per-row work (a job of one node; several, where the store is a
+        ``TCPStore``: module doc)."""
         self.shape: JobShape | None = None
         self._shaped = False
         self._ring: NodeRing | None = None
@@ -179,7 +190,7 @@ class JobGather:
         if self._ring is None:
             return None
         self._ring.claim(self.m.slot, self.rank, os.getpid())
-        return GatherPlan(self.m, str(self._ring.path), self.full)
+        return GatherPlan(self.m, str(self._ring.path), self.full, store=self.store_address)
 
     def bind(self, context: RunContext) -> None:
         """After this rank's engine started: learn its GPU, tell the others; where this

@@ -10,9 +10,13 @@ Where it runs:
   Nothing of it runs in the training process: no row comes back to it, no thread of the
   gather shares its interpreter (under DDP on two H200s that Python cost each rank 0.5-0.6 ms
   a row of its step, ``docs/design-notes.md``, "eighth session").
-* **a job of several nodes**: in the training process (:class:`~.gather.JobGather` makes it at
-  ``bind``), since a node's summary crosses to rank 0 through the launcher's store, a torch
-  object the engine cannot open without importing torch.
+* **a job of several nodes** (or of more than ``full`` ranks on one): in the engines too when
+  the job's store is a ``TCPStore`` (torchrun, Slurm and Lightning's ``env://``): the leaders'
+  and rank 0's engines each open a connection of their own to it (the plan's ``store``:
+  host and port), from the gather thread, so the engine's start does not wait for the import
+  of torch it takes (~1-2 s and ~300 MB in those engines only). A node's summary crosses to
+  rank 0's engine through the store. With any other store (a ``FileStore``, a ``HashStore``)
+  the training process does it (:class:`~.gather.JobGather` makes it at ``bind``).
 
 Either way one thread (``gpulens-gather``) on a leader and on rank 0 does the work, at most
 one pass per :data:`PASS_S`; rank 0 of several nodes has a second (``gpulens-gather-rx``) that
@@ -27,7 +31,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from gpulens.distributed import aggregate as agg
 from gpulens.distributed.channel import MAX_QUEUED_PER_NODE, UpChannel
@@ -58,9 +64,55 @@ class GatherPlan:
     """The node's shared file."""
     full: int
     """:func:`~gpulens.schema.full_gpus` of the job (read once, in the training process)."""
+    store: tuple[str, int] | None = None
+    """Where the job level crosses the store (several nodes, or a node row of its own): the
+    job's ``TCPStore``, host and port, for a connection of the engine's own; ``None`` in a
+    job of one node, where rank 0 leads."""
 
     def open_ring(self) -> NodeRing:
         return attach_ring(Path(self.ring), self.m)
+
+    def gather(self, submit: Callable[[Row], None], *, gpu: int,
+               shape: JobShape | None = None) -> RowGather:
+        """This rank's per-row work in its engine, started: the node's file opened and, where
+        the job level crosses the store, the leader's and rank 0's connections to it, opened
+        by their threads."""
+        connect = None
+        if self.store is not None and (self.m.is_leader or self.m.rank == 0):
+            address = self.store
+
+            def connect() -> Any:
+                return connect_store(address)
+
+        return RowGather(self, submit, gpu=gpu, ring=self.open_ring(), shape=shape,
+                         connect=connect).start()
+
+
+def connect_store(address: tuple[str, int], timeout: float = 60.0) -> Any:
+    """A connection of its own to the job's ``TCPStore`` at ``address`` (imports torch)."""
+    from torch.distributed import TCPStore  # type: ignore[attr-defined,unused-ignore]
+
+    return TCPStore(address[0], address[1], is_master=False, wait_for_workers=False,
+                    timeout=timedelta(seconds=timeout))
+
+
+def store_address(store: Any) -> tuple[str, int] | None:
+    """Host and port of the ``TCPStore`` under ``store`` (torch's default store is a
+    ``PrefixStore`` over the launcher's), or ``None`` for any other kind of store."""
+    try:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined,unused-ignore]
+
+        raw = store
+        for _ in range(8):
+            under = getattr(raw, "underlying_store", None)
+            if under is None:
+                break
+            raw = under
+        if isinstance(raw, TCPStore) and raw.host and int(raw.port) > 0:
+            return str(raw.host), int(raw.port)
+    except Exception:  # another torch: the training process gathers
+        return None
+    return None
 
 
 def attach_ring(path: Path, m: Membership) -> NodeRing:
@@ -87,12 +139,14 @@ class RowGather:
             rank could not open it (said where that failed): its rows are not gathered.
         channel: a leader's push of its summaries to rank 0 (several nodes).
         rx_channel: rank 0's own connection for popping them (several nodes).
+        connect: makes a new connection to the job's store: the channels are then opened
+            by the threads that use them (in an engine: :meth:`GatherPlan.gather`).
     """
 
     def __init__(self, plan: GatherPlan, submit: Callable[[Row], None], *, gpu: int,
                  ring: NodeRing | None, shape: JobShape | None = None,
-                 channel: UpChannel | None = None, rx_channel: UpChannel | None = None
-                 ) -> None:
+                 channel: UpChannel | None = None, rx_channel: UpChannel | None = None,
+                 connect: Callable[[], Any] | None = None) -> None:
         self.m = m = plan.m
         self.rank, self.world = m.rank, m.world
         self.is_writer = self.rank == 0
@@ -123,6 +177,7 @@ class RowGather:
         sent to it and the passes it made (each takes every row waiting)."""
         self._channel = channel
         self._rx_channel = rx_channel
+        self._connect = connect
         self._rx: deque[bytes] = deque()
         """Summaries rank 0's receiving thread took, for the gather thread."""
         self._thread: threading.Thread | None = None
@@ -135,11 +190,29 @@ class RowGather:
             self._thread = threading.Thread(target=self._work, name="gpulens-gather",
                                             daemon=True)
             self._thread.start()
-        if self._rx_channel is not None:
+        if self._rx_channel is not None or (self._connect is not None and self.is_writer):
             self._rx_thread = threading.Thread(target=self._receive, name="gpulens-gather-rx",
                                                daemon=True)
             self._rx_thread.start()
         return self
+
+    def _open_channel(self, waits: bool = False) -> UpChannel | None:
+        """A channel on a connection of its own (``connect``); ``waits``: its pops wait with
+        no time-out. ``None``, said, where the store cannot be reached."""
+        assert self._connect is not None
+        try:
+            store = self._connect()
+            if waits:
+                with contextlib.suppress(Exception):
+                    store.set_timeout(timedelta(days=1))
+        except Exception as exc:
+            if not self._closed:
+                warn_once("gather-store", "gpulens: rank %d cannot reach the job's store from "
+                          "its engine (%r): %s", self.rank, exc,
+                          "the nodes' figures are not merged" if self.is_writer else
+                          "its node's figures do not reach rank 0")
+            return None
+        return UpChannel(store, self.m.prefix, self.m.nodes)
 
     # -- rows in ---------------------------------------------------------------------------
     def local_row(self, row: Row) -> None:
@@ -191,8 +264,11 @@ class RowGather:
     # -- the threads ---------------------------------------------------------------------------
     def _receive(self) -> None:
         """Rank 0: wait for node summaries on the store (a connection of its own)."""
+        if self._rx_channel is None:
+            self._rx_channel = self._open_channel(waits=True)
         channel = self._rx_channel
-        assert channel is not None
+        if channel is None:
+            return
         while not self._closed:
             try:
                 got = [raw for raw in channel.pop_wait() if raw]
@@ -207,6 +283,8 @@ class RowGather:
                 self._signal()
 
     def _work(self) -> None:
+        if self._connect is not None and self._channel is None:
+            self._channel = self._open_channel()  # a leader's pushes; rank 0's wake-up
         node = NodeLevel(self) if self.is_leader else None
         job = JobLevel(self) if self.is_writer else None
         last = -PASS_S

@@ -14,12 +14,14 @@ client reported (tokens, FLOPs, CPU time) becomes throughput, TFLOP/s and MFU
 (:mod:`gpulens.work.mfu`, against the GPU's peak in the run's dtype), the advice rules read it
 (:mod:`gpulens.engine.rules`: ``alerts/<rule>`` keys, alert events, a WARNING when one fires),
 and the finished row goes to the engine's sinks and, for the client's sinks, back
-(``on_row(row, final=True)``).  In a distributed job of one node the engine does its rank's
-part of the gather itself (:mod:`gpulens.distributed.rows`, ``spec.gather_plan``): its raw
-rows go into the node's shared file, and rank 0's engine merges every rank's into the job's
-rows and finishes them in a thread of its own.  In a job of several nodes the raw row of each
-window goes back instead (``final=False``) to meet the other ranks' in the client; rank 0's
-client hands the merged row to :meth:`Engine.finish`.
+(``on_row(row, final=True)``).  In a distributed job the engine does its rank's part of the
+gather itself (:mod:`gpulens.distributed.rows`, ``spec.gather_plan``): its raw rows go into
+the node's shared file; a node's leader reduces them and, in a job of several nodes, sends
+the node's summary to rank 0's engine through the job's store; rank 0's engine merges them
+into the job's rows and finishes them in a thread of its own.  Where the job's store is not
+one an engine can reach (not a ``TCPStore``), the raw row of each window goes back instead
+(``final=False``) to meet the other ranks' in the client; rank 0's client hands the merged
+row to :meth:`Engine.finish`.
 
 The same engine runs in a process of gpulens's own (:mod:`gpulens.transport.process`) or in a
 thread of the training process (:mod:`gpulens.transport.inproc`).  It never imports the
@@ -206,15 +208,13 @@ class Engine:
 
     def _join_gather(self, spec: EngineSpec, infos: tuple[GpuInfo, ...], context: RunContext
                      ) -> RowGather | None:
-        """This rank's part of a one-node job's gather (``spec.gather_plan``); ``None`` (said)
-        where it cannot open the node's file: its rows are then not gathered."""
-        from gpulens.distributed.rows import RowGather
-
+        """This rank's part of the job's gather (``spec.gather_plan``); ``None`` (said) where
+        it cannot open the node's file: its rows are then not gathered."""
         plan = spec.gather_plan
         assert plan is not None
         try:
-            return RowGather(plan, self.finish, gpu=infos[0].index if infos else plan.m.rank,
-                             ring=plan.open_ring(), shape=context.job).start()
+            return plan.gather(self.finish, gpu=infos[0].index if infos else plan.m.rank,
+                               shape=context.job)
         except Exception as exc:
             logger.warning("gpulens: rank %d's engine could not join its node's gather (%r); "
                            "its rows are not gathered", plan.m.rank, exc)
