@@ -438,7 +438,7 @@ def test_a_rank_that_dies_in_a_one_node_job_is_told_by_rank_0s_engine(tmp_path: 
 NODE_NAMES = ("fake-a", "fake-b")
 
 NODES = """
-import os, sys, time
+import json, os, sys, threading, time
 import torch.distributed as dist
 import gpulens
 from gpulens.testing import Constant, PerGpu, SimulatedNVML
@@ -458,6 +458,9 @@ def slow_gpu(slow_node):
         for step in range(1, 41):
             time.sleep(0.15)
             mon.log(step, loss=1.0 / step)
+        threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("gpulens"))
+    with open(f"{out}/threads-{slow_node}.{rank}", "w") as f:
+        json.dump(threads, f)
 
 
 def dying():
@@ -563,6 +566,12 @@ def test_a_slow_gpu_on_one_node_is_named_by_node_and_gpu(nodes_job: NodesJob,
     that GPU, its rank and its node within 20 steps, once; a healthy job fires nothing."""
     lines = read_lines(nodes_job.out / f"slow-{slow_node}.jsonl")
     start = next(x for x in lines if x.get("event") == "run_start")
+    # the job's store is a TCPStore: the engines gather, no training process runs a thread of
+    # the gather (nor any of its Python)
+    threads = {r: json.loads((nodes_job.out / f"threads-{slow_node}.{r}").read_text())
+               for r in range(4)}
+    assert all(threads.values()), threads  # gpulens's own threads were listed
+    assert not any(n.startswith("gpulens-gather") for t in threads.values() for n in t), threads
     fired = [x for x in lines if x.get("event") == "alert" and x["name"] == "slow_rank"
              and x["state"] == "firing"]
     if slow_node == "none":
