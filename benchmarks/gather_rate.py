@@ -1,6 +1,7 @@
 """Cost of the rank gather when a loop logs every step (the h200x4-call3 regression, on CPU).
 
     python benchmarks/gather_rate.py --nproc 4 --steps 200 --out DIR
+    python benchmarks/gather_rate.py --nproc 4 --nodes 2 --arms process --out DIR  # 2 nodes
 
 Each arm is one ``torchrun --standalone --nproc-per-node N`` launch (gloo, simulated GPUs: one
 per rank).  Every rank runs the same loop for ``--steps`` steps: ``--work-ms`` of busy CPU work
@@ -95,6 +96,10 @@ def rank_main(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     out = Path(args.run_dir)
     mon: Any = None
+    if args.nodes > 1:  # simulated nodes: this rank's node as a multi-node launcher says it
+        per = dist.get_world_size() // args.nodes
+        os.environ.update(GROUP_RANK=str(rank // per), LOCAL_RANK=str(rank % per),
+                          GPULENS_NODE_NAME=f"sim-node{rank // per}")
     if args.arm != "off":
         import gpulens
 
@@ -139,7 +144,11 @@ def rank_main(args: argparse.Namespace) -> None:
     }
     if rank == 0 and mon is not None:
         lines = (out / "rows.jsonl").read_text().splitlines()
-        result["rows"] = sum('"event"' not in line for line in lines)
+        rows = [json.loads(line) for line in lines if '"event"' not in line]
+        result["rows"] = len(rows)
+        result["rows_whole"] = sum(  # rows that held every rank of every node
+            r.get("job/ranks") == dist.get_world_size() and r.get("job/nodes") == args.nodes
+            and not r.get("job/partial") for r in rows)
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
 
@@ -154,11 +163,13 @@ def run_arm(arm: str, run_dir: Path, args: argparse.Namespace) -> list[dict[str,
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
     env.update(PYTHONPATH=str(ROOT / "src"), GPULENS_BACKEND="simulated",
-               GPULENS_SIMULATED_GPUS="1", OMP_NUM_THREADS="1")
+               GPULENS_SIMULATED_GPUS=str(max(1, args.nproc // args.nodes)),
+               OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(args.nproc), "--master-port", str(_free_port()), str(Path(__file__).resolve()),
            "--rank-main", "--arm", arm, "--run-dir", str(run_dir), "--steps", str(args.steps),
-           "--work-ms", str(args.work_ms), "--warmup", str(args.warmup)]
+           "--work-ms", str(args.work_ms), "--warmup", str(args.warmup),
+           "--nodes", str(args.nodes)]
     if args.sample:
         cmd.append("--sample")
     with open(run_dir / "launch.log", "w") as log:
@@ -176,6 +187,9 @@ def main() -> None:
     p.add_argument("--arm", default="off")
     p.add_argument("--run-dir", default="")
     p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--nodes", type=int, default=1,
+                   help="split the ranks into this many simulated nodes (GROUP_RANK, "
+                        "LOCAL_RANK and GPULENS_NODE_NAME set per rank before the monitor)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--work-ms", type=float, default=3.0)
