@@ -19,13 +19,17 @@
 * **Job level** (:mod:`.channel`): each leader reduces its node's entries of a row into a
   fixed-size node summary (:mod:`.aggregate`: mean, min, max, sums of power and energy, the
   least active GPUs, the busiest ranks) and pushes it onto one store queue; rank 0 pops them.
-  Rank 0 receives O(nodes) bytes a row; no rank opens a connection of its own (the store's is
-  the launcher's), and no rank ever holds every GPU's row.
-* **Where the per-row work runs** (:mod:`.rows`): in a job of one node, in the ranks'
-  engines: each engine writes its own entries, rank 0's reduces and merges them and finishes
-  the job's row, and the training processes do nothing per row for the gather (no row comes
-  back to them, no thread of it shares their interpreter).  In a job of several nodes, in the
-  training processes (the store is a torch object): one thread on each leader and on rank 0
+  Rank 0 receives O(nodes) bytes a row; no rank opens a connection to another rank (the
+  leaders' and rank 0's engines open their own to the launcher's store), and no rank ever
+  holds every GPU's row.
+* **Where the per-row work runs** (:mod:`.rows`): in the ranks' engines: each engine writes
+  its own entries; in a job of one node rank 0's reduces and merges them and finishes the
+  job's row; in a job of several nodes the leaders' engines push their nodes' summaries and
+  rank 0's merges them, each engine connecting to the job's store itself (a ``TCPStore``,
+  what the launchers' ``env://`` makes).  The training processes do nothing per row for the
+  gather (no row comes back to them, no thread of it shares their interpreter).  Only with a
+  store another process cannot open (a ``FileStore``, a ``HashStore``) does a job of several
+  nodes gather in the training processes: one thread on each leader and on rank 0
   (``gpulens-gather``), a non-leader rank writing its entries from the thread that brings rows
   back from its engine.  ``log()`` does nothing for the gather: rows wake the thread, once a
   batch (at most one pass per :data:`~.rows.PASS_S`), whatever the logging rate.
