@@ -126,7 +126,7 @@ class Engine:
             raise
         self._source, self._steplogger, self.context = source, steplogger, context
         self._finisher = finisher
-        if spec.gather or spec.gather_plan is not None:
+        if spec.distributed:
             self._merged_thread = threading.Thread(target=self._finish_merged,
                                                    name="gpulens-finish", daemon=True)
             self._merged_thread.start()

@@ -89,9 +89,7 @@ class Finisher:
         self._credit_at = time.perf_counter()
         try:
             self.rules: RuleEngine | None = RuleEngine(RulesConfig(
-                dtype=spec.dtype, gpus=tuple(gpus), job=spec.job,
-                # rows gathered by the client (spec.gather) or by the engines
-                distributed=spec.gather or spec.gather_plan is not None,
+                dtype=spec.dtype, gpus=tuple(gpus), job=spec.job, distributed=spec.distributed,
                 training=not spec.wall_clock))
         except Exception as exc:  # the rules are advice: never a reason not to monitor
             logger.warning("gpulens: the advice rules could not start (%r); rows go on "

@@ -52,13 +52,13 @@ class EngineSpec:
     rows_back: bool = False
     """Hand every finished row back to the client, for its own sinks."""
     gather: bool = False
-    """A distributed job of several nodes: each window's raw row goes back to the client for
-    the rank gather; rank 0's client sends the merged row back to be finished
-    (:meth:`Engine.finish`)."""
+    """A distributed job whose store no engine can open (not a ``TCPStore``): each window's
+    raw row goes back to the client for the rank gather; rank 0's client sends the merged row
+    back to be finished (:meth:`Engine.finish`)."""
     gather_plan: GatherPlan | None = None
-    """A distributed job of one node: the engine does this rank's part of the gather itself
-    (:mod:`gpulens.distributed.rows`): its raw rows go into the node's file, and rank 0's
-    engine merges and finishes the job's rows."""
+    """A distributed job gathered by the engines: this one does this rank's part of the
+    gather itself (:mod:`gpulens.distributed.rows`): its raw rows go into the node's file, and
+    rank 0's engine merges and finishes the job's rows."""
     rank: tuple[int, int, int] | None = None
     """(global rank, local rank, world size) in a distributed job."""
     job: JobShape | None = None
@@ -71,3 +71,10 @@ class EngineSpec:
     flops_per_token: float | None = None
     flops_per_sample: float | None = None
     """Model FLOPs (forward + backward) per token / per sample, for ``perf/tflops``."""
+
+    @property
+    def distributed(self) -> bool:
+        """The rows are a distributed job's, gathered by the client (``gather``) or by the
+        engines (``gather_plan``): rank 0's finished rows hold every rank's GPUs."""
+        return self.gather or self.gather_plan is not None
+
