@@ -164,8 +164,22 @@ def test_nodes_known_only_by_name_are_numbered_by_name() -> None:
 
 
 # -- the two levels --------------------------------------------------------------------------
-def test_two_nodes_rows_meet_on_rank_0() -> None:
-    job = Job(world=4, nodes=2)
+@pytest.mark.parametrize("tcp", [False, True], ids=["hash-store", "tcp-store"])
+def test_two_nodes_rows_meet_on_rank_0(tcp: bool) -> None:
+    """Two nodes of two ranks. On the launchers' kind of store (a ``TCPStore`` under torch's
+    ``PrefixStore``) every rank's engine gathers, the leaders' and rank 0's over connections of
+    their own to the store's host and port: no training process does per-row work or runs a
+    thread of the gather. A store no other process can open (a ``HashStore``) leaves it to
+    the training processes. The rows are the same."""
+    job = Job(world=4, nodes=2, tcp=tcp)
+    if tcp:
+        address = ("127.0.0.1", job.server.port)
+        assert all(job.g[r].in_engine and job.g[r].work is None for r in range(4))
+        assert all(job.g[r].store_address == address for r in range(4))
+    else:
+        assert not any(job.g[r].in_engine for r in range(4))
+        assert job.g[0].work is not None and job.g[1].work is not None
+    assert [job.g[r].is_leader for r in range(4)] == [False, True, False, True]
     shape = job.shapes[0]
     assert [(r.rank, r.node, r.node_name) for r in shape.ranks] == [
         (0, 0, "node0"), (1, 0, "node0"), (2, 1, "node1"), (3, 1, "node1")]
@@ -187,47 +201,18 @@ def test_two_nodes_rows_meet_on_rank_0() -> None:
     assert v["rank/3/gpu_relative_score"] == pytest.approx(50.0 / 53.0)
     # in a small job the node leaders write nothing of their own: rank 0's row has it all
     assert not any(job.rows[r] for r in (1, 2, 3))
+    channel = job.w[1].channel  # node 0's leader pushed its summaries through the store
+    assert channel is not None and channel.bytes_out > 0
 
 
-def test_with_a_tcp_store_the_engines_gather_several_nodes() -> None:
-    """Two nodes of two ranks on the launchers' kind of store (a ``TCPStore`` under torch's
-    ``PrefixStore``): every rank's engine gathers, the leaders' and rank 0's over connections
-    of their own to the store's host and port; no training process does any per-row work or
-    runs a thread of the gather. The rows are the ones the training processes made before."""
-    job = Job(world=4, nodes=2, tcp=True)
-    port = job.server.port
-    assert all(job.g[r].in_engine and job.g[r].work is None for r in range(4))
-    assert all(job.g[r].store_address == ("127.0.0.1", port) for r in range(4))
-    assert [job.g[r].is_leader for r in range(4)] == [False, True, False, True]
-    for step in (1, 2, 3):
-        job.log(step)
-    rows = job.wait_rows(0, 3)
-    job.stop()
-    assert [r.step for r in rows] == [1, 2, 3]
-    v = rows[-1].values
-    assert (v["job/ranks"], v["job/nodes"], v["job/world"], v["job/partial"]) == (4, 2, 4, 0)
-    assert all(f"gpu/{r}/util_pct" in v for r in range(4))
-    assert v["gpu/all/util_pct_mean"] == pytest.approx(61.5)
-    assert v["node/1/util_pct_mean"] == pytest.approx(62.5)
-    assert v["work/tokens"] == 32.0 and v["train/loss"] == pytest.approx(1 / 3)
-    assert not any(job.rows[r] for r in (1, 2, 3))
-    # the summaries went through the raw store, under the gather's own prefix
-    assert job.w[1].channel is not None and job.w[1].channel.bytes_out > 0
-
-
-def test_a_store_an_engine_cannot_reach_leaves_the_gather_to_the_training_process() -> None:
-    """A ``HashStore`` (or a ``FileStore``) cannot be opened from another process: a job of
-    several nodes is gathered in the training processes, as before."""
+def test_only_a_tcp_store_is_opened_from_an_engine() -> None:
     from gpulens.distributed.rows import store_address
 
     assert store_address(dist.HashStore()) is None
     assert store_address(dist.PrefixStore("p", dist.HashStore())) is None
-    job = Job(world=4, nodes=2)
-    assert not any(job.g[r].in_engine for r in range(4))
-    assert job.g[0].work is not None and job.g[1].work is not None
-    job.log(1)
-    assert [r.step for r in job.wait_rows(0, 1)] == [1]
-    job.stop()
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    nested = dist.PrefixStore("a", dist.PrefixStore("b", server))
+    assert store_address(nested) == ("127.0.0.1", server.port)
 
 
 def test_a_two_rank_job_is_gathered_by_rank_0s_engine(caplog: pytest.LogCaptureFixture) -> None:
