@@ -382,10 +382,14 @@ class RowGather:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(2.0)
-        if self._rx_thread is not None and self._channel is not None:
-            with contextlib.suppress(Exception):
-                self._channel.wake()  # its waiting pop returns
-            self._rx_thread.join(2.0)
+        if self._rx_thread is not None:
+            channel = self._channel
+            if channel is None and self._connect is not None:  # stopped before it connected
+                channel = self._open_channel()
+            if channel is not None:
+                with contextlib.suppress(Exception):
+                    channel.wake()  # its waiting pop returns
+                self._rx_thread.join(2.0)
         if ring is not None:
             if not self.is_leader:
                 ring.finish(self.m.slot, self._written)
