@@ -72,9 +72,9 @@ class Job:
                               interval=0.1, job=self.shapes[r]))
             if plan is not None:  # as the engine makes it
                 self.w[r] = plan.gather(self.rows[r].append, gpu=r, shape=self.shapes[r])
-            else:
-                assert g.work is not None
+            elif g.work is not None:
                 self.w[r] = g.work
+            # else: this rank could not join its node's file (said); its rows go nowhere
 
         self._parallel(start)
 
@@ -93,7 +93,8 @@ class Job:
                       "perf/steps": 1.0, "perf/step_time_s": 0.5, "work/cpu_s": 0.1,
                       "work/tokens": 8.0, "train/loss": 1.0 / step,
                       "train/global_step": float(step)}
-            self.w[r].local_row(Row(step=step, time=float(step), values=values))
+            if r in self.w:
+                self.w[r].local_row(Row(step=step, time=float(step), values=values))
 
     def wait_rows(self, rank: int, n: int) -> list[Row]:
         deadline = time.monotonic() + WAIT_S
@@ -104,7 +105,8 @@ class Job:
 
     def stop(self) -> None:
         def stop(r: int) -> None:
-            self.w[r].flush(WAIT_S)  # an engine's stop, or its JobGather's
+            if r in self.w:
+                self.w[r].flush(WAIT_S)  # an engine's stop, or its JobGather's
             self.g[r].flush(WAIT_S)
 
         self._parallel(stop)
@@ -234,6 +236,31 @@ def test_an_engine_gather_stopped_before_it_connected_leaves_no_thread_waiting(
     finally:
         release.set()
         job.stop()
+
+
+def test_a_leaders_summaries_wait_for_its_connection_to_the_store(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader's engine opens its connection beside its gather loop (the import of torch and
+    the connect take seconds); the summaries it makes meanwhile are sent, in order, once it is
+    open: no row is partial for it."""
+    from gpulens.distributed import rows
+
+    real = rows.connect_store
+
+    def slow_for_the_leaders(address: Any, timeout: float = 60.0) -> Any:
+        if threading.current_thread().name == "gpulens-gather-connect":
+            time.sleep(0.8)
+        return real(address, timeout)
+
+    monkeypatch.setattr(rows, "connect_store", slow_for_the_leaders)
+    job = Job(world=4, nodes=2, tcp=True)
+    for step in (1, 2, 3):
+        job.log(step)
+    assert job.w[1].channel is None  # still connecting while the rows came
+    got = job.wait_rows(0, 3)
+    job.stop()
+    assert [(r.step, r.values["job/ranks"], r.values["job/partial"]) for r in got] == [
+        (1, 4, 0), (2, 4, 0), (3, 4, 0)]
 
 
 def test_only_a_tcp_store_is_opened_from_an_engine() -> None:
@@ -412,6 +439,33 @@ def test_a_rank_that_cannot_open_its_node_file_trains_on_and_is_told(
     said = [r.getMessage() for r in caplog.records if "could not join" in r.getMessage()]
     assert said == ["gpulens: rank 2 could not join its node's gather (OSError('no such "
                     "file')); its rows are not gathered"]
+
+
+def test_rank_0_without_its_node_file_still_merges_the_other_nodes(
+        fast_waits: None, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two nodes gathered by the engines (a TCPStore): rank 0 cannot open its node's file.
+    Its engine still merges the nodes' summaries into the job's rows (without its own GPU,
+    marked partial), as the training process did before."""
+    from gpulens.distributed import gather
+
+    real = gather.attach_ring
+
+    def attach(path: Path, m: Any) -> NodeRing:
+        if m.rank == 0:
+            raise OSError("no such file")
+        return real(path, m)
+
+    monkeypatch.setattr(gather, "attach_ring", attach)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        job = Job(world=4, nodes=2, tcp=True)
+        assert job.w[0].ring is None and job.w[0].is_writer
+        for step in (1, 2):
+            job.log(step)
+        rows = job.wait_rows(0, 2)
+        job.stop()
+    assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows] == [(3, 1)] * 2
+    assert "gpu/0/util_pct" not in rows[-1].values and "gpu/3/util_pct" in rows[-1].values
 
 
 def test_a_node_that_never_sends_is_told_once(fast_waits: None,

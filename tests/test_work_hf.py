@@ -520,6 +520,9 @@ def test_counts_on_several_devices_meet_on_the_lowest_numbered() -> None:
     moved = on_one_device(spread)
     assert moved[0].moved_to == torch.device("cuda", 1)
     assert moved[1] is spread[1] and moved[2] == 7.0  # already there; not a tensor
+    # counts on the host and on a GPU meet on the GPU (a copy to the host is not waited for)
+    mixed = [_Dev(torch.device("cpu")), _Dev(torch.device("cuda", 2))]
+    assert home_device(mixed) == torch.device("cuda", 2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -62,7 +62,7 @@ class _Link:
         """A row from the engine (its thread; or, from an engine process, ``log()`` or the
         link thread): a rank's own row for the gather, or a finished row for this process's
         sinks."""
-        if not final:  # a job of several nodes: for this process's gather
+        if not final:  # the raw row of a job this process gathers (its store is no TCPStore)
             if self.gather is not None:
                 self.gather.local_row(row)
         elif self.writer is not None:
@@ -511,11 +511,11 @@ class Monitor:
             relay.close(min(total, 10.0))
             gather = self._gather
             if gather is not None and not gather.in_engine:
-                if collective:  # several nodes: the last rows come back raw and meet here
+                if collective:  # gathered here: the last rows come back raw and meet here
                     transport.drain(total)
                     gather.flush(total)
                 gather.close()
-            # one node: the engines meet the other ranks' last rows as they stop
+            # gathered by the engines: they meet the other ranks' last rows as they stop
             engine_stats = transport.stop(total, stall, collective)
             if gather is not None:
                 gather.close()

@@ -118,7 +118,11 @@ class JobGather:
         """The job level goes through the store (several nodes, or node rows of their own):
         rank 0 does not lead its node."""
         self.store_address = store_address(store) if self.crosses_store else None
-        """The job's ``TCPStore`` (host, port), where the engines can reach it themselves."""
+        """The job's ``TCPStore`` (host, port), where the engines can reach it themselves.
+        Every rank decides alone, and alike: the ranks of a job share one kind of store (one
+        init method); the engines' keys are the raw store's, the training processes' the
+        default store's (under torch's prefixes), so a job split between the two would lose
+        its nodes' summaries (every row partial, the nodes said missing)."""
         self.in_engine = not self.crosses_store or self.store_address is not None
         """The engines do the per-row work (a job of one node; several, where the store is a
         ``TCPStore``: module doc)."""
@@ -129,7 +133,8 @@ class JobGather:
         self._late = 0
         """Rows that came with no per-row work here to take them (counted in late_rows)."""
         self.work: RowGather | None = None
-        """The per-row work, where it runs in this process (a job of several nodes)."""
+        """The per-row work, where it runs in this process (a job of several nodes whose
+        store is no ``TCPStore``)."""
         if self.is_leader:
             path = ring_dir() / f"gpulens-{self.m.token}-n{self.node}"
             self._ring = create_ring(path, self.m)
@@ -179,15 +184,19 @@ class JobGather:
         return self.shape
 
     def engine_plan(self) -> GatherPlan | None:
-        """Where the engines do the per-row work (a job of one node): what this rank's engine
+        """Where the engines do the per-row work (:attr:`in_engine`): what this rank's engine
         needs for it, before the engine starts (a rank waits, bounded, for its node's file);
         ``None`` where this process does it, or where this rank could not join its node's
-        file (said: its rows are then not gathered)."""
+        file (said: its rows are then not gathered). Rank 0 of a job whose job level crosses
+        the store still merges the other nodes' rows without its node's file (an empty
+        ``ring``)."""
         if not self.in_engine:
             return None
         if not self.is_leader and self._ring is None:
             self._attach()
         if self._ring is None:
+            if self.is_writer and self.crosses_store:
+                return GatherPlan(self.m, "", self.full, store=self.store_address)
             return None
         self._ring.claim(self.m.slot, self.rank, os.getpid())
         return GatherPlan(self.m, str(self._ring.path), self.full, store=self.store_address)

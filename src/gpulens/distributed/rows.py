@@ -26,6 +26,7 @@ waits for the nodes' summaries.  Its faults are :mod:`~.gather`'s.
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections import deque
@@ -84,12 +85,19 @@ class GatherPlan:
             def connect() -> Any:
                 return connect_store(address)
 
-        return RowGather(self, submit, gpu=gpu, ring=self.open_ring(), shape=shape,
-                         connect=connect).start()
+        return RowGather(self, submit, gpu=gpu, ring=self.open_ring() if self.ring else None,
+                         shape=shape, connect=connect).start()
+
+
+REACH_S = 5.0
+"""How long a connection to the job's store may take to open (a plain TCP connect first, so
+that a store that cannot be reached is said within seconds, not after torch's own retries)."""
 
 
 def connect_store(address: tuple[str, int], timeout: float = 60.0) -> Any:
-    """A connection of its own to the job's ``TCPStore`` at ``address`` (imports torch)."""
+    """A connection of its own to the job's ``TCPStore`` at ``address`` (imports torch);
+    ``OSError`` within :data:`REACH_S` where nothing answers there."""
+    socket.create_connection(address, timeout=REACH_S).close()
     from torch.distributed import TCPStore  # type: ignore[attr-defined,unused-ignore]
 
     return TCPStore(address[0], address[1], is_master=False, wait_for_workers=False,
@@ -178,6 +186,10 @@ class RowGather:
         self._channel = channel
         self._rx_channel = rx_channel
         self._connect = connect
+        self._unsent: deque[bytes] = deque()
+        """A leader's summaries made before its connection to the store was open (at most
+        :data:`~.channel.MAX_QUEUED_PER_NODE`; older ones are dropped)."""
+        self._connector: threading.Thread | None = None
         self._rx: deque[bytes] = deque()
         """Summaries rank 0's receiving thread took, for the gather thread."""
         self._thread: threading.Thread | None = None
@@ -194,7 +206,20 @@ class RowGather:
             self._rx_thread = threading.Thread(target=self._receive, name="gpulens-gather-rx",
                                                daemon=True)
             self._rx_thread.start()
+        if self._connect is not None and self.is_leader and not self.is_writer:
+            # a leader's push connection, opened beside the gather loop (the import of torch
+            # and the connect take seconds: the node's file is read meanwhile)
+            self._connector = threading.Thread(target=self._open_push, daemon=True,
+                                               name="gpulens-gather-connect")
+            self._connector.start()
         return self
+
+    def _open_push(self) -> None:
+        channel = self._open_channel()
+        if channel is not None:
+            with self._lock:
+                self._channel = channel
+            self._signal()  # summaries made meanwhile go now
 
     def _open_channel(self, waits: bool = False) -> UpChannel | None:
         """A channel on a connection of its own (``connect``); ``waits``: its pops wait with
@@ -283,8 +308,6 @@ class RowGather:
                 self._signal()
 
     def _work(self) -> None:
-        if self._connect is not None and self._channel is None:
-            self._channel = self._open_channel()  # a leader's pushes; rank 0's wake-up
         node = NodeLevel(self) if self.is_leader else None
         job = JobLevel(self) if self.is_writer else None
         last = -PASS_S
@@ -307,14 +330,16 @@ class RowGather:
                 if node is not None:
                     for summary, node_out in node.poll():
                         self._hand_up(summary, node_out, job)
+                    if self._unsent:  # made before the connection opened (it now has)
+                        self._send_unsent()
                 if job is not None:
                     job.poll()
                 self.stats["busy_s"] += time.perf_counter() - t1
                 self.stats["cpu_s"] += time.thread_time() - c1
                 if finishing and (node is None or node.finished()) and (
                         job is None or job.finished()):
-                    if node is not None and not self.is_writer and self._channel is not None:
-                        self._channel.push(self.node, agg.NodeSummary.done(self.node))
+                    if node is not None and not self.is_writer:
+                        self._push_done()
                     return
         except Exception as exc:
             if not self._closed:
@@ -335,9 +360,34 @@ class RowGather:
         if job is not None:  # rank 0 leads its node
             job.add(summary, node_out)
             return
-        channel = self._channel
-        if channel is not None and not channel.push(
-                self.node, summary.encode(agg.featured_slots(self.world, self.full))):
+        if self._channel is None and self._connect is None:
+            return  # no way to rank 0
+        # in order, behind any made before the connection opened (kept while it opens)
+        self._unsent.append(summary.encode(agg.featured_slots(self.world, self.full)))
+        while len(self._unsent) > MAX_QUEUED_PER_NODE:
+            self._unsent.popleft()
+        self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        with self._lock:
+            channel = self._channel
+        while channel is not None and self._unsent:
+            self._push(channel, self._unsent.popleft())
+
+    def _push_done(self) -> None:
+        """A leader at stop: what waits, then the node's last summary (rank 0 stops waiting
+        for the node); its connection given :data:`REACH_S` more to open."""
+        connector = self._connector
+        if connector is not None:
+            connector.join(REACH_S)
+        self._send_unsent()
+        with self._lock:
+            channel = self._channel
+        if channel is not None:
+            channel.push(self.node, agg.NodeSummary.done(self.node))
+
+    def _push(self, channel: UpChannel, payload: bytes) -> None:
+        if not channel.push(self.node, payload):
             warn_once("gather-full", "gpulens: node %d's figures wait in the store for rank 0 "
                       "(more than %d rows behind); later ones are dropped until it catches up",
                       self.node, MAX_QUEUED_PER_NODE)
@@ -382,10 +432,10 @@ class RowGather:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(2.0)
-        if self._rx_thread is not None:
+        if self._rx_thread is not None and self._rx_thread.is_alive():
             channel = self._channel
-            if channel is None and self._connect is not None:  # stopped before it connected
-                channel = self._open_channel()
+            if channel is None and self._connect is not None:  # rank 0 in an engine: its
+                channel = self._open_channel()  # receiving thread's pop is woken from here
             if channel is not None:
                 with contextlib.suppress(Exception):
                     channel.wake()  # its waiting pop returns

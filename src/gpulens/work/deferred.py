@@ -157,12 +157,14 @@ def _host_float(value: Any) -> float | None:
 def home_device(tensors: list[Any]) -> Any:
     """The device where counts kept on several devices meet (``nn.DataParallel`` runs a
     replica's forward, the counter's pre-hook included, on every GPU: its masks stay there):
-    the lowest-numbered of theirs, so that every take and fold of one counter picks the same;
-    ``None`` when they all share one (the usual case: nothing moves)."""
+    the lowest-numbered CUDA device of theirs (a device, never the host: a copy to the host
+    would be read before it landed), so that every take and fold of one counter picks the
+    same; ``None`` when they all share one (the usual case: nothing moves)."""
     devices = {t.device for t in tensors if hasattr(t, "device")}
     if len(devices) <= 1:
         return None
-    return min(devices, key=lambda d: (d.type, -1 if d.index is None else d.index))
+    return min(devices, key=lambda d: (d.type != "cuda", d.type,
+                                       -1 if d.index is None else d.index))
 
 
 def on_one_device(tensors: list[Any], home: Any = None) -> list[Any]:
