@@ -224,29 +224,48 @@ def test_rank_0s_engine_leaves_no_thread_waiting_on_the_store_at_stop() -> None:
         job.stop()
 
 
+@pytest.mark.parametrize("kept", [64, 2])
 def test_a_leaders_summaries_wait_for_its_connection_to_the_store(
+        kept: int, fast_waits: None, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A leader's engine opens its connection beside its gather loop (the import of torch and
     the connect take seconds); the summaries it makes meanwhile are sent, in order, once it is
-    open: no row is partial for it."""
+    open: no row is partial for it. Beyond ``kept`` of them the oldest are dropped, counted and
+    said once, and those rows are written partial."""
     from gpulens.distributed import rows
 
+    monkeypatch.setattr(rows, "MAX_QUEUED_PER_NODE", kept)
+    release = threading.Event()
     real = rows.connect_store
 
-    def slow_for_the_leaders(address: Any, timeout: float = 60.0) -> Any:
+    def held_for_the_leaders(address: Any, timeout: float = 60.0) -> Any:
         if threading.current_thread().name == "gpulens-gather-connect":
-            time.sleep(0.8)
+            release.wait(WAIT_S)
         return real(address, timeout)
 
-    monkeypatch.setattr(rows, "connect_store", slow_for_the_leaders)
-    job = Job(world=4, nodes=2, tcp=True)
-    for step in (1, 2, 3):
-        job.log(step)
-    assert job.w[1].channel is None  # still connecting while the rows came
-    got = job.wait_rows(0, 3)
-    job.stop()
-    assert [(r.step, r.values["job/ranks"], r.values["job/partial"]) for r in got] == [
-        (1, 4, 0), (2, 4, 0), (3, 4, 0)]
+    monkeypatch.setattr(rows, "connect_store", held_for_the_leaders)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        job = Job(world=4, nodes=2, tcp=True)
+        for step in (1, 2, 3, 4):
+            job.log(step)
+        leaders = (job.w[1], job.w[3])
+        deadline = time.monotonic() + WAIT_S
+        while any(len(w._unsent) + w.stats["unsent_dropped"] < 4 for w in leaders):
+            assert time.monotonic() < deadline  # each leader made its 4 summaries, unsent
+            time.sleep(0.01)
+        assert all(w.channel is None for w in leaders)
+        release.set()
+        got = job.wait_rows(0, 4)
+        job.stop()
+    whole = [(s, 4, 0) for s in (1, 2, 3, 4)]
+    said = [r for r in caplog.records if "wait for a connection" in r.getMessage()]
+    if kept >= 4:
+        assert [(r.step, r.values["job/ranks"], r.values["job/partial"]) for r in got] == whole
+        assert not said
+    else:
+        assert [(r.step, r.values["job/partial"]) for r in got] == [(1, 1), (2, 1), (3, 0),
+                                                                      (4, 0)]
+        assert [w.stats["unsent_dropped"] for w in leaders] == [2, 2] and len(said) == 1
 
 
 def test_only_a_tcp_store_is_opened_from_an_engine() -> None:
@@ -399,59 +418,37 @@ def test_a_stalled_rank_is_waited_for_once_then_not(
     assert any("rank 2 sends rows again" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(("tcp", "who"), [(False, 2), (True, 0)],
+                         ids=["training-processes-rank-2", "engines-rank-0"])
 def test_a_rank_that_cannot_open_its_node_file_trains_on_and_is_told(
-        fast_waits: None, caplog: pytest.LogCaptureFixture,
+        tcp: bool, who: int, fast_waits: None, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two nodes (the training processes gather): rank 2 cannot open its node's file. Its
-    start does not fail (a monitoring fault never stops training); it says so once, and the
-    job's rows go on without it, marked partial."""
+    """Two nodes: a rank cannot open its node's file. Its start does not fail (a monitoring
+    fault never stops training); it says so once, and the job's rows go on without it, marked
+    partial. Rank 0 so (the engines gathering, a TCPStore) still merges the other nodes'."""
     from gpulens.distributed import gather
 
     real = gather.attach_ring
 
     def attach(path: Path, m: Any) -> NodeRing:
-        if m.rank == 2:
+        if m.rank == who:
             raise OSError("no such file")
         return real(path, m)
 
     monkeypatch.setattr(gather, "attach_ring", attach)
     with caplog.at_level(logging.WARNING, logger="gpulens"):
-        job = Job(world=4, nodes=2)
+        job = Job(world=4, nodes=2, tcp=tcp)
+        if who == 0:
+            assert job.w[0].ring is None and job.w[0].is_writer
         for step in (1, 2):
             job.log(step)
         rows = job.wait_rows(0, 2)
         job.stop()
     assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows] == [(3, 1)] * 2
+    assert f"gpu/{who}/util_pct" not in rows[-1].values and "gpu/3/util_pct" in rows[-1].values
     said = [r.getMessage() for r in caplog.records if "could not join" in r.getMessage()]
-    assert said == ["gpulens: rank 2 could not join its node's gather (OSError('no such "
+    assert said == [f"gpulens: rank {who} could not join its node's gather (OSError('no such "
                     "file')); its rows are not gathered"]
-
-
-def test_rank_0_without_its_node_file_still_merges_the_other_nodes(
-        fast_waits: None, caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two nodes gathered by the engines (a TCPStore): rank 0 cannot open its node's file.
-    Its engine still merges the nodes' summaries into the job's rows (without its own GPU,
-    marked partial), as the training process did before."""
-    from gpulens.distributed import gather
-
-    real = gather.attach_ring
-
-    def attach(path: Path, m: Any) -> NodeRing:
-        if m.rank == 0:
-            raise OSError("no such file")
-        return real(path, m)
-
-    monkeypatch.setattr(gather, "attach_ring", attach)
-    with caplog.at_level(logging.WARNING, logger="gpulens"):
-        job = Job(world=4, nodes=2, tcp=True)
-        assert job.w[0].ring is None and job.w[0].is_writer
-        for step in (1, 2):
-            job.log(step)
-        rows = job.wait_rows(0, 2)
-        job.stop()
-    assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows] == [(3, 1)] * 2
-    assert "gpu/0/util_pct" not in rows[-1].values and "gpu/3/util_pct" in rows[-1].values
 
 
 def test_a_node_that_never_sends_is_told_once(fast_waits: None,

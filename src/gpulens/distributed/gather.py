@@ -43,7 +43,6 @@ time (:meth:`~gpulens.distributed.rows.RowGather.flush`).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import time
@@ -53,7 +52,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from gpulens.distributed.channel import UpChannel
 from gpulens.distributed.levels import JOB_WAIT_S, NODE_WAIT_S
 from gpulens.distributed.nodering import NodeRing, ring_dir
 from gpulens.distributed.rows import (
@@ -222,18 +220,11 @@ class JobGather:
         if ring is not None:
             ring.claim(self.m.slot, self.rank, os.getpid())
         plan = GatherPlan(self.m, str(ring.path) if ring is not None else "", self.full)
-        channel = rx = None
-        # a leader pushes its summaries; rank 0 pops them (and wakes its popping thread
-        # through a channel of its own)
-        if self.is_leader or self.is_writer:
-            channel = UpChannel(_clone(self._store), self.m.prefix, self.m.nodes)
-        if self.is_writer:
-            rx_store = _clone(self._store)
-            with contextlib.suppress(Exception):  # its pops wait: no time-out while it runs
-                rx_store.set_timeout(timedelta(days=1))
-            rx = UpChannel(rx_store, self.m.prefix, self.m.nodes)
+        store = self._store
+        # the leader's and rank 0's connections of their own, opened by the threads that use
+        # them, as in an engine (:meth:`GatherPlan.gather`)
         self.work = RowGather(plan, self._submit, gpu=gpu, shape=self.shape, ring=ring,
-                              channel=channel, rx_channel=rx).start()
+                              connect=lambda: _clone(store)).start()
 
     def _attach(self) -> None:
         key = self.m.prefix + f"ring/{self.node}"

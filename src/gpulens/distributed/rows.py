@@ -147,15 +147,14 @@ class RowGather:
         shape: the job's shape as this rank knows it (the WARNINGs name nodes and GPUs).
         ring: the node's file, opened (:meth:`GatherPlan.open_ring`); ``None`` where this
             rank could not open it (said where that failed): its rows are not gathered.
-        channel: a leader's push of its summaries to rank 0 (several nodes).
-        rx_channel: rank 0's own connection for popping them (several nodes).
-        connect: makes a new connection to the job's store: the channels are then opened
-            by the threads that use them (in an engine: :meth:`GatherPlan.gather`).
+        connect: makes a new connection to the job's store, where the job level crosses it
+            (several nodes): a leader's, for pushing its summaries to rank 0, and rank 0's,
+            for popping them, are each opened by the thread that uses it, beside the gather
+            loop (in an engine, the first imports torch: seconds).
     """
 
     def __init__(self, plan: GatherPlan, submit: Callable[[Row], None], *, gpu: int,
                  ring: NodeRing | None, shape: JobShape | None = None,
-                 channel: UpChannel | None = None, rx_channel: UpChannel | None = None,
                  connect: Callable[[], Any] | None = None) -> None:
         self.m = m = plan.m
         self.rank, self.world = m.rank, m.world
@@ -181,16 +180,21 @@ class RowGather:
         """Rank 0's own rows, for the job level."""
         self.late_rows = 0
         self.stats: dict[str, float] = {"rows": 0, "partial": 0, "lost": 0, "busy_s": 0.0,
-                                        "cpu_s": 0.0, "wakes": 0, "passes": 0}
+                                        "cpu_s": 0.0, "wakes": 0, "passes": 0,
+                                        "unsent_dropped": 0}
         """For benchmarks: rows written (node rows on a leader, job rows on rank 0), partial
         ones, entries lost; the gather thread's wall and CPU seconds at work, the wake-ups
-        sent to it and the passes it made (each takes every row waiting)."""
-        self._channel = channel
-        self._rx_channel = rx_channel
+        sent to it and the passes it made (each takes every row waiting), a leader's summaries
+        dropped before its connection to the store opened."""
+        self._channel: UpChannel | None = None
+        """A leader's push connection, once open."""
+        self._rx_channel: UpChannel | None = None
+        """Rank 0's popping connection, once open."""
         self._connect = connect
         self._unsent: deque[bytes] = deque()
         """A leader's summaries made before its connection to the store was open (at most
-        :data:`~.channel.MAX_QUEUED_PER_NODE`; older ones are dropped)."""
+        :data:`~.channel.MAX_QUEUED_PER_NODE`; older ones are dropped, counted in
+        ``stats["unsent_dropped"]`` and said)."""
         self._connector: threading.Thread | None = None
         self._rx: deque[bytes] = deque()
         """Summaries rank 0's receiving thread took, for the gather thread."""
@@ -204,7 +208,7 @@ class RowGather:
             self._thread = threading.Thread(target=self._work, name="gpulens-gather",
                                             daemon=True)
             self._thread.start()
-        if self._rx_channel is not None or (self._connect is not None and self.is_writer):
+        if self._connect is not None and self.is_writer:
             self._rx_thread = threading.Thread(target=self._receive, name="gpulens-gather-rx",
                                                daemon=True)
             self._rx_thread.start()
@@ -234,8 +238,8 @@ class RowGather:
                     store.set_timeout(timedelta(days=1))
         except Exception as exc:
             if not self._closed:
-                warn_once("gather-store", "gpulens: rank %d cannot reach the job's store from "
-                          "its engine (%r): %s", self.rank, exc,
+                warn_once("gather-store", "gpulens: rank %d cannot reach the job's store "
+                          "(%r): %s", self.rank, exc,
                           "the nodes' figures are not merged" if self.is_writer else
                           "its node's figures do not reach rank 0")
             return None
@@ -291,9 +295,7 @@ class RowGather:
     # -- the threads ---------------------------------------------------------------------------
     def _receive(self) -> None:
         """Rank 0: wait for node summaries on the store (a connection of its own)."""
-        if self._rx_channel is None:
-            self._rx_channel = self._open_channel(waits=True)
-        channel = self._rx_channel
+        channel = self._rx_channel = self._open_channel(waits=True)
         if channel is None:
             return
         while not self._closed:
@@ -368,6 +370,10 @@ class RowGather:
         self._unsent.append(summary.encode(agg.featured_slots(self.world, self.full)))
         while len(self._unsent) > MAX_QUEUED_PER_NODE:
             self._unsent.popleft()
+            self.stats["unsent_dropped"] += 1
+            warn_once("gather-unsent", "gpulens: node %d's figures wait for a connection to "
+                      "the job's store (more than %d rows); older ones are dropped",
+                      self.node, MAX_QUEUED_PER_NODE)
         self._send_unsent()
 
     def _send_unsent(self) -> None:
@@ -436,8 +442,8 @@ class RowGather:
             thread.join(2.0)
         if self._rx_thread is not None and self._rx_thread.is_alive():
             channel = self._channel
-            if channel is None and self._connect is not None:  # rank 0 in an engine: its
-                channel = self._open_channel()  # receiving thread's pop is woken from here
+            if channel is None and self._connect is not None:  # rank 0 holds no push
+                channel = self._open_channel()  # connection: its pop is woken from here
             if channel is not None:
                 with contextlib.suppress(Exception):
                     channel.wake()  # its waiting pop returns
