@@ -268,6 +268,33 @@ def test_a_leaders_summaries_wait_for_its_connection_to_the_store(
         assert [w.stats["unsent_dropped"] for w in leaders] == [2, 2] and len(said) == 1
 
 
+def test_a_store_a_leader_cannot_reach_is_said_once_and_rows_go_on_partial(
+        fast_waits: None, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leaders' engines cannot connect to the job's store: said once, within seconds (a
+    plain TCP connect first), and rank 0 writes its rows without those nodes, marked
+    partial; training is never stopped."""
+    from gpulens.distributed import rows
+
+    real = rows.connect_store
+
+    def refused_for_the_leaders(address: Any, timeout: float = 60.0) -> Any:
+        if threading.current_thread().name == "gpulens-gather-connect":
+            raise ConnectionRefusedError("refused")
+        return real(address, timeout)
+
+    monkeypatch.setattr(rows, "connect_store", refused_for_the_leaders)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        job = Job(world=4, nodes=2, tcp=True)
+        job.log(1)
+        got = job.wait_rows(0, 1)
+        job.stop()
+    assert [(r.step, r.values["job/partial"]) for r in got] == [(1, 1)]
+    said = [r.getMessage() for r in caplog.records if "cannot reach the job's store" in
+            r.getMessage()]
+    assert len(said) == 1 and "its node's figures do not reach rank 0" in said[0], said
+
+
 def test_only_a_tcp_store_is_opened_from_an_engine() -> None:
     from gpulens.distributed.rows import store_address
 
