@@ -10,11 +10,27 @@ The method, in one place so that every script says the same thing:
   ``100 * (value(arm) / value(baseline) - 1)`` percentage points (pp) of the same round's
   baseline step; a monitor against another monitor is the difference of their two per-round
   differences.
-* **Order.** The order of the arms is shuffled anew in every round (seeded by
-  ``(seed, round)``, recorded), so no arm always follows the same neighbour.
+* **Order.** The arms' orders are balanced and random (:func:`round_order`): every complete
+  set of rounds (a Williams design: ``n`` orders for ``n`` arms, ``2n`` where ``n`` is odd; all
+  six for three arms) puts each arm in each place equally often and after each other arm
+  equally often, the sets in a seeded random order and the arms' roles drawn per run. So no arm
+  always follows the same neighbour, and an effect of the place in the round or of the arm
+  before (a monitor's stop in the next block's burn-in) falls on every arm alike.
 * **A/A arm.** Every baseline runs twice per round (``<baseline>`` and ``<baseline>_b``, the
   same code). The A/A arm's per-round difference is what two identical arms differ by in this
   run: its 95 % interval is the run's **A/A envelope**, and its range is shown beside it.
+* **Seeds.** A run of a script whose runs are pooled (``paths_aa.py``, ``step_work_ab.py``)
+  draws its order seed afresh (``fresh_seed``) unless one is given, and records it. Runs pooled
+  over several calls must have different seeds: with one seed every run goes through the same
+  sequence of orders, and whatever depends on the order and on the time since the start adds
+  up across the runs instead of averaging out (2026-11-28, ten jobs with seed 0: the A/A arm
+  slower than the baseline in nine; four with seeds 1-4: mixed signs).
+* **Between runs.** Rounds of one run share that run's state (its process, its memory layout,
+  its place on the host's CPUs); an arm's effect can differ from run to run by more than the
+  rounds' own spread says. Where rounds of several runs are pooled, :func:`between_runs` sets
+  each run's mean beside the others (Cochran's Q, I squared) and gives the random-effects
+  interval (DerSimonian-Laird), which widens where the runs disagree; ``paths_pool.py`` judges
+  the bound on it.
 * **Interval.** The mean of the per-round differences, with a 95 % percentile-bootstrap
   interval (4000 resamples of the rounds, seeded).
 * **Verdict.** "higher than X" / "lower than X" only where the interval excludes 0 **and** lies
@@ -44,6 +60,7 @@ from __future__ import annotations
 
 import math
 import random
+import secrets
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,12 +77,36 @@ def aa_name(baseline: str) -> str:
     return f"{baseline}_b"
 
 
+def fresh_seed() -> int:
+    """A new order seed for a run that was given none (module doc, "Seeds")."""
+    return secrets.randbelow(2**31)
+
+
+def williams(n: int) -> list[list[int]]:
+    """The orders of a Williams design for ``n`` arms: each arm once in each place and right
+    after each other arm once (``n`` even; ``n`` odd: twice each, over ``2n`` orders)."""
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 def round_order(arms: Sequence[str], seed: int, round_index: int) -> list[str]:
-    """The order of ``arms`` in round ``round_index``: a fresh shuffle, seeded by both numbers
-    (repeatable, and the same on every rank of a distributed run)."""
-    order = list(arms)
-    random.Random(f"gpulens-bench:{seed}:{round_index}").shuffle(order)
-    return order
+    """The order of ``arms`` in round ``round_index``, the same on every rank of a distributed
+    run: the rounds go through complete Williams designs (:func:`williams`), each design's
+    orders in a random order seeded by ``(seed, its index)``, the arms' roles in the design
+    drawn once per seed (module doc, "Order")."""
+    n = len(arms)
+    if n < 2:
+        return list(arms)
+    roles = list(arms)
+    random.Random(f"gpulens-bench:{seed}:roles").shuffle(roles)
+    design = williams(n)
+    block, place = divmod(round_index, len(design))
+    rows = list(range(len(design)))
+    random.Random(f"gpulens-bench:{seed}:{block}").shuffle(rows)
+    return [roles[i] for i in design[rows[place]]]
 
 
 def per_round_pp(arm: Mapping[int, float], base: Mapping[int, float]) -> dict[int, float]:
@@ -139,6 +180,53 @@ class Estimate:
         return {"mean_pp": self.mean, "ci95_pp": [self.lo, self.hi],  # type: ignore[dict-item]
                 "range_pp": [self.min, self.max], "sd_pp": self.sd,  # type: ignore[dict-item]
                 "rounds": self.n}
+
+
+@dataclass(frozen=True)
+class BetweenRuns:
+    """Several runs' means of one per-round difference, set side by side (module doc)."""
+
+    runs: int
+    q: float
+    """Cochran's Q: the runs' squared distances from their fixed-effect mean, each in units
+    of its own variance; about ``runs - 1`` where they agree."""
+    i2: float
+    """I squared: the share of Q beyond ``runs - 1``, 0 where the runs agree."""
+    tau: float
+    """The between-run SD (pp) of the arm's effect (DerSimonian-Laird)."""
+    mean: float
+    lo: float
+    hi: float
+    """The random-effects mean and its 95 % interval (pp)."""
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"runs": self.runs, "q": self.q, "i2": self.i2, "tau_pp": self.tau,
+                "mean_pp": self.mean, "ci95_pp": [self.lo, self.hi]}  # type: ignore[dict-item]
+
+    def as_estimate(self, n: int) -> Estimate:
+        return Estimate(self.mean, self.lo, self.hi, math.nan, math.nan, math.nan, n)
+
+
+def between_runs(per_run: Sequence[Sequence[float]]) -> BetweenRuns | None:
+    """The runs' per-round differences (one list per run) -> :class:`BetweenRuns`; ``None``
+    with fewer than two runs of at least two rounds each. Each run's mean has the variance
+    ``sd^2 / n``; the random-effects weights add the between-run variance ``tau^2`` to it."""
+    runs = [list(r) for r in per_run if len(r) >= 2]
+    if len(runs) < 2:
+        return None
+    means = [statistics.fmean(r) for r in runs]
+    var = [max(statistics.variance(r), 1e-12) / len(r) for r in runs]
+    w = [1 / v for v in var]
+    fixed = sum(wi * m for wi, m in zip(w, means, strict=True)) / sum(w)
+    q = sum(wi * (m - fixed) ** 2 for wi, m in zip(w, means, strict=True))
+    df = len(runs) - 1
+    c = sum(w) - sum(wi * wi for wi in w) / sum(w)
+    tau2 = max(0.0, (q - df) / c)
+    w_re = [1 / (v + tau2) for v in var]
+    mean = sum(wi * m for wi, m in zip(w_re, means, strict=True)) / sum(w_re)
+    half = Z95 / math.sqrt(sum(w_re))
+    i2 = max(0.0, (q - df) / q) if q > 0 else 0.0
+    return BetweenRuns(len(runs), q, i2, math.sqrt(tau2), mean, mean - half, mean + half)
 
 
 def variants_minus(values: Mapping[str, Mapping[int, float]], name: str

@@ -374,7 +374,8 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
             if args.mode == "interleaved" else
             f"mode blocks: one training run per arm and round, {args.steps} timed steps "
             f"(+{args.warmup} warm-up), a block's value the median of its steps; the monitor "
-            f"starts and stops with its block"),
+            f"starts and stops with its block") + f"; orders balanced (Williams), seed "
+           f"{args.seed}",
            f"versions {json.dumps(meta['versions'])}", ""]
     for run in runs:
         out += [f"### {run.name}", ""]
@@ -564,7 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-ms", type=float, default=100.0)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the orders' seed (default: drawn afresh, recorded; runs to be pooled "
+                   "need different seeds)")
     p.add_argument("--lightning-dsm", action="store_true",
                    help="add Lightning's DeviceStatsMonitor as a fourth arm of the lightning path")
     p.add_argument("--variants", type=parse_variants, default={},
@@ -615,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_gather_object(out, x, group=ctrl)
             return out
 
+    if args.seed is None:
+        args.seed = agree(paired.fresh_seed())  # rank 0's draw on every rank
     t_start = time.perf_counter()
     if rank == 0:
         s = og.setup(args.quick, args.target_ms, args.batch, args.seq, device)

@@ -7,8 +7,12 @@ round keeps its own per-round difference, and the pooled mean, 95 % interval and
 ``paired.py``'s over all of them. What makes pooling honest is deciding the calls before
 seeing any of them (the number of calls is set in advance, not until a result looks good), and
 pooling only runs of the same path, model, batch and kind of GPU: this script refuses runs
-that differ in any of these, and prints each run's own figures beside the pooled ones, and,
-where the runs have variant arms (``paths_aa.py --variants``), the gpulens arm minus each,
+that differ in any of these, and runs that share an order seed (the same sequence of orders:
+``paired.py``, "Seeds"; ``--same-orders`` pools them anyway and says so). It prints each run's
+own figures beside the pooled ones; the runs set side by side (``paired.between_runs``:
+Cochran's Q, I squared, the between-run SD) with the random-effects interval, on which the
+bound is judged (the rounds of one run are not independent of each other the way runs are);
+and, where the runs have variant arms (``paths_aa.py --variants``), the gpulens arm minus each,
 paired per round.
 
     python benchmarks/paths_pool.py results/X/paths_aa.json results/Y/paths_aa.json \\
@@ -46,6 +50,43 @@ def identity(doc: dict[str, Any]) -> dict[str, Any]:
             "interval": args.get("interval")}
 
 
+def seed_of(doc: dict[str, Any]) -> int:
+    """A run's order seed (runs before seeds were drawn afresh had 0)."""
+    seed = doc["meta"].get("args", {}).get("seed")
+    return 0 if seed is None else int(seed)
+
+
+def per_run_pp(docs: list[dict[str, Any]], name: str, arm: str) -> list[list[float]]:
+    """Each run's per-round differences of ``arm`` to the baseline ``name`` (pp)."""
+    out = []
+    for doc in docs:
+        one = pool([doc], name)
+        if arm in one and name in one:
+            out.append(list(paired.per_round_pp(one[arm], one[name]).values()))
+    return out
+
+
+def between_table(docs: list[dict[str, Any]], name: str, bound: float
+                  ) -> tuple[list[str], dict[str, Any]]:
+    """Markdown lines and JSON of the runs set side by side, per arm."""
+    lines = ["runs side by side (a run's rounds share its state): Q about runs - 1 and I "
+             "squared 0 where the runs agree; the random-effects interval widens by the "
+             "between-run SD, and the bound is judged on it", "",
+             "| arm | runs | Q | I squared | between-run SD (pp) | random effects (pp): mean "
+             f"[95 % CI] | within +-{bound:g} pp? |", "|---|---|---|---|---|---|---|"]
+    out: dict[str, Any] = {}
+    for arm in (paired.aa_name(name), f"{name}_gpulens"):
+        b = paired.between_runs(per_run_pp(docs, name, arm))
+        if b is None:
+            continue
+        est = b.as_estimate(b.runs)
+        verdict = paired.equivalence(est, bound)
+        lines.append(f"| {arm} | {b.runs} | {b.q:.2f} | {100 * b.i2:.0f} % | {b.tau:.3f} | "
+                     f"{paired.fmt_est(est)} | {verdict} |")
+        out[arm] = {**b.as_dict(), "within_bound": verdict}
+    return (lines if out else []), out
+
+
 def pool(docs: list[dict[str, Any]], name: str) -> dict[str, dict[int, float]]:
     """arm -> pooled round key -> seconds per step, over every run that has path ``name``."""
     values: dict[str, dict[int, float]] = {}
@@ -77,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", required=True, help="the path to pool, e.g. hf_ls1")
     p.add_argument("--bound-pp", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--same-orders", action="store_true",
+                   help="pool runs that share an order seed (said in the report)")
     p.add_argument("--md", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -92,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         for (f, _), i in zip(have, ids, strict=True):
             print(f"  {f}: " + ", ".join(f"{k}={i[k]}" for k in differ), file=sys.stderr)
+        return 2
+    seeds = [seed_of(d) for _, d in have]
+    shared = sorted({x for x in seeds if seeds.count(x) > 1})
+    if shared and not args.same_orders:
+        print(f"paths_pool.py: runs share the order seed(s) {shared}: they ran the same "
+              "sequence of orders, so order and time effects add up instead of averaging out; "
+              "not pooled (--same-orders pools them anyway and says so)", file=sys.stderr)
         return 2
     values = pool([d for _, d in have], args.path)
     arms = list(values)
@@ -114,11 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         s = aa_sd(one, args.path)
         lines.append(f"| {f} | {d['meta'].get('date')} | {d['meta'].get('commit')} | {n} | "
                      f"{s:.3f} | {paired.fmt_est(g.est) if g else '-'} |")
-        per_run.append({"file": str(f), "date": d["meta"].get("date"),
+        per_run.append({"file": str(f), "date": d["meta"].get("date"), "seed": seed_of(d),
                         "commit": d["meta"].get("commit"), "rounds": n, "sd_pp": s,
                         "gpulens": g.as_dict() if g else None})
     lines += ["", plan.line().replace("fixed by the command (no pilot)", "pooled"), "",
               paired.table(comps, args.bound_pp), "", *paired.bias_notes(comps)]
+    between_lines, between = between_table([d for _, d in have], args.path, args.bound_pp)
+    if between_lines:
+        lines += ["", *between_lines]
+    if shared:
+        lines += ["", f"These runs share the order seed(s) {shared} (pooled with "
+                  "--same-orders): their orders are one sequence repeated, so effects of the "
+                  "order and of the time since the start do not average out over them."]
     variants = {arm: paired.Estimate.of(d, args.seed)
                 for arm, d in paired.variants_minus(values, args.path).items()}
     if variants:
@@ -134,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "path": args.path, "identity": ids[0], "runs": per_run, "plan": plan.as_dict(),
+            "seeds": seeds, "same_orders": bool(shared), "between_runs": between,
             "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est,
                                                                                 args.bound_pp)}
                             for c in comps],

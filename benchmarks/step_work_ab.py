@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import json
 import math
-import random
 import statistics
 import sys
 import tempfile
@@ -65,12 +64,7 @@ class Gate:
 
     def __init__(self, segment: int, rounds: int, warmup: int, seed: int, skip: int = 1) -> None:
         self.segment, self.warmup, self.skip = segment, warmup, skip
-        rng = random.Random(seed)
-        self.order: list[list[str]] = []
-        for _ in range(rounds):
-            kinds = list(SEGMENTS)
-            rng.shuffle(kinds)
-            self.order.append(kinds)
+        self.order = [paired.round_order(SEGMENTS, seed, r) for r in range(rounds)]
         self.on = True  # the warm-up runs every hook
         self.counting = False
         self.host_s: dict[str, float] = {}
@@ -276,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--target-ms", type=float, default=120.0)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the segment orders' seed (default: drawn afresh, recorded)")
     p.add_argument("--quick", action="store_true", help="a tiny model on the CPU")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--host-marks", action="store_true",
@@ -310,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if cuda else "gloo")
         device = f"cuda:{local}" if cuda else "cpu"
+    if args.seed is None:  # every rank the same: rank 0's draw
+        args.seed = paired.fresh_seed()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+
+            box = [args.seed]
+            dist.broadcast_object_list(box, src=0)
+            args.seed = box[0]
     s = og.setup(args.quick, args.target_ms, args.batch, None, device)
     step_s = og.time_steps(s, 3)
     rounds = args.rounds or max(2, int(args.budget_s / (step_s * 1.1 * args.segment * 3)))

@@ -6,8 +6,12 @@ segments ran in one shuffled order in one training run), so rounds of several ru
 pooled mean and 95 % interval are ``paired.py``'s over all of them. Only runs of the same
 logging period, batch, segment, world size and GPU model pool (refused otherwise). Each run's
 own figures are printed beside the pooled ones, and whether the pooled interval holds zero and
-lies within +-``--bar`` pp (issue 18's bar: 0.3). Say which runs were decided before any was
-seen: a run added after looking is a choice, and the report lists every run.
+lies within +-``--bar`` pp (issue 18's bar: 0.3), judged on the random-effects interval of the
+runs set side by side (``paired.between_runs``: a run's rounds share its state, so runs may
+disagree by more than their rounds' spread says). Runs that share an order seed ran the same
+sequence of segment orders (``paired.py``, "Seeds") and are refused unless ``--same-orders``
+(then said). Say which runs were decided before any was seen: a run added after looking is a
+choice, and the report lists every run.
 
     python benchmarks/step_work_pool.py A/swab.json A/swab.rank1.json B/swab.json ... \\
         --md pooled.md --json pooled.json
@@ -45,32 +49,50 @@ def per_round(doc: dict[str, Any], kind: str) -> dict[int, float]:
                                {int(r): v for r, v in rounds["off"].items()})
 
 
-def pool(docs: list[tuple[str, dict[str, Any]]], bar: float) -> dict[str, Any]:
+def shared_seeds(docs: list[tuple[str, dict[str, Any]]]) -> list[int]:
+    """Order seeds used by more than one run: one (seed, rank) in two files (a run's ranks
+    share its seed, each rank writes a file of its own)."""
+    keys = [(int(d["meta"].get("seed") or 0), int(d["meta"]["rank"])) for _, d in docs]
+    return sorted({seed for seed, rank in keys if keys.count((seed, rank)) > 1})
+
+
+def pool(docs: list[tuple[str, dict[str, Any]]], bar: float,
+         same_orders: bool = False) -> dict[str, Any]:
     """Per rank: each run's estimates and the pooled ones (``on`` and the A/A ``off_b``)."""
     idents = {identity(d["meta"]) for _, d in docs}
     if len(idents) != 1:
         raise SystemExit(f"runs that differ do not pool: {sorted(map(str, idents))}")
+    shared = shared_seeds(docs)
+    if shared and not same_orders:
+        raise SystemExit(f"runs share the order seed(s) {shared}: they ran the same sequence of "
+                         "segment orders, so order and time effects add up instead of averaging"
+                         " out; not pooled (--same-orders pools them anyway and says so)")
     by_rank: dict[int, list[tuple[str, dict[str, Any]]]] = {}
     for name, doc in docs:
         by_rank.setdefault(int(doc["meta"]["rank"]), []).append((name, doc))
-    out: dict[str, Any] = {"bar_pp": bar, "ranks": {}}
+    out: dict[str, Any] = {"bar_pp": bar, "shared_seeds": shared, "ranks": {}}
     for rank, runs in sorted(by_rank.items()):
         entry: dict[str, Any] = {"runs": [], "pooled": {}}
         pooled: dict[str, dict[int, float]] = {"on": {}, "off_b": {}}
+        each: dict[str, list[list[float]]] = {kind: [] for kind in pooled}
         for i, (name, doc) in enumerate(runs):
             run: dict[str, Any] = {"file": name}
             for kind in pooled:
                 diffs = per_round(doc, kind)
                 run[kind] = paired.Estimate.of(diffs).as_dict()
                 pooled[kind].update({i * ROUND_STRIDE + r: v for r, v in diffs.items()})
+                each[kind].append(list(diffs.values()))
             entry["runs"].append(run)
         for kind, diffs in pooled.items():
             est = paired.Estimate.of(diffs)
             entry["pooled"][kind] = est.as_dict()
-            entry["pooled"][kind]["within_bar"] = bool(
-                est.has_interval and est.lo <= 0.0 <= est.hi and -bar <= est.lo
-                and est.hi <= bar)
             entry["pooled"][kind]["rounds_needed"] = paired.rounds_needed(est.sd, bar)
+            between = paired.between_runs(each[kind])
+            judged = between.as_estimate(est.n) if between is not None else est
+            entry["pooled"][kind]["between_runs"] = between.as_dict() if between else None
+            entry["pooled"][kind]["within_bar"] = bool(
+                judged.has_interval and judged.lo <= 0.0 <= judged.hi and -bar <= judged.lo
+                and judged.hi <= bar)
         out["ranks"][str(rank)] = entry
     return out
 
@@ -88,7 +110,23 @@ def report(res: dict[str, Any]) -> str:
             lines.append(f"| {rank} | `{run['file']}` | {fmt(run['on'])} | {fmt(run['off_b'])} |")
         p = entry["pooled"]
         lines.append(f"| {rank} | **pooled** | **{fmt(p['on'])}** | {fmt(p['off_b'])} |")
-    lines += ["", "Pooled `on` minus `off` within the bar (holds zero, inside +-bar): " + ", ".join(
+    lines += ["", "Runs side by side (Q about runs - 1 and I squared 0 where they agree; the "
+              "random-effects interval widens by the between-run SD):", "",
+              "| rank | segment | runs | Q | I squared | between-run SD | random effects, pp, "
+              "95 % |", "|---|---|---|---|---|---|---|"]
+    for rank, entry in res["ranks"].items():
+        for kind in ("on", "off_b"):
+            b = entry["pooled"][kind]["between_runs"]
+            if b:
+                lo, hi = b["ci95_pp"]
+                lines.append(f"| {rank} | `{kind}` | {b['runs']} | {b['q']:.2f} | "
+                             f"{100 * b['i2']:.0f} % | {b['tau_pp']:.3f} | "
+                             f"{b['mean_pp']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+    if res["shared_seeds"]:
+        lines += ["", f"These runs share the order seed(s) {res['shared_seeds']} (pooled with "
+                  "--same-orders): one sequence of orders repeated."]
+    lines += ["", "Pooled `on` minus `off` within the bar (holds zero, inside +-bar; on the "
+              "random-effects interval where runs are several): " + ", ".join(
         f"rank {r}: {'yes' if e['pooled']['on']['within_bar'] else 'no'} (rounds a "
         f"{res['bar_pp']} pp difference needs at this SD: {e['pooled']['on']['rounds_needed']})"
         for r, e in res["ranks"].items()), ""]
@@ -99,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="step_work_ab.py --json files (any rank)")
     p.add_argument("--bar", type=float, default=0.3, help="pp")
+    p.add_argument("--same-orders", action="store_true",
+                   help="pool runs that share an order seed (said in the report)")
     p.add_argument("--md", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     docs = [(str(path), json.loads(path.read_text())) for path in args.runs]
-    res = pool(docs, args.bar)
+    res = pool(docs, args.bar, args.same_orders)
     text = report(res)
     print(text)
     if args.md is not None:

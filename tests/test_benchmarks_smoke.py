@@ -11,12 +11,15 @@ thread or process running."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
 import re
 import subprocess
 import sys
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -445,6 +448,23 @@ def test_step_work_ab_switches_the_callbacks_work_per_segment_in_one_run(
 # --- the statistics of the A/A method -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 7])
+def test_round_orders_are_balanced_over_each_complete_design(n: int) -> None:
+    """Over each complete set of rounds (n orders, 2n for odd n) every arm is in every place
+    equally often and right after every other arm equally often: a place or carry-over effect
+    falls on all arms alike."""
+    arms = [f"a{i}" for i in range(n)]
+    size = len(paired.williams(n))
+    assert size == (2 * n if n % 2 else n)
+    for block in range(3):
+        orders = [paired.round_order(arms, 11, block * size + r) for r in range(size)]
+        places = Counter((a, o.index(a)) for o in orders for a in o)
+        after = Counter((x, y) for o in orders for x, y in itertools.pairwise(o))
+        assert set(places.values()) == {size // n} and len(places) == n * n
+        assert set(after.values()) == {size // n if n % 2 else 1}
+        assert len(after) == n * (n - 1)
+
+
 def test_round_order_is_a_seeded_shuffle_without_fixed_neighbours() -> None:
     arms = [f"a{i}" for i in range(7)]
     orders = [paired.round_order(arms, 0, r) for r in range(40)]
@@ -716,12 +736,15 @@ def test_clock_times_each_garbage_collection_into_the_step_it_ran_in() -> None:
     assert clock._on_gc not in gc.callbacks
 
 
-def _paths_doc(batch: int, rounds: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """A ``paths_aa.py`` JSON of path ``hf_ls1`` with these per-round step times (ms)."""
+def _paths_doc(batch: int, rounds: dict[str, dict[str, float]],
+               seed: int | None = None) -> dict[str, Any]:
+    """A ``paths_aa.py`` JSON of path ``hf_ls1`` with these per-round step times (ms); no
+    seed: a fresh one, as the script draws."""
+    seed = paired.fresh_seed() if seed is None else seed
     return {"meta": {"hardware": {"gpu": "NVIDIA H200"}, "world_size": 1, "date": "d",
                      "commit": "c", "model": {"n_params": 1, "batch": batch, "seq_len": 8},
                      "args": {"mode": "interleaved", "measured_steps": 20, "burn_steps": 5,
-                              "interval": 0.1}},
+                              "interval": 0.1, "seed": seed}},
             "paths": {"hf_ls1": {"arms": {a: {"per_round_ms": v} for a, v in rounds.items()}}}}
 
 
@@ -757,11 +780,92 @@ def test_paths_pool_pools_rounds_of_like_runs_and_refuses_unlike_ones(tmp_path: 
     assert proc.returncode == 2 and "differ in batch" in proc.stderr
 
 
+def _pool(tmp_path: Path, docs: list[dict[str, Any]], *extra: str
+          ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    files = []
+    for i, doc in enumerate(docs):
+        f = tmp_path / f"run{i}.json"
+        f.write_text(json.dumps(doc))
+        files.append(str(f))
+    out = tmp_path / "pooled.json"
+    out.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, str(BENCH / "paths_pool.py"), *files, "--path",
+                           "hf_ls1", "--json", str(out), *extra],
+                          capture_output=True, text=True, timeout=60)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def _rounds(n: int, gpulens: Callable[[int], float], aa: Callable[[int], float]
+            ) -> dict[str, dict[str, float]]:
+    return {"hf_ls1": {str(r): 100.0 for r in range(n)},
+            "hf_ls1_b": {str(r): 100.0 + aa(r) for r in range(n)},
+            "hf_ls1_gpulens": {str(r): 100.0 + gpulens(r) for r in range(n)}}
+
+
+def test_paths_pool_refuses_runs_of_one_order_seed_unless_told(tmp_path: Path) -> None:
+    """Two runs of one seed ran one sequence of orders: refused; --same-orders pools them and
+    the report says so."""
+    docs = [_paths_doc(19, _rounds(4, lambda r: r % 2 * 0.2, lambda r: 0.1), seed=0)
+            for _ in range(2)]
+    proc, _ = _pool(tmp_path, docs)
+    assert proc.returncode == 2 and "share the order seed(s) [0]" in proc.stderr
+    proc, pooled = _pool(tmp_path, docs, "--same-orders")
+    assert proc.returncode == 0, proc.stderr
+    assert pooled is not None and pooled["same_orders"] and pooled["seeds"] == [0, 0]
+    assert "one sequence repeated" in proc.stdout
+
+
+def test_paths_pool_judges_the_bound_on_runs_side_by_side(tmp_path: Path) -> None:
+    """Runs that agree: the random-effects interval is the rounds' own (I squared 0), and no
+    effect is within the bound. Runs whose gpulens effect differs by far more than their
+    rounds' spread (one -0.6 pp, one +0.6 pp, each +-0.05): the pooled rounds still centre on
+    0 with a narrow interval, but the runs side by side do not resolve the bound."""
+    wobble = [-0.05, 0.05, -0.03, 0.03, 0.0, 0.01, -0.01, 0.02]
+
+    def agreeing(i: int) -> dict[str, Any]:
+        return _paths_doc(19, _rounds(8, lambda r: wobble[(r + i) % 8],
+                                      lambda r: wobble[(r + 3 * i) % 8]))
+
+    proc, pooled = _pool(tmp_path, [agreeing(i) for i in range(3)])
+    assert proc.returncode == 0, proc.stderr
+    assert pooled is not None
+    g = pooled["between_runs"]["hf_ls1_gpulens"]
+    assert g["runs"] == 3 and g["i2"] == 0 and g["tau_pp"] == 0
+    assert g["within_bound"] == "within +-0.3 pp"
+    assert "runs side by side" in proc.stdout
+
+    def apart(sign: float) -> dict[str, Any]:
+        return _paths_doc(19, _rounds(8, lambda r: sign * 0.6 + wobble[r],
+                                      lambda r: wobble[(r + 2) % 8]))
+
+    proc, pooled = _pool(tmp_path, [apart(-1), apart(1)])
+    assert proc.returncode == 0, proc.stderr
+    assert pooled is not None
+    (rounds,) = [c for c in pooled["comparisons"] if c["arm"] == "hf_ls1_gpulens"]
+    g = pooled["between_runs"]["hf_ls1_gpulens"]
+    assert abs(rounds["mean_pp"]) < 0.05 and g["i2"] > 0.9 and g["tau_pp"] > 0.5
+    assert g["ci95_pp"][0] < -0.3 and g["ci95_pp"][1] > 0.3
+    assert g["within_bound"] == "unresolved"
+
+
+def test_between_runs_matches_a_hand_computation() -> None:
+    """DerSimonian-Laird by hand: two runs of means 0 and 1, each variance 0.25 / 2."""
+    b = paired.between_runs([[-0.5, 0.5], [0.5, 1.5]])
+    assert b is not None
+    # w = 1 / (0.5 / 2) = 4 each; fixed mean 0.5; Q = 4 * 0.25 * 2 = 2; c = 8 - 32 / 8 = 4
+    assert b.q == pytest.approx(2.0) and b.i2 == pytest.approx(0.5)
+    assert b.tau == pytest.approx(math.sqrt(0.25))  # (Q - 1) / c
+    assert b.mean == pytest.approx(0.5)
+    half = paired.Z95 / math.sqrt(2 / (0.25 + 0.25))
+    assert (b.lo, b.hi) == (pytest.approx(0.5 - half), pytest.approx(0.5 + half))
+    assert paired.between_runs([[1.0, 2.0]]) is None
+
+
 def _swab_doc(rank: int, batch: int, on: dict[str, float], off_b: dict[str, float],
-              off: dict[str, float]) -> dict[str, Any]:
+              off: dict[str, float], seed: int = 0) -> dict[str, Any]:
     meta = {"rank": rank, "log_every": 1, "batch": batch, "seq": 1024, "segment": 10,
             "skip": 1, "world_size": 2, "hardware": {"gpu": "NVIDIA H200"},
-            "host_marks": False, "monitor": "{}"}
+            "host_marks": False, "monitor": "{}", "seed": seed}
     return {"meta": meta, "result": {"per_round_s": {"on": on, "off": off, "off_b": off_b}}}
 
 
@@ -776,7 +880,7 @@ def test_step_work_pool_pools_each_ranks_rounds_and_refuses_unlike_runs(
     files = []
     for i, (rank, on) in enumerate([(0, plus), (0, plus), (1, cost), (1, cost)]):
         f = tmp_path / f"r{i}.json"
-        f.write_text(json.dumps(_swab_doc(rank, 19, on, plus, off)))
+        f.write_text(json.dumps(_swab_doc(rank, 19, on, plus, off, seed=i % 2)))
         files.append(str(f))
     proc = subprocess.run([sys.executable, str(BENCH / "step_work_pool.py"), *files,
                            "--json", str(tmp_path / "pooled.json")],
@@ -793,6 +897,15 @@ def test_step_work_pool_pools_each_ranks_rounds_and_refuses_unlike_runs(
     bad = subprocess.run([sys.executable, str(BENCH / "step_work_pool.py"), files[0],
                           str(other)], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "do not pool" in bad.stderr
+    same = tmp_path / "same.json"  # rank 0 of another run with the first run's seed
+    same.write_text(json.dumps(_swab_doc(0, 19, plus, plus, off, seed=0)))
+    bad = subprocess.run([sys.executable, str(BENCH / "step_work_pool.py"), files[0],
+                          str(same)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "share the order seed(s) [0]" in bad.stderr
+    told = subprocess.run([sys.executable, str(BENCH / "step_work_pool.py"), files[0],
+                           str(same), "--same-orders"], capture_output=True, text=True,
+                          timeout=60)
+    assert told.returncode == 0 and "one sequence of orders repeated" in told.stdout
 
 
 def test_block_design_finds_short_blocks_cheaper_where_the_step_wanders(tmp_path: Path) -> None:
