@@ -1,7 +1,7 @@
 """Rounds of arms over the plain GPT-2-small-sized loop of ``overhead_gpu.py``, each step timed
 on the GPU's timeline: what ``session_parts.py`` and ``nvml_interference.py`` share.
 
-A round runs every arm once, in a seeded shuffled order (``paired.round_order``), as a block of
+A round runs every arm once, in a balanced, seeded order (``paired.round_order``), as a block of
 ``--burn`` + ``--steps`` steps; a block's value is the mean of its measured steps, and each
 position of the blocks is averaged over the rounds too (a start-up transient against a steady
 cost). Rounds go on until ``--max-rounds`` or, after the first two, ``--budget-s``.

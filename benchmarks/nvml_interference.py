@@ -17,7 +17,7 @@ reader process (spawned, the way the engine is) makes NVML reads through gpulens
 ``engine``           all of them at the engine's rates for ``--interval`` and one mark a step
 
 ``R`` is the rate in reads a second (``--rate``, default 50, far above the engine's, so an
-effect that exists shows). Per round every arm runs once, in a seeded shuffled order, as a
+effect that exists shows). Per round every arm runs once, in a balanced, seeded order, as a
 block of ``--burn`` + ``--steps`` steps; the reader is switched before the block's burn-in
 steps. Each step is timed on the GPU's timeline (an event at each step's end). A block's value
 is the mean of its measured steps; each arm is read in percentage points of the same round's

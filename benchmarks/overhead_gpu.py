@@ -3,11 +3,12 @@
 One process trains a GPT-2-small-sized transformer (12 layers, 768 wide, 12 heads, 1024 tokens,
 built in code from ``GPT2Config``: no download; bf16 weights, fused AdamW), the batch chosen so
 that a step takes about ``--target-ms`` (100 ms by default) on the GPU. It runs **rounds**; each
-round runs every **arm** once, in an order shuffled anew each round (seeded, recorded). An arm is
-a baseline loop, the same baseline a second time (its **A/A arm**, ``<baseline>_b``), or the
-baseline with one monitor. ``benchmarks/paired.py`` holds the statistics: per-round paired
-differences in percentage points (pp) of the baseline's step, their mean with a 95 % bootstrap
-interval, the A/A envelope, the verdict rule and how many rounds the A/A noise asks for.
+round runs every **arm** once, in a balanced, seeded order (``paired.round_order``; seed
+recorded). An arm is a baseline loop, the same baseline a second time (its **A/A arm**,
+``<baseline>_b``), or the baseline with one monitor. ``benchmarks/paired.py`` holds the
+statistics: per-round paired differences in percentage points (pp) of the baseline's step, their
+mean with a 95 % bootstrap interval, the A/A envelope, the verdict rule and how many rounds the
+A/A noise asks for.
 
 Suites (``--suite``, several with commas; each brings its baseline and A/A arm):
 
@@ -902,7 +903,7 @@ def write_report(run: Run, out: Path | None, final: bool) -> None:
     print(f"model {m['model']['n_params'] / 1e6:.1f}M params bf16, batch {m['model']['batch']} x "
           f"{m['model']['seq_len']} tokens; {len(run.round_s)} rounds x {m['steps']} timed steps "
           f"(+{m['warmup']} warm-up) per arm; monitors at {m['interval_s']} s; trainers log every "
-          f"{m['log_every']} step(s); arm order shuffled each round (seed {m['seed']})")
+          f"{m['log_every']} step(s); arm orders balanced (Williams), seed {m['seed']}")
     print(f"versions {json.dumps(m['versions'])}")
     print()
     if run.plan is not None:

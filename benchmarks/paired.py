@@ -12,10 +12,12 @@ The method, in one place so that every script says the same thing:
   differences.
 * **Order.** The arms' orders are balanced and random (:func:`round_order`): every complete
   set of rounds (a Williams design: ``n`` orders for ``n`` arms, ``2n`` where ``n`` is odd; all
-  six for three arms) puts each arm in each place equally often and after each other arm
-  equally often, the sets in a seeded random order and the arms' roles drawn per run. So no arm
-  always follows the same neighbour, and an effect of the place in the round or of the arm
-  before (a monitor's stop in the next block's burn-in) falls on every arm alike.
+  six for three arms) puts each arm in each place equally often and, inside the rounds, right
+  after each other arm equally often; the sets come in a seeded random order and the arms'
+  roles are drawn per run. So an effect of the place in the round or of the arm before (a
+  monitor's stop in the next block's burn-in) falls on every arm alike. Not balanced: the step
+  from one round's last arm to the next round's first (random), and an incomplete last set
+  (``paths_aa.py`` rounds its target to whole sets where the budget allows).
 * **A/A arm.** Every baseline runs twice per round (``<baseline>`` and ``<baseline>_b``, the
   same code). The A/A arm's per-round difference is what two identical arms differ by in this
   run: its 95 % interval is the run's **A/A envelope**, and its range is shown beside it.
@@ -29,8 +31,9 @@ The method, in one place so that every script says the same thing:
   its place on the host's CPUs); an arm's effect can differ from run to run by more than the
   rounds' own spread says. Where rounds of several runs are pooled, :func:`between_runs` sets
   each run's mean beside the others (Cochran's Q, I squared) and gives the random-effects
-  interval (DerSimonian-Laird), which widens where the runs disagree; ``paths_pool.py`` judges
-  the bound on it.
+  interval (DerSimonian-Laird weights, Hartung-Knapp's t interval), which widens where the
+  runs disagree and where they are few; the pools judge the bound on it, widened to the pooled
+  rounds' interval where that is wider (:meth:`BetweenRuns.judged`).
 * **Interval.** The mean of the per-round differences, with a 95 % percentile-bootstrap
   interval (4000 resamples of the rounds, seeded).
 * **Verdict.** "higher than X" / "lower than X" only where the interval excludes 0 **and** lies
@@ -90,6 +93,17 @@ def williams(n: int) -> list[list[int]]:
         first.append((k + 1) // 2 if k % 2 else n - k // 2)
     rows = [[(x + i) % n for x in first] for i in range(n)]
     return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+def whole_designs(target: int, cap: int, arms: int) -> int:
+    """``target`` rounds rounded to whole balanced designs (:func:`williams`): up where
+    ``cap`` allows, else down, else as it was (an incomplete last design is unbalanced)."""
+    size = len(williams(arms))
+    up = -(-target // size) * size
+    if up <= cap:
+        return up
+    down = target // size * size
+    return down if down > 0 else target
 
 
 def round_order(arms: Sequence[str], seed: int, round_index: int) -> list[str]:
@@ -182,6 +196,23 @@ class Estimate:
                 "rounds": self.n}
 
 
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Two-sided 95 % points of Student's t for 1 to 30 degrees of freedom."""
+
+
+def t975(df: int) -> float:
+    """Student's t, two-sided 95 %, ``df`` degrees of freedom (a table to 30, then the
+    Cornish-Fisher expansion, within 0.001 there)."""
+    if df < 1:
+        return math.nan
+    if df <= len(T975):
+        return T975[df - 1]
+    z = Z95
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
 @dataclass(frozen=True)
 class BetweenRuns:
     """Several runs' means of one per-round difference, set side by side (module doc)."""
@@ -197,36 +228,46 @@ class BetweenRuns:
     mean: float
     lo: float
     hi: float
-    """The random-effects mean and its 95 % interval (pp)."""
+    """The random-effects mean and its 95 % interval (pp): Hartung-Knapp, Student's t with
+    ``runs - 1`` degrees of freedom, never narrower than DerSimonian-Laird's normal one."""
 
     def as_dict(self) -> dict[str, float | int]:
         return {"runs": self.runs, "q": self.q, "i2": self.i2, "tau_pp": self.tau,
                 "mean_pp": self.mean, "ci95_pp": [self.lo, self.hi]}  # type: ignore[dict-item]
 
-    def as_estimate(self, n: int) -> Estimate:
-        return Estimate(self.mean, self.lo, self.hi, math.nan, math.nan, math.nan, n)
+    def judged(self, rounds: Estimate) -> Estimate:
+        """The interval a bound is judged on: the union of this one and the pooled rounds'
+        (never narrower than what the rounds alone say)."""
+        return Estimate(self.mean, min(self.lo, rounds.lo), max(self.hi, rounds.hi),
+                        rounds.min, rounds.max, rounds.sd, rounds.n)
 
 
 def between_runs(per_run: Sequence[Sequence[float]]) -> BetweenRuns | None:
     """The runs' per-round differences (one list per run) -> :class:`BetweenRuns`; ``None``
-    with fewer than two runs of at least two rounds each. Each run's mean has the variance
-    ``sd^2 / n``; the random-effects weights add the between-run variance ``tau^2`` to it."""
+    with fewer than two runs of at least two rounds each (shorter runs are left out). Each
+    run's mean has the variance ``sd^2 / n``; the random-effects weights add the between-run
+    variance ``tau^2`` (DerSimonian-Laird) to it; the interval is Hartung-Knapp's (the runs'
+    weighted spread about the mean, Student's t with ``k - 1`` degrees of freedom), widened to
+    the normal one where that is wider: with a handful of runs the normal interval is too
+    narrow."""
     runs = [list(r) for r in per_run if len(r) >= 2]
     if len(runs) < 2:
         return None
+    k = len(runs)
     means = [statistics.fmean(r) for r in runs]
     var = [max(statistics.variance(r), 1e-12) / len(r) for r in runs]
     w = [1 / v for v in var]
     fixed = sum(wi * m for wi, m in zip(w, means, strict=True)) / sum(w)
     q = sum(wi * (m - fixed) ** 2 for wi, m in zip(w, means, strict=True))
-    df = len(runs) - 1
     c = sum(w) - sum(wi * wi for wi in w) / sum(w)
-    tau2 = max(0.0, (q - df) / c)
+    tau2 = max(0.0, (q - (k - 1)) / c)
     w_re = [1 / (v + tau2) for v in var]
     mean = sum(wi * m for wi, m in zip(w_re, means, strict=True)) / sum(w_re)
-    half = Z95 / math.sqrt(sum(w_re))
-    i2 = max(0.0, (q - df) / q) if q > 0 else 0.0
-    return BetweenRuns(len(runs), q, i2, math.sqrt(tau2), mean, mean - half, mean + half)
+    hk = sum(wi * (m - mean) ** 2 for wi, m in zip(w_re, means, strict=True)) / (
+        (k - 1) * sum(w_re))
+    half = max(t975(k - 1) * math.sqrt(hk), Z95 / math.sqrt(sum(w_re)))
+    i2 = max(0.0, (q - (k - 1)) / q) if q > 0 else 0.0
+    return BetweenRuns(k, q, i2, math.sqrt(tau2), mean, mean - half, mean + half)
 
 
 def variants_minus(values: Mapping[str, Mapping[int, float]], name: str

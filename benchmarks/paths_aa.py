@@ -22,14 +22,14 @@ is then the slowest rank's.
 recorded at the end of every step; no device sync added), so host work the GPU's queue hides
 costs nothing and host work that starves the GPU shows. ``--mode interleaved`` (default): one
 training run goes through short blocks of every arm in turn (per round the three arms in a
-seeded shuffled order, ``--burn-steps`` + ``--measured-steps`` steps each); gpulens runs only
-in the gpulens arm's blocks, each as if it were a training run of its own (its monitor, with
-its engine process, started at the block's first step and stopped at the next block's first,
-both in burn-in steps); a block's value is the mean of its measured steps (a whole number of
-logging periods, so costs paid on log steps count). ``--mode blocks``: one training run per arm
-and round (``--warmup`` + ``--steps`` steps) over a fresh copy of the warmed model, gpulens's
-monitor started and stopped with its block, outside the timed steps; a block's value is the
-median of its steps.
+balanced, seeded order: ``paired.round_order``; ``--burn-steps`` + ``--measured-steps`` steps
+each); gpulens runs only in the gpulens arm's blocks, each as if it were a training run of its
+own (its monitor, with its engine process, started at the block's first step and stopped at the
+next block's first, both in burn-in steps); a block's value is the mean of its measured steps (a
+whole number of logging periods, so costs paid on log steps count). ``--mode blocks``: one
+training run per arm and round (``--warmup`` + ``--steps`` steps) over a fresh copy of the
+warmed model, gpulens's monitor started and stopped with its block, outside the timed steps; a
+block's value is the median of its steps.
 
 **The statistics** (``paired.py``): per round, each arm's difference to the baseline in
 percentage points of the baseline's step; their mean with a 95 % bootstrap interval; the A/A
@@ -344,7 +344,9 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
             cap = done + max(0, int(0.85 * left // round_s))  # a margin: one run, all or nothing
             if args.max_rounds < cap:
                 cap, cap_by = args.max_rounds, "--max-rounds"
-            target = agree(max(done, min(needed if needed is not None else done, cap)))
+            wanted = max(done, min(needed if needed is not None else done, cap))
+            target = paired.whole_designs(wanted, cap, len(run.arms))
+            target = agree(max(done, target))
             todo = target - done
             og.log(f"{run.name} pilot: per-round SD {sd0:.3f} pp -> {needed} rounds for "
                    f"+-{args.bound_pp} pp; {cap_by} allows {cap}; running {todo} more")

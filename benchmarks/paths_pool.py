@@ -11,7 +11,8 @@ that differ in any of these, and runs that share an order seed (the same sequenc
 ``paired.py``, "Seeds"; ``--same-orders`` pools them anyway and says so). It prints each run's
 own figures beside the pooled ones; the runs set side by side (``paired.between_runs``:
 Cochran's Q, I squared, the between-run SD) with the random-effects interval, on which the
-bound is judged (the rounds of one run are not independent of each other the way runs are);
+bound is judged, or on the pooled rounds' where that is wider (the rounds of one run are not
+independent of each other the way runs are);
 and, where the runs have variant arms (``paths_aa.py --variants``), the gpulens arm minus each,
 paired per round.
 
@@ -51,7 +52,8 @@ def identity(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def seed_of(doc: dict[str, Any]) -> int:
-    """A run's order seed (runs before seeds were drawn afresh had 0)."""
+    """A run's order seed (runs before seeds were drawn afresh had 0; two such runs, or one
+    beside a new run of seed 0, count as sharing it: the cautious side)."""
     seed = doc["meta"].get("args", {}).get("seed")
     return 0 if seed is None else int(seed)
 
@@ -66,24 +68,31 @@ def per_run_pp(docs: list[dict[str, Any]], name: str, arm: str) -> list[list[flo
     return out
 
 
-def between_table(docs: list[dict[str, Any]], name: str, bound: float
+def between_table(docs: list[dict[str, Any]], name: str, bound: float,
+                  rounds: dict[str, paired.Estimate]
                   ) -> tuple[list[str], dict[str, Any]]:
-    """Markdown lines and JSON of the runs set side by side, per arm."""
+    """Markdown lines and JSON of the runs set side by side, per arm; ``rounds``: each arm's
+    pooled-rounds estimate (the judged interval is never narrower)."""
     lines = ["runs side by side (a run's rounds share its state): Q about runs - 1 and I "
-             "squared 0 where the runs agree; the random-effects interval widens by the "
-             "between-run SD, and the bound is judged on it", "",
+             "squared 0 where the runs agree; the random-effects interval (Hartung-Knapp) "
+             "widens where they disagree and where they are few; the bound is judged on it, "
+             "or on the pooled rounds' interval where that is wider", "",
              "| arm | runs | Q | I squared | between-run SD (pp) | random effects (pp): mean "
-             f"[95 % CI] | within +-{bound:g} pp? |", "|---|---|---|---|---|---|---|"]
+             f"[95 % CI] | judged interval (pp) | within +-{bound:g} pp? |",
+             "|---|---|---|---|---|---|---|---|"]
     out: dict[str, Any] = {}
     for arm in (paired.aa_name(name), f"{name}_gpulens"):
         b = paired.between_runs(per_run_pp(docs, name, arm))
-        if b is None:
+        if b is None or arm not in rounds:
             continue
-        est = b.as_estimate(b.runs)
-        verdict = paired.equivalence(est, bound)
+        judged = b.judged(rounds[arm])
+        verdict = paired.equivalence(judged, bound)
+        re_est = paired.Estimate(b.mean, b.lo, b.hi, math.nan, math.nan, math.nan, b.runs)
         lines.append(f"| {arm} | {b.runs} | {b.q:.2f} | {100 * b.i2:.0f} % | {b.tau:.3f} | "
-                     f"{paired.fmt_est(est)} | {verdict} |")
-        out[arm] = {**b.as_dict(), "within_bound": verdict}
+                     f"{paired.fmt_est(re_est)} | [{paired.fmt_pp(judged.lo)}, "
+                     f"{paired.fmt_pp(judged.hi)}] | {verdict} |")
+        out[arm] = {**b.as_dict(), "judged_ci95_pp": [judged.lo, judged.hi],
+                    "within_bound": verdict}
     return (lines if out else []), out
 
 
@@ -167,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         per_run.append({"file": str(f), "date": d["meta"].get("date"), "seed": seed_of(d),
                         "commit": d["meta"].get("commit"), "rounds": n, "sd_pp": s,
                         "gpulens": g.as_dict() if g else None})
+    between_lines, between = between_table([d for _, d in have], args.path, args.bound_pp,
+                                           {c.arm: c.est for c in comps})
     lines += ["", plan.line().replace("fixed by the command (no pilot)", "pooled"), "",
-              paired.table(comps, args.bound_pp), "", *paired.bias_notes(comps)]
-    between_lines, between = between_table([d for _, d in have], args.path, args.bound_pp)
+              paired.table(comps, None if between else args.bound_pp), "",
+              *paired.bias_notes(comps)]
     if between_lines:
         lines += ["", *between_lines]
     if shared:
@@ -192,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "path": args.path, "identity": ids[0], "runs": per_run, "plan": plan.as_dict(),
             "seeds": seeds, "same_orders": bool(shared), "between_runs": between,
-            "comparisons": [{**c.as_dict(), "within_bound": paired.equivalence(c.est,
-                                                                                args.bound_pp)}
-                            for c in comps],
+            "comparisons": [
+                {**c.as_dict(),
+                 "within_bound": (between[c.arm]["within_bound"] if c.arm in between
+                                  else paired.equivalence(c.est, args.bound_pp)),
+                 "judged_on": "runs side by side" if c.arm in between else "rounds"}
+                for c in comps],
             "variants_vs_gpulens": {a: e.as_dict() for a, e in variants.items()}}, indent=2))
     return 0
 

@@ -6,7 +6,7 @@ its A/A arm (about +0.5 pp on an H200), and its own per-round noise (2-3 pp) is 
 it apart. This runs the same parts on a plain loop over the same GPT-2-small-sized model
 (``overhead_gpu.py``; a forward with an all-ones attention mask, ``loss.item()`` every step,
 as the ``Trainer`` does at each log), whose noise is a fraction of that. Arms, each a block of
-``--burn`` + ``--steps`` steps, every arm once a round in a seeded shuffled order:
+``--burn`` + ``--steps`` steps, every arm once a round in a balanced, seeded order:
 
 ``off``, ``off_b``  no gpulens (the A/A pair)
 ``mon``            a ``TrainingSession`` over a ``Monitor`` (JSONL sink), started at the block's

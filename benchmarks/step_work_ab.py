@@ -14,12 +14,12 @@ on the training thread is switched, per *segment* of ``--segment`` optimizer ste
 ``off``    none of it: the hooks return at once (HF still calls them), no row is written;
 ``off_b``  the same again: the A/A segment.
 
-A round is the three segments in a seeded shuffled order. A segment's value is the mean GPU
-time of its steps (CUDA events recorded at each ``on_step_end``, as ``paths.py``'s ``Clock``),
-its first ``--skip`` steps left out (a row held at the previous segment's last log is written in
-the next ``on`` segment's first step; the switch itself). Per round: ``on`` minus ``off`` and
-``off_b`` minus ``off`` in percentage points of ``off``; their means with 95 % bootstrap
-intervals (``paired.py``). The A/A line is the design's own noise.
+A round is the three segments in a balanced, seeded order (``paired.round_order``). A segment's
+value is the mean GPU time of its steps (CUDA events recorded at each ``on_step_end``, as
+``paths.py``'s ``Clock``), its first ``--skip`` steps left out (a row held at the previous
+segment's last log is written in the next ``on`` segment's first step; the switch itself). Per
+round: ``on`` minus ``off`` and ``off_b`` minus ``off`` in percentage points of ``off``; their
+means with 95 % bootstrap intervals (``paired.py``). The A/A line is the design's own noise.
 
 Also printed, from the ``on`` segments: the host time spent inside each gpulens hook per step
 (``perf_counter`` around each; the forward hooks included), and nested in them the phase marks
@@ -305,17 +305,16 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if cuda else "gloo")
         device = f"cuda:{local}" if cuda else "cpu"
-    if args.seed is None:  # every rank the same: rank 0's draw
-        args.seed = paired.fresh_seed()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            import torch.distributed as dist
-
-            box = [args.seed]
+        if args.seed is None:  # every rank the same: rank 0's draw
+            box = [paired.fresh_seed()]
             dist.broadcast_object_list(box, src=0)
             args.seed = box[0]
+    if args.seed is None:
+        args.seed = paired.fresh_seed()
     s = og.setup(args.quick, args.target_ms, args.batch, None, device)
     step_s = og.time_steps(s, 3)
-    rounds = args.rounds or max(2, int(args.budget_s / (step_s * 1.1 * args.segment * 3)))
+    fits = max(2, int(args.budget_s / (step_s * 1.1 * args.segment * 3)))
+    rounds = args.rounds or paired.whole_designs(fits, fits, len(SEGMENTS))
     with tempfile.TemporaryDirectory() as tmp:
         hf = paths.HfPath(s, Path(tmp), args.log_every, [], args.interval)
         gate = Gate(args.segment, rounds, args.warmup, args.seed, args.skip)

@@ -1,17 +1,17 @@
 """Pool the rounds of several ``step_work_ab.py`` runs into one comparison per rank (issue 18).
 
 Each round of ``step_work_ab.py`` is paired inside itself (its ``on``, ``off`` and ``off_b``
-segments ran in one shuffled order in one training run), so rounds of several runs pool as
+segments ran in one order in one training run), so rounds of several runs pool as
 ``paths_pool.py`` pools ``paths_aa.py``'s: each round keeps its own per-round difference and the
 pooled mean and 95 % interval are ``paired.py``'s over all of them. Only runs of the same
 logging period, batch, segment, world size and GPU model pool (refused otherwise). Each run's
 own figures are printed beside the pooled ones, and whether the pooled interval holds zero and
 lies within +-``--bar`` pp (issue 18's bar: 0.3), judged on the random-effects interval of the
 runs set side by side (``paired.between_runs``: a run's rounds share its state, so runs may
-disagree by more than their rounds' spread says). Runs that share an order seed ran the same
-sequence of segment orders (``paired.py``, "Seeds") and are refused unless ``--same-orders``
-(then said). Say which runs were decided before any was seen: a run added after looking is a
-choice, and the report lists every run.
+disagree by more than their rounds' spread says), or on the pooled rounds' where that is wider.
+Runs that share an order seed ran the same sequence of segment orders (``paired.py``, "Seeds")
+and are refused unless ``--same-orders`` (then said). Say which runs were decided before any was
+seen: a run added after looking is a choice, and the report lists every run.
 
     python benchmarks/step_work_pool.py A/swab.json A/swab.rank1.json B/swab.json ... \\
         --md pooled.md --json pooled.json
@@ -88,8 +88,9 @@ def pool(docs: list[tuple[str, dict[str, Any]]], bar: float,
             entry["pooled"][kind] = est.as_dict()
             entry["pooled"][kind]["rounds_needed"] = paired.rounds_needed(est.sd, bar)
             between = paired.between_runs(each[kind])
-            judged = between.as_estimate(est.n) if between is not None else est
+            judged = between.judged(est) if between is not None else est
             entry["pooled"][kind]["between_runs"] = between.as_dict() if between else None
+            entry["pooled"][kind]["judged_ci95_pp"] = [judged.lo, judged.hi]
             entry["pooled"][kind]["within_bar"] = bool(
                 judged.has_interval and judged.lo <= 0.0 <= judged.hi and -bar <= judged.lo
                 and judged.hi <= bar)
@@ -111,22 +112,25 @@ def report(res: dict[str, Any]) -> str:
         p = entry["pooled"]
         lines.append(f"| {rank} | **pooled** | **{fmt(p['on'])}** | {fmt(p['off_b'])} |")
     lines += ["", "Runs side by side (Q about runs - 1 and I squared 0 where they agree; the "
-              "random-effects interval widens by the between-run SD):", "",
-              "| rank | segment | runs | Q | I squared | between-run SD | random effects, pp, "
-              "95 % |", "|---|---|---|---|---|---|---|"]
+              "random-effects interval, Hartung-Knapp, widens where they disagree and where "
+              "they are few; the bar is judged on it, or on the pooled rounds' where wider):",
+              "", "| rank | segment | runs | Q | I squared | between-run SD | random effects, pp, "
+              "95 % | judged interval |", "|---|---|---|---|---|---|---|---|"]
     for rank, entry in res["ranks"].items():
         for kind in ("on", "off_b"):
             b = entry["pooled"][kind]["between_runs"]
             if b:
                 lo, hi = b["ci95_pp"]
+                jlo, jhi = entry["pooled"][kind]["judged_ci95_pp"]
                 lines.append(f"| {rank} | `{kind}` | {b['runs']} | {b['q']:.2f} | "
                              f"{100 * b['i2']:.0f} % | {b['tau_pp']:.3f} | "
-                             f"{b['mean_pp']:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
+                             f"{b['mean_pp']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                             f"[{jlo:+.3f}, {jhi:+.3f}] |")
     if res["shared_seeds"]:
         lines += ["", f"These runs share the order seed(s) {res['shared_seeds']} (pooled with "
                   "--same-orders): one sequence of orders repeated."]
-    lines += ["", "Pooled `on` minus `off` within the bar (holds zero, inside +-bar; on the "
-              "random-effects interval where runs are several): " + ", ".join(
+    lines += ["", "Pooled `on` minus `off` within the bar (the judged interval holds zero and "
+              "lies inside +-bar): " + ", ".join(
         f"rank {r}: {'yes' if e['pooled']['on']['within_bar'] else 'no'} (rounds a "
         f"{res['bar_pp']} pp difference needs at this SD: {e['pooled']['on']['rounds_needed']})"
         for r, e in res["ranks"].items()), ""]

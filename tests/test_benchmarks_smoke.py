@@ -736,15 +736,21 @@ def test_clock_times_each_garbage_collection_into_the_step_it_ran_in() -> None:
     assert clock._on_gc not in gc.callbacks
 
 
+_SEEDS = itertools.count(1000)
+
+
 def _paths_doc(batch: int, rounds: dict[str, dict[str, float]],
-               seed: int | None = None) -> dict[str, Any]:
+               seed: int | None = None, *, no_seed: bool = False) -> dict[str, Any]:
     """A ``paths_aa.py`` JSON of path ``hf_ls1`` with these per-round step times (ms); no
-    seed: a fresh one, as the script draws."""
-    seed = paired.fresh_seed() if seed is None else seed
+    seed given: one no other doc of this test session has; ``no_seed``: an older run's JSON,
+    without one."""
+    args: dict[str, Any] = {"mode": "interleaved", "measured_steps": 20, "burn_steps": 5,
+                            "interval": 0.1}
+    if not no_seed:
+        args["seed"] = next(_SEEDS) if seed is None else seed
     return {"meta": {"hardware": {"gpu": "NVIDIA H200"}, "world_size": 1, "date": "d",
                      "commit": "c", "model": {"n_params": 1, "batch": batch, "seq_len": 8},
-                     "args": {"mode": "interleaved", "measured_steps": 20, "burn_steps": 5,
-                              "interval": 0.1, "seed": seed}},
+                     "args": args},
             "paths": {"hf_ls1": {"arms": {a: {"per_round_ms": v} for a, v in rounds.items()}}}}
 
 
@@ -804,7 +810,7 @@ def _rounds(n: int, gpulens: Callable[[int], float], aa: Callable[[int], float]
 
 def test_paths_pool_refuses_runs_of_one_order_seed_unless_told(tmp_path: Path) -> None:
     """Two runs of one seed ran one sequence of orders: refused; --same-orders pools them and
-    the report says so."""
+    the report says so. A run from before seeds were recorded counts as seed 0."""
     docs = [_paths_doc(19, _rounds(4, lambda r: r % 2 * 0.2, lambda r: 0.1), seed=0)
             for _ in range(2)]
     proc, _ = _pool(tmp_path, docs)
@@ -813,52 +819,75 @@ def test_paths_pool_refuses_runs_of_one_order_seed_unless_told(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr
     assert pooled is not None and pooled["same_orders"] and pooled["seeds"] == [0, 0]
     assert "one sequence repeated" in proc.stdout
+    old = _paths_doc(19, _rounds(4, lambda r: r % 2 * 0.2, lambda r: 0.1), no_seed=True)
+    proc, _ = _pool(tmp_path, [old, docs[0]])
+    assert proc.returncode == 2 and "[0]" in proc.stderr
+    proc, pooled = _pool(tmp_path, [old, _paths_doc(19, _rounds(4, lambda r: 0.1,
+                                                                 lambda r: 0.0), seed=5)])
+    assert proc.returncode == 0, proc.stderr
+    assert pooled is not None and pooled["seeds"] == [0, 5]
+
+
+# per-round noise of +-0.5 pp around each run's own level, 30 rounds a run
+_NOISE = [0.5 * (-1) ** r * (1 + (r % 3) / 2) / 1.5 for r in range(30)]
 
 
 def test_paths_pool_judges_the_bound_on_runs_side_by_side(tmp_path: Path) -> None:
-    """Runs that agree: the random-effects interval is the rounds' own (I squared 0), and no
-    effect is within the bound. Runs whose gpulens effect differs by far more than their
-    rounds' spread (one -0.6 pp, one +0.6 pp, each +-0.05): the pooled rounds still centre on
-    0 with a narrow interval, but the runs side by side do not resolve the bound."""
-    wobble = [-0.05, 0.05, -0.03, 0.03, 0.0, 0.01, -0.01, 0.02]
+    """Two runs whose gpulens arm sits at -0.25 and +0.25 pp (30 rounds each, +-0.5 pp
+    a round): the rounds pooled put it at 0 inside +-0.3, but two runs that disagree that much
+    do not resolve the bound, and the report (Markdown and JSON) says "unresolved" once, judged
+    on the runs side by side. Runs that agree: the bound is resolved."""
+    def run(level: float) -> dict[str, Any]:
+        return _paths_doc(19, _rounds(30, lambda r: level + _NOISE[r],
+                                      lambda r: _NOISE[(r + 7) % 30]))
 
-    def agreeing(i: int) -> dict[str, Any]:
-        return _paths_doc(19, _rounds(8, lambda r: wobble[(r + i) % 8],
-                                      lambda r: wobble[(r + 3 * i) % 8]))
-
-    proc, pooled = _pool(tmp_path, [agreeing(i) for i in range(3)])
+    proc, pooled = _pool(tmp_path, [run(-0.25), run(0.25)])
     assert proc.returncode == 0, proc.stderr
     assert pooled is not None
-    g = pooled["between_runs"]["hf_ls1_gpulens"]
-    assert g["runs"] == 3 and g["i2"] == 0 and g["tau_pp"] == 0
-    assert g["within_bound"] == "within +-0.3 pp"
-    assert "runs side by side" in proc.stdout
+    (g,) = [c for c in pooled["comparisons"] if c["arm"] == "hf_ls1_gpulens"]
+    lo, hi = g["ci95_pp"]
+    assert abs(g["mean_pp"]) < 0.01 and lo > -0.3 and hi < 0.3  # the rounds alone: within
+    assert g["within_bound"] == "unresolved" and g["judged_on"] == "runs side by side"
+    b = pooled["between_runs"]["hf_ls1_gpulens"]
+    assert b["runs"] == 2 and b["i2"] > 0.5 and b["within_bound"] == "unresolved"
+    (row,) = [x for x in proc.stdout.splitlines() if x.startswith("| hf_ls1_gpulens | hf_ls1 |")]
+    assert row.endswith("| not separable |")  # the rounds' table gives no second bound verdict
+    assert "| hf_ls1_gpulens | 2 |" in proc.stdout
 
-    def apart(sign: float) -> dict[str, Any]:
-        return _paths_doc(19, _rounds(8, lambda r: sign * 0.6 + wobble[r],
-                                      lambda r: wobble[(r + 2) % 8]))
-
-    proc, pooled = _pool(tmp_path, [apart(-1), apart(1)])
+    proc, pooled = _pool(tmp_path, [run(0.0) for _ in range(4)])
     assert proc.returncode == 0, proc.stderr
     assert pooled is not None
-    (rounds,) = [c for c in pooled["comparisons"] if c["arm"] == "hf_ls1_gpulens"]
-    g = pooled["between_runs"]["hf_ls1_gpulens"]
-    assert abs(rounds["mean_pp"]) < 0.05 and g["i2"] > 0.9 and g["tau_pp"] > 0.5
-    assert g["ci95_pp"][0] < -0.3 and g["ci95_pp"][1] > 0.3
-    assert g["within_bound"] == "unresolved"
+    (g,) = [c for c in pooled["comparisons"] if c["arm"] == "hf_ls1_gpulens"]
+    b = pooled["between_runs"]["hf_ls1_gpulens"]
+    assert b["i2"] == 0 and b["tau_pp"] == 0
+    assert g["within_bound"] == b["within_bound"] == "within +-0.3 pp"
 
 
 def test_between_runs_matches_a_hand_computation() -> None:
-    """DerSimonian-Laird by hand: two runs of means 0 and 1, each variance 0.25 / 2."""
+    """DerSimonian-Laird and Hartung-Knapp by hand: two runs of means 0 and 1, each of
+    sample variance 0.5 over 2 rounds."""
     b = paired.between_runs([[-0.5, 0.5], [0.5, 1.5]])
     assert b is not None
-    # w = 1 / (0.5 / 2) = 4 each; fixed mean 0.5; Q = 4 * 0.25 * 2 = 2; c = 8 - 32 / 8 = 4
+    # a mean's variance 0.5 / 2 = 0.25: w = 4 each; fixed mean 0.5; Q = 4 * 0.25 * 2 = 2;
+    # c = 8 - 32 / 8 = 4; tau^2 = (Q - 1) / c = 0.25; random-effects weights 1 / 0.5 = 2
     assert b.q == pytest.approx(2.0) and b.i2 == pytest.approx(0.5)
-    assert b.tau == pytest.approx(math.sqrt(0.25))  # (Q - 1) / c
-    assert b.mean == pytest.approx(0.5)
-    half = paired.Z95 / math.sqrt(2 / (0.25 + 0.25))
-    assert (b.lo, b.hi) == (pytest.approx(0.5 - half), pytest.approx(0.5 + half))
+    assert b.tau == pytest.approx(0.5) and b.mean == pytest.approx(0.5)
+    # Hartung-Knapp: sum 2 * 0.25 * 2 / (1 * 4) = 0.25, t(1) = 12.706; wider than normal's
+    # 1.96 / sqrt(4)
+    assert (b.lo, b.hi) == (pytest.approx(0.5 - 12.706 * 0.5), pytest.approx(0.5 + 12.706 * 0.5))
     assert paired.between_runs([[1.0, 2.0]]) is None
+    assert paired.between_runs([[1.0], [2.0]]) is None  # runs of one round say nothing
+
+
+def test_t975_and_whole_designs() -> None:
+    assert paired.t975(1) == 12.706 and paired.t975(30) == 2.042
+    assert paired.t975(60) == pytest.approx(2.000, abs=0.001)
+    assert paired.t975(1000) == pytest.approx(1.9623, abs=0.0005)
+    # three arms: designs of six rounds; up where the cap allows, else down
+    assert paired.whole_designs(28, 40, 3) == 30
+    assert paired.whole_designs(28, 29, 3) == 24
+    assert paired.whole_designs(4, 4, 3) == 4  # no whole design fits: as it was
+    assert paired.whole_designs(9, 9, 4) == 8  # four arms: designs of four
 
 
 def _swab_doc(rank: int, batch: int, on: dict[str, float], off_b: dict[str, float],

@@ -235,6 +235,9 @@ def test_a_leaders_summaries_wait_for_its_connection_to_the_store(
     from gpulens.distributed import rows
 
     monkeypatch.setattr(rows, "MAX_QUEUED_PER_NODE", kept)
+    # rank 0 waits this long for a node's summary: longer than the held connection can take
+    # on a loaded machine (2.5 s made every row partial once, in the full suite on 2 cores)
+    monkeypatch.setattr(levels, "JOB_WAIT_S", 8.0)
     release = threading.Event()
     real = rows.connect_store
 
