@@ -6,8 +6,9 @@ through the user paths of ``paths.py``: the Hugging Face ``Trainer`` (``report_t
 offline W&B run opened once for every block) and Lightning (a CSV logger), logging every
 ``--log-every`` steps, with token rows that carry an attention mask. Each group has three arms:
 the baseline, its A/A arm (the same code again) and the baseline with gpulens's callback. A
-round runs every arm once as a block (``--warmup`` + ``--steps`` steps) in a balanced, seeded order
-(seeded); gpulens's monitor starts and stops with its block, outside the timed steps.
+round runs every arm once as a block (``--warmup`` + ``--steps`` steps) in a balanced, seeded
+order (``paired.round_order``); gpulens's monitor starts and stops with its block, outside the
+timed steps.
 
 Per block, from a stamp at the end of each step: the training thread's CPU time per step
 (``time.thread_time``; the median of the block's timed steps), and for the gpulens arm the CPU

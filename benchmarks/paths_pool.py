@@ -81,10 +81,15 @@ def between_table(docs: list[dict[str, Any]], name: str, bound: float,
              f"[95 % CI] | judged interval (pp) | within +-{bound:g} pp? |",
              "|---|---|---|---|---|---|---|---|"]
     out: dict[str, Any] = {}
+    notes: list[str] = []
     for arm in (paired.aa_name(name), f"{name}_gpulens"):
-        b = paired.between_runs(per_run_pp(docs, name, arm))
+        each = per_run_pp(docs, name, arm)
+        b = paired.between_runs(each)
         if b is None or arm not in rounds:
             continue
+        if b.runs < len(each):
+            notes.append(f"{arm}: {len(each) - b.runs} run(s) of fewer than 2 rounds left out "
+                         "of the runs side by side (their rounds are in the pooled ones)")
         judged = b.judged(rounds[arm])
         verdict = paired.equivalence(judged, bound)
         re_est = paired.Estimate(b.mean, b.lo, b.hi, math.nan, math.nan, math.nan, b.runs)
@@ -93,7 +98,7 @@ def between_table(docs: list[dict[str, Any]], name: str, bound: float,
                      f"{paired.fmt_pp(judged.hi)}] | {verdict} |")
         out[arm] = {**b.as_dict(), "judged_ci95_pp": [judged.lo, judged.hi],
                     "within_bound": verdict}
-    return (lines if out else []), out
+    return ([*lines, *(["", *notes] if notes else [])] if out else []), out
 
 
 def pool(docs: list[dict[str, Any]], name: str) -> dict[str, dict[int, float]]:

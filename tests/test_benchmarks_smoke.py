@@ -854,6 +854,11 @@ def test_paths_pool_judges_the_bound_on_runs_side_by_side(tmp_path: Path) -> Non
     assert row.endswith("| not separable |")  # the rounds' table gives no second bound verdict
     assert "| hf_ls1_gpulens | 2 |" in proc.stdout
 
+    short = _paths_doc(19, _rounds(1, lambda r: 0.0, lambda r: 0.0))  # one round: no spread
+    proc, _ = _pool(tmp_path, [run(-0.25), run(0.25), short])
+    assert proc.returncode == 0, proc.stderr
+    assert "hf_ls1_gpulens: 1 run(s) of fewer than 2 rounds left out" in proc.stdout
+
     proc, pooled = _pool(tmp_path, [run(0.0) for _ in range(4)])
     assert proc.returncode == 0, proc.stderr
     assert pooled is not None
