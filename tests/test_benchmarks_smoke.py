@@ -973,3 +973,19 @@ def test_block_design_finds_short_blocks_cheaper_where_the_step_wanders(tmp_path
     assert list(rows) == ["2", "3", "4", "5", "6", "7", "20 (the run)"]
     assert float(rows["20 (the run)"][4]) == pytest.approx(1.0)
     assert float(rows["4"][4]) < 0.8  # short blocks: less device time for the same precision
+
+
+def test_pool_power_shows_the_rounds_interval_too_narrow_where_runs_differ() -> None:
+    """Runs with a between-run SD as large as a round's: the pooled rounds' interval holds the
+    true mean far less often than 95 %, the judged one (runs side by side) about as often as it
+    says; and the table prints."""
+    sys.path.insert(0, str(BENCH))
+    import pool_power  # benchmarks/pool_power.py
+
+    (row,) = pool_power.simulate([8], 10, 0.0, 0.5, 0.5, 0.3, 300, 1)
+    assert row["cover_rounds"] < 0.85 and row["cover_judged"] >= 0.9
+    out = subprocess.run([sys.executable, str(BENCH / "pool_power.py"), "--runs", "2,4",
+                          "--rounds", "6", "--trials", "50"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "| 4 | 24 |" in out.stdout and "resolves +-0.3" in out.stdout
