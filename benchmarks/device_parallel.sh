@@ -6,9 +6,12 @@
 #
 # Each argument is NAME=GPUS:COMMAND. The carried wheels are installed once (device_setup.sh),
 # then every job runs with CUDA_VISIBLE_DEVICES=GPUS and OUT=$OUT/NAME, under a time limit of
-# its own (GPULENS_PART_LIMIT_S, default 540 s), its console in $OUT/NAME/console.log. At the end
-# each job's folder is packed into $OUT/NAME.tgz (the device tool brings back at most 8 files)
-# and its Markdown files are printed.
+# its own (GPULENS_PART_LIMIT_S, default 540 s), its console in $OUT/NAME/console.log. With
+# GPULENS_JOB_REPEAT=K each job runs its command K times one after another, each a process of
+# its own with OUT=$OUT/NAME/rI and a K-th of the time limit: K runs a GPU instead of one (runs
+# differ by more than their rounds say, so a claim needs runs: benchmarks/pool_power.py). At
+# the end each job's folder is packed into $OUT/NAME.tgz (the device tool brings back at most
+# 8 files) and its Markdown files are printed.
 #
 # Jobs share the host's CPUs, memory bandwidth and PCIe: an A/A comparison inside one job stays
 # fair (both arms see the same neighbours), but compare figures only with runs made the same way.
@@ -38,18 +41,30 @@ for spec in "$@"; do
     mkdir -p "$OUT/$name"
     echo "== $name on GPU(s) $gpus: $cmd"
     (
-        export CUDA_VISIBLE_DEVICES="$gpus" OUT="$OUT/$name"
-        t0=$SECONDS
-        timeout -k 10 "${GPULENS_PART_LIMIT_S:-540}" bash -c "$cmd" > "$OUT/console.log" 2>&1
-        echo "$name exit $? after $((SECONDS - t0)) s" >> "$OUT/../status.txt"
+        export CUDA_VISIBLE_DEVICES="$gpus"
+        reps=${GPULENS_JOB_REPEAT:-1}
+        limit=$(( ${GPULENS_PART_LIMIT_S:-540} / reps ))
+        for i in $(seq 1 "$reps"); do
+            out="$OUT/$name"
+            [ "$reps" -gt 1 ] && out="$OUT/$name/r$i"
+            mkdir -p "$out"
+            t0=$SECONDS
+            OUT="$out" timeout -k 10 "$limit" bash -c "$cmd" > "$out/console.log" 2>&1
+            rc=$?
+            label=$name
+            [ "$reps" -gt 1 ] && label="$name run $i"
+            echo "$label exit $rc after $((SECONDS - t0)) s" >> "$OUT/status.txt"
+        done
     ) &
 done
 wait
 cat "$OUT/status.txt"
 for name in "${names[@]}"; do
-    for f in "$OUT/$name"/*.md; do
-        [ -f "$f" ] && { echo; echo "==> $name/$(basename "$f")"; cat "$f"; }
-    done
-    tail -n 5 "$OUT/$name/console.log" | sed "s/^/[$name] /"
+    while IFS= read -r f; do
+        echo; echo "==> ${f#"$OUT"/}"; cat "$f"
+    done < <(find "$OUT/$name" -name '*.md' | sort)
+    while IFS= read -r f; do
+        tail -n 5 "$f" | sed "s|^|[${f#"$OUT"/}] |"
+    done < <(find "$OUT/$name" -name console.log | sort)
     tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
 done

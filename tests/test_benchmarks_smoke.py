@@ -989,3 +989,36 @@ def test_pool_power_shows_the_rounds_interval_too_narrow_where_runs_differ() -> 
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "| 4 | 24 |" in out.stdout and "resolves +-0.3" in out.stdout
+
+
+def test_device_parallel_runs_each_job_k_times_each_a_folder_of_its_own(tmp_path: Path) -> None:
+    """``GPULENS_JOB_REPEAT=2``: each job's command runs twice, one after the other, each with
+    OUT of its own and the job's GPUs; the status says every run's exit; each job comes back
+    as one archive. Without it, one run a job in the job's folder, as before."""
+    import tarfile
+
+    env = {**os.environ, "GPULENS_DEVICE_SETUP_DONE": "1", "GPULENS_PART_LIMIT_S": "60",
+           "GPULENS_JOB_REPEAT": "2", "OUT": str(tmp_path / "out")}
+    cmd = 'echo "$CUDA_VISIBLE_DEVICES $OUT" > "$OUT/where.md"'
+    proc = subprocess.run(["bash", str(BENCH / "device_parallel.sh"), f"a=0:{cmd}",
+                           "b=1,2:exit 3"], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stderr
+    status = [re.sub(r" after \d+ s$", "", x)
+              for x in (tmp_path / "out" / "status.txt").read_text().splitlines()]
+    assert sorted(status) == ["a run 1 exit 0", "a run 2 exit 0", "b run 1 exit 3",
+                              "b run 2 exit 3"]
+    with tarfile.open(tmp_path / "out" / "a.tgz") as tar:
+        names = sorted(tar.getnames())
+        assert "a/r1/where.md" in names and "a/r2/where.md" in names
+        where = tar.extractfile("a/r2/where.md")
+        assert where is not None
+        assert where.read().decode().split() == ["0", str(tmp_path / "out" / "a" / "r2")]
+    assert "==> a/r1/where.md" in proc.stdout
+    env["GPULENS_JOB_REPEAT"] = "1"
+    env["OUT"] = str(tmp_path / "one")
+    proc = subprocess.run(["bash", str(BENCH / "device_parallel.sh"), f"a=3:{cmd}"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stderr
+    with tarfile.open(tmp_path / "one" / "a.tgz") as tar:
+        assert "a/where.md" in tar.getnames()
