@@ -26,7 +26,10 @@ balanced, seeded order: ``paired.round_order``; ``--burn-steps`` + ``--measured-
 each); gpulens runs only in the gpulens arm's blocks, each as if it were a training run of its
 own (its monitor, with its engine process, started at the block's first step and stopped at the
 next block's first, both in burn-in steps); a block's value is the mean of its measured steps (a
-whole number of logging periods, so costs paid on log steps count). ``--mode blocks``: one
+whole number of logging periods, so costs paid on log steps count). The pilot's rounds are one
+training run and the rest another, or, with ``--train-rounds R``, one for each R of them (each
+round tagged with its call in the JSON, ``train_call``: whether an arm's effect is a state of
+the process or of one ``train()``, ``paths_pool.py --unit call``). ``--mode blocks``: one
 training run per arm and round (``--warmup`` + ``--steps`` steps) over a fresh copy of the
 warmed model, gpulens's monitor started and stopped with its block, outside the timed steps; a
 block's value is the median of its steps.
@@ -140,6 +143,10 @@ class PathRun:
         self.thread_steps: list[dict[str, int]] = []
         self.rank_ms: dict[str, dict[int, list[float]]] = {a: {} for a in self.arms}
         self.orders: list[list[str]] = []
+        self.train_call: dict[int, int] = {}
+        """Round -> which ``train()`` / ``fit()`` call of this process ran it (0: the pilot's;
+        interleaved mode): runs side by side can be set per call (``paths_pool.py --unit
+        call``)."""
         self.round_s: list[float] = []
         self.plan: paired.Plan | None = None
         self.failed: str | None = None
@@ -182,7 +189,7 @@ class PathRun:
                              threads_per_step(t, n, a) for t, n in
                              zip(self.threads_s, self.thread_steps, strict=False)]}
                      for a in self.arms},
-            "orders": self.orders, "round_s": self.round_s,
+            "orders": self.orders, "round_s": self.round_s, "train_call": self.train_call,
             "plan": self.plan.as_dict() if self.plan else None, "failed": self.failed,
             "profile_ms_rank0": self.profile_ms(),
             "steps_rank0": self.steps,
@@ -290,8 +297,12 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
     cap_by = "the time budget"
     sd0 = math.nan
     done = 0
-    todo = first
-    while todo > 0:
+    remaining = first  # rounds still to run; after the pilot a training run takes at most
+    calls = 0          # --train-rounds of them (each a train() call of its own)
+    while remaining > 0:
+        chunked = args.train_rounds and (calls > 0 or args.rounds is not None)
+        todo = min(remaining, args.train_rounds) if chunked else remaining
+        remaining -= todo
         schedule = paths.Schedule(run.arms, todo, done, args.seed, args.measured_steps,
                                   args.burn_steps, args.warmup)
         if args.quick:
@@ -312,6 +323,8 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
                     totals[name] = totals.get(name, 0.0) + spent
                 run.thread_steps[r][arm] = run.thread_steps[r].get(arm, 0) + steps.get(arm, 0)
         run.orders.extend(schedule.orders)
+        run.train_call.update(dict.fromkeys(range(done, done + todo), calls))
+        calls += 1
         run.add_profile(schedule.profile_s, todo)
         for (rnd, arm), rec in schedule.steps.items():
             run.steps[arm][rnd] = rec
@@ -335,21 +348,22 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
         run.round_s.extend([round_s] * todo)
         og.log(f"{run.name}: {todo} rounds in {wall:.0f} s (a round {round_s:.1f} s); "
                f"{done} done")
-        todo = 0
         if args.rounds is None and needed is None:  # the pilot is over
             sd0 = pilot_sd(run.values, run.name)
             needed = paired.rounds_needed(sd0, args.bound_pp)
             overhead = max(0.0, wall - first * round_s)  # start, warm-up, stop of a run
             left = budget_end - time.perf_counter() - overhead
-            cap = done + max(0, int(0.85 * left // round_s))  # a margin: one run, all or nothing
+            # a margin: one run, all or nothing; with --train-rounds each run's start shared
+            per_round = round_s + (overhead / args.train_rounds if args.train_rounds else 0.0)
+            cap = done + max(0, int(0.85 * left // per_round))
             if args.max_rounds < cap:
                 cap, cap_by = args.max_rounds, "--max-rounds"
             wanted = max(done, min(needed if needed is not None else done, cap))
             target = paired.whole_designs(wanted, cap, len(run.arms))
             target = agree(max(done, target))
-            todo = target - done
+            remaining = target - done
             og.log(f"{run.name} pilot: per-round SD {sd0:.3f} pp -> {needed} rounds for "
-                   f"+-{args.bound_pp} pp; {cap_by} allows {cap}; running {todo} more")
+                   f"+-{args.bound_pp} pp; {cap_by} allows {cap}; running {remaining} more")
         final = pilot_sd(run.values, run.name)
         if args.rounds is None:
             run.plan = paired.Plan(first, sd0, needed, cap, done, final, args.bound_pp, cap_by)
@@ -369,7 +383,9 @@ def markdown(runs: list[PathRun], meta: dict[str, Any], args: argparse.Namespace
            f"{meta['model']['seq_len']} tokens per GPU; each step timed on the GPU timeline "
            f"(on a CPU: the wall clock); monitor interval {args.interval} s; the claim: the "
            f"95 % interval contains 0 and lies within +-{args.bound_pp} pp",
-           (f"mode interleaved: one training run for the pilot and one for the rest, blocks "
+           ("mode interleaved: one training run for the pilot and "
+            + (f"one for each {args.train_rounds} rounds of the rest"
+               if args.train_rounds else "one for the rest") + ", blocks "
             f"of {args.burn_steps} + {args.measured_steps} steps of each arm in turn, a "
             f"block's value the mean of its last {args.measured_steps} steps; gpulens's "
             f"monitor started and stopped with each of its blocks, in burn-in steps"
@@ -558,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measured-steps", type=int, default=20,
                    help="interleaved: counted steps per block (a multiple of the logging "
                    "interval)")
+    p.add_argument("--train-rounds", type=int, default=None,
+                   help="interleaved: at most this many rounds a training run after the pilot "
+                   "(several train() calls in this process, each round tagged with its call)")
     p.add_argument("--burn-steps", type=int, default=5,
                    help="interleaved: steps at the start of a block left out (gpulens's start "
                    "or stop, the previous block's last log and rows land there)")

@@ -58,22 +58,38 @@ def seed_of(doc: dict[str, Any]) -> int:
     return 0 if seed is None else int(seed)
 
 
-def per_run_pp(docs: list[dict[str, Any]], name: str, arm: str) -> list[list[float]]:
-    """Each run's per-round differences of ``arm`` to the baseline ``name`` (pp)."""
+def per_run_pp(docs: list[dict[str, Any]], name: str, arm: str,
+               unit: str = "run") -> list[list[float]]:
+    """Each run's per-round differences of ``arm`` to the baseline ``name`` (pp); with
+    ``unit="call"`` each training-run call's (``paths_aa.py``'s ``train_call``; a run that
+    does not record it is one unit)."""
     out = []
     for doc in docs:
         one = pool([doc], name)
-        if arm in one and name in one:
-            out.append(list(paired.per_round_pp(one[arm], one[name]).values()))
+        if arm not in one or name not in one:
+            continue
+        diffs = paired.per_round_pp(one[arm], one[name])
+        calls = doc["paths"][name].get("train_call") or {}
+        if unit == "call" and calls:
+            by_call: dict[int, list[float]] = {}
+            for rnd, d in diffs.items():
+                by_call.setdefault(int(calls.get(str(rnd), calls.get(rnd, -1))), []).append(d)
+            out.extend(by_call[c] for c in sorted(by_call))
+        else:
+            out.append(list(diffs.values()))
     return out
 
 
 def between_table(docs: list[dict[str, Any]], name: str, bound: float,
-                  rounds: dict[str, paired.Estimate]
+                  rounds: dict[str, paired.Estimate], unit: str = "run"
                   ) -> tuple[list[str], dict[str, Any]]:
-    """Markdown lines and JSON of the runs set side by side, per arm; ``rounds``: each arm's
-    pooled-rounds estimate (the judged interval is never narrower)."""
-    lines = ["runs side by side (a run's rounds share its state): Q about runs - 1 and I "
+    """Markdown lines and JSON of the runs (``unit="call"``: each run's training-run calls)
+    set side by side, per arm; ``rounds``: each arm's pooled-rounds estimate (the judged
+    interval is never narrower)."""
+    lines = [("each training-run call counted as a run (--unit call; a process's calls may "
+              "share its state: an exploration, not the judgement of record)\n\n"
+              if unit == "call" else "") +
+             "runs side by side (a run's rounds share its state): Q about runs - 1 and I "
              "squared 0 where the runs agree; the random-effects interval (Hartung-Knapp) "
              "widens where they disagree and where they are few; the bound is judged on it, "
              "or on the pooled rounds' interval where that is wider", "",
@@ -83,7 +99,7 @@ def between_table(docs: list[dict[str, Any]], name: str, bound: float,
     out: dict[str, Any] = {}
     notes: list[str] = []
     for arm in (paired.aa_name(name), f"{name}_gpulens"):
-        each = per_run_pp(docs, name, arm)
+        each = per_run_pp(docs, name, arm, unit)
         b = paired.between_runs(each)
         if b is None or arm not in rounds:
             continue
@@ -132,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", required=True, help="the path to pool, e.g. hf_ls1")
     p.add_argument("--bound-pp", type=float, default=0.3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--unit", choices=("run", "call"), default="run",
+                   help="what is set side by side: each run (a paths_aa.py process; the "
+                   "default) or each of its training-run calls (train_call)")
     p.add_argument("--same-orders", action="store_true",
                    help="pool runs that share an order seed (said in the report)")
     p.add_argument("--md", type=Path, default=None)
@@ -182,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                         "commit": d["meta"].get("commit"), "rounds": n, "sd_pp": s,
                         "gpulens": g.as_dict() if g else None})
     between_lines, between = between_table([d for _, d in have], args.path, args.bound_pp,
-                                           {c.arm: c.est for c in comps})
+                                           {c.arm: c.est for c in comps}, args.unit)
     lines += ["", plan.line().replace("fixed by the command (no pilot)", "pooled"), "",
               paired.table(comps, None if between else args.bound_pp), "",
               *paired.bias_notes(comps)]
@@ -208,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "path": args.path, "identity": ids[0], "runs": per_run, "plan": plan.as_dict(),
             "seeds": seeds, "same_orders": bool(shared), "between_runs": between,
+            "unit": args.unit,
             "comparisons": [
                 {**c.as_dict(),
                  "within_bound": (between[c.arm]["within_bound"] if c.arm in between

@@ -1022,3 +1022,38 @@ def test_device_parallel_runs_each_job_k_times_each_a_folder_of_its_own(tmp_path
     assert proc.returncode == 0, proc.stderr
     with tarfile.open(tmp_path / "one" / "a.tgz") as tar:
         assert "a/where.md" in tar.getnames()
+
+
+def test_paths_aa_splits_its_rounds_over_training_runs_and_tags_each(tmp_path: Path) -> None:
+    """``--train-rounds 2`` with 3 rounds: two ``train()`` calls in the process (rounds 0-1,
+    then 2), each round tagged with its call; the run's seed drawn and recorded."""
+    out = run_inprocess("paths_aa.py", tmp_path, "--paths", "hf_ls1", "--rounds", "3",
+                        "--train-rounds", "2", "--measured-steps", "4", "--burn-steps", "2",
+                        "--json", str(tmp_path / "p.json"), preload=FRAMEWORKS)
+    data = json.loads((tmp_path / "p.json").read_text())
+    hf = data["paths"]["hf_ls1"]
+    assert hf["train_call"] == {"0": 0, "1": 0, "2": 1} and not hf["failed"]
+    assert all(sorted(a["per_round_ms"]) == ["0", "1", "2"] for a in hf["arms"].values())
+    seed = data["meta"]["args"]["seed"]
+    assert isinstance(seed, int) and f"seed {seed}" in out
+    assert "one for each 2 rounds of the rest" in out
+
+
+def test_paths_pool_sets_training_run_calls_side_by_side_with_unit_call(tmp_path: Path) -> None:
+    """``--unit call``: each run's training-run calls (``train_call``) are set side by side
+    instead of each run; the default stays one unit a run."""
+    docs = []
+    for _ in range(2):
+        doc = _paths_doc(19, _rounds(6, lambda r: (0.4 if r < 3 else -0.4) + _NOISE[r],
+                                     lambda r: _NOISE[(r + 5) % 30]))
+        doc["paths"]["hf_ls1"]["train_call"] = {str(r): int(r >= 3) for r in range(6)}
+        docs.append(doc)
+    proc, pooled = _pool(tmp_path, docs)
+    assert proc.returncode == 0, proc.stderr
+    assert pooled is not None and pooled["between_runs"]["hf_ls1_gpulens"]["runs"] == 2
+    proc, pooled = _pool(tmp_path, docs, "--unit", "call")
+    assert proc.returncode == 0, proc.stderr
+    assert pooled is not None and pooled["unit"] == "call"
+    b = pooled["between_runs"]["hf_ls1_gpulens"]
+    assert b["runs"] == 4 and b["i2"] > 0.5  # the calls at +0.4 and -0.4 disagree
+    assert "each training-run call counted as a run" in proc.stdout
