@@ -85,6 +85,25 @@ def fresh_seed() -> int:
     return secrets.randbelow(2**31)
 
 
+def shared_seeds(keys: Sequence[tuple[int, ...]]) -> list[int]:
+    """The seeds of runs that ran one sequence of orders: each run's key is its seed first
+    (then whatever tells its files apart as one run, e.g. the rank), and a key met twice is
+    two runs of one seed (module doc, "Seeds")."""
+    return sorted({key[0] for key in keys if keys.count(key) > 1})
+
+
+def shared_seeds_refused(shared: Sequence[int]) -> str:
+    return (f"runs share the order seed(s) {list(shared)}: they ran the same sequence of "
+            "orders, so order and time effects add up instead of averaging out; not pooled "
+            "(--same-orders pools them anyway and says so)")
+
+
+def shared_seeds_pooled(shared: Sequence[int]) -> str:
+    return (f"These runs share the order seed(s) {list(shared)} (pooled with --same-orders): "
+            "one sequence of orders repeated, so effects of the order and of the time since "
+            "the start do not average out over them.")
+
+
 def williams(n: int) -> list[list[int]]:
     """The orders of a Williams design for ``n`` arms: each arm once in each place and right
     after each other arm once (``n`` even; ``n`` odd: twice each, over ``2n`` orders)."""
@@ -230,6 +249,8 @@ class BetweenRuns:
     hi: float
     """The random-effects mean and its 95 % interval (pp): Hartung-Knapp, Student's t with
     ``runs - 1`` degrees of freedom, never narrower than DerSimonian-Laird's normal one."""
+    normal_half: float
+    """DerSimonian-Laird's normal half-width (pp), for comparison: too narrow with few runs."""
 
     def as_dict(self) -> dict[str, float | int]:
         return {"runs": self.runs, "q": self.q, "i2": self.i2, "tau_pp": self.tau,
@@ -265,9 +286,40 @@ def between_runs(per_run: Sequence[Sequence[float]]) -> BetweenRuns | None:
     mean = sum(wi * m for wi, m in zip(w_re, means, strict=True)) / sum(w_re)
     hk = sum(wi * (m - mean) ** 2 for wi, m in zip(w_re, means, strict=True)) / (
         (k - 1) * sum(w_re))
-    half = max(t975(k - 1) * math.sqrt(hk), Z95 / math.sqrt(sum(w_re)))
+    normal = Z95 / math.sqrt(sum(w_re))
+    half = max(t975(k - 1) * math.sqrt(hk), normal)
     i2 = max(0.0, (q - (k - 1)) / q) if q > 0 else 0.0
-    return BetweenRuns(k, q, i2, math.sqrt(tau2), mean, mean - half, mean + half)
+    return BetweenRuns(k, q, i2, math.sqrt(tau2), mean, mean - half, mean + half, normal)
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What a pool of runs says about the bound, for one arm (:func:`judge_runs`)."""
+
+    between: BetweenRuns | None
+    """The runs side by side; ``None`` with fewer than two runs of two rounds."""
+    interval: Estimate
+    """The interval judged: :meth:`BetweenRuns.judged`, or the rounds' alone."""
+    verdict: str
+    """:func:`equivalence` of that interval."""
+    left_out: int
+    """Runs too short to be set side by side (their rounds are in the pooled ones)."""
+
+    @property
+    def within(self) -> bool:
+        return self.verdict.startswith("within")
+
+
+def judge_runs(per_run: Sequence[Sequence[float]], rounds: Estimate,
+               bound: float) -> Judgement:
+    """One arm's pool judged against +-``bound``: the runs' per-round differences set side by
+    side (:func:`between_runs`), the interval never narrower than ``rounds`` (the pooled
+    rounds' estimate), and the verdict (module doc, "Between runs"). The one judgement the
+    pooling scripts give."""
+    b = between_runs(per_run)
+    interval = b.judged(rounds) if b is not None else rounds
+    return Judgement(b, interval, equivalence(interval, bound),
+                     len(per_run) - (b.runs if b is not None else 0))
 
 
 def variants_minus(values: Mapping[str, Mapping[int, float]], name: str

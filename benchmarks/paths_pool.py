@@ -99,21 +99,21 @@ def between_table(docs: list[dict[str, Any]], name: str, bound: float,
     out: dict[str, Any] = {}
     notes: list[str] = []
     for arm in (paired.aa_name(name), f"{name}_gpulens"):
-        each = per_run_pp(docs, name, arm, unit)
-        b = paired.between_runs(each)
-        if b is None or arm not in rounds:
+        if arm not in rounds:
             continue
-        if b.runs < len(each):
-            notes.append(f"{arm}: {len(each) - b.runs} run(s) of fewer than 2 rounds left out "
-                         "of the runs side by side (their rounds are in the pooled ones)")
-        judged = b.judged(rounds[arm])
-        verdict = paired.equivalence(judged, bound)
+        j = paired.judge_runs(per_run_pp(docs, name, arm, unit), rounds[arm], bound)
+        b = j.between
+        if b is None:
+            continue
+        if j.left_out:
+            notes.append(f"{arm}: {j.left_out} run(s) of fewer than 2 rounds left out of the "
+                         "runs side by side (their rounds are in the pooled ones)")
         re_est = paired.Estimate(b.mean, b.lo, b.hi, math.nan, math.nan, math.nan, b.runs)
         lines.append(f"| {arm} | {b.runs} | {b.q:.2f} | {100 * b.i2:.0f} % | {b.tau:.3f} | "
-                     f"{paired.fmt_est(re_est)} | [{paired.fmt_pp(judged.lo)}, "
-                     f"{paired.fmt_pp(judged.hi)}] | {verdict} |")
-        out[arm] = {**b.as_dict(), "judged_ci95_pp": [judged.lo, judged.hi],
-                    "within_bound": verdict}
+                     f"{paired.fmt_est(re_est)} | [{paired.fmt_pp(j.interval.lo)}, "
+                     f"{paired.fmt_pp(j.interval.hi)}] | {j.verdict} |")
+        out[arm] = {**b.as_dict(), "judged_ci95_pp": [j.interval.lo, j.interval.hi],
+                    "within_bound": j.verdict}
     return ([*lines, *(["", *notes] if notes else [])] if out else []), out
 
 
@@ -170,11 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {f}: " + ", ".join(f"{k}={i[k]}" for k in differ), file=sys.stderr)
         return 2
     seeds = [seed_of(d) for _, d in have]
-    shared = sorted({x for x in seeds if seeds.count(x) > 1})
+    shared = paired.shared_seeds([(s,) for s in seeds])
     if shared and not args.same_orders:
-        print(f"paths_pool.py: runs share the order seed(s) {shared}: they ran the same "
-              "sequence of orders, so order and time effects add up instead of averaging out; "
-              "not pooled (--same-orders pools them anyway and says so)", file=sys.stderr)
+        print(f"paths_pool.py: {paired.shared_seeds_refused(shared)}", file=sys.stderr)
         return 2
     values = pool([d for _, d in have], args.path)
     arms = list(values)
@@ -208,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if between_lines:
         lines += ["", *between_lines]
     if shared:
-        lines += ["", f"These runs share the order seed(s) {shared} (pooled with "
-                  "--same-orders): their orders are one sequence repeated, so effects of the "
-                  "order and of the time since the start do not average out over them."]
+        lines += ["", paired.shared_seeds_pooled(shared)]
     variants = {arm: paired.Estimate.of(d, args.seed)
                 for arm, d in paired.variants_minus(values, args.path).items()}
     if variants:

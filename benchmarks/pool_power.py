@@ -53,17 +53,14 @@ def judge(runs: list[list[float]], bound: float) -> dict[str, tuple[float, float
     half = paired.Z95 * statistics.stdev(flat) / math.sqrt(len(flat))
     rounds = paired.Estimate(m, m - half, m + half, min(flat), max(flat),
                              statistics.stdev(flat), len(flat))
-    b = paired.between_runs(runs)
+    j = paired.judge_runs(runs, rounds, bound)
+    b = j.between
     if b is None:
         raise ValueError("a pool needs two runs of two rounds at least")
     # DerSimonian-Laird's normal interval, for comparison (what the pools first used)
-    var = [statistics.variance(r) / len(r) for r in runs]
-    w_re = [1 / (v + b.tau ** 2) for v in var]
-    dl_half = paired.Z95 / math.sqrt(sum(w_re))
-    judged = b.judged(rounds)
-    verdict = paired.equivalence(judged, bound)
-    return {"rounds": (rounds.lo, rounds.hi), "dl": (b.mean - dl_half, b.mean + dl_half),
-            "judged": (judged.lo, judged.hi), "resolved": verdict.startswith("within")}
+    return {"rounds": (rounds.lo, rounds.hi),
+            "dl": (b.mean - b.normal_half, b.mean + b.normal_half),
+            "judged": (j.interval.lo, j.interval.hi), "resolved": j.within}
 
 
 def simulate(ks: list[int], n: int, mean: float, tau: float, sd: float, bound: float,

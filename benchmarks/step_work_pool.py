@@ -51,9 +51,9 @@ def per_round(doc: dict[str, Any], kind: str) -> dict[int, float]:
 
 def shared_seeds(docs: list[tuple[str, dict[str, Any]]]) -> list[int]:
     """Order seeds used by more than one run: one (seed, rank) in two files (a run's ranks
-    share its seed, each rank writes a file of its own)."""
-    keys = [(int(d["meta"].get("seed") or 0), int(d["meta"]["rank"])) for _, d in docs]
-    return sorted({seed for seed, rank in keys if keys.count((seed, rank)) > 1})
+    share its seed, each rank writes a file of its own; runs before seeds were drawn had 0)."""
+    return paired.shared_seeds([(int(d["meta"].get("seed") or 0), int(d["meta"]["rank"]))
+                                for _, d in docs])
 
 
 def pool(docs: list[tuple[str, dict[str, Any]]], bar: float,
@@ -64,9 +64,7 @@ def pool(docs: list[tuple[str, dict[str, Any]]], bar: float,
         raise SystemExit(f"runs that differ do not pool: {sorted(map(str, idents))}")
     shared = shared_seeds(docs)
     if shared and not same_orders:
-        raise SystemExit(f"runs share the order seed(s) {shared}: they ran the same sequence of "
-                         "segment orders, so order and time effects add up instead of averaging"
-                         " out; not pooled (--same-orders pools them anyway and says so)")
+        raise SystemExit(paired.shared_seeds_refused(shared))
     by_rank: dict[int, list[tuple[str, dict[str, Any]]]] = {}
     for name, doc in docs:
         by_rank.setdefault(int(doc["meta"]["rank"]), []).append((name, doc))
@@ -87,13 +85,10 @@ def pool(docs: list[tuple[str, dict[str, Any]]], bar: float,
             est = paired.Estimate.of(diffs)
             entry["pooled"][kind] = est.as_dict()
             entry["pooled"][kind]["rounds_needed"] = paired.rounds_needed(est.sd, bar)
-            between = paired.between_runs(each[kind])
-            judged = between.judged(est) if between is not None else est
-            entry["pooled"][kind]["between_runs"] = between.as_dict() if between else None
-            entry["pooled"][kind]["judged_ci95_pp"] = [judged.lo, judged.hi]
-            entry["pooled"][kind]["within_bar"] = bool(
-                judged.has_interval and judged.lo <= 0.0 <= judged.hi and -bar <= judged.lo
-                and judged.hi <= bar)
+            j = paired.judge_runs(each[kind], est, bar)
+            entry["pooled"][kind]["between_runs"] = j.between.as_dict() if j.between else None
+            entry["pooled"][kind]["judged_ci95_pp"] = [j.interval.lo, j.interval.hi]
+            entry["pooled"][kind]["within_bar"] = j.within
         out["ranks"][str(rank)] = entry
     return out
 
@@ -127,8 +122,7 @@ def report(res: dict[str, Any]) -> str:
                              f"{b['mean_pp']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
                              f"[{jlo:+.3f}, {jhi:+.3f}] |")
     if res["shared_seeds"]:
-        lines += ["", f"These runs share the order seed(s) {res['shared_seeds']} (pooled with "
-                  "--same-orders): one sequence of orders repeated."]
+        lines += ["", paired.shared_seeds_pooled(res["shared_seeds"])]
     lines += ["", "Pooled `on` minus `off` within the bar (the judged interval holds zero and "
               "lies inside +-bar): " + ", ".join(
         f"rank {r}: {'yes' if e['pooled']['on']['within_bar'] else 'no'} (rounds a "

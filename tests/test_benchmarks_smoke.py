@@ -818,7 +818,7 @@ def test_paths_pool_refuses_runs_of_one_order_seed_unless_told(tmp_path: Path) -
     proc, pooled = _pool(tmp_path, docs, "--same-orders")
     assert proc.returncode == 0, proc.stderr
     assert pooled is not None and pooled["same_orders"] and pooled["seeds"] == [0, 0]
-    assert "one sequence repeated" in proc.stdout
+    assert "one sequence of orders repeated" in proc.stdout
     old = _paths_doc(19, _rounds(4, lambda r: r % 2 * 0.2, lambda r: 0.1), no_seed=True)
     proc, _ = _pool(tmp_path, [old, docs[0]])
     assert proc.returncode == 2 and "[0]" in proc.stderr
