@@ -271,6 +271,48 @@ def test_a_leaders_summaries_wait_for_its_connection_to_the_store(
         assert [w.stats["unsent_dropped"] for w in leaders] == [2, 2] and len(said) == 1
 
 
+@pytest.mark.parametrize("opens", [True, False], ids=["opens-during-stop", "never-opens"])
+def test_a_leaders_connection_that_opens_during_its_stop_still_sends_its_rows(
+        opens: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A monitor shorter than a leader's connect (a ``with`` block around an evaluation; the
+    import of torch in a busy host's engine: seconds).  The leader waits for its connection
+    at stop while rank 0 waits for the node, not a fixed few seconds: every row is whole.  (It
+    waited ``REACH_S``, 5 s, and dropped every summary of a short monitor: a two-node test
+    job on a loaded CI machine wrote its rows without a node.)  A connection that does not
+    open by then: the leader says how many rows of figures it could not send."""
+    from gpulens.distributed import rows
+
+    monkeypatch.setattr(rows, "REACH_S", 0.2)  # the old wait, made short
+    monkeypatch.setattr(levels, "NODE_WAIT_S", 0.3)
+    monkeypatch.setattr(levels, "JOB_WAIT_S", 8.0 if opens else 1.0)
+    release = threading.Event()
+    real = rows.connect_store
+
+    def held_for_the_leaders(address: Any, timeout: float = 60.0) -> Any:
+        if threading.current_thread().name == "gpulens-gather-connect":
+            release.wait(WAIT_S)
+        return real(address, timeout)
+
+    monkeypatch.setattr(rows, "connect_store", held_for_the_leaders)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        job = Job(world=4, nodes=2, tcp=True)
+        for step in (1, 2, 3):
+            job.log(step)
+        if opens:  # the connections open a second into the stop
+            threading.Timer(1.0, release.set).start()
+        job.stop()
+        release.set()
+    got = [(r.step, r.values["job/nodes"], r.values["job/partial"]) for r in job.rows[0]]
+    said = [r.getMessage() for r in caplog.records if "were not sent" in r.getMessage()]
+    if opens:
+        assert got == [(1, 2, 0), (2, 2, 0), (3, 2, 0)]
+        assert not said
+    else:
+        assert [(s, p) for s, _, p in got] == [(1, 1), (2, 1), (3, 1)]
+        assert len(said) == 2 and all("last 3 rows" in m for m in said), said
+        assert [job.w[r].stats["unsent_dropped"] for r in (1, 3)] == [3, 3]
+
+
 def test_a_store_a_leader_cannot_reach_is_said_once_and_rows_go_on_partial(
         fast_waits: None, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,9 @@ the slot).  A row without every rank is written all the same, marked:
 names what is missing in one WARNING on rank 0 (a node's leader logs it at INFO); a rank or node
 missing from then on is not waited for again, and one that comes back is said at INFO (a later
 absence is said again).  ``log()`` never waits on any of it, and ``stop()`` waits a bounded
-time (:meth:`~gpulens.distributed.rows.RowGather.flush`).
+time (:meth:`~gpulens.distributed.rows.RowGather.flush`); a leader whose connection to the
+store is still opening then (a short monitor) waits for it as long as rank 0 waits for the
+node, and says what it could not send.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from gpulens.distributed import aggregate as agg
+from gpulens.distributed import levels
 from gpulens.distributed.channel import MAX_QUEUED_PER_NODE, UpChannel
 from gpulens.distributed.levels import POLL_S, JobLevel, NodeLevel
 from gpulens.distributed.nodering import NodeRing
@@ -171,6 +172,8 @@ class RowGather:
         self._written = 0
         self._closed = False
         self._finishing = False
+        self._finish_began: float | None = None
+        """When :meth:`flush` began (the stop's waits count from there)."""
         self._wake = threading.Condition()
         self._signalled = False
         """A wake-up is pending (under ``_wake``): later rows do not notify again."""
@@ -384,15 +387,27 @@ class RowGather:
 
     def _push_done(self) -> None:
         """A leader at stop: what waits, then the node's last summary (rank 0 stops waiting
-        for the node); its connection given :data:`REACH_S` more to open."""
+        for the node).  A connection still opening (an engine that imports torch on a busy
+        host: seconds) is waited for while rank 0 still waits for the node at its own stop,
+        :data:`~.levels.JOB_WAIT_S` from this stop's start (at least :data:`REACH_S`): a
+        monitor shorter than the connect (a ``with`` block around an evaluation, say) still
+        sends its rows.  What cannot be sent is said."""
         connector = self._connector
-        if connector is not None:
-            connector.join(REACH_S)
+        if connector is not None and connector.is_alive():
+            began = self._finish_began if self._finish_began is not None else time.monotonic()
+            connector.join(max(REACH_S, levels.JOB_WAIT_S - (time.monotonic() - began)))
         self._send_unsent()
         with self._lock:
             channel = self._channel
         if channel is not None:
             channel.push(self.node, agg.NodeSummary.done(self.node))
+        elif self._unsent:
+            self.stats["unsent_dropped"] += len(self._unsent)
+            logger.warning("gpulens: node %d's last %d rows of figures were not sent: its "
+                           "connection to the job's store did not open by the end of the stop "
+                           "(rank 0 writes those rows without the node, marked partial)",
+                           self.node, len(self._unsent))
+            self._unsent.clear()
 
     def _push(self, channel: UpChannel, payload: bytes) -> None:
         if not channel.push(self.node, payload):
@@ -418,6 +433,7 @@ class RowGather:
             if thread is None:
                 return
             with self._wake:
+                self._finish_began = time.monotonic()
                 self._finishing = True
                 self._wake.notify()
             thread.join(timeout)
