@@ -549,8 +549,9 @@ def test_two_nodes_shape_and_a_rank_that_dies(nodes_job: NodesJob) -> None:
     assert len({g["uuid"] for g in start["gpus"]}) == 4  # each simulated node's GPUs its own
     rows = [x for x in lines if "event" not in x]
     assert [r["step"] for r in rows] == list(range(1, 13))  # one writer, every step
-    assert all(r["job/nodes"] == 2 for r in rows)
-    assert [(r["job/ranks"], r["job/partial"]) for r in rows[-6:]] == [(3, 1)] * 6
+    said = "\n".join(nodes_job.phase_stderr("dying"))  # what the job said, should these fail
+    assert [r["job/nodes"] for r in rows] == [2] * 12, said
+    assert [(r["job/ranks"], r["job/partial"]) for r in rows[-6:]] == [(3, 1)] * 6, said
     assert all(f"gpu/{i}/util_pct" in rows[-1] for i in (0, 1, 3))
     told = [line for line in nodes_job.phase_stderr("dying")
             if "WARNING" in line and "rank 2 " in line]
