@@ -338,6 +338,8 @@ def test_a_store_a_leader_cannot_reach_is_said_once_and_rows_go_on_partial(
     said = [r.getMessage() for r in caplog.records if "cannot reach the job's store" in
             r.getMessage()]
     assert len(said) == 1 and "its node's figures do not reach rank 0" in said[0], said
+    # said once: not again at stop as figures that were not sent
+    assert not [r for r in caplog.records if "were not sent" in r.getMessage()]
 
 
 def test_only_a_tcp_store_is_opened_from_an_engine() -> None:

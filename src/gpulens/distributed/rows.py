@@ -403,6 +403,9 @@ class RowGather:
             channel.push(self.node, agg.NodeSummary.done(self.node))
         elif self._unsent:
             self.stats["unsent_dropped"] += len(self._unsent)
+            if connector is None or not connector.is_alive():
+                self._unsent.clear()  # the store could not be reached: said when that failed
+                return
             logger.warning("gpulens: node %d's last %d rows of figures were not sent: its "
                            "connection to the job's store did not open by the end of the stop "
                            "(rank 0 writes those rows without the node, marked partial)",
