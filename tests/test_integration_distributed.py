@@ -331,7 +331,7 @@ def test_ranks_agree_on_the_slowest_rank(ddp_examples: Path) -> None:
     """``gpulens.tune.tune`` under DDP (``tests/support/tune_ddp.py``): every rank runs every
     trial, the decision uses the slowest rank's throughput and the largest data wait, and both
     ranks choose the same configuration."""
-    from gpulens.tune import Config, TuneResult
+    from gpulens.tune import TuneResult
 
     ranks = [json.loads((ddp_examples / "tune" / f"rank{r}.json").read_text())
              for r in (0, 1)]
@@ -340,8 +340,13 @@ def test_ranks_agree_on_the_slowest_rank(ddp_examples: Path) -> None:
     assert results[0].to_dict()["trials"] == results[1].to_dict()["trials"]
     for r in results:
         assert r.world_size == 2 and r.chosen is not None
-        # rank 0 alone would take one worker at batch 16; rank 1 needs two
-        assert r.chosen.config == Config(16, 2), [t.config for t in r.trials]
+        # rank 0 alone would take one worker at batch 16; rank 1 needs two.  (Its loader sits
+        # near the edge there, so whether prefetch 4 beats the default by more than a tie is
+        # the machine's load: it did once beside two busy processes.  Both ranks agree on it.)
+        chosen = r.chosen.config
+        assert (chosen.batch_size, chosen.num_workers, chosen.pin_memory, chosen.accumulation
+                ) == (16, 2, None, 1), [t.config for t in r.trials]
+        assert chosen.prefetch_factor in (None, 4)
         assert r.oom_batch == 32  # both ranks ran out of memory there: recorded, survived
     local0, local1 = (r["local"] for r in ranks)
     # a trial with one worker where rank 1's loader fell short and rank 0's did not: the
