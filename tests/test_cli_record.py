@@ -8,6 +8,7 @@ import os
 import pty
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -61,8 +62,7 @@ def test_rows_summary_json_and_markdown(tmp_path: Path) -> None:
     # rows of a wall-clock record: on record/elapsed_s, without per-step figures
     elapsed = [r["record/elapsed_s"] for r in lines]
     assert elapsed == sorted(elapsed)
-    assert elapsed[:-1] == pytest.approx([0.25 * (i + 1) for i in range(len(elapsed) - 1)],
-                                         abs=0.12)
+    assert_on_schedule(elapsed[:-1], 0.25)
     assert not any(k == "train/global_step" or k.startswith("perf/") for r in lines for k in r)
     # the rows' windows cover the child's life
     data = json.loads(sj.read_text())
@@ -239,6 +239,15 @@ def threads_not_blocking(pid: int, sig: signal.Signals) -> list[str]:
     return out
 
 
+def assert_on_schedule(elapsed: list[float], interval: float) -> None:
+    """Rows on the wall clock every ``interval`` s from the start: none early, most on time,
+    none far behind.  (A loaded machine wakes a thread late now and then: the full suite beside
+    two busy processes put one row 0.116 s behind a 0.2 s tick, the rest within 2 ms.)"""
+    late = [e - interval * (i + 1) for i, e in enumerate(elapsed)]
+    assert late and min(late) > -0.05, late
+    assert statistics.median(late) < 0.06 and max(late) < 0.4, late
+
+
 def wait_for_rows(path: Path, n: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -263,8 +272,7 @@ def test_beside_training_records_until_a_signal_and_exits_0(tmp_path: Path,
     assert [r["step"] for r in lines] == list(range(1, len(lines) + 1))
     elapsed = [r["record/elapsed_s"] for r in lines]
     # the first interval is one interval long, and so are the others (the last: the tail)
-    assert elapsed[:-1] == pytest.approx([0.2 * (i + 1) for i in range(len(elapsed) - 1)],
-                                         abs=0.1)
+    assert_on_schedule(elapsed[:-1], 0.2)
     assert not any(k == "train/global_step" or k.startswith("perf/") for r in lines for k in r)
     assert all("gpu/0/power_w" in r and "gpu/1/power_w" in r for r in lines)
     # the live line: one a row (stderr is not a terminal), newest sample of each GPU
