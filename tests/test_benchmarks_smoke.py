@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -1057,3 +1058,68 @@ def test_paths_pool_sets_training_run_calls_side_by_side_with_unit_call(tmp_path
     b = pooled["between_runs"]["hf_ls1_gpulens"]
     assert b["runs"] == 4 and b["i2"] > 0.5  # the calls at +0.4 and -0.4 disagree
     assert "each training-run call counted as a run" in proc.stdout
+
+
+def test_block_noise_recovers_a_part_that_moves_whole_blocks(tmp_path: Path) -> None:
+    """Synthetic blocks of 20 steps: independent step noise (SD 1 ms), a shift of each whole
+    block (SD 0.8 ms) and a last step 5 ms slower: the figures give each back, and a file with
+    no shift gives a block part near 0."""
+    import random
+
+    sys.path.insert(0, str(BENCH))
+    import block_noise  # benchmarks/block_noise.py
+
+    def result(shift_sd: float, seed: int) -> Path:
+        rng = random.Random(seed)
+        arms = ("p", "p_b", "p_gpulens")
+        steps: dict[str, dict[str, Any]] = {a: {} for a in arms}
+        for r in range(400):
+            for a in arms:
+                shift = rng.gauss(100.0, shift_sd)
+                ms = [shift + rng.gauss(0.0, 1.0) for _ in range(20)]
+                ms[-1] += 5.0
+                steps[a][str(r)] = {"ms": ms}
+        path = tmp_path / f"{shift_sd}" / "g0" / "paths_aa.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"paths": {"p": {"steps_rank0": steps}}}))
+        return path
+
+    moved = block_noise.file_noise(result(0.8, 1))["p"]
+    for f in moved.values():
+        assert f["blocks"] == 400 and f["steps"] == 20
+        assert f["s_ms"] == pytest.approx(1.0, rel=0.05)
+        assert f["last_ms"] == pytest.approx(5.0, abs=0.2)
+        assert f["pred_ms"] == pytest.approx(math.sqrt(2 / 20), rel=0.1)
+        assert f["block_ms"] == pytest.approx(0.8, rel=0.15)
+        assert abs(f["ac1"]) < 0.1
+    still = block_noise.file_noise(result(0.0, 2))["p"]
+    assert all(f["block_ms"] < 0.15 for f in still.values()), still
+    out = subprocess.run([sys.executable, str(BENCH / "block_noise.py"),
+                          str(tmp_path / "0.8" / "g0" / "paths_aa.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "| 0.8/g0 | p | gpulens | 400 x 20 |" in out.stdout
+
+
+def test_clock_listeners_run_after_the_stamp_their_work_in_the_next_step() -> None:
+    """A listener's work (the benchmarks read every thread's CPU at a block's end) is not in
+    the step whose stamp called it, but in the next: a block's last counted step is the
+    training's alone."""
+    sys.path.insert(0, str(BENCH))
+    import paths  # benchmarks/paths.py
+
+    clock = paths.Clock(cuda=False)
+    seen: list[tuple[int, int]] = []
+
+    def listener(index: int) -> None:
+        seen.append((index, len(clock.wall)))
+        if index == 1:
+            time.sleep(0.2)
+
+    clock.listeners.append(listener)
+    for _ in range(4):
+        clock.stamp()
+        time.sleep(0.01)
+    assert seen == [(0, 1), (1, 2), (2, 3), (3, 4)]  # called with the stamp just made
+    wall, _ = clock.steps(1)  # step 2 ends at stamp 1, step 3 at stamp 2
+    assert wall[0] < 0.1 < 0.2 <= wall[1], wall
