@@ -103,11 +103,11 @@ class Job:
             time.sleep(0.01)
         return self.rows[rank]
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = WAIT_S) -> None:
         def stop(r: int) -> None:
             if r in self.w:
-                self.w[r].flush(WAIT_S)  # an engine's stop, or its JobGather's
-            self.g[r].flush(WAIT_S)
+                self.w[r].flush(timeout)  # an engine's stop, or its JobGather's
+            self.g[r].flush(timeout)
 
         self._parallel(stop)
 
@@ -271,20 +271,23 @@ def test_a_leaders_summaries_wait_for_its_connection_to_the_store(
         assert [w.stats["unsent_dropped"] for w in leaders] == [2, 2] and len(said) == 1
 
 
-@pytest.mark.parametrize("opens", [True, False], ids=["opens-during-stop", "never-opens"])
+@pytest.mark.parametrize("opens,stop_s", [(True, WAIT_S), (False, WAIT_S), (False, 1.5)],
+                         ids=["opens-during-stop", "never-opens", "never-opens-short-stop"])
 def test_a_leaders_connection_that_opens_during_its_stop_still_sends_its_rows(
-        opens: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+        opens: bool, stop_s: float, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A monitor shorter than a leader's connect (a ``with`` block around an evaluation; the
     import of torch in a busy host's engine: seconds).  The leader waits for its connection
     at stop while rank 0 waits for the node, not a fixed few seconds: every row is whole.  (It
     waited ``REACH_S``, 5 s, and dropped every summary of a short monitor: a two-node test
     job on a loaded CI machine wrote its rows without a node.)  A connection that does not
-    open by then: the leader says how many rows of figures it could not send."""
+    open by then: the leader says how many rows of figures it could not send; a stop given a
+    shorter time-out than rank 0's wait is kept to it, and says the same."""
     from gpulens.distributed import rows
 
     monkeypatch.setattr(rows, "REACH_S", 0.2)  # the old wait, made short
     monkeypatch.setattr(levels, "NODE_WAIT_S", 0.3)
-    monkeypatch.setattr(levels, "JOB_WAIT_S", 8.0 if opens else 1.0)
+    monkeypatch.setattr(levels, "JOB_WAIT_S", 8.0 if opens or stop_s < 8.0 else 1.0)
     release = threading.Event()
     real = rows.connect_store
 
@@ -298,19 +301,37 @@ def test_a_leaders_connection_that_opens_during_its_stop_still_sends_its_rows(
         job = Job(world=4, nodes=2, tcp=True)
         for step in (1, 2, 3):
             job.log(step)
-        if opens:  # the connections open a second into the stop
-            threading.Timer(1.0, release.set).start()
-        job.stop()
+        leaders = (job.w[1], job.w[3])
+
+        def open_during_the_stop() -> None:
+            deadline = time.monotonic() + WAIT_S
+            while not all(w._finishing for w in leaders) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(1.0)  # beyond the old wait (REACH_S, made 0.2 s here)
+            release.set()
+
+        if opens:  # the connections open a second into the leaders' stop
+            threading.Thread(target=open_during_the_stop, daemon=True).start()
+        t0 = time.monotonic()
+        job.stop(stop_s)
+        stopped_s = time.monotonic() - t0
         release.set()
     got = [(r.step, r.values["job/nodes"], r.values["job/partial"]) for r in job.rows[0]]
     said = [r.getMessage() for r in caplog.records if "were not sent" in r.getMessage()]
+    unmet = [r.getMessage() for r in caplog.records if "did not meet" in r.getMessage()]
     if opens:
         assert got == [(1, 2, 0), (2, 2, 0), (3, 2, 0)]
-        assert not said
-    else:
+        assert not said and not unmet
+        return
+    assert len(said) == 2 and all("last 3 rows" in m for m in said), said
+    assert [job.w[r].stats["unsent_dropped"] for r in (1, 3)] == [3, 3]
+    if stop_s >= 8.0:
         assert [(s, p) for s, _, p in got] == [(1, 1), (2, 1), (3, 1)]
-        assert len(said) == 2 and all("last 3 rows" in m for m in said), said
-        assert [job.w[r].stats["unsent_dropped"] for r in (1, 3)] == [3, 3]
+        assert not unmet
+    else:  # each stop kept to its time-out, not rank 0's 8 s wait: the leaders say what they
+        # could not send; rank 0, whose rows still wait for the nodes, that they are not written
+        assert stopped_s < 6.0, stopped_s
+        assert got == [] and len(unmet) == 1 and "rank 0's last rows" in unmet[0], unmet
 
 
 def test_a_store_a_leader_cannot_reach_is_said_once_and_rows_go_on_partial(

@@ -174,6 +174,8 @@ class RowGather:
         self._finishing = False
         self._finish_began: float | None = None
         """When :meth:`flush` began (the stop's waits count from there)."""
+        self._finish_deadline: float | None = None
+        """When :meth:`flush`'s time-out runs out."""
         self._wake = threading.Condition()
         self._signalled = False
         """A wake-up is pending (under ``_wake``): later rows do not notify again."""
@@ -389,13 +391,18 @@ class RowGather:
         """A leader at stop: what waits, then the node's last summary (rank 0 stops waiting
         for the node).  A connection still opening (an engine that imports torch on a busy
         host: seconds) is waited for while rank 0 still waits for the node at its own stop,
-        :data:`~.levels.JOB_WAIT_S` from this stop's start (at least :data:`REACH_S`): a
-        monitor shorter than the connect (a ``with`` block around an evaluation, say) still
-        sends its rows.  What cannot be sent is said."""
+        :data:`~.levels.JOB_WAIT_S` from this stop's start (at least :data:`REACH_S`; never
+        past the stop's own time-out): a monitor shorter than the connect (a ``with`` block
+        around an evaluation, say) still sends its rows.  What cannot be sent is said."""
         connector = self._connector
         if connector is not None and connector.is_alive():
-            began = self._finish_began if self._finish_began is not None else time.monotonic()
-            connector.join(max(REACH_S, levels.JOB_WAIT_S - (time.monotonic() - began)))
+            now = time.monotonic()
+            began = self._finish_began if self._finish_began is not None else now
+            wait = max(REACH_S, levels.JOB_WAIT_S - (now - began))
+            if self._finish_deadline is not None:  # within the stop's own time-out
+                wait = min(wait, self._finish_deadline - now - 0.2)  # 0.2 s to send
+            connector.join(max(0.0, wait))
+        opening = connector is not None and connector.is_alive()  # before the channel is read
         self._send_unsent()
         with self._lock:
             channel = self._channel
@@ -403,7 +410,7 @@ class RowGather:
             channel.push(self.node, agg.NodeSummary.done(self.node))
         elif self._unsent:
             self.stats["unsent_dropped"] += len(self._unsent)
-            if connector is None or not connector.is_alive():
+            if not opening:
                 self._unsent.clear()  # the store could not be reached: said when that failed
                 return
             logger.warning("gpulens: node %d's last %d rows of figures were not sent: its "
@@ -437,6 +444,8 @@ class RowGather:
                 return
             with self._wake:
                 self._finish_began = time.monotonic()
+                if timeout is not None:
+                    self._finish_deadline = self._finish_began + timeout
                 self._finishing = True
                 self._wake.notify()
             thread.join(timeout)
