@@ -9,11 +9,13 @@ arm (rank 0's steps, ``steps_rank0``):
 
 ``s``        the SD of a step within its block, ms (pooled over blocks; the last step left
              out: see ``last``);
-``ac1``      the steps' lag-1 autocorrelation within a block (mean over blocks);
-``pred``     the paired difference's SD if steps were independent (the last with its own
-             spread), ms;
+``ac1``      the steps' lag-1 autocorrelation within a block (mean over blocks; the last
+             step left out);
+``pred``     the paired difference's SD if steps were independent (each arm with its own
+             spread, the last step with its own), ms;
 ``obs``      the paired difference's SD over the rounds, ms (the baseline: its A/A arm's);
-``block``    the SD of the part that moves a whole block, ms: ``sqrt((obs^2 - pred^2) / 2)``;
+``block``    the SD of the part that moves a whole block (or wanders inside it: ``ac1``),
+             ms: ``sqrt((obs^2 - pred^2) / 2)``;
 ``last``     the last measured step's excess over the mean of its block's other steps, ms
              (mean and SD over blocks: work at a block's end counted in its last step).
 
@@ -41,24 +43,39 @@ def lag1(xs: list[float]) -> float:
     return sum((xs[i] - m) * (xs[i + 1] - m) for i in range(len(xs) - 1)) / var
 
 
-def arm_noise(steps: dict[str, dict[str, Any]], base: dict[str, dict[str, Any]]
-              ) -> dict[str, float]:
-    """One arm's figures (module doc) from its blocks' steps and the baseline's, by round."""
-    blocks = {r: [float(v) for v in rec["ms"]] for r, rec in steps.items() if len(rec["ms"]) > 2}
+def _blocks(steps: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """Each round's counted steps (ms), blocks of three or more."""
+    return {r: [float(v) for v in rec["ms"]] for r, rec in steps.items() if len(rec["ms"]) > 2}
+
+
+def _own(blocks: dict[str, list[float]]) -> dict[str, float]:
+    """One arm's own figures: steps a block, ``s`` (the last step left out), the last step's
+    excess and its SD, ``ac1`` (the last step left out), and the variance of a block's mean
+    were its steps independent (the last with its own spread), ms squared."""
     n = statistics.fmean(len(ms) for ms in blocks.values())
-    # the steps but the last (its own excess is ``last``), then the last's own spread
     s = math.sqrt(statistics.fmean(statistics.variance(ms[:-1]) for ms in blocks.values()))
     last = [ms[-1] - statistics.fmean(ms[:-1]) for ms in blocks.values()]
     last_sd = statistics.stdev(last)
-    pred = math.sqrt(2.0 * ((n - 1) * s * s + last_sd * last_sd)) / n
-    diffs = [statistics.fmean(ms) - statistics.fmean(float(v) for v in base[r]["ms"])
-             for r, ms in blocks.items() if r in base]
+    return {"steps": n, "s_ms": s, "last_ms": statistics.fmean(last), "last_sd_ms": last_sd,
+            "ac1": statistics.fmean(lag1(ms[:-1]) for ms in blocks.values()),
+            "var_mean": ((n - 1) * s * s + last_sd * last_sd) / (n * n)}
+
+
+def arm_noise(steps: dict[str, dict[str, Any]], against: dict[str, dict[str, Any]]
+              ) -> dict[str, float]:
+    """One arm's figures (module doc) from its blocks' steps and those of the arm it is set
+    against (the baseline; for the baseline, its A/A arm), by round: ``pred`` from both arms'
+    own spreads."""
+    mine, theirs = _blocks(steps), _blocks(against)
+    own, other = _own(mine), _own(theirs)
+    pred = math.sqrt(own["var_mean"] + other["var_mean"])
+    diffs = [statistics.fmean(ms) - statistics.fmean(theirs[r]) for r, ms in mine.items()
+             if r in theirs]
     obs = statistics.stdev(diffs) if len(diffs) > 1 else math.nan
-    return {"blocks": len(blocks), "steps": n, "s_ms": s,
-            "ac1": statistics.fmean(lag1(ms) for ms in blocks.values()),
+    return {"blocks": len(mine), "steps": own["steps"], "s_ms": own["s_ms"], "ac1": own["ac1"],
             "pred_ms": pred, "obs_ms": obs,
             "block_ms": math.sqrt(max(0.0, obs * obs - pred * pred) / 2.0),
-            "last_ms": statistics.fmean(last), "last_sd_ms": last_sd}
+            "last_ms": own["last_ms"], "last_sd_ms": own["last_sd_ms"]}
 
 
 def file_noise(path: Path) -> dict[str, dict[str, dict[str, float]]]:

@@ -64,7 +64,11 @@ class Clock:
         self.proc: list[float] = []
         self.events: list[Any] = []
         self.listeners: list[Callable[[int], None]] = []
-        """Called with the stamp's index after each stamp."""
+        """Called with the stamp's index after each stamp: their work falls into the next
+        step."""
+        self.before: list[Callable[[int], None]] = []
+        """Called with the index the stamp will have, before it: their work falls into the step
+        the stamp ends."""
         self.epoch = time.time() - time.perf_counter()
         """Add to a ``wall`` stamp for Unix seconds (to line blocks up with a GPU log)."""
         self.gc: list[tuple[float, int]] = []
@@ -123,10 +127,12 @@ class Clock:
             gc.callbacks.remove(self._on_gc)
 
     def stamp(self) -> None:
-        """End a step: its stamps, then the listeners (their work falls into the next step:
-        they ran before the stamps until 2026-11-28, and the reads of every thread's CPU at a
-        block's end put 4.5-7.9 ms into each block's last counted step, every arm alike,
-        ``results/2026-11-28-cpu-block-noise``)."""
+        """End a step: :attr:`before`, its stamps, then :attr:`listeners`.  (Every listener
+        ran before the stamps until 2026-11-28: the read of every thread's CPU at a block's
+        end put 4.5-7.9 ms into each block's last counted step, every arm alike,
+        ``results/2026-11-28-cpu-block-noise``.)"""
+        for hook in self.before:
+            hook(len(self.cpu))
         self.gc.append((self._gc_s, self._gc_full))
         self.cpu.append(time.thread_time())
         self.proc.append(time.clock_gettime(time.CLOCK_PROCESS_CPUTIME_ID))
@@ -312,25 +318,41 @@ class Schedule:
 
     def watch_threads(self, clock: Clock) -> None:
         """Read :func:`threads_cpu` before each block's first counted step and after its last
-        (two reads a block, in the stamps between steps) into :attr:`threads_s`."""
+        (two reads a block, in the stamps between steps) into :attr:`threads_s`.  Each read
+        falls into a burn-in step: the first before the stamp that ends the block's last
+        burn-in step, the other after the stamp that ends its last counted step (with no
+        burn-in, both after: the first then falls into a counted step)."""
         at: dict[str, float] = {}
 
-        def listen(index: int) -> None:
+        def blocks_at(index: int) -> tuple[Any, Any]:
             step = index + 1  # stamp k ends step k + 1
             this, following = self.place(step), self.place(step + 1)
             this_block = this[:2] if this is not None and this[2] else None
             next_block = following[:2] if following is not None and following[2] else None
+            return this_block, next_block
+
+        def start(index: int) -> None:
+            at.clear()
+            at.update(threads_cpu())
+
+        def before(index: int) -> None:
+            this_block, next_block = blocks_at(index)
+            if next_block is not None and this_block is None:
+                start(index)
+
+        def after(index: int) -> None:
+            this_block, next_block = blocks_at(index)
             if this_block is not None and this_block != next_block:
                 arm = this_block[1]
                 totals = self.threads_s.setdefault(arm, {})
                 for name, spent in threads_cpu().items():
                     totals[name] = totals.get(name, 0.0) + spent - at.get(name, 0.0)
                 self.thread_steps[arm] = self.thread_steps.get(arm, 0) + self.measured
-            if next_block is not None and next_block != this_block:
-                at.clear()
-                at.update(threads_cpu())
+                if next_block is not None:  # no burn-in between the blocks
+                    start(index)
 
-        clock.listeners.append(listen)
+        clock.before.append(before)
+        clock.listeners.append(after)
 
     def values(self, clock: Clock) -> dict[tuple[int, str], tuple[float, float, float]]:
         """(round, arm) -> (mean step seconds, mean training-thread CPU seconds, mean CPU
