@@ -1169,3 +1169,19 @@ def test_a_schedules_reads_of_thread_cpu_fall_outside_its_counted_steps(
     assert len(slow) == (0 if burn else 2 * 2 - 1), counted
     assert sched.thread_steps == {"a": 6, "a_b": 6}
     assert sched.threads_s["a"]["worker"] + sched.threads_s["a_b"]["worker"] == 4.0  # 4 x (+1)
+
+
+def test_start_split_times_both_arms_and_the_engines_start_phases(tmp_path: Path) -> None:
+    """``start_split.py`` on simulated GPUs: each arm's start() and stop(), and inside the
+    thread arm's start() the engine's phases, the sampler's start among them."""
+    out = subprocess.run([sys.executable, str(BENCH / "start_split.py"), "--repeat", "1",
+                          "--json", str(tmp_path / "s.json")], capture_output=True, text=True,
+                         timeout=300, env=bench_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert re.search(rf"\| spawned \| {NUMBER} \| {NUMBER} \| {NUMBER} \|", out.stdout), out.stdout
+    runs = json.loads((tmp_path / "s.json").read_text())
+    (thread,) = runs["thread"]
+    assert {"sampler start", "engine start (all)"} <= set(thread["phases_s"])
+    assert 0 < thread["phases_s"]["sampler start"] <= thread["phases_s"]["engine start (all)"]
+    assert thread["phases_s"]["engine start (all)"] <= thread["start_s"]
+    assert "start" in thread["top"] and "phases_s" not in runs["spawned"][0]
