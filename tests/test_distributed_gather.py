@@ -224,6 +224,23 @@ def test_rank_0s_engine_leaves_no_thread_waiting_on_the_store_at_stop() -> None:
         job.stop()
 
 
+def hold_the_leaders_connections(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The leaders' engines' connections to the job's store open only once the returned
+    event is set (an import of torch on a busy host, made as long as a test needs)."""
+    from gpulens.distributed import rows
+
+    release = threading.Event()
+    real = rows.connect_store
+
+    def held_for_the_leaders(address: Any, timeout: float = 60.0) -> Any:
+        if threading.current_thread().name == "gpulens-gather-connect":
+            release.wait(WAIT_S)
+        return real(address, timeout)
+
+    monkeypatch.setattr(rows, "connect_store", held_for_the_leaders)
+    return release
+
+
 @pytest.mark.parametrize("kept", [64, 2])
 def test_a_leaders_summaries_wait_for_its_connection_to_the_store(
         kept: int, fast_waits: None, caplog: pytest.LogCaptureFixture,
@@ -238,15 +255,7 @@ def test_a_leaders_summaries_wait_for_its_connection_to_the_store(
     # rank 0 waits this long for a node's summary: longer than the held connection can take
     # on a loaded machine (2.5 s made every row partial once, in the full suite on 2 cores)
     monkeypatch.setattr(levels, "JOB_WAIT_S", 8.0)
-    release = threading.Event()
-    real = rows.connect_store
-
-    def held_for_the_leaders(address: Any, timeout: float = 60.0) -> Any:
-        if threading.current_thread().name == "gpulens-gather-connect":
-            release.wait(WAIT_S)
-        return real(address, timeout)
-
-    monkeypatch.setattr(rows, "connect_store", held_for_the_leaders)
+    release = hold_the_leaders_connections(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         job = Job(world=4, nodes=2, tcp=True)
         for step in (1, 2, 3, 4):
@@ -288,15 +297,7 @@ def test_a_leaders_connection_that_opens_during_its_stop_still_sends_its_rows(
     monkeypatch.setattr(rows, "REACH_S", 0.2)  # the old wait, made short
     monkeypatch.setattr(levels, "NODE_WAIT_S", 0.3)
     monkeypatch.setattr(levels, "JOB_WAIT_S", 8.0 if opens or stop_s < 8.0 else 1.0)
-    release = threading.Event()
-    real = rows.connect_store
-
-    def held_for_the_leaders(address: Any, timeout: float = 60.0) -> Any:
-        if threading.current_thread().name == "gpulens-gather-connect":
-            release.wait(WAIT_S)
-        return real(address, timeout)
-
-    monkeypatch.setattr(rows, "connect_store", held_for_the_leaders)
+    release = hold_the_leaders_connections(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         job = Job(world=4, nodes=2, tcp=True)
         for step in (1, 2, 3):
