@@ -33,10 +33,13 @@ def main(out: Path) -> None:
         return agree(trial)
 
     tune_dist.agree = spy
-    step = ControlledStep(fixed_s=0.03 if rank == 0 else 0.04, per_sample_s=0.001, knee=16,
-                          slow_per_sample_s=0.004, oom_at=32)
+    # twice the times this job had until 2026-11-28: the loader's hand-over of a batch from its
+    # worker (a few ms on a loaded machine) was 5.3 % of rank 0's 34 ms step at batch 4 in CI,
+    # which sent the sweep to two workers before rank 1's loader could fall short alone
+    step = ControlledStep(fixed_s=0.06 if rank == 0 else 0.08, per_sample_s=0.002, knee=16,
+                          slow_per_sample_s=0.008, oom_at=32)
     step.model = DistributedDataParallel(step.model)
-    data = SlowSamples(per_sample_s=0.001 if rank == 0 else 0.006)
+    data = SlowSamples(per_sample_s=0.002 if rank == 0 else 0.012)
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data), drop_last=True,
                         collate_fn=collate_numpy)
     result = tune(loader, step, model=step.model, optimizer=step.optimizer,
