@@ -25,11 +25,13 @@ an ``xdist_group``, so that one worker runs them while the others go on with oth
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ import pytest
 from tests.support import slow_rank_ddp
 from tests.support.jsonl import read_lines, read_rows
 from tests.support.shared_run import shared_run
-from tests.support.torchrun import TorchrunResult, kill_all_jobs, run_torchrun
+from tests.support.torchrun import JobProcess, TorchrunResult, kill_all_jobs, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -57,17 +59,53 @@ def _no_job_left() -> Iterator[None]:
     kill_all_jobs()  # whatever a failing test left: every rank's process group
 
 
+def dump_stacks(procs: list[JobProcess]) -> None:
+    """Before a hung job is killed: every process of it that runs ``ddp_scripts.py`` (its
+    ranks, and their forked DataLoader workers) writes its threads' stacks to stderr
+    (``faulthandler`` on SIGUSR1, registered there)."""
+    for proc in procs:
+        if "ddp_scripts.py" in proc.cmdline:
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(0.5)  # one at a time: their dumps share the job's stderr
+    time.sleep(1.0)
+
+
 def torchrun(args: list[str], cwd: Path, **extra: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
     env.update(extra)
     env.update(GPULENS_BACKEND="simulated", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT),
                                                       env.get("PYTHONPATH", "")) if p))
-    done = run_torchrun(args, cwd=cwd, env=env, timeout=TORCHRUN_TIMEOUT_S)
-    assert not done.timed_out, (f"torchrun hung: killed after {TORCHRUN_TIMEOUT_S:.0f} s",
-                                done.stdout[-2000:], done.stderr[-6000:])
+    done = run_torchrun(args, cwd=cwd, env=env, timeout=TORCHRUN_TIMEOUT_S,
+                        on_timeout=dump_stacks)
+    if done.timed_out:  # the stacks the ranks and their workers wrote, last (read in CI)
+        raise AssertionError(f"torchrun hung: killed after {TORCHRUN_TIMEOUT_S:.0f} s\n"
+                             f"--- stdout\n{done.stdout[-1500:]}\n--- stderr, with the stacks\n"
+                             f"{done.stderr[-5500:]}")
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-6000:])
     assert not done.leftovers, f"processes of the job outlived torchrun: {done.leftovers}"
+
+
+def test_a_hung_job_writes_every_ranks_stacks_before_it_is_killed(tmp_path: Path) -> None:
+    """A job of ``ddp_scripts.py`` that hangs (each rank sleeps in a function of the script)
+    is killed, but first each rank writes its threads' stacks to stderr: the hung test's
+    message then says where it waited."""
+    script = tmp_path / "hangs.py"
+    script.write_text("import os, time\n"
+                      "def waits_here():\n"
+                      "    open(f\"ready.{os.environ['RANK']}\", 'w').close()\n"
+                      "    time.sleep(600)\n"
+                      "waits_here()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULENS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join((str(ROOT / "src"), str(ROOT))))
+    done = run_torchrun([str(SUPPORT / "ddp_scripts.py"), json.dumps([[str(script)]])],
+                        cwd=tmp_path, env=env, timeout=TORCHRUN_TIMEOUT_S,
+                        hung=lambda: all((tmp_path / f"ready.{r}").exists() for r in (0, 1)),
+                        on_timeout=dump_stacks)
+    assert done.timed_out
+    # faulthandler's dump: one per rank, each naming the function it waited in
+    assert done.stderr.count("in waits_here") == 2, done.stderr[-3000:]
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:

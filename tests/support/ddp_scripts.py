@@ -22,9 +22,11 @@ script ends the rank (and torchrun ends the job).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
+import signal
 import sys
 from datetime import timedelta
 from typing import Any
@@ -48,6 +50,9 @@ def fresh_store(index: int, kept: list[Any]) -> None:
 
 
 def main(scripts: list[list[str]]) -> None:
+    # SIGUSR1 writes every thread's stack to stderr (the tests send it to a job that hangs,
+    # before they kill it); a DataLoader worker forked from this process inherits it
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.setdefault("AGENT_PORT", os.environ["MASTER_PORT"])
     kept: list[Any] = []
     for index, argv in enumerate(scripts):
