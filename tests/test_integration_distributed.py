@@ -60,11 +60,17 @@ def _no_job_left() -> Iterator[None]:
 
 
 def dump_stacks(procs: list[JobProcess]) -> None:
-    """Before a hung job is killed: every process of it that runs ``ddp_scripts.py`` (its
-    ranks, and their forked DataLoader workers) writes its threads' stacks to stderr
-    (``faulthandler`` on SIGUSR1, registered there)."""
+    """Before a hung job is killed: each of its ranks (a process of ``ddp_scripts.py`` that
+    torchrun's agent started; not a DataLoader worker forked from one, which SIGUSR1 would end)
+    writes its threads' stacks to stderr (``faulthandler`` on SIGUSR1, registered there)."""
+    agents = {p.pid for p in procs if "torch.distributed.run" in p.cmdline}
     for proc in procs:
-        if "ddp_scripts.py" in proc.cmdline:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            continue
+        parent = re.search(r"^PPid:\s*(\d+)", status, re.M)
+        if "ddp_scripts.py" in proc.cmdline and parent and int(parent.group(1)) in agents:
             with contextlib.suppress(OSError):
                 os.kill(proc.pid, signal.SIGUSR1)
             time.sleep(0.5)  # one at a time: their dumps share the job's stderr

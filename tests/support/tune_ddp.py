@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import multiprocessing
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,21 @@ from tests.support.tune_load import ControlledStep, SlowSamples, collate_numpy
 
 
 def main(out: Path) -> None:
+    # the loader's workers start from a forkserver (torch and this module loaded once there):
+    # forked from a rank, which runs gloo's threads and, in tests/support/ddp_scripts.py, the
+    # TCPStores and whatever the scripts before left, a worker hung in the full suite now and
+    # then (rank 1 waited for its batch, rank 0 in the gradient all-reduce), as fork with
+    # threads can; what is tested here is the sweep's agreement, not how workers start
+    multiprocessing.set_forkserver_preload(["torch", "tests.support.tune_load"])
+    start_method = multiprocessing.get_start_method()
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        _tune(out)
+    finally:
+        multiprocessing.set_start_method(start_method, force=True)
+
+
+def _tune(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     local: list[dict[str, Any]] = []
