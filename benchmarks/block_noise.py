@@ -19,10 +19,6 @@ arm (rank 0's steps, ``steps_rank0``):
 ``last``     the last measured step's excess over the mean of its block's other steps, ms
              (mean and SD over blocks: work at a block's end counted in its last step).
 
-A second table: each arm's first step of a block (a burn-in step, not counted) against its
-median step, and the gpulens arm's less the baseline's: what gpulens's start holds a run's
-first step up, on the GPU's timeline (:func:`first_steps`).
-
     python benchmarks/block_noise.py benchmarks/results/2026-11-28-h200x4-*/*/paths_aa.json
 """
 
@@ -111,33 +107,6 @@ def markdown(results: dict[str, dict[str, dict[str, dict[str, float]]]]) -> str:
     return "\n".join(lines)
 
 
-def first_steps(path: Path) -> dict[str, dict[str, float]]:
-    """Per path name: each arm's first step of a block (the mean over its blocks, from
-    ``profile_ms_rank0``) against the arm's median step, ms; and ``start``, the gpulens arm's
-    less the baseline's.  The gpulens arm's monitor starts at that step (its callback's
-    ``on_train_begin``), and on the GPU's timeline host work before the step's kernels counts
-    whole: ``start`` is what a run's first step waits for gpulens's start."""
-    out: dict[str, dict[str, float]] = {}
-    for name, p in json.loads(path.read_text()).get("paths", {}).items():
-        profile = p.get("profile_ms_rank0") or {}
-        if name not in profile or f"{name}_gpulens" not in profile:
-            continue
-        first = {arm: ms[0] - statistics.median(ms) for arm, ms in profile.items() if ms}
-        out[name] = {**first, "start": first[f"{name}_gpulens"] - first[name]}
-    return out
-
-
-def first_steps_table(files: list[Path]) -> str:
-    lines = ["| file | path | base ms | A/A ms | gpulens ms | start (gpulens - base) ms |",
-             "|---|---|---|---|---|---|"]
-    for f in files:
-        for name, v in first_steps(f).items():
-            lines.append(f"| {f.parent.parent.name}/{f.parent.name} | {name} | {v[name]:+.0f} | "
-                         f"{v.get(name + '_b', math.nan):+.0f} | {v[name + '_gpulens']:+.0f} | "
-                         f"{v['start']:+.0f} |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", type=Path, help="paths_aa.json files")
@@ -145,12 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     results = {f"{f.parent.parent.name}/{f.parent.name}": file_noise(f) for f in args.files}
     print(markdown(results))
-    print("\n### A block's first step against the arm's median step\n")
-    print(first_steps_table(args.files))
     if args.json:
-        args.json.write_text(json.dumps(
-            {**results, "first_steps": {f"{f.parent.parent.name}/{f.parent.name}":
-                                        first_steps(f) for f in args.files}}, indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 
