@@ -10,7 +10,10 @@ Two arms, ``--repeat`` times each, alternated, each with a JSONL sink:
   each GPU's device and info, the sinks' open, the sampler's start with its first sample), s.
 
 The spawned arm's ``start()`` less the thread arm's is about the engine process's spawn and
-imports. Prints Markdown; ``--json`` writes every figure and the thread arm's top functions.
+imports; a third table splits that: a fresh interpreter with the engine's environment
+(``python -c pass``), the same importing what the engine process imports, and that import's
+slowest modules (``-X importtime``, cumulative). Prints Markdown; ``--json`` writes every
+figure and the thread arm's top functions.
 
     python benchmarks/start_split.py --repeat 5 --json $OUT/start_split.json   # a GPU host
     GPULENS_BACKEND=simulated python benchmarks/start_split.py --repeat 2      # anywhere
@@ -24,6 +27,8 @@ import io
 import json
 import pstats
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,6 +82,31 @@ def one(isolation: str, folder: Path, profile: bool) -> dict[str, Any]:
     return out
 
 
+ENGINE_IMPORTS = "import gpulens.transport.child, gpulens.engine.engine"
+"""What the engine process imports before it builds the engine (its bootstrap, then the
+engine module it imports first)."""
+
+
+def fresh(code: str, env: dict[str, str]) -> float:
+    """Seconds for a fresh interpreter (this one's executable) to run ``code`` and exit."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    return time.perf_counter() - t0
+
+
+def slowest_imports(env: dict[str, str], top: int = 8) -> list[tuple[str, float]]:
+    """The ``top`` modules by cumulative import time (s) of :data:`ENGINE_IMPORTS` in a fresh
+    interpreter (``-X importtime``)."""
+    got = subprocess.run([sys.executable, "-X", "importtime", "-c", ENGINE_IMPORTS], env=env,
+                         check=True, capture_output=True, text=True).stderr
+    rows: list[tuple[str, float]] = []
+    for line in got.splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((parts[2].rstrip(), int(parts[1]) / 1e6))
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
@@ -101,9 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Inside the thread arm's `start()` (median over its runs, s):", "",
               "| " + " | ".join(labels) + " |", "|" + "---|" * len(labels),
               "| " + " | ".join(f"{m:.3f}" for m in medians) + " |"]
+    from gpulens.transport.process import _child_env
+
+    env = _child_env()
+    procs = {"python -c pass": [fresh("pass", env) for _ in range(args.repeat)],
+             "the engine's imports": [fresh(ENGINE_IMPORTS, env) for _ in range(args.repeat)]}
+    imports = slowest_imports(env)
+    lines += ["", "A fresh interpreter, as the engine process starts (s, each and median):", "",
+              "| what | each | median |", "|---|---|---|"]
+    lines += [f"| {what} | {', '.join(f'{s:.3f}' for s in got)} | "
+              f"{statistics.median(got):.3f} |" for what, got in procs.items()]
+    lines += ["", "Its slowest imports (cumulative s, one run): "
+              + ", ".join(f"`{name.strip()}` {s:.3f}" for name, s in imports)]
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps(runs, indent=1))
+        args.json.write_text(json.dumps({**runs, "fresh_s": procs, "imports_s": imports},
+                                        indent=1))
     return 0
 
 
