@@ -1,13 +1,20 @@
 """Where ``Monitor.start()`` spends its time on this host (issue 18: start on the training
 thread at most 0.5 s).
 
-Two arms, ``--repeat`` times each, alternated, each with a JSONL sink:
+Three arms, ``--repeat`` times each, in a rotated order, each with a JSONL sink:
 
-* ``spawned`` (``isolation="process"``, the default's choice): ``start()`` and ``stop()`` on
-  the calling thread, s;
+* ``spawned`` (``isolation="process"``, the default's choice, no spare): ``start()`` and
+  ``stop()`` on the calling thread, s;
+* ``spare``: the same, with a spare engine process prepared ``--spare-lead-s`` before
+  ``start()`` (what the Hugging Face and Lightning callbacks do while the framework sets
+  training up: :mod:`gpulens.transport.spawn`);
 * ``thread`` (``isolation="thread"``: the engine in the calling process): ``start()`` under
   ``cProfile``, and the time inside each of the engine's start phases (the NVML source's open,
   each GPU's device and info, the sinks' open, the sampler's start with its first sample), s.
+
+With ``--hf N``: N tiny Hugging Face ``Trainer`` runs a way (on the GPU where there is one),
+timing the gpulens callback's ``on_train_begin`` (where it starts its monitor), with the
+spare the callback prepares at ``on_init_end`` and with that preparation turned off.
 
 The spawned arm's ``start()`` less the thread arm's is about the engine process's spawn and
 imports; a third table splits that: a fresh interpreter with the engine's environment
@@ -22,6 +29,7 @@ figure and the thread arm's top functions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -56,8 +64,14 @@ def phases(stats: pstats.Stats) -> dict[str, float]:
     return out
 
 
-def one(isolation: str, folder: Path, profile: bool) -> dict[str, Any]:
+def one(isolation: str, folder: Path, profile: bool, spare_lead_s: float = 0.0
+        ) -> dict[str, Any]:
     import gpulens
+    from gpulens.transport import spawn
+
+    if isolation == "spare":
+        assert spawn.prepare(), "no spare engine process could be spawned"
+        time.sleep(spare_lead_s)
 
     mon = gpulens.Monitor(sinks=[f"jsonl:{folder / 'rows.jsonl'}"],
                           isolation="thread" if isolation == "thread" else "process")
@@ -107,19 +121,81 @@ def slowest_imports(env: dict[str, str], top: int = 8) -> list[tuple[str, float]
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+def hf_begin(spare: bool, folder: Path) -> float:
+    """Seconds of the gpulens callback's ``on_train_begin`` in a tiny ``Trainer`` run (a
+    linear model, 4 steps); ``spare=False``: the callback prepares no spare."""
+    import torch
+    import transformers
+
+    from gpulens.integrations.transformers import GPUMonitorCallback
+
+    class Linear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), labels)}
+
+    class Points(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            x = torch.full((8,), float(i % 7))
+            return {"x": x, "labels": x.sum()}
+
+    callback = GPUMonitorCallback(sinks=[f"jsonl:{folder / 'rows.jsonl'}"])
+    if not spare:
+        callback._prepare_engine = lambda: None  # type: ignore[method-assign]
+    spent: list[float] = []
+    begin = callback.on_train_begin
+
+    def timed(*a: Any, **kw: Any) -> None:
+        t0 = time.perf_counter()
+        begin(*a, **kw)
+        spent.append(time.perf_counter() - t0)
+
+    callback.on_train_begin = timed  # type: ignore[method-assign]
+    args = transformers.TrainingArguments(
+        output_dir=str(folder / "out"), max_steps=4, logging_steps=2,
+        per_device_train_batch_size=8, report_to="none", save_strategy="no",
+        disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+    with contextlib.redirect_stdout(io.StringIO()):  # the Trainer prints its logs
+        transformers.Trainer(model=Linear(), args=args, train_dataset=Points(),
+                             callbacks=[callback]).train()
+    (got,) = spent
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--spare-lead-s", type=float, default=1.0,
+                    help="how long before start() the spare arm prepares its spare (s)")
+    ap.add_argument("--hf", type=int, default=0, metavar="N",
+                    help="N tiny HF Trainer runs a way: on_train_begin with and without the "
+                         "spare")
     args = ap.parse_args(argv)
-    runs: dict[str, list[dict[str, Any]]] = {"spawned": [], "thread": []}
+    arms = ["spawned", "spare", "thread"]
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeat):
-            for arm in ("spawned", "thread") if i % 2 == 0 else ("thread", "spawned"):
+            for arm in arms[i % 3:] + arms[:i % 3]:
                 folder = Path(tmp) / f"{arm}{i}"
                 folder.mkdir()
-                runs[arm].append(one(arm, folder, profile=arm == "thread"))
-    lines = ["| arm | start() s, each | median | stop() s, median |", "|---|---|---|---|"]
+                runs[arm].append(one(arm, folder, profile=arm == "thread",
+                                     spare_lead_s=args.spare_lead_s))
+        hf: dict[str, list[float]] = {"with the spare": [], "without": []}
+        for i in range(args.hf):
+            for way in ("with the spare", "without") if i % 2 == 0 else ("without",
+                                                                          "with the spare"):
+                folder = Path(tmp) / f"hf{i}{'s' if way == 'with the spare' else 'n'}"
+                folder.mkdir()
+                hf[way].append(hf_begin(way == "with the spare", folder))
+    lines = [f"spare arm: prepared {args.spare_lead_s:g} s before start()", "",
+             "| arm | start() s, each | median | stop() s, median |", "|---|---|---|---|"]
     for arm, got in runs.items():
         starts = [r["start_s"] for r in got]
         lines.append(f"| {arm} | {', '.join(f'{s:.3f}' for s in starts)} | "
@@ -131,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Inside the thread arm's `start()` (median over its runs, s):", "",
               "| " + " | ".join(labels) + " |", "|" + "---|" * len(labels),
               "| " + " | ".join(f"{m:.3f}" for m in medians) + " |"]
-    from gpulens.transport.process import _child_env
+    from gpulens.transport.spawn import child_env
 
-    env = _child_env()
+    env = child_env()
     procs = {"python -c pass": [fresh("pass", env) for _ in range(args.repeat)],
              "the engine's imports": [fresh(ENGINE_IMPORTS, env) for _ in range(args.repeat)]}
     imports = slowest_imports(env)
@@ -143,10 +219,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(got):.3f} |" for what, got in procs.items()]
     lines += ["", "Its slowest imports (cumulative s, one run): "
               + ", ".join(f"`{name.strip()}` {s:.3f}" for name, s in imports)]
+    if args.hf:
+        lines += ["", "The HF callback's `on_train_begin` in a tiny Trainer run (s):", "",
+                  "| way | each | median |", "|---|---|---|"]
+        lines += [f"| {way} | {', '.join(f'{s:.3f}' for s in got)} | "
+                  f"{statistics.median(got):.3f} |" for way, got in hf.items()]
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({**runs, "fresh_s": procs, "imports_s": imports},
-                                        indent=1))
+        args.json.write_text(json.dumps({**runs, "fresh_s": procs, "imports_s": imports,
+                                         "hf_on_train_begin_s": hf}, indent=1))
     return 0
 
 

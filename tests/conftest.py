@@ -76,6 +76,17 @@ def _offline_session_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     reset_wandb()  # finish what is open, stop the wandb-core service this session started
 
 
+@pytest.fixture(autouse=True)
+def _no_spare_engine_left() -> Iterator[None]:
+    """A framework callback's spare engine process (``gpulens.transport.spawn``) that a test
+    left untaken (a Trainer built, never trained) is ended after it: the next test in this
+    worker would otherwise take it, or count it among its child processes."""
+    yield
+    from gpulens.transport import spawn
+
+    spawn.discard()
+
+
 # -- the guard: nothing new in the work tree -----------------------------------------------------
 _REPO = Path(__file__).resolve().parents[1]
 _TOOL_CACHES = frozenset({".pytest_cache", ".mypy_cache", ".ruff_cache", "__pycache__",

@@ -1169,17 +1169,26 @@ def test_a_schedules_reads_of_thread_cpu_fall_outside_its_counted_steps(
     assert sched.threads_s["a"]["worker"] + sched.threads_s["a_b"]["worker"] == 4.0  # 4 x (+1)
 
 
-def test_start_split_times_both_arms_and_the_engines_start_phases(tmp_path: Path) -> None:
-    """``start_split.py`` on simulated GPUs: each arm's start() and stop(), and inside the
-    thread arm's start() the engine's phases, the sampler's start among them."""
+def test_start_split_times_its_arms_the_engines_start_phases_and_the_hf_begin(
+    tmp_path: Path,
+) -> None:
+    """``start_split.py`` on simulated GPUs: each arm's start() and stop() (the spare arm's
+    start on its spare), inside the thread arm's start() the engine's phases, the sampler's
+    start among them, and the HF callback's ``on_train_begin`` with and without its spare."""
     out = subprocess.run([sys.executable, str(BENCH / "start_split.py"), "--repeat", "1",
-                          "--json", str(tmp_path / "s.json")], capture_output=True, text=True,
-                         timeout=300, env=bench_env(tmp_path))
+                          "--hf", "1", "--json", str(tmp_path / "s.json")], capture_output=True,
+                         text=True, timeout=300, env=bench_env(tmp_path))
     assert out.returncode == 0, out.stderr
-    assert re.search(rf"\| spawned \| {NUMBER} \| {NUMBER} \| {NUMBER} \|", out.stdout), out.stdout
+    for arm in ("spawned", "spare"):
+        assert re.search(rf"\| {arm} \| {NUMBER} \| {NUMBER} \| {NUMBER} \|", out.stdout), \
+            out.stdout
     runs = json.loads((tmp_path / "s.json").read_text())
     (thread,) = runs["thread"]
     assert {"sampler start", "engine start (all)"} <= set(thread["phases_s"])
     assert 0 < thread["phases_s"]["sampler start"] <= thread["phases_s"]["engine start (all)"]
     assert thread["phases_s"]["engine start (all)"] <= thread["start_s"]
     assert "start" in thread["top"] and "phases_s" not in runs["spawned"][0]
+    hf = runs["hf_on_train_begin_s"]
+    assert len(hf["with the spare"]) == len(hf["without"]) == 1
+    assert all(s > 0 for way in hf.values() for s in way)
+    assert "| without |" in out.stdout

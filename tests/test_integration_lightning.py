@@ -262,6 +262,44 @@ def test_resumed_fit_counts_only_its_own_steps(tmp_path: Path) -> None:
     assert [(r["step"], r["perf/steps"]) for r in lines] == [(7, 2), (11, 4), (15, 4)]
 
 
+def test_the_monitor_starts_on_the_engine_process_spawned_when_fit_began(
+    pkg: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``setup("fit")`` spawns a spare engine process; ``on_train_start`` starts the monitor on
+    it (``gpulens.transport.spawn``) instead of waiting for a new interpreter."""
+    from gpulens.transport import spawn
+
+    pl, ours = pkg
+    spares: list[int] = []
+    real_prepare = spawn.prepare
+
+    def prepare() -> bool:
+        made = real_prepare()
+        if spawn._spare is not None:
+            spares.append(spawn._spare.proc.pid)
+        return made
+
+    monkeypatch.setattr(spawn, "prepare", prepare)
+    callback = ours.GPUMonitorCallback(interval=0.05)
+    seen: list[int] = []
+
+    class Look(pl.Callback):  # type: ignore[misc, name-defined]
+        def on_train_batch_end(self, *args: Any) -> None:
+            seen.append(callback.monitor._transport.pid)
+
+    logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    module_cls, data_cls = classes(pl)
+    trainer = pl.Trainer(max_steps=8, log_every_n_steps=4, limit_val_batches=0,
+                         num_sanity_val_steps=0, logger=[logger], callbacks=[callback, Look()],
+                         accelerator="cpu", devices=1, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(module_cls(), datamodule=data_cls())
+    assert len(spares) == 1 and set(seen) == set(spares)
+    assert spawn._spare is None
+    assert steps_with(csv_rows(logger), GPU_KEY) == [3, 7]
+
+
 def test_exception_stops_the_monitor(pkg: tuple[Any, Any], tmp_path: Path) -> None:
     pl, ours = pkg
     sink = tmp_path / "gpu.jsonl"

@@ -559,3 +559,27 @@ def test_a_dashboard_sink_says_where_its_page_is(tmp_path: Path,
     told = [r.getMessage() for r in caplog.records if "dashboard" in r.getMessage()]
     assert len(told) == 1 and told[0].startswith("gpulens: live dashboard on http://127.0.0.1:")
     assert [r.levelno for r in caplog.records if "dashboard" in r.getMessage()] == [NOTICE]
+
+
+def test_the_monitor_starts_on_the_engine_process_spawned_when_the_trainer_was_built(
+    tmp_path: Path,
+) -> None:
+    """The Trainer's ``on_init_end`` spawns a spare engine process; ``train()`` starts the
+    monitor on it (``gpulens.transport.spawn``) instead of waiting for a new interpreter."""
+    from gpulens.transport import spawn
+
+    callback = GPUMonitorCallback(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"], interval=0.05)
+    trainer = make_trainer(tmp_path, callback)
+    spare = spawn._spare
+    assert spare is not None, "the Trainer was built: a spare engine process waits"
+    seen: list[int | None] = []
+
+    class Look(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            seen.append(callback.monitor._transport.pid)  # type: ignore[union-attr]
+
+    trainer.add_callback(Look())
+    trainer.train()
+    assert set(seen) == {spare.proc.pid}
+    assert spawn._spare is None
+    assert [r["step"] for r in read_jsonl(tmp_path / "rows.jsonl") if "step" in r] == [4, 8, 12]

@@ -526,10 +526,10 @@ def test_dropped_marks_are_counted_and_stop_still_gets_through(
     """A stalled engine process: marks beyond the queue's bound are dropped and counted;
     stop()'s own frame is never dropped, so the engine process still stops cleanly."""
     from gpulens.transport import pipe as link
-    from gpulens.transport import process as engine_process
+    from gpulens.transport import spawn
 
     monkeypatch.setattr(link, "MAX_PENDING_BYTES", 64 * 1024)
-    monkeypatch.setattr(engine_process, "_PIPE_BYTES", 64 * 1024)
+    monkeypatch.setattr(spawn, "PIPE_BYTES", 64 * 1024)
     path = tmp_path / "gpu.jsonl"
     wide = {f"s{i:03d}": float(i) for i in range(60)}
     with caplog.at_level(logging.WARNING, logger="gpulens"):
@@ -589,18 +589,18 @@ def test_an_installed_gpulens_is_not_put_ahead_of_the_standard_library(
 ) -> None:
     import site
 
-    from gpulens.transport import process as engine_process
+    from gpulens.transport import spawn
 
-    root = str(Path(engine_process.__file__).resolve().parent.parent.parent)
+    root = str(Path(spawn.__file__).resolve().parent.parent.parent)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     # a source checkout: the child must import this very gpulens
-    assert engine_process._child_env()["PYTHONPATH"] == f"{root}{os.pathsep}/elsewhere"
+    assert spawn.child_env()["PYTHONPATH"] == f"{root}{os.pathsep}/elsewhere"
     monkeypatch.setattr(site, "getsitepackages", lambda: [root])
-    assert engine_process._child_env()["PYTHONPATH"] == "/elsewhere"
+    assert spawn.child_env()["PYTHONPATH"] == "/elsewhere"
 
 
 def test_the_engine_process_ignores_sigint_before_it_imports_gpulens(tmp_path: Path) -> None:
-    from gpulens.transport.process import _CHILD
+    from gpulens.transport.spawn import CHILD
 
     fake = tmp_path / "gpulens"
     fake.mkdir()
@@ -615,7 +615,7 @@ def test_the_engine_process_ignores_sigint_before_it_imports_gpulens(tmp_path: P
             return 0
     """))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
                           text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ignored True"

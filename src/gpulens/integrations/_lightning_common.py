@@ -170,6 +170,9 @@ class GPUMonitorHooks(SessionCallback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             internals.check(trainer)
+            # fit begins: the model's move, the sanity check and the loaders come before
+            # on_train_start
+            self._prepare_engine()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._stop()

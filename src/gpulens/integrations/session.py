@@ -68,9 +68,10 @@ from typing import Any, Protocol
 from gpulens.integrations.phases import StepPhases
 from gpulens.log import warn_once
 from gpulens.monitor import Monitor
-from gpulens.settings import Settings, normalize_run_dtype
+from gpulens.settings import ISOLATIONS, Settings, env_choice, normalize_run_dtype
 from gpulens.sinks import SinkSpec, as_sink
 from gpulens.sinks.base import Sink
+from gpulens.transport import spawn
 
 __all__ = ["GateAction", "SessionCallback", "StepGate", "TrainingSession", "WorkSource",
            "monitor_for_run"]
@@ -361,6 +362,17 @@ class SessionCallback:
     def monitor(self) -> Monitor | None:
         """The running training run's monitor (``None`` outside one)."""
         return self.session.monitor if self.session is not None else None
+
+    def _prepare_engine(self) -> None:
+        """Spawn a spare engine process now, while the framework sets training up, so that
+        the monitor's start takes it instead of waiting for a new interpreter and its imports
+        (:mod:`gpulens.transport.spawn`); nothing for a monitor whose engine runs in a thread.
+        Never raises."""
+        isolation = self.settings.isolation
+        if isolation == "auto":
+            isolation = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+        if isolation != "thread":
+            spawn.prepare()
 
     def _phases(self, device: Any) -> StepPhases | None:
         """The phase timer of a run on ``device`` (on the GPU's timeline for a CUDA device);

@@ -172,6 +172,10 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         self._mlflow_run: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # the Trainer is built: its train() (datasets, optimizer, the first batch) comes later
+        self._prepare_engine()
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop(collective=False)  # a previous train() that raised left it running
         rank0 = bool(state.is_world_process_zero)

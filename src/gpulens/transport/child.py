@@ -1,5 +1,6 @@
 """The engine process's side of :mod:`gpulens.transport.process`: what runs in the process
-that :data:`~gpulens.transport.process._CHILD` starts (``main([FD_IN, FD_OUT, FD_ROWS])``).
+that :data:`~gpulens.transport.spawn.CHILD` starts (``main([FD_IN, FD_OUT, FD_ROWS])``, and a
+fourth argument ``spare`` for a spare: :mod:`gpulens.transport.spawn`).
 
 It builds an :class:`~gpulens.engine.engine.Engine` from the spec it is sent, polls its pipe
 for marks and requests every :data:`~gpulens.transport.process.POLL_S`, sends rows back on a
@@ -9,7 +10,9 @@ on the other, and exits once stopped or once the training process has gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import sys
 import time
@@ -19,13 +22,23 @@ from gpulens.model import Mark, Row
 from gpulens.transport import messages as msgs
 from gpulens.transport.pipe import LinkClosed, Receiver, Sender
 from gpulens.transport.process import POLL_S, STATS_EVERY_S, STOP_GRACE_S
+from gpulens.transport.spawn import SPARE_ARG
 
 
 def main(argv: list[str]) -> int:
-    """The engine process: ``main([FD_IN, FD_OUT, FD_ROWS])`` (see :data:`_CHILD`)."""
+    """The engine process: ``main([FD_IN, FD_OUT, FD_ROWS])``, or with a fourth argument
+    ``spare`` a spare's (see :data:`~gpulens.transport.spawn.CHILD`)."""
     from gpulens.engine.engine import Engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spare = argv[3:4] == [SPARE_ARG]
+    if spare:
+        _import_sources()
+        # wait for the start, or end unused: the training process would have to live this
+        # long without starting a monitor (a Trainer built, never trained)
+        readable, _, _ = select.select([int(argv[0])], [], [], float(argv[4]))
+        if not readable:
+            return 0
     rx = Receiver(int(argv[0]))
     tx = Sender(int(argv[1]), blocking=True)
     # rows back on a pipe the training process reads when it logs: never block on it (a
@@ -38,6 +51,12 @@ def main(argv: list[str]) -> int:
     if not isinstance(start, msgs.Start):
         return 2
     spec = start.spec
+    if start.env is not None:  # a spare: the training process's environment of its start
+        os.environ.clear()
+        os.environ.update(start.env)
+    if start.cwd is not None:
+        with contextlib.suppress(OSError):  # removed since: a relative path fails as it would
+            os.chdir(start.cwd)
     forward_records(lambda record: tx.send(msgs.LogOut(record)), spec.log_level)
 
     def row_back(row: Row, final: bool) -> None:
@@ -101,3 +120,11 @@ def main(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _import_sources() -> None:
+    """What the engine's start imports, imported by a spare while it waits (NVML's binding
+    and psutil: 0.04 s and more where their bytecode is not cached)."""
+    for name in ("pynvml", "psutil"):
+        with contextlib.suppress(Exception):
+            __import__(name)

@@ -34,6 +34,11 @@ Stats = dict[str, SinkStats]
 
 class Start(NamedTuple):
     spec: EngineSpec
+    env: dict[str, str] | None = None
+    """A spare engine process's environment to take on before it builds the engine (the
+    training process's at its start); ``None``: the one it was spawned with."""
+    cwd: str | None = None
+    """The same for the working folder."""
 
 
 class LatestAsk(NamedTuple):

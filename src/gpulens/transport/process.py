@@ -41,20 +41,18 @@ import contextlib
 import os
 import queue
 import signal
-import site
 import subprocess
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from gpulens.engine.spec import EngineSpec
 from gpulens.log import logger, reemit, warn_once
 from gpulens.model import MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
+from gpulens.transport import spawn
 from gpulens.transport.base import SpawnFailed
 from gpulens.transport.messages import (
     Drain,
@@ -79,10 +77,6 @@ from gpulens.transport.pipe import LinkClosed, Receiver, Sender
 READY_TIMEOUT_S = 120.0
 """How long ``start()`` waits for the engine process to open NVML and its sinks (importing
 MLflow can take seconds on a loaded machine)."""
-_CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
-          "from gpulens.transport.child import main; sys.exit(main(sys.argv[1:]))")
-"""The engine process's bootstrap: it ignores SIGINT before anything else (a Ctrl-C at the
-terminal reaches the whole process group; the training process decides when to stop)."""
 POLL_S = 0.02
 """How often the engine process looks for step marks (they wait at least 0.2 s for the data
 that closes their window anyway)."""
@@ -90,8 +84,6 @@ STATS_EVERY_S = 1.0
 """How often the engine process sends its sinks' figures."""
 STOP_GRACE_S = 10.0
 """Beyond the stop timeout: time for the engine process to close windows and exit."""
-_F_SETPIPE_SZ = 1031
-_PIPE_BYTES = 1 << 20
 
 
 def how_it_ended(proc: subprocess.Popen[bytes], wait_s: float = 1.0) -> str:
@@ -153,53 +145,43 @@ class ProcessTransport:
     # -- start -------------------------------------------------------------------------------
     def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None]
               ) -> tuple[RunContext, list[int]]:
-        """Spawn, send the spec, wait until the engine is sampling.
+        """Take the spare engine process (:func:`gpulens.transport.spawn.take`) or spawn one,
+        send the spec, wait until the engine is sampling.
 
         ``ValueError`` for a user error found there (no such GPU, a sink that cannot open);
         :class:`SpawnFailed` when the process could not be started at all.  Whatever ends the
         wait (KeyboardInterrupt too), the process is ended and the pipes closed before it
         propagates.
         """
-        if not sys.executable:
-            raise SpawnFailed("no Python executable to start (sys.executable is empty)")
+        spare = spawn.take()
+        if spare is not None:
+            try:
+                # the spare takes on this moment's environment and folder, as if spawned now
+                return self._start(spare, spec, on_row, spawn.child_env(), spawn.cwd())
+            except SpawnFailed as exc:  # it ended meanwhile (killed?): a new one, as below
+                logger.debug("gpulens: the spare engine process could not start (%s)", exc)
+                self.__init__()  # type: ignore[misc]
+        return self._start(spawn.spawn(), spec, on_row, None, None)
+
+    def _start(self, spawned: spawn.Spawned, spec: EngineSpec,
+               on_row: Callable[[Row, bool], None], env: dict[str, str] | None,
+               cwd: str | None) -> tuple[RunContext, list[int]]:
         self._pid = os.getpid()
         self._on_row = on_row
         self._sink_names = [s.name for s in spec.sinks]
-        child_ends: list[int] = []
         try:
-            to_child_r, to_child_w = os.pipe()
-            child_ends.append(to_child_r)
-            self._tx = Sender(to_child_w, blocking=False)
-            from_child_r, from_child_w = os.pipe()
-            child_ends.append(from_child_w)
-            self._rx = Receiver(from_child_r)
-            rows_r, rows_w = os.pipe()
-            child_ends.append(rows_w)
-            self._rows = Receiver(rows_r)
-            for fd in (to_child_w, from_child_w, rows_w):
-                with contextlib.suppress(OSError):
-                    import fcntl
-
-                    fcntl.fcntl(fd, _F_SETPIPE_SZ, _PIPE_BYTES)
-            try:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-c", _CHILD, str(to_child_r), str(from_child_w),
-                     str(rows_w)],
-                    pass_fds=(to_child_r, from_child_w, rows_w), stdin=subprocess.DEVNULL,
-                    env=_child_env(), close_fds=True,
-                )
-            except OSError as exc:
-                raise SpawnFailed(f"could not start the engine process: {exc}") from exc
-            finally:
-                for fd in child_ends:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                child_ends.clear()
+            tx, rx, rows = (Sender(spawned.to_child, blocking=False),
+                            Receiver(spawned.from_child), Receiver(spawned.rows))
+        except BaseException:
+            spawned.close(0.0)
+            raise
+        self._proc, self._tx, self._rx, self._rows = spawned.proc, tx, rx, rows
+        try:
             _LIVE.add(self)
             self._reader = threading.Thread(target=self._read_loop, name="gpulens-link",
                                             daemon=True)
             self._reader.start()
-            self._tx.send(Start(spec), force=True)
+            self._tx.send(Start(spec, env, cwd), force=True)
             try:
                 got = self._startup.get(timeout=READY_TIMEOUT_S)
             except queue.Empty:
@@ -214,9 +196,6 @@ class ProcessTransport:
             raise SpawnFailed(f"the engine process ended before it started "
                               f"({how_it_ended(self._proc)})")
         except BaseException:
-            for fd in child_ends:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
             self._kill()
             _LIVE.discard(self)
             raise
@@ -518,40 +497,3 @@ def _forget_all_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_all_after_fork)
-
-
-def _is_site_dir(path: str) -> bool:
-    """Whether ``path`` is a site-packages directory (an installed gpulens lives there)."""
-    dirs: list[str] = []
-    with contextlib.suppress(Exception):
-        dirs.extend(site.getsitepackages())
-    with contextlib.suppress(Exception):
-        dirs.append(site.getusersitepackages())
-    real = os.path.realpath(path)
-    if any(os.path.realpath(d) == real for d in dirs if d):
-        return True
-    return Path(path).name in ("site-packages", "dist-packages")
-
-
-ENGINE_ENV = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
-}
-"""Set in the engine process's environment unless the user set them: MLflow's own defaults
-(7 retries, 120 s each) keep a write to a server that went away busy for minutes, so nobody
-hears of it; gpulens retries the row itself, with its own back-off, and says so.  The training
-process's environment is never changed."""
-
-
-def _child_env() -> dict[str, str]:
-    """The engine process's environment: this one's, with :data:`ENGINE_ENV`, and for a
-    gpulens that is not installed (a source checkout, a ``sys.path`` entry) the folder it was
-    imported from first on ``PYTHONPATH``.  An installed gpulens is found as the parent found
-    it; its site-packages is never put ahead of the standard library."""
-    env = {**ENGINE_ENV, **os.environ}
-    root = str(Path(__file__).resolve().parent.parent.parent)
-    if not _is_site_dir(root):
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env

@@ -1,0 +1,252 @@
+"""How the engine process is started, and the spare one a framework callback starts early.
+
+:func:`spawn` starts ``python -c`` :data:`CHILD` with three pipes (marks and requests in;
+log records, figures and answers out; rows out), in the environment of :func:`child_env`.
+
+**The spare** (issue 18: the monitor's start off the training thread's path).  Most of a
+spawned ``start()`` is the new interpreter and its imports of gpulens's engine, before the
+engine does anything: on an H200 host 0.29-0.38 s in all, of which the interpreter and the
+imports ~0.17 s and the engine's own start 0.03 s
+(``benchmarks/results/2026-11-28-h200-hf-ls1-onegpu``, ``c1/start_split.md``).  A framework
+knows long before training starts that a monitor will: Hugging Face's ``Trainer`` calls
+``on_init_end`` when it is built, Lightning calls ``setup`` when ``fit`` begins.  There the
+callback calls :func:`prepare`: an engine process is spawned and imports the engine (and NVML's
+and psutil's modules) while the user's code and the framework go on; it then waits for its
+``Start``.  The next ``start()`` in this process takes it (:func:`take`) and sends the spec with
+this process's environment and folder of that moment, which the spare takes on before it builds
+anything, as a fresh process would have inherited them.
+
+At most one spare a process.  It is not taken (and is ended) if this process was forked since
+(the spare is its parent's), if it ended, if its interpreter's search path would differ
+(``PYTHON*`` variables changed), or if it is older than :data:`TAKE_WITHIN_S`.  A spare that is
+never taken ends itself after :data:`SPARE_IDLE_S` (a ``Trainer`` built, never trained), when
+this process exits (end of file on its pipe), or at :func:`discard`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import site
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpulens.log import logger
+from gpulens.transport.base import SpawnFailed
+
+CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+         "from gpulens.transport.child import main; sys.exit(main(sys.argv[1:]))")
+"""The engine process's bootstrap: it ignores SIGINT before anything else (a Ctrl-C at the
+terminal reaches the whole process group; the training process decides when to stop)."""
+SPARE_ARG = "spare"
+"""The engine process's fourth argument when it is a spare (it waits for its start)."""
+SPARE_IDLE_S = 600.0
+"""A spare that no ``start()`` took in this long ends itself."""
+TAKE_WITHIN_S = SPARE_IDLE_S - 60.0
+"""A spare older than this is not taken (it could end itself while its start is on the way)."""
+F_SETPIPE_SZ = 1031
+PIPE_BYTES = 1 << 20
+"""Each pipe's capacity (Linux; a few marks' worth more than the default 64 KiB)."""
+
+ENGINE_ENV = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
+}
+"""Set in the engine process's environment unless the user set them: MLflow's own defaults
+(7 retries, 120 s each) keep a write to a server that went away busy for minutes, so nobody
+hears of it; gpulens retries the row itself, with its own back-off, and says so.  The training
+process's environment is never changed."""
+
+
+def _is_site_dir(path: str) -> bool:
+    """Whether ``path`` is a site-packages directory (an installed gpulens lives there)."""
+    dirs: list[str] = []
+    with contextlib.suppress(Exception):
+        dirs.extend(site.getsitepackages())
+    with contextlib.suppress(Exception):
+        dirs.append(site.getusersitepackages())
+    real = os.path.realpath(path)
+    if any(os.path.realpath(d) == real for d in dirs if d):
+        return True
+    return Path(path).name in ("site-packages", "dist-packages")
+
+
+def child_env() -> dict[str, str]:
+    """The engine process's environment: this one's, with :data:`ENGINE_ENV`, and for a
+    gpulens that is not installed (a source checkout, a ``sys.path`` entry) the folder it was
+    imported from first on ``PYTHONPATH``.  An installed gpulens is found as the parent found
+    it; its site-packages is never put ahead of the standard library."""
+    env = {**ENGINE_ENV, **os.environ}
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    if not _is_site_dir(root):
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _interpreter_env(env: dict[str, str]) -> dict[str, str]:
+    """What of an environment the interpreter read at its start (its search path, its
+    flags): a spare spawned with other values is not taken."""
+    return {k: v for k, v in env.items() if k.startswith("PYTHON")}
+
+
+@dataclass(eq=False)
+class Spawned:
+    """An engine process and this process's ends of its pipes (file descriptors)."""
+
+    proc: subprocess.Popen[bytes]
+    to_child: int
+    from_child: int
+    rows: int
+    env: dict[str, str]
+    """The environment it was spawned with (:func:`child_env`)."""
+    born: float
+    """``time.monotonic()`` at its spawn."""
+    owner: int
+    """The id of the process that spawned it (the only one that may talk to it)."""
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """Close this process's ends (the engine process sees end of file and exits) and
+        reap it, killing it after ``wait_s``."""
+        self.abandon()
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5.0)
+
+    def abandon(self) -> None:
+        """Close this process's ends only (a forked child's copies)."""
+        for fd in (self.to_child, self.from_child, self.rows):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def spawn(spare: bool = False) -> Spawned:
+    """Start an engine process (:data:`CHILD`); :class:`SpawnFailed` when it cannot be.
+
+    ``spare``: it imports what its start will need, then waits for its ``Start`` (at most
+    :data:`SPARE_IDLE_S`)."""
+    if not sys.executable:
+        raise SpawnFailed("no Python executable to start (sys.executable is empty)")
+    ends: list[int] = []
+    mine: list[int] = []
+    try:
+        for _ in range(3):
+            r, w = os.pipe()
+            ends.append(r)
+            ends.append(w)
+        to_child_r, to_child_w, from_child_r, from_child_w, rows_r, rows_w = ends
+        mine[:] = [to_child_w, from_child_r, rows_r]
+        for fd in (to_child_w, from_child_w, rows_w):
+            with contextlib.suppress(OSError):
+                import fcntl
+
+                fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+        env = child_env()
+        argv = [sys.executable, "-c", CHILD, str(to_child_r), str(from_child_w), str(rows_w)]
+        if spare:
+            argv += [SPARE_ARG, repr(SPARE_IDLE_S)]
+        try:
+            proc = subprocess.Popen(
+                argv,
+                pass_fds=(to_child_r, from_child_w, rows_w), stdin=subprocess.DEVNULL,
+                env=env, close_fds=True,
+            )
+        except OSError as exc:
+            raise SpawnFailed(f"could not start the engine process: {exc}") from exc
+    except BaseException:
+        for fd in ends:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise
+    for fd in ends:
+        if fd not in mine:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return Spawned(proc, to_child_w, from_child_r, rows_r, env, time.monotonic(), os.getpid())
+
+
+_lock = threading.Lock()
+_spare: Spawned | None = None
+
+
+def _good(spawned: Spawned) -> bool:
+    return (spawned.owner == os.getpid() and spawned.proc.poll() is None
+            and time.monotonic() - spawned.born < TAKE_WITHIN_S
+            and _interpreter_env(spawned.env) == _interpreter_env(child_env()))
+
+
+def prepare() -> bool:
+    """Spawn a spare engine process for this process's next ``start()``, unless a good one
+    is waiting.  Never raises: False when none could be spawned (``start()`` spawns its own)."""
+    global _spare
+    if os.name != "posix":
+        return False
+    with _lock:
+        if _spare is not None and _good(_spare):
+            return True
+        old, _spare = _spare, None
+    if old is not None:
+        old.close()
+    try:
+        new: Spawned | None = spawn(spare=True)
+    except Exception as exc:
+        logger.debug("gpulens: no spare engine process: %s", exc)
+        return False
+    with _lock:
+        if _spare is None:
+            _spare, new = new, None
+    if new is not None:  # another thread's came first
+        new.close()
+    return True
+
+
+def take() -> Spawned | None:
+    """The spare, if one is waiting that this process may use (see the module's text); one
+    that may not is ended."""
+    global _spare
+    with _lock:
+        got, _spare = _spare, None
+    if got is None:
+        return None
+    if _good(got):
+        return got
+    if got.owner == os.getpid():
+        got.close()
+    return None
+
+
+def cwd() -> str | None:
+    """This process's working folder (``None`` if it was removed)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
+
+
+def discard() -> None:
+    """End the spare, if any (at exit; tests between themselves)."""
+    got = take()
+    if got is not None:
+        got.close()
+
+
+def _forget_after_fork() -> None:
+    global _spare, _lock
+    _lock = threading.Lock()  # the parent's may have been held at the fork
+    got, _spare = _spare, None
+    if got is not None:
+        got.abandon()  # the parent's spare: close the copies of its pipe ends
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(discard)
