@@ -4,6 +4,8 @@ that moment; one it may not take is never used, and none outlives its use."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -78,22 +80,125 @@ def test_a_spare_whose_interpreter_would_differ_is_ended_not_taken(
     assert wait_until(lambda: _gone(pid), what="the untaken spare's end")
 
 
-def test_a_forked_child_never_takes_its_parents_spare() -> None:
+def test_a_forked_child_never_takes_its_parents_spare(monkeypatch: pytest.MonkeyPatch) -> None:
     assert spawn.prepare()
-    pid = _spare_pid()
+    spare = spawn._spare
+    assert spare is not None
+    pid, ends = spare.proc.pid, (spare.to_child, spare.from_child, spare.rows)
+    del spare  # the module's reference alone: in the fork, nothing here keeps its Popen
+    said: list[str] = []  # what is collected with an error (a running Popen warns)
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: said.append(repr(u.exc_value)))
     r, w = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the fork
-        os.close(r)
-        got = spawn.take()
-        os.write(w, b"none" if got is None and spawn._spare is None else b"took")
-        os._exit(0)
+        try:
+            os.close(r)
+            took = spawn.take() is not None or spawn._spare is not None
+            open_ends = []
+            for fd in ends:
+                try:
+                    os.fstat(fd)
+                    open_ends.append(fd)
+                except OSError:
+                    pass
+            gc.collect()
+            os.write(w, repr((took, open_ends, said)).encode())
+        finally:
+            os._exit(0)
     os.close(w)
-    with os.fdopen(r, "rb") as said:
-        assert said.read() == b"none"
+    with os.fdopen(r, "rb") as got:
+        # not taken, the copies of its pipe ends closed, its Popen not collected (it warns)
+        assert got.read().decode() == repr((False, [], []))
     os.waitpid(child, 0)
     assert not _gone(pid)  # the fork closed its copies only
     assert _spare_pid() == pid
+
+
+@pytest.mark.parametrize("change", ["umask", "cpus"])
+def test_a_spare_made_under_another_process_state_is_ended_not_taken(
+    tmp_path: Path, change: str,
+) -> None:
+    """What a new process inherits only when it is made (the umask, the CPUs it may use):
+    a spare made before a change would write files or run where a new process would not."""
+    if change == "cpus" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no other set to pin to")
+    assert spawn.prepare()
+    pid = _spare_pid()
+    before_mask, before_cpus = os.umask(0o077), os.sched_getaffinity(0)
+    os.umask(before_mask if change == "cpus" else 0o077)
+    try:
+        if change == "cpus":
+            os.sched_setaffinity(0, {min(before_cpus)})
+        with gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"]) as mon:
+            engine = mon._transport.pid  # type: ignore[union-attr]
+            assert engine is not None and engine != pid
+            if change == "cpus":
+                assert psutil.Process(engine).cpu_affinity() == [min(before_cpus)]
+    finally:
+        os.umask(before_mask)
+        os.sched_setaffinity(0, before_cpus)
+    if change == "umask":
+        assert (tmp_path / "rows.jsonl").stat().st_mode & 0o077 == 0
+    assert wait_until(lambda: _gone(pid), what="the untaken spare's end")
+
+
+def test_a_spare_works_where_the_training_process_has_over_a_thousand_files_open(
+    tmp_path: Path,
+) -> None:
+    """The spare keeps the training process's pipe numbers; past 1023 a ``select`` there
+    failed (a traceback on the console, the spare gone)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"at most {hard} open files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1400), hard))
+    r, w = os.pipe()
+    held = [os.dup(r) for _ in range(1100)]
+    try:
+        assert spawn.prepare()
+        pid = _spare_pid()
+        assert min(spawn._spare.to_child, spawn._spare.rows) > 1023  # type: ignore[union-attr]
+        with gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"], interval=0.05) as mon:
+            assert mon._transport.pid == pid  # type: ignore[union-attr]
+            mon.log(1)
+    finally:
+        for fd in [*held, r, w]:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert [r["step"] for r in read_rows(tmp_path / "rows.jsonl") if "step" in r] == [1]
+
+
+def test_a_spare_that_does_not_answer_is_not_followed_by_more_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A spare that fails its start in any way but ending first (here: no answer in time) is
+    not retried with another process: the start falls back once, as a new process's would."""
+    from gpulens.transport import process
+
+    monkeypatch.setattr(process, "READY_TIMEOUT_S", 1.0)
+    assert spawn.prepare()
+    spare = psutil.Process(_spare_pid())
+    spawned: list[bool] = []
+    real_spawn = spawn.spawn
+
+    def counted(spare: bool = False) -> Any:
+        spawned.append(spare)
+        return real_spawn(spare)
+
+    monkeypatch.setattr(spawn, "spawn", counted)
+    wait_until(lambda: spare.status() == psutil.STATUS_SLEEPING, what="the spare waiting")
+    spare.suspend()
+    try:
+        with caplog.at_level("WARNING", logger="gpulens"), \
+                gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"]) as mon:
+            assert mon.isolation == "thread"
+    finally:
+        with contextlib.suppress(psutil.Error):
+            spare.resume()
+    assert spawned == []
+    assert "did not start within 1 s" in caplog.text
+    assert wait_until(lambda: _gone(spare.pid), what="the silent spare's end")
 
 
 def test_a_spare_that_died_before_its_start_is_replaced_by_a_new_process(

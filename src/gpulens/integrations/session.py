@@ -367,10 +367,13 @@ class SessionCallback:
         """Spawn a spare engine process now, while the framework sets training up, so that
         the monitor's start takes it instead of waiting for a new interpreter and its imports
         (:mod:`gpulens.transport.spawn`); nothing for a monitor whose engine runs in a thread.
-        Never raises."""
+        Never raises (a wrong ``GPULENS_ISOLATION`` is said at the start, as without this)."""
         isolation = self.settings.isolation
         if isolation == "auto":
-            isolation = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+            try:
+                isolation = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+            except ValueError:
+                return
         if isolation != "thread":
             spawn.prepare()
 

@@ -36,8 +36,11 @@ def main(argv: list[str]) -> int:
         _import_sources()
         # wait for the start, or end unused: the training process would have to live this
         # long without starting a monitor (a Trainer built, never trained)
-        readable, _, _ = select.select([int(argv[0])], [], [], float(argv[4]))
-        if not readable:
+        # (poll, not select: the training process's pipe numbers, which this keeps, may be
+        # over select's 1023)
+        waiting = select.poll()
+        waiting.register(int(argv[0]), select.POLLIN)
+        if not waiting.poll(float(argv[4]) * 1000.0):
             return 0
     rx = Receiver(int(argv[0]))
     tx = Sender(int(argv[1]), blocking=True)

@@ -86,6 +86,10 @@ STOP_GRACE_S = 10.0
 """Beyond the stop timeout: time for the engine process to close windows and exit."""
 
 
+class _EndedFirst(SpawnFailed):
+    """The engine process ended before it answered its ``Start``."""
+
+
 def how_it_ended(proc: subprocess.Popen[bytes], wait_s: float = 1.0) -> str:
     """How the engine process ended, in words: ``"exit code 1"``, ``"killed by SIGTERM"``.
     Its pipe closes a moment before the kernel reports the exit: wait up to ``wait_s`` for
@@ -158,7 +162,15 @@ class ProcessTransport:
             try:
                 # the spare takes on this moment's environment and folder, as if spawned now
                 return self._start(spare, spec, on_row, spawn.child_env(), spawn.cwd())
-            except SpawnFailed as exc:  # it ended meanwhile (killed?): a new one, as below
+            except _EndedFirst as exc:
+                # it ended since it was judged good (killed?), having said nothing: a new
+                # process, as below, once its link thread (which ends with it) is gone
+                reader = self._reader
+                if reader is not None:
+                    reader.join(5.0)
+                    if reader.is_alive():
+                        raise
+                self._close_rows()
                 logger.debug("gpulens: the spare engine process could not start (%s)", exc)
                 self.__init__()  # type: ignore[misc]
         return self._start(spawn.spawn(), spec, on_row, None, None)
@@ -193,7 +205,7 @@ class ProcessTransport:
                 raise ValueError(got.text)
             if isinstance(got, Failed):
                 raise SpawnFailed(f"the engine process failed: {got.kind}: {got.text}")
-            raise SpawnFailed(f"the engine process ended before it started "
+            raise _EndedFirst(f"the engine process ended before it started "
                               f"({how_it_ended(self._proc)})")
         except BaseException:
             self._kill()
@@ -316,6 +328,8 @@ class ProcessTransport:
         tx, rx, rows = self._tx, self._rx, self._rows
         self._tx = self._rx = self._rows = None
         self._rows_lock = threading.Lock()  # the parent's may have been held at the fork
+        if self._proc is not None:
+            spawn.forked_away.append(self._proc)  # the parent's process: never reaped here
         self._proc = None
         if tx is not None:
             tx.abandon()

@@ -16,9 +16,11 @@ and psutil's modules) while the user's code and the framework go on; it then wai
 this process's environment and folder of that moment, which the spare takes on before it builds
 anything, as a fresh process would have inherited them.
 
-At most one spare a process.  It is not taken (and is ended) if this process was forked since
-(the spare is its parent's), if it ended, if its interpreter's search path would differ
-(``PYTHON*`` variables changed), or if it is older than :data:`TAKE_WITHIN_S`.  A spare that is
+At most one spare a process.  It is not taken (and is ended, off the training thread) if this
+process was forked since (the spare is its parent's), if it ended, if what a process takes
+from its parent only when it is made changed (the ``PYTHON*`` and ``LD_*`` variables, the
+umask, the CPUs allowed, the open-files limit, the signals ignored: :func:`process_state`), or
+if it is older than :data:`TAKE_WITHIN_S`.  A spare that is
 never taken ends itself after :data:`SPARE_IDLE_S` (a ``Trainer`` built, never trained), when
 this process exits (end of file on its pipe), or at :func:`discard`.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import site
 import subprocess
 import sys
@@ -91,9 +94,37 @@ def child_env() -> dict[str, str]:
 
 
 def _interpreter_env(env: dict[str, str]) -> dict[str, str]:
-    """What of an environment the interpreter read at its start (its search path, its
-    flags): a spare spawned with other values is not taken."""
-    return {k: v for k, v in env.items() if k.startswith("PYTHON")}
+    """What of an environment was read when the process was made (the interpreter's search
+    path and flags, the dynamic loader's paths and preloads): a spare spawned with other
+    values is not taken."""
+    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
+
+
+def process_state() -> tuple[object, ...]:
+    """What else a new process inherits and a spare cannot take on later: the umask (the mode
+    of the files it writes), the CPUs it may run on, its open-files limit, and the signals
+    ignored (they stay ignored across ``exec``).  A spare spawned under another state is not
+    taken."""
+    mask: object = None
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                mask = int(line.split()[1], 8)
+    cpus: object = None
+    if hasattr(os, "sched_getaffinity"):
+        with contextlib.suppress(OSError):
+            cpus = frozenset(os.sched_getaffinity(0))
+    files: object = None
+    with contextlib.suppress(Exception):
+        import resource
+
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ignored = set()
+    for sig in signal.valid_signals():
+        with contextlib.suppress(Exception):
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                ignored.add(int(sig))
+    return mask, cpus, files, frozenset(ignored)
 
 
 @dataclass(eq=False)
@@ -110,6 +141,11 @@ class Spawned:
     """``time.monotonic()`` at its spawn."""
     owner: int
     """The id of the process that spawned it (the only one that may talk to it)."""
+    state: tuple[object, ...] = ()
+    """:func:`process_state` at its spawn."""
+    closed: bool = False
+    """This process's ends are closed (never twice: the numbers may be another file's by
+    then)."""
 
     def close(self, wait_s: float = 1.0) -> None:
         """Close this process's ends (the engine process sees end of file and exits) and
@@ -122,8 +158,18 @@ class Spawned:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5.0)
 
+    def end_later(self) -> None:
+        """:meth:`close`, off this thread: its ends closed now, the process reaped (killed
+        if it does not end) by a thread of its own, so a start that refuses a spare does not
+        wait for it."""
+        self.abandon()
+        threading.Thread(target=self.close, name="gpulens-spare-end", daemon=True).start()
+
     def abandon(self) -> None:
         """Close this process's ends only (a forked child's copies)."""
+        if self.closed:
+            return
+        self.closed = True
         for fd in (self.to_child, self.from_child, self.rows):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -171,17 +217,25 @@ def spawn(spare: bool = False) -> Spawned:
         if fd not in mine:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    return Spawned(proc, to_child_w, from_child_r, rows_r, env, time.monotonic(), os.getpid())
+    return Spawned(proc, to_child_w, from_child_r, rows_r, env, time.monotonic(), os.getpid(),
+                   process_state())
 
 
 _lock = threading.Lock()
 _spare: Spawned | None = None
 
 
+forked_away: list[object] = []
+"""In a forked child: the parent's spare and engine processes' ``Popen`` objects, kept (never
+collected here: a ``Popen`` collected while its process runs warns, and the process is the
+parent's to end)."""
+
+
 def _good(spawned: Spawned) -> bool:
     return (spawned.owner == os.getpid() and spawned.proc.poll() is None
             and time.monotonic() - spawned.born < TAKE_WITHIN_S
-            and _interpreter_env(spawned.env) == _interpreter_env(child_env()))
+            and _interpreter_env(spawned.env) == _interpreter_env(child_env())
+            and spawned.state == process_state())
 
 
 def prepare() -> bool:
@@ -194,8 +248,8 @@ def prepare() -> bool:
         if _spare is not None and _good(_spare):
             return True
         old, _spare = _spare, None
-    if old is not None:
-        old.close()
+    if old is not None and old.owner == os.getpid():
+        old.end_later()
     try:
         new: Spawned | None = spawn(spare=True)
     except Exception as exc:
@@ -205,7 +259,7 @@ def prepare() -> bool:
         if _spare is None:
             _spare, new = new, None
     if new is not None:  # another thread's came first
-        new.close()
+        new.end_later()
     return True
 
 
@@ -220,7 +274,7 @@ def take() -> Spawned | None:
     if _good(got):
         return got
     if got.owner == os.getpid():
-        got.close()
+        got.end_later()
     return None
 
 
@@ -233,9 +287,11 @@ def cwd() -> str | None:
 
 
 def discard() -> None:
-    """End the spare, if any (at exit; tests between themselves)."""
-    got = take()
-    if got is not None:
+    """End the spare, if any, and wait for its end (at exit; tests between themselves)."""
+    global _spare
+    with _lock:
+        got, _spare = _spare, None
+    if got is not None and got.owner == os.getpid():
         got.close()
 
 
@@ -245,6 +301,7 @@ def _forget_after_fork() -> None:
     got, _spare = _spare, None
     if got is not None:
         got.abandon()  # the parent's spare: close the copies of its pipe ends
+        forked_away.append(got)
 
 
 if hasattr(os, "register_at_fork"):
