@@ -393,6 +393,22 @@ def test_paths_aa_quick_blocks_mode_runs_one_training_per_arm(tmp_path: Path) ->
     assert "mode blocks" in out
 
 
+def test_start_ddp_times_every_ranks_hf_begin_both_ways(tmp_path: Path) -> None:
+    """``start_ddp.py`` under torchrun (gloo, simulated GPUs): each rank's table and JSON of
+    the HF callback's ``on_train_begin`` with and without its spare."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(BENCH / "start_ddp.py"), "--runs", "1", "--out", str(tmp_path / "out")],
+        cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        assert {way: len(s) for way, s in got.items()} == {"with the spare": 1, "without": 1}
+        assert all(s > 0 for way in got.values() for s in way)
+        assert f"rank {rank} of 2" in (tmp_path / "out" / f"rank{rank}.md").read_text()
+
+
 def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) -> None:
     json_path = tmp_path / "ddp.json"
     proc = subprocess.run(

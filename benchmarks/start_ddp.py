@@ -1,0 +1,58 @@
+"""The Hugging Face callback's ``on_train_begin`` under ``torchrun``: with the spare engine
+process its ``on_init_end`` prepares (``gpulens.transport.spawn``) and without, on every rank
+(issue 18: the start on the training thread at most 0.5 s, at the size users run).
+
+Each rank builds ``--runs`` tiny ``Trainer`` runs a way, the ways alternated (the runs of
+``start_split.hf_begin``: a linear model on the rank's GPU, DDP across the ranks), and writes
+``rank{R}.md`` and ``rank{R}.json`` into ``--out``; under DDP a rank's ``on_train_begin``
+includes what the monitor's start waits for from the others (the job's gather).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        benchmarks/start_ddp.py --out $OUT
+    GPULENS_BACKEND=simulated python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        benchmarks/start_ddp.py --runs 1 --out /tmp/start-ddp      # a CPU, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from start_split import hf_begin
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5, help="Trainer runs a way on each rank")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    got: dict[str, list[float]] = {"with the spare": [], "without": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.runs):
+            ways = ("with the spare", "without") if i % 2 == 0 else ("without", "with the spare")
+            for way in ways:
+                folder = Path(tmp) / f"r{i}{'s' if way == 'with the spare' else 'n'}"
+                folder.mkdir()
+                got[way].append(hf_begin(way == "with the spare", folder))
+    lines = [f"rank {rank} of {world}: the HF callback's `on_train_begin` (s)", "",
+             "| way | each | median |", "|---|---|---|"]
+    lines += [f"| {way} | {', '.join(f'{s:.3f}' for s in runs)} | "
+              f"{statistics.median(runs):.3f} |" for way, runs in got.items()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"rank{rank}.json").write_text(json.dumps(got, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
