@@ -4,8 +4,11 @@ process its ``on_init_end`` prepares (``gpulens.transport.spawn``) and without, 
 
 Each rank builds ``--runs`` tiny ``Trainer`` runs a way, the ways alternated (the runs of
 ``start_split.hf_begin``: a linear model on the rank's GPU, DDP across the ranks), and writes
-``rank{R}.md`` and ``rank{R}.json`` into ``--out``; under DDP a rank's ``on_train_begin``
-includes what the monitor's start waits for from the others (the job's gather).
+``rank{R}.md`` and ``rank{R}.json`` (with the wall-clock time each hook was entered) into
+``--out``; under DDP a rank's ``on_train_begin`` includes what the monitor's start waits for
+from the others (the job's gather). Rank 0, once every rank's file is there, adds
+``ranks.md``: per run, each rank's hook end less the last rank's entry (what a hook held the
+job beyond the ranks' meeting; the ranks share the host's clock).
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         benchmarks/start_ddp.py --out $OUT
@@ -36,22 +39,57 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     got: dict[str, list[float]] = {"with the spare": [], "without": []}
+    entered: dict[str, list[float]] = {way: [] for way in got}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
             ways = ("with the spare", "without") if i % 2 == 0 else ("without", "with the spare")
             for way in ways:
                 folder = Path(tmp) / f"r{i}{'s' if way == 'with the spare' else 'n'}"
                 folder.mkdir()
-                got[way].append(hf_begin(way == "with the spare", folder))
+                got[way].append(hf_begin(way == "with the spare", folder, entered[way]))
     lines = [f"rank {rank} of {world}: the HF callback's `on_train_begin` (s)", "",
              "| way | each | median |", "|---|---|---|"]
     lines += [f"| {way} | {', '.join(f'{s:.3f}' for s in runs)} | "
               f"{statistics.median(runs):.3f} |" for way, runs in got.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"rank{rank}.json").write_text(json.dumps(got, indent=1))
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"s": got, "entered": entered},
+                                                          indent=1))
     print("\n".join(lines))
+    if rank == 0:
+        beyond = beyond_meeting(args.out, world)
+        if beyond:
+            (args.out / "ranks.md").write_text(beyond)
+            print(beyond)
     return 0
+
+
+def beyond_meeting(out: Path, world: int, wait_s: float = 60.0) -> str:
+    """Per way and run, each rank's hook end less the last rank's entry (s), from every
+    rank's JSON (waited for up to ``wait_s``); "" if some never came."""
+    import time
+
+    paths = [out / f"rank{r}.json" for r in range(world)]
+    deadline = time.monotonic() + wait_s
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    try:
+        ranks = [json.loads(p.read_text()) for p in paths]
+    except (OSError, ValueError):
+        return ""
+    lines = ["each rank's hook end less the last rank's entry, per run (s)", "",
+             "| way | " + " | ".join(f"rank {r}" for r in range(world)) + " |",
+             "|---|" + "---|" * world]
+    for way in ranks[0]["s"]:
+        cells = []
+        for r in range(world):
+            ends = [e + s for e, s in zip(ranks[r]["entered"][way], ranks[r]["s"][way],
+                                          strict=True)]
+            last = [max(rk["entered"][way][i] for rk in ranks) for i in range(len(ends))]
+            cells.append(", ".join(f"{end - meet:.3f}" for end, meet in zip(ends, last,
+                                                                          strict=True)))
+        lines.append(f"| {way} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -121,9 +121,10 @@ def slowest_imports(env: dict[str, str], top: int = 8) -> list[tuple[str, float]
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
-def hf_begin(spare: bool, folder: Path) -> float:
+def hf_begin(spare: bool, folder: Path, entries: list[float] | None = None) -> float:
     """Seconds of the gpulens callback's ``on_train_begin`` in a tiny ``Trainer`` run (a
-    linear model, 4 steps); ``spare=False``: the callback prepares no spare."""
+    linear model, 4 steps); ``spare=False``: the callback prepares no spare; ``entries``
+    gets the wall-clock time (``time.time()``, s) the hook was entered."""
     import torch
     import transformers
 
@@ -152,6 +153,8 @@ def hf_begin(spare: bool, folder: Path) -> float:
     begin = callback.on_train_begin
 
     def timed(*a: Any, **kw: Any) -> None:
+        if entries is not None:
+            entries.append(time.time())
         t0 = time.perf_counter()
         begin(*a, **kw)
         spent.append(time.perf_counter() - t0)

@@ -403,10 +403,15 @@ def test_start_ddp_times_every_ranks_hf_begin_both_ways(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
-        got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())["s"]
         assert {way: len(s) for way, s in got.items()} == {"with the spare": 1, "without": 1}
         assert all(s > 0 for way in got.values() for s in way)
         assert f"rank {rank} of 2" in (tmp_path / "out" / f"rank{rank}.md").read_text()
+    # rank 0's table of the hooks' ends beyond the ranks' meeting: one figure a rank and way
+    table = (tmp_path / "out" / "ranks.md").read_text()
+    for way in ("with the spare", "without"):
+        (row,) = [line for line in table.splitlines() if line.startswith(f"| {way} |")]
+        assert len(re.findall(r"-?\d+\.\d{3}", row)) == 2, row
 
 
 def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) -> None:
