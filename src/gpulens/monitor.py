@@ -368,7 +368,6 @@ class Monitor:
             gather=link.gather is not None and not link.gather.in_engine,
             gather_plan=link.gather.engine_plan() if link.gather is not None else None,
             rank=link.gather.placement if link.gather is not None else distributed_env(),
-            job=link.gather.shape_before_engine() if link.gather is not None else None,
             log_level=effective_level(), dtype=settings.dtype,
             flops_per_token=settings.flops_per_token,
             flops_per_sample=settings.flops_per_sample, gpm=settings.gpm,
@@ -378,7 +377,8 @@ class Monitor:
         link.writer = StepLogger(local, names=local_names, buffer_rows=settings.buffer_rows)
         link.transport = transport
         try:
-            return transport.start(spec, link.on_row)
+            return transport.start(spec, link.on_row, None if link.gather is None
+                                   else link.gather.shape_before_engine)
         except BaseException:
             link.transport = None
             raise

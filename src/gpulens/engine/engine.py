@@ -45,7 +45,7 @@ from gpulens.engine.sampler import MAX_MARKS, GpuState, Sampler
 from gpulens.engine.spec import EngineSpec
 from gpulens.errors import NvmlUnavailable
 from gpulens.log import logger, warn_once
-from gpulens.model import Event, GpuInfo, Mark, Row, RunContext, SinkStats
+from gpulens.model import Event, GpuInfo, JobShape, Mark, Row, RunContext, SinkStats
 from gpulens.sinks.writer import STALL_S, StepLogger
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
@@ -85,8 +85,13 @@ class Engine:
         self.torch_indices: list[int] = []
 
     # -- start -------------------------------------------------------------------------------
-    def start(self) -> tuple[RunContext, list[int]]:
+    def start(self, late_job: Callable[[], JobShape | None] | None = None
+              ) -> tuple[RunContext, list[int]]:
         """Open NVML and the sinks, take the first sample, start sampling.
+
+        ``late_job``: gives the job's shape (``spec.job``), called once NVML and the GPUs are
+        open, before anything that uses it (the client waits for the other ranks while this
+        engine opens them).
 
         Returns the run's context and the torch device numbers whose allocator the client
         should read.  ``ValueError`` for what the user can fix (no such GPU, NVML asked for but
@@ -104,6 +109,8 @@ class Engine:
                                            info=device.info(key, visible.mig),
                                            torch_index=torch_index))
             infos = tuple(s.info for s in states)
+            if late_job is not None:
+                spec = self.spec = replace(spec, job=late_job(), job_later=False)
             finisher = Finisher(spec, infos)
             context = RunContext(
                 gpus=infos,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gpulens.engine.spec import EngineSpec
-from gpulens.model import MarkFields, Row, RunContext, SinkStats
+from gpulens.model import JobShape, MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
 
@@ -20,11 +20,13 @@ class Transport(Protocol):
     isolation: str
     """``"process"`` or ``"thread"``."""
 
-    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None]
+    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None],
+              job: Callable[[], JobShape | None] | None = None
               ) -> tuple[RunContext, list[int]]:
         """Start the engine; ``ValueError`` for a user error, :class:`SpawnFailed` for a
         fault.  ``on_row(row, final)`` gets each row the engine hands back: finished rows
-        (``spec.rows_back``), or a distributed job's raw rows (``spec.gather``)."""
+        (``spec.rows_back``), or a distributed job's raw rows (``spec.gather``).  ``job``:
+        gives ``spec.job`` (it waits for the other ranks), called while the engine starts."""
 
     def take_rows(self) -> None:
         """Hand on, through ``on_row``, the rows the engine has sent back so far, without

@@ -18,7 +18,7 @@ import sys
 import time
 
 from gpulens.log import forward_records
-from gpulens.model import Mark, Row
+from gpulens.model import JobShape, Mark, Row
 from gpulens.transport import messages as msgs
 from gpulens.transport.pipe import LinkClosed, Receiver, Sender
 from gpulens.transport.process import POLL_S, STATS_EVERY_S, STOP_GRACE_S
@@ -73,9 +73,16 @@ def main(argv: list[str]) -> int:
             rows_tx.flush()
             time.sleep(0.002)
 
+    def late_job() -> JobShape | None:
+        """The job's shape, which the client sends right after the spec (``job_later``)."""
+        got = rx.recv()
+        if not isinstance(got, msgs.Job):
+            raise RuntimeError(f"expected the job's shape after the spec, got {type(got)}")
+        return got.shape
+
     engine = Engine(spec, on_row=row_back)
     try:
-        context, torch_indices = engine.start()
+        context, torch_indices = engine.start(late_job if spec.job_later else None)
     except ValueError as exc:
         tx.send(msgs.Failed(True, "ValueError", str(exc)))
         return 2

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from gpulens.engine.engine import Engine
 from gpulens.engine.spec import EngineSpec
-from gpulens.model import Mark, MarkFields, Row, RunContext, SinkStats
+from gpulens.model import JobShape, Mark, MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
 
@@ -26,11 +26,12 @@ class InprocTransport:
         self._engine: Engine | None = None
         self._pid = os.getpid()
 
-    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None]
+    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None],
+              job: Callable[[], JobShape | None] | None = None
               ) -> tuple[RunContext, list[int]]:
         self._pid = os.getpid()
         engine = Engine(spec, on_row=on_row)
-        started = engine.start()
+        started = engine.start(late_job=job)
         self._engine = engine
         return started
 

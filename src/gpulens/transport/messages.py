@@ -22,12 +22,12 @@ from typing import NamedTuple
 
 from gpulens.engine.spec import EngineSpec
 from gpulens.log import LogPayload
-from gpulens.model import Mark, Row, RunContext, SinkStats
+from gpulens.model import JobShape, Mark, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
-__all__ = ["Drain", "Drained", "Failed", "Finish", "LatestAsk", "LatestReply", "LogOut", "Mark",
-           "ProcessesAsk", "ProcessesReply", "Ready", "RowOut", "Start", "Stats", "StatsOut",
-           "Stop", "Stopped"]
+__all__ = ["Drain", "Drained", "Failed", "Finish", "Job", "LatestAsk", "LatestReply", "LogOut",
+           "Mark", "ProcessesAsk", "ProcessesReply", "Ready", "RowOut", "Start", "Stats",
+           "StatsOut", "Stop", "Stopped"]
 
 Stats = dict[str, SinkStats]
 
@@ -39,6 +39,12 @@ class Start(NamedTuple):
     training process's at its start); ``None``: the one it was spawned with."""
     cwd: str | None = None
     """The same for the working folder."""
+
+
+class Job(NamedTuple):
+    """The job's shape, right after a ``Start`` whose spec says ``job_later``."""
+
+    shape: JobShape | None
 
 
 class LatestAsk(NamedTuple):

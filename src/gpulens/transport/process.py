@@ -46,11 +46,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from gpulens.engine.spec import EngineSpec
 from gpulens.log import logger, reemit, warn_once
-from gpulens.model import MarkFields, Row, RunContext, SinkStats
+from gpulens.model import JobShape, MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 from gpulens.transport import spawn
 from gpulens.transport.base import SpawnFailed
@@ -59,6 +60,7 @@ from gpulens.transport.messages import (
     Drained,
     Failed,
     Finish,
+    Job,
     LatestAsk,
     LatestReply,
     LogOut,
@@ -147,7 +149,8 @@ class ProcessTransport:
         """The engine process ended without being asked to."""
 
     # -- start -------------------------------------------------------------------------------
-    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None]
+    def start(self, spec: EngineSpec, on_row: Callable[[Row, bool], None],
+              job: Callable[[], JobShape | None] | None = None
               ) -> tuple[RunContext, list[int]]:
         """Take the spare engine process (:func:`gpulens.transport.spawn.take`) or spawn one,
         send the spec, wait until the engine is sampling.
@@ -161,7 +164,7 @@ class ProcessTransport:
         if spare is not None:
             try:
                 # the spare takes on this moment's environment and folder, as if spawned now
-                return self._start(spare, spec, on_row, spawn.child_env(), spawn.cwd())
+                return self._start(spare, spec, on_row, job, spawn.child_env(), spawn.cwd())
             except _EndedFirst as exc:
                 # it ended since it was judged good (killed?), having said nothing: a new
                 # process, as below, once its link thread (which ends with it) is gone
@@ -173,11 +176,11 @@ class ProcessTransport:
                 self._close_rows()
                 logger.debug("gpulens: the spare engine process could not start (%s)", exc)
                 self.__init__()  # type: ignore[misc]
-        return self._start(spawn.spawn(), spec, on_row, None, None)
+        return self._start(spawn.spawn(), spec, on_row, job, None, None)
 
     def _start(self, spawned: spawn.Spawned, spec: EngineSpec,
-               on_row: Callable[[Row, bool], None], env: dict[str, str] | None,
-               cwd: str | None) -> tuple[RunContext, list[int]]:
+               on_row: Callable[[Row, bool], None], job: Callable[[], JobShape | None] | None,
+               env: dict[str, str] | None, cwd: str | None) -> tuple[RunContext, list[int]]:
         self._pid = os.getpid()
         self._on_row = on_row
         self._sink_names = [s.name for s in spec.sinks]
@@ -193,7 +196,12 @@ class ProcessTransport:
             self._reader = threading.Thread(target=self._read_loop, name="gpulens-link",
                                             daemon=True)
             self._reader.start()
-            self._tx.send(Start(spec, env, cwd), force=True)
+            if job is None:
+                self._tx.send(Start(spec, env, cwd), force=True)
+            else:  # the engine opens NVML and its GPUs while this waits for the other ranks
+                self._tx.send(Start(replace(spec, job=None, job_later=True), env, cwd),
+                              force=True)
+                self._tx.send(Job(job()), force=True)
             try:
                 got = self._startup.get(timeout=READY_TIMEOUT_S)
             except queue.Empty:
