@@ -250,30 +250,36 @@ def test_an_unused_spare_ends_by_itself_and_with_its_process(
     assert wait_until(lambda: _gone(pid), what="the exiting script's spare's end")
 
 
-def test_the_jobs_shape_is_awaited_while_the_engine_starts_and_lands_in_its_context() -> None:
-    """Rank 0 and a node's leader wait for the other ranks' GPUs at start: the engine process
-    is started first, and the shape it is handed after its spec is in the context it
-    answers with, its own GPUs filled in."""
+def test_the_jobs_shape_is_awaited_while_the_engine_starts_and_lands_in_its_context(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 and a node's leader wait for the other ranks' GPUs at start: meanwhile their
+    engine process opens NVML (it leaves a mark there), and the shape it is handed after
+    its spec is in the context it answers with, its own GPUs filled in."""
     from gpulens.engine.spec import EngineSpec
     from gpulens.model import JobShape, RankInfo
     from gpulens.testing import SimulatedNVML
-    from gpulens.transport.process import ProcessTransport
+    from gpulens.transport import process
+    from tests.support.marked_nvml import MarkedNVML
 
+    root = str(Path(__file__).resolve().parents[1])  # the engine imports tests.support too
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    mark = tmp_path / "nvml-opened"
     shape = JobShape(world=2, nodes=1, launcher="torchrun",
                      ranks=(RankInfo(0, 0, 0, "here"), RankInfo(1, 1, 0, "here")))
-    transport = ProcessTransport()
-    seen: list[Any] = []
+    transport = process.ProcessTransport()
+    waited: list[bool] = []
 
     def job() -> JobShape:
-        pid = transport.pid  # the engine process runs already
-        seen.append(pid is not None and psutil.Process(pid).is_running())
+        # the engine opens NVML while the other ranks are awaited (it did so only after)
+        waited.append(bool(wait_until(mark.exists, what="the engine's NVML open")))
         return shape
 
     context, _ = transport.start(
-        EngineSpec(interval=0.05, backend=SimulatedNVML(gpus=1), rank=(0, 0, 2)),
+        EngineSpec(interval=0.05, backend=MarkedNVML(str(mark), gpus=1), rank=(0, 0, 2)),
         lambda row, final: None, job)
     try:
-        assert seen == [True]
+        assert waited == [True]
         assert context.job is not None and context.job.world == 2
         ranks = {r.rank: r for r in context.job.ranks}
         assert ranks[0].gpus == context.gpus and ranks[1].gpus == ()
@@ -283,8 +289,9 @@ def test_the_jobs_shape_is_awaited_while_the_engine_starts_and_lands_in_its_cont
     def broken() -> JobShape:
         raise KeyboardInterrupt
 
-    failing = ProcessTransport()
+    failing = process.ProcessTransport()
     with pytest.raises(KeyboardInterrupt):
         failing.start(EngineSpec(interval=0.05, backend=SimulatedNVML(gpus=1)),
                       lambda row, final: None, broken)
     assert failing._proc is not None and failing._proc.poll() is not None  # ended, reaped
+    assert failing not in process._LIVE

@@ -196,11 +196,12 @@ class ProcessTransport:
             self._reader = threading.Thread(target=self._read_loop, name="gpulens-link",
                                             daemon=True)
             self._reader.start()
-            if job is None:
-                self._tx.send(Start(spec, env, cwd), force=True)
-            else:  # the engine opens NVML and its GPUs while this waits for the other ranks
-                self._tx.send(Start(replace(spec, job=None, job_later=True), env, cwd),
-                              force=True)
+            start = Start(spec if job is None else replace(spec, job=None, job_later=True),
+                          env, cwd)
+            if not self._tx.send(start, force=True):  # its pipe's other end is closed
+                raise _EndedFirst(f"the engine process ended before it started "
+                                  f"({how_it_ended(self._proc)})")
+            if job is not None:  # it opens NVML and its GPUs while this waits for the others
                 self._tx.send(Job(job()), force=True)
             try:
                 got = self._startup.get(timeout=READY_TIMEOUT_S)
