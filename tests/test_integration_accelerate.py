@@ -114,6 +114,26 @@ def test_start_step_and_several_logs_at_one_step(mlflow_tracking: MlflowTracking
     assert sorted((m.step, m.value) for m in perf) == [(s, 1.0) for s in range(101, 106)]
 
 
+def test_the_first_log_starts_the_monitor_on_the_engine_process_spawned_at_attach(
+    mlflow_tracking: MlflowTracking, tmp_path: Path,
+) -> None:
+    """Attached without a start step, the monitor starts at the first ``log()``, inside
+    training: its engine process is spawned at ``attach``, and that start takes it."""
+    from gpulens.transport import spawn
+
+    acc = accelerator(["mlflow"])
+    acc.init_trackers(mlflow_tracking.experiment_name)
+    tracker = attach(acc, sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"], interval=0.05)
+    spare = spawn._spare
+    assert spare is not None, "attached, not yet started: a spare engine process waits"
+    acc.log({"loss": 1.0}, step=1)
+    try:
+        assert tracker.monitor._transport.pid == spare.proc.pid
+        assert spawn._spare is None
+    finally:
+        acc.end_training()
+
+
 def test_attach_before_init_trackers_is_a_clear_error() -> None:
     acc = accelerator(["mlflow"])
     with pytest.raises(ValueError, match=r"after accelerator\.init_trackers"):

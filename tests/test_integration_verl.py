@@ -285,3 +285,19 @@ def test_wandb_gets_one_record_per_step_on_the_trainer_step(wandb_offline: Path)
     assert [h["_step"] for h in history] == [1, 2, 3, 4, 5, 6]
     assert all(h["actor/loss"] == pytest.approx(1.0 / h["_step"]) for h in history)
     assert [h["_step"] for h in history if GPU_KEY in h] == [2, 3, 4, 5, 6]
+
+
+def test_the_first_log_starts_the_monitor_on_the_engine_process_spawned_at_wrapping() -> None:
+    """verl's monitor starts at the first ``log()``, inside training: its engine process is
+    spawned when the logger is wrapped, and that start takes it."""
+    from gpulens.transport import spawn
+
+    logger = MergingLogger.from_config(Recorder(), ON, max_delay_s=ROW_WAIT_S)
+    spare = spawn._spare
+    assert spare is not None, "wrapped, not yet started: a spare engine process waits"
+    logger.log(data={"actor/loss": 1.0}, step=1)
+    try:
+        assert logger.monitor._transport.pid == spare.proc.pid
+        assert spawn._spare is None
+    finally:
+        logger.close()

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpulens.integrations.session import GateAction, StepGate
+from gpulens.integrations.session import GateAction, StepGate, prepare_engine
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
@@ -112,6 +112,8 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
         self._calls = 0
         if start_step is not None:
             monitor.start(step=start_step)
+        elif not monitor.running:  # it starts at the first log(): spawn its engine now
+            prepare_engine(monitor.settings)
 
     @property
     def tracker(self) -> Monitor:

@@ -333,6 +333,24 @@ def _after_forwards(model: Any, session: TrainingSession) -> Any:
     return model.register_forward_hook(after_forward)
 
 
+def prepare_engine(settings: Settings | None) -> None:
+    """Spawn a spare engine process now, for a monitor of ``settings`` that starts later, so
+    that its start takes it instead of waiting for a new interpreter and its imports
+    (:mod:`gpulens.transport.spawn`); nothing for a monitor whose engine runs in a thread.
+    Never raises (a wrong ``GPULENS_ISOLATION`` is said at the start, as without this);
+    ``None`` (a monitor that is not gpulens's): nothing."""
+    if not isinstance(settings, Settings):
+        return
+    isolation = settings.isolation
+    if isolation == "auto":
+        try:
+            isolation = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+        except ValueError:
+            return
+    if isolation != "thread":
+        spawn.prepare()
+
+
 class SessionCallback:
     """What a framework callback keeps between hooks (mixed into the Hugging Face and Lightning
     callbacks): its arguments, checked when it is made by the core's own checks (nothing starts
@@ -364,18 +382,8 @@ class SessionCallback:
         return self.session.monitor if self.session is not None else None
 
     def _prepare_engine(self) -> None:
-        """Spawn a spare engine process now, while the framework sets training up, so that
-        the monitor's start takes it instead of waiting for a new interpreter and its imports
-        (:mod:`gpulens.transport.spawn`); nothing for a monitor whose engine runs in a thread.
-        Never raises (a wrong ``GPULENS_ISOLATION`` is said at the start, as without this)."""
-        isolation = self.settings.isolation
-        if isolation == "auto":
-            try:
-                isolation = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
-            except ValueError:
-                return
-        if isolation != "thread":
-            spawn.prepare()
+        """:func:`prepare_engine`, while the framework sets training up."""
+        prepare_engine(self.settings)
 
     def _phases(self, device: Any) -> StepPhases | None:
         """The phase timer of a run on ``device`` (on the GPU's timeline for a CUDA device);

@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gpulens.integrations.session import GateAction, StepGate
+from gpulens.integrations.session import GateAction, StepGate, prepare_engine
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.schema import STEP_KEY
@@ -232,6 +232,10 @@ class MergingLogger:
         if monitor is not None and start_step is not None and not monitor.running:
             monitor.start(step=start_step)
             self._window_open = True
+        elif monitor is not None and not monitor.running:
+            # it starts at the first log(), in the middle of training: its engine process
+            # is spawned now, while the trainer sets up
+            prepare_engine(getattr(monitor, "settings", None))
         self._finalizer = self._make_finalizer()
 
     def _make_finalizer(self) -> weakref.finalize[Any, Any]:
