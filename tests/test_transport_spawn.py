@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +19,22 @@ import psutil
 import pytest
 
 import gpulens
+from gpulens.log import reset_warnings
 from gpulens.transport import spawn
 from tests.support.jsonl import read_rows
 from tests.support.wait import wait_until
 
 
 @pytest.fixture(autouse=True)
-def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
+def _simulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("GPULENS_BACKEND", "simulated")
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "4")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # a fallback here says its once-a-process warning; another test in this worker may
+    # need to hear it too (and this one, one said before)
+    reset_warnings()
+    yield
+    reset_warnings()
 
 
 def _spare_pid() -> int:
