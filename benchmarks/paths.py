@@ -127,10 +127,8 @@ class Clock:
             gc.callbacks.remove(self._on_gc)
 
     def stamp(self) -> None:
-        """End a step: :attr:`before`, its stamps, then :attr:`listeners`.  (Every listener
-        ran before the stamps until 2026-11-28: the read of every thread's CPU at a block's
-        end put 4.5-7.9 ms into each block's last counted step, every arm alike,
-        ``results/2026-11-28-cpu-block-noise``.)"""
+        """End a step: :attr:`before` (their work is the ending step's), its stamps, then
+        :attr:`listeners` (their work is the next step's)."""
         for hook in self.before:
             hook(len(self.cpu))
         self.gc.append((self._gc_s, self._gc_full))

@@ -147,8 +147,8 @@ def hf_begin(spare: bool, folder: Path, entries: list[float] | None = None) -> f
             return {"x": x, "labels": x.sum()}
 
     callback = GPUMonitorCallback(sinks=[f"jsonl:{folder / 'rows.jsonl'}"])
-    if not spare:
-        callback._prepare_engine = lambda: None  # type: ignore[method-assign]
+    if not spare:  # its on_init_end spawns the spare, and does nothing else
+        callback.on_init_end = lambda *a, **kw: None  # type: ignore[method-assign]
     spent: list[float] = []
     begin = callback.on_train_begin
 

@@ -30,10 +30,10 @@ from gpulens.log import effective_level, logger, warn_once
 from gpulens.model import Row, RunContext, SinkStats
 from gpulens.settings import (
     BACKENDS,
-    ISOLATIONS,
     Settings,
     distributed_env,
     env_choice,
+    isolation_asked,
     normalize_run_dtype,
     simulated_from_env,
 )
@@ -259,9 +259,7 @@ class Monitor:
         return backend
 
     def _choose_transport(self, backend: Any) -> Transport:
-        choice = self._settings.isolation
-        if choice == "auto":
-            choice = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+        choice = isolation_asked(self._settings)
         if choice == "thread":
             return InprocTransport()
         if os.name != "posix":

@@ -148,6 +148,14 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     return value
 
 
+def isolation_asked(settings: Settings) -> str:
+    """``"process"``, ``"thread"`` or ``"auto"``: the setting, or ``GPULENS_ISOLATION`` where
+    the setting is ``"auto"`` (``ValueError``, one line, for a value it does not know)."""
+    if settings.isolation != "auto":
+        return settings.isolation
+    return env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+
+
 def simulated_from_env() -> Any:
     """The simulated GPUs ``GPULENS_BACKEND=simulated`` asks for (``GPULENS_SIMULATED_GPUS``,
     default 2; 0 is a machine where no NVIDIA driver answers, to test the path without GPUs)."""

@@ -110,7 +110,7 @@ class Engine:
                                            torch_index=torch_index))
             infos = tuple(s.info for s in states)
             if late_job is not None:
-                spec = self.spec = replace(spec, job=late_job(), job_later=False)
+                spec = self.spec = replace(spec, job=late_job())
             finisher = Finisher(spec, infos)
             context = RunContext(
                 gpus=infos,

@@ -64,9 +64,6 @@ class EngineSpec:
     job: JobShape | None = None
     """The job's shape as this rank's gather found it (rank 0: every rank; a node's leader:
     its node), for the run's context; the engine fills in its own GPUs."""
-    job_later: bool = False
-    """``job`` comes after the spec (a :class:`~gpulens.transport.messages.Job`), while the
-    engine opens NVML and its GPUs: the client waits for the other ranks meanwhile."""
     log_level: int = 30
     """The client's ``gpulens`` logger level: the engine says nothing below it."""
     dtype: str | None = None

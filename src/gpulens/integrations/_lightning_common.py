@@ -14,7 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpulens.integrations import _lightning_internals as internals
-from gpulens.integrations.session import SessionCallback, TrainingSession, monitor_for_run
+from gpulens.integrations.session import (
+    SessionCallback,
+    TrainingSession,
+    monitor_for_run,
+    prepare_engine,
+)
 from gpulens.log import warn_once
 from gpulens.model import Row, RunContext
 from gpulens.sinks import SinkSpec
@@ -172,7 +177,7 @@ class GPUMonitorHooks(SessionCallback):
             internals.check(trainer)
             # fit begins: the model's move, the sanity check and the loaders come before
             # on_train_start
-            self._prepare_engine()
+            prepare_engine(self.settings)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._stop()

@@ -68,7 +68,7 @@ from typing import Any, Protocol
 from gpulens.integrations.phases import StepPhases
 from gpulens.log import warn_once
 from gpulens.monitor import Monitor
-from gpulens.settings import ISOLATIONS, Settings, env_choice, normalize_run_dtype
+from gpulens.settings import Settings, isolation_asked, normalize_run_dtype
 from gpulens.sinks import SinkSpec, as_sink
 from gpulens.sinks.base import Sink
 from gpulens.transport import spawn
@@ -341,14 +341,12 @@ def prepare_engine(settings: Settings | None) -> None:
     ``None`` (a monitor that is not gpulens's): nothing."""
     if not isinstance(settings, Settings):
         return
-    isolation = settings.isolation
-    if isolation == "auto":
-        try:
-            isolation = env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
-        except ValueError:
+    try:
+        if isolation_asked(settings) == "thread":
             return
-    if isolation != "thread":
-        spawn.prepare()
+    except ValueError:
+        return
+    spawn.prepare()
 
 
 class SessionCallback:
@@ -380,10 +378,6 @@ class SessionCallback:
     def monitor(self) -> Monitor | None:
         """The running training run's monitor (``None`` outside one)."""
         return self.session.monitor if self.session is not None else None
-
-    def _prepare_engine(self) -> None:
-        """:func:`prepare_engine`, while the framework sets training up."""
-        prepare_engine(self.settings)
 
     def _phases(self, device: Any) -> StepPhases | None:
         """The phase timer of a run on ``device`` (on the GPU's timeline for a CUDA device);

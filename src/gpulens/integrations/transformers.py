@@ -98,6 +98,7 @@ from gpulens.integrations.session import (
     TrainingSession,
     WorkSource,
     monitor_for_run,
+    prepare_engine,
 )
 from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
@@ -174,7 +175,7 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
     # -- lifecycle -------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # the Trainer is built: its train() (datasets, optimizer, the first batch) comes later
-        self._prepare_engine()
+        prepare_engine(self.settings)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._stop(collective=False)  # a previous train() that raised left it running

@@ -54,9 +54,9 @@ def main(argv: list[str]) -> int:
     if not isinstance(start, msgs.Start):
         return 2
     spec = start.spec
-    if start.env is not None:  # a spare: the training process's environment of its start
-        os.environ.clear()
-        os.environ.update(start.env)
+    # as the training process is now (a spare was spawned earlier, as it was then)
+    os.environ.clear()
+    os.environ.update(start.env)
     if start.cwd is not None:
         with contextlib.suppress(OSError):  # removed since: a relative path fails as it would
             os.chdir(start.cwd)
@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
             time.sleep(0.002)
 
     def late_job() -> JobShape | None:
-        """The job's shape, which the client sends right after the spec (``job_later``)."""
+        """The job's shape, which the client sends right after the spec (``job_follows``)."""
         got = rx.recv()
         if not isinstance(got, msgs.Job):
             raise RuntimeError(f"expected the job's shape after the spec, got {type(got)}")
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
 
     engine = Engine(spec, on_row=row_back)
     try:
-        context, torch_indices = engine.start(late_job if spec.job_later else None)
+        context, torch_indices = engine.start(late_job if start.job_follows else None)
     except ValueError as exc:
         tx.send(msgs.Failed(True, "ValueError", str(exc)))
         return 2

@@ -34,15 +34,18 @@ Stats = dict[str, SinkStats]
 
 class Start(NamedTuple):
     spec: EngineSpec
-    env: dict[str, str] | None = None
-    """A spare engine process's environment to take on before it builds the engine (the
-    training process's at its start); ``None``: the one it was spawned with."""
-    cwd: str | None = None
-    """The same for the working folder."""
+    env: dict[str, str]
+    """The environment to build the engine in: the training process's at its start (a spare
+    was spawned earlier, with the environment of then)."""
+    cwd: str | None
+    """The same for the working folder (``None``: removed; the engine keeps its own)."""
+    job_follows: bool = False
+    """The job's shape comes next (a :class:`Job`; ``spec.job`` is ``None``): the client
+    waits for the other ranks while the engine opens NVML and its GPUs."""
 
 
 class Job(NamedTuple):
-    """The job's shape, right after a ``Start`` whose spec says ``job_later``."""
+    """The job's shape, right after a ``Start`` that says ``job_follows``."""
 
     shape: JobShape | None
 

@@ -163,8 +163,7 @@ class ProcessTransport:
         spare = spawn.take()
         if spare is not None:
             try:
-                # the spare takes on this moment's environment and folder, as if spawned now
-                return self._start(spare, spec, on_row, job, spawn.child_env(), spawn.cwd())
+                return self._start(spare, spec, on_row, job)
             except _EndedFirst as exc:
                 # it ended since it was judged good (killed?), having said nothing: a new
                 # process, as below, once its link thread (which ends with it) is gone
@@ -176,11 +175,11 @@ class ProcessTransport:
                 self._close_rows()
                 logger.debug("gpulens: the spare engine process could not start (%s)", exc)
                 self.__init__()  # type: ignore[misc]
-        return self._start(spawn.spawn(), spec, on_row, job, None, None)
+        return self._start(spawn.spawn(), spec, on_row, job)
 
     def _start(self, spawned: spawn.Spawned, spec: EngineSpec,
-               on_row: Callable[[Row, bool], None], job: Callable[[], JobShape | None] | None,
-               env: dict[str, str] | None, cwd: str | None) -> tuple[RunContext, list[int]]:
+               on_row: Callable[[Row, bool], None], job: Callable[[], JobShape | None] | None
+               ) -> tuple[RunContext, list[int]]:
         self._pid = os.getpid()
         self._on_row = on_row
         self._sink_names = [s.name for s in spec.sinks]
@@ -196,8 +195,9 @@ class ProcessTransport:
             self._reader = threading.Thread(target=self._read_loop, name="gpulens-link",
                                             daemon=True)
             self._reader.start()
-            start = Start(spec if job is None else replace(spec, job=None, job_later=True),
-                          env, cwd)
+            # this moment's environment and folder (a spare was spawned with earlier ones)
+            start = Start(spec if job is None else replace(spec, job=None), spawn.child_env(),
+                          spawn.cwd(), job_follows=job is not None)
             if not self._tx.send(start, force=True):  # its pipe's other end is closed
                 raise _EndedFirst(f"the engine process ended before it started "
                                   f"({how_it_ended(self._proc)})")

@@ -93,18 +93,14 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def _interpreter_env(env: dict[str, str]) -> dict[str, str]:
-    """What of an environment was read when the process was made (the interpreter's search
-    path and flags, the dynamic loader's paths and preloads): a spare spawned with other
-    values is not taken."""
-    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "LD_"))}
-
-
 def process_state() -> tuple[object, ...]:
-    """What else a new process inherits and a spare cannot take on later: the umask (the mode
-    of the files it writes), the CPUs it may run on, its open-files limit, and the signals
-    ignored (they stay ignored across ``exec``).  A spare spawned under another state is not
-    taken."""
+    """What a new process takes from this one only when it is made, which a spare cannot take
+    on later: the variables read then (the interpreter's ``PYTHON*``, the dynamic loader's
+    ``LD_*``), the umask (the mode of the files it writes), the CPUs it may run on, its
+    open-files limit, and the signals ignored (they stay ignored across ``exec``).  A spare
+    spawned under another state is not taken."""
+    made_with = frozenset((k, v) for k, v in child_env().items()
+                          if k.startswith(("PYTHON", "LD_")))
     mask: object = None
     with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
         for line in status:
@@ -124,7 +120,7 @@ def process_state() -> tuple[object, ...]:
         with contextlib.suppress(Exception):
             if signal.getsignal(sig) is signal.SIG_IGN:
                 ignored.add(int(sig))
-    return mask, cpus, files, frozenset(ignored)
+    return made_with, mask, cpus, files, frozenset(ignored)
 
 
 @dataclass(eq=False)
@@ -135,8 +131,6 @@ class Spawned:
     to_child: int
     from_child: int
     rows: int
-    env: dict[str, str]
-    """The environment it was spawned with (:func:`child_env`)."""
     born: float
     """``time.monotonic()`` at its spawn."""
     owner: int
@@ -183,29 +177,22 @@ def spawn(spare: bool = False) -> Spawned:
     if not sys.executable:
         raise SpawnFailed("no Python executable to start (sys.executable is empty)")
     ends: list[int] = []
-    mine: list[int] = []
     try:
         for _ in range(3):
-            r, w = os.pipe()
-            ends.append(r)
-            ends.append(w)
+            ends.extend(os.pipe())
         to_child_r, to_child_w, from_child_r, from_child_w, rows_r, rows_w = ends
-        mine[:] = [to_child_w, from_child_r, rows_r]
+        theirs = (to_child_r, from_child_w, rows_w)
         for fd in (to_child_w, from_child_w, rows_w):
             with contextlib.suppress(OSError):
                 import fcntl
 
                 fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
-        env = child_env()
-        argv = [sys.executable, "-c", CHILD, str(to_child_r), str(from_child_w), str(rows_w)]
+        argv = [sys.executable, "-c", CHILD, *map(str, theirs)]
         if spare:
             argv += [SPARE_ARG, repr(SPARE_IDLE_S)]
         try:
-            proc = subprocess.Popen(
-                argv,
-                pass_fds=(to_child_r, from_child_w, rows_w), stdin=subprocess.DEVNULL,
-                env=env, close_fds=True,
-            )
+            proc = subprocess.Popen(argv, pass_fds=theirs, stdin=subprocess.DEVNULL,
+                                    env=child_env(), close_fds=True)
         except OSError as exc:
             raise SpawnFailed(f"could not start the engine process: {exc}") from exc
     except BaseException:
@@ -213,11 +200,9 @@ def spawn(spare: bool = False) -> Spawned:
             with contextlib.suppress(OSError):
                 os.close(fd)
         raise
-    for fd in ends:
-        if fd not in mine:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-    return Spawned(proc, to_child_w, from_child_r, rows_r, env, time.monotonic(), os.getpid(),
+    for fd in theirs:  # the engine process's ends: its own copies are all it needs
+        os.close(fd)
+    return Spawned(proc, to_child_w, from_child_r, rows_r, time.monotonic(), os.getpid(),
                    process_state())
 
 
@@ -234,7 +219,6 @@ parent's to end)."""
 def _good(spawned: Spawned) -> bool:
     return (spawned.owner == os.getpid() and spawned.proc.poll() is None
             and time.monotonic() - spawned.born < TAKE_WITHIN_S
-            and _interpreter_env(spawned.env) == _interpreter_env(child_env())
             and spawned.state == process_state())
 
 
