@@ -35,7 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--runs", type=int, default=5, help="Trainer runs a way on each rank")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--summarize", type=int, metavar="WORLD",
+                    help="only rewrite --out's ranks.md from its WORLD ranks' JSON files")
     args = ap.parse_args(argv)
+    if args.summarize:
+        table = beyond_meeting(args.out, args.summarize, wait_s=0.0)
+        (args.out / "ranks.md").write_text(table)
+        print(table)
+        return 0 if table else 1
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     got: dict[str, list[float]] = {"with the spare": [], "without": []}
@@ -65,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def beyond_meeting(out: Path, world: int, wait_s: float = 60.0) -> str:
-    """Per way and run, each rank's hook end less the last rank's entry (s), from every
-    rank's JSON (waited for up to ``wait_s``); "" if some never came."""
+    """Per way and run, each rank's hook end less the last rank's entry (s), and the job's:
+    the latest end less that entry (what the job's first collective waits for beyond the
+    ranks' meeting), from every rank's JSON (waited for up to ``wait_s``); "" if some never
+    came."""
     import time
 
     paths = [out / f"rank{r}.json" for r in range(world)]
@@ -77,18 +86,17 @@ def beyond_meeting(out: Path, world: int, wait_s: float = 60.0) -> str:
         ranks = [json.loads(p.read_text()) for p in paths]
     except (OSError, ValueError):
         return ""
-    lines = ["each rank's hook end less the last rank's entry, per run (s)", "",
-             "| way | " + " | ".join(f"rank {r}" for r in range(world)) + " |",
-             "|---|" + "---|" * world]
+    lines = ["each rank's hook end less the last rank's entry, per run (s); job: the latest", "",
+             "| way | " + " | ".join(f"rank {r}" for r in range(world)) + " | job |",
+             "|---|" + "---|" * (world + 1)]
     for way in ranks[0]["s"]:
-        cells = []
-        for r in range(world):
-            ends = [e + s for e, s in zip(ranks[r]["entered"][way], ranks[r]["s"][way],
-                                          strict=True)]
-            last = [max(rk["entered"][way][i] for rk in ranks) for i in range(len(ends))]
-            cells.append(", ".join(f"{end - meet:.3f}" for end, meet in zip(ends, last,
-                                                                          strict=True)))
-        lines.append(f"| {way} | " + " | ".join(cells) + " |")
+        runs = len(ranks[0]["s"][way])
+        meet = [max(rk["entered"][way][i] for rk in ranks) for i in range(runs)]
+        beyond = [[rk["entered"][way][i] + rk["s"][way][i] - meet[i] for i in range(runs)]
+                  for rk in ranks]
+        job = [max(b[i] for b in beyond) for i in range(runs)]
+        lines.append(f"| {way} | " + " | ".join(", ".join(f"{x:.3f}" for x in b)
+                                                for b in [*beyond, job]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -407,11 +407,17 @@ def test_start_ddp_times_every_ranks_hf_begin_both_ways(tmp_path: Path) -> None:
         assert {way: len(s) for way, s in got.items()} == {"with the spare": 1, "without": 1}
         assert all(s > 0 for way in got.values() for s in way)
         assert f"rank {rank} of 2" in (tmp_path / "out" / f"rank{rank}.md").read_text()
-    # rank 0's table of the hooks' ends beyond the ranks' meeting: one figure a rank and way
+    # rank 0's table of the hooks' ends beyond the ranks' meeting: one figure a rank and way,
+    # and the job's, the latest of them; --summarize writes the same table again
     table = (tmp_path / "out" / "ranks.md").read_text()
     for way in ("with the spare", "without"):
         (row,) = [line for line in table.splitlines() if line.startswith(f"| {way} |")]
-        assert len(re.findall(r"-?\d+\.\d{3}", row)) == 2, row
+        *ranks, job = [float(x) for x in re.findall(r"-?\d+\.\d{3}", row)]
+        assert len(ranks) == 2 and job == max(ranks), row
+    again = subprocess.run([sys.executable, str(BENCH / "start_ddp.py"), "--summarize", "2",
+                            "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                           env=bench_env(tmp_path), timeout=120)
+    assert again.returncode == 0 and (tmp_path / "out" / "ranks.md").read_text() == table
 
 
 def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) -> None:
