@@ -389,7 +389,9 @@ def test_ranks_agree_on_the_slowest_rank(ddp_examples: Path) -> None:
         # the machine's load: it did once beside two busy processes.  Both ranks agree on it.)
         chosen = r.chosen.config
         assert (chosen.batch_size, chosen.num_workers, chosen.pin_memory, chosen.accumulation
-                ) == (16, 2, None, 1), [t.config for t in r.trials]
+                ) == (16, 2, None, 1), [(t.config.label(), a["data_wait_pct"], b["data_wait_pct"])
+                                        for t, a, b in zip(r.trials, ranks[0]["local"],
+                                                           ranks[1]["local"], strict=False)]
         assert chosen.prefetch_factor in (None, 4)
         assert r.oom_batch == 32  # both ranks ran out of memory there: recorded, survived
     local0, local1 = (r["local"] for r in ranks)

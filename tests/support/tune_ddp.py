@@ -49,6 +49,12 @@ def _tune(out: Path) -> None:
         return agree(trial)
 
     tune_dist.agree = spy
+    # eight timed steps, not three: a long warm-up step (in CI on 2026-11-28, a loaded machine)
+    # lets rank 1's one worker fill its prefetch queue (two batches, and a third under way),
+    # and three steps then ran on those batches alone: no data wait at batch 16 with one worker,
+    # so the sweep kept one worker there.  The queue hides 0.08 s of the worker's shortfall per
+    # step for about four steps; eight steps show a wait of about 29 % even from a full queue
+    # (about 41 % from an empty one), far above the 5 % target
     # twice the times this job had until 2026-11-28: the loader's hand-over of a batch from its
     # worker (a few ms on a loaded machine) was 5.3 % of rank 0's 34 ms step at batch 4 in CI,
     # which sent the sweep to two workers before rank 1's loader could fall short alone
@@ -60,7 +66,7 @@ def _tune(out: Path) -> None:
                         collate_fn=collate_numpy)
     result = tune(loader, step, model=step.model, optimizer=step.optimizer,
                   batch_sizes=(4, 8, 16, 32), workers=(0, 1, 2), workers_per_cpu=False,
-                  warmup_steps=1, steps=3, progress=rank == 0)
+                  warmup_steps=1, steps=8, progress=rank == 0)
     (out / f"rank{rank}.json").write_text(json.dumps({"local": local,
                                                       "result": result.to_dict()}))
     tune_dist.agree = agree
