@@ -420,6 +420,23 @@ def test_start_ddp_times_every_ranks_hf_begin_both_ways(tmp_path: Path) -> None:
     assert again.returncode == 0 and (tmp_path / "out" / "ranks.md").read_text() == table
 
 
+def test_tune_prefetch_lead_eight_steps_see_the_short_loader(tmp_path: Path) -> None:
+    """``tune_prefetch_lead.py --steps 8``: the DDP sweep with rank 0's warm-up as it is and
+    0.8 s longer; eight timed steps outlast rank 1's prefetch queue either way, so its one
+    worker's shortfall shows at batch 16 and both arms choose two workers."""
+    proc = subprocess.run([sys.executable, str(BENCH / "tune_prefetch_lead.py"), "--steps", "8",
+                           "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| 8 \|", line)]
+    assert [r.split(" | ")[1] for r in rows] == ["0 s", "0.8 s"], proc.stdout
+    for row in rows:
+        wait = float(re.findall(rf"({NUMBER}) %", row)[0])
+        assert wait >= 5 and row.endswith("| batch 16, 2 workers |"), proc.stdout
+    assert (tmp_path / "out" / "table.md").read_text() == proc.stdout
+
+
 def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) -> None:
     json_path = tmp_path / "ddp.json"
     proc = subprocess.run(
