@@ -120,6 +120,11 @@ class ProcessTransport:
     isolation = "process"
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state of a transport that has no engine process (before its first, and after
+        a spare that ended before it answered)."""
         self._on_row: Callable[[Row, bool], None] | None = None
         self._drained = threading.Event()
         self._pid = os.getpid()
@@ -174,7 +179,7 @@ class ProcessTransport:
                         raise
                 self._close_rows()
                 logger.debug("gpulens: the spare engine process could not start (%s)", exc)
-                self.__init__()  # type: ignore[misc]
+                self._reset()
         return self._start(spawn.spawn(), spec, on_row, job)
 
     def _start(self, spawned: spawn.Spawned, spec: EngineSpec,
