@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -121,16 +122,37 @@ def test_a_forked_child_never_takes_its_parents_spare(monkeypatch: pytest.Monkey
     assert _spare_pid() == pid
 
 
-@pytest.mark.parametrize("change", ["umask", "cpus"])
+@pytest.mark.parametrize("change", ["umask", "cpus", "nice"])
 def test_a_spare_made_under_another_process_state_is_ended_not_taken(
     tmp_path: Path, change: str,
 ) -> None:
-    """What a new process inherits only when it is made (the umask, the CPUs it may use):
-    a spare made before a change would write files or run where a new process would not."""
+    """What a new process inherits only when it is made (the umask, the CPUs it may use, its
+    priority): a spare made before a change would write files or run where, or ahead of
+    whom, a new process would not."""
     if change == "cpus" and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: no other set to pin to")
     assert spawn.prepare()
     pid = _spare_pid()
+    if change == "nice":
+        # on Linux a thread has its own nice value, and a process it starts takes it: a
+        # training thread made nicer after its Trainer was built; this test's own thread
+        # (and so the rest of this worker) keeps its own
+        engine_nice: list[int] = []
+
+        def nicer_start() -> None:
+            os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 3)
+            with gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"]) as mon:
+                engine = mon._transport.pid  # type: ignore[union-attr]
+                assert engine is not None and engine != pid
+                engine_nice.append(psutil.Process(engine).nice())
+
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        thread = threading.Thread(target=nicer_start)
+        thread.start()
+        thread.join()
+        assert engine_nice == [mine + 3] and os.getpriority(os.PRIO_PROCESS, 0) == mine
+        assert wait_until(lambda: _gone(pid), what="the untaken spare's end")
+        return
     before_mask, before_cpus = os.umask(0o077), os.sched_getaffinity(0)
     os.umask(before_mask if change == "cpus" else 0o077)
     try:
@@ -302,3 +324,21 @@ def test_the_jobs_shape_is_awaited_while_the_engine_starts_and_lands_in_its_cont
                       lambda row, final: None, broken)
     assert failing._proc is not None and failing._proc.poll() is not None  # ended, reaped
     assert failing not in process._LIVE
+
+
+def test_no_spare_for_a_monitor_whose_engine_will_run_in_a_thread() -> None:
+    """``prepare_engine`` asks the monitor's own question (``isolation_for``): a backend object
+    that does not pickle runs its engine in a thread, so no spare is spawned to idle beside
+    it; a backend that pickles gets one."""
+    from gpulens.integrations.session import prepare_engine
+    from gpulens.settings import Settings
+    from gpulens.sources.simulated import SimulatedNVML
+
+    unpicklable = SimulatedNVML(gpus=1)
+    unpicklable.hook = lambda: None  # type: ignore[attr-defined]
+    prepare_engine(Settings(backend=unpicklable))
+    assert spawn._spare is None
+    prepare_engine(Settings(isolation="thread"))
+    assert spawn._spare is None
+    prepare_engine(Settings(backend=SimulatedNVML(gpus=1)))
+    assert spawn._spare is not None

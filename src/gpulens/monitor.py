@@ -16,8 +16,6 @@ Each ``log`` call ends a window and writes one row (see :mod:`gpulens.schema` fo
 from __future__ import annotations
 
 import math
-import os
-import pickle
 import threading
 import time
 import weakref
@@ -29,13 +27,11 @@ from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS,
 from gpulens.log import effective_level, logger, warn_once
 from gpulens.model import Row, RunContext, SinkStats
 from gpulens.settings import (
-    BACKENDS,
     Settings,
+    backend_for,
     distributed_env,
-    env_choice,
-    isolation_asked,
+    isolation_for,
     normalize_run_dtype,
-    simulated_from_env,
 )
 from gpulens.sinks import ENGINE, SinkSpec, as_sink, prepare_sinks, unique_names
 from gpulens.sinks.base import Sink
@@ -249,36 +245,13 @@ class Monitor:
     def running(self) -> bool:
         return self._started
 
-    def _backend(self) -> Any:
-        """The backend to hand the engine: ``"auto"``, ``"nvml"`` or an NVML-like object."""
-        backend = self._settings.backend
-        if backend is None:
-            backend = env_choice("GPULENS_BACKEND", BACKENDS) or "auto"
-        if backend == "simulated":
-            return simulated_from_env()
-        return backend
-
     def _choose_transport(self, backend: Any) -> Transport:
-        choice = isolation_asked(self._settings)
-        if choice == "thread":
-            return InprocTransport()
-        if os.name != "posix":
-            if choice == "process":
-                raise ValueError("isolation='process' is only available on POSIX systems")
-            return InprocTransport()
-        if not isinstance(backend, str):
-            try:
-                pickle.dumps(backend)
-            except Exception as exc:
-                if choice == "process":
-                    raise ValueError(
-                        f"isolation='process' needs a backend that pickles ({exc}); give a "
-                        "simulator a load from gpulens.testing (Square, Steps ...) or a "
-                        "module-level function, or use isolation='thread'") from None
-                logger.info("gpulens: the backend object does not pickle (%s); sampling in a "
-                            "thread of this process", exc)
-                return InprocTransport()
-        return ProcessTransport()
+        isolation, why = isolation_for(self._settings, backend)
+        if isolation == "process":
+            return ProcessTransport()
+        if why is not None:
+            logger.info("gpulens: %s; sampling in a thread of this process", why)
+        return InprocTransport()
 
     def start(self, step: int = 0) -> Monitor:
         """Check the sinks (a one-line ``ValueError`` for what can be known now: see the
@@ -294,7 +267,7 @@ class Monitor:
             if self._started:
                 return self
             settings = self._settings
-            backend = self._backend()
+            backend = backend_for(settings)
             link = _Link()
             gather = link.gather = self._make_gather(link)  # rank rows may come once started
             try:

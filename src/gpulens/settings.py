@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +155,43 @@ def isolation_asked(settings: Settings) -> str:
     if settings.isolation != "auto":
         return settings.isolation
     return env_choice("GPULENS_ISOLATION", ISOLATIONS) or "auto"
+
+
+def backend_for(settings: Settings) -> Any:
+    """The backend a monitor of ``settings`` hands its engine: ``"auto"``, ``"nvml"`` or an
+    NVML-like object (``GPULENS_BACKEND`` where the setting is ``None``)."""
+    backend = settings.backend
+    if backend is None:
+        backend = env_choice("GPULENS_BACKEND", BACKENDS) or "auto"
+    if backend == "simulated":
+        return simulated_from_env()
+    return backend
+
+
+def isolation_for(settings: Settings, backend: Any) -> tuple[str, str | None]:
+    """Where a monitor of ``settings`` runs its engine with ``backend``: ``("process", None)``
+    or ``("thread", why)``, ``why`` being the reason a thread was taken where a process is the
+    default (``None`` when a thread was asked for). ``ValueError`` (one line) where a process
+    was asked for and cannot be (not POSIX, a backend object that does not pickle), or for an
+    unknown ``GPULENS_ISOLATION``."""
+    choice = isolation_asked(settings)
+    if choice == "thread":
+        return "thread", None
+    if os.name != "posix":
+        if choice == "process":
+            raise ValueError("isolation='process' is only available on POSIX systems")
+        return "thread", "not a POSIX system"
+    if not isinstance(backend, str):
+        try:
+            pickle.dumps(backend)
+        except Exception as exc:
+            if choice == "process":
+                raise ValueError(
+                    f"isolation='process' needs a backend that pickles ({exc}); give a "
+                    "simulator a load from gpulens.testing (Square, Steps ...) or a "
+                    "module-level function, or use isolation='thread'") from None
+            return "thread", f"the backend object does not pickle ({exc})"
+    return "process", None
 
 
 def simulated_from_env() -> Any:

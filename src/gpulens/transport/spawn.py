@@ -97,8 +97,9 @@ def process_state() -> tuple[object, ...]:
     """What a new process takes from this one only when it is made, which a spare cannot take
     on later: the variables read then (the interpreter's ``PYTHON*``, the dynamic loader's
     ``LD_*``), the umask (the mode of the files it writes), the CPUs it may run on, its
-    open-files limit, and the signals ignored (they stay ignored across ``exec``).  A spare
-    spawned under another state is not taken."""
+    priority and scheduling policy (this thread's: on Linux a thread has its own nice value,
+    which the process it starts takes), its open-files limit, and the signals ignored (they
+    stay ignored across ``exec``).  A spare spawned under another state is not taken."""
     made_with = frozenset((k, v) for k, v in child_env().items()
                           if k.startswith(("PYTHON", "LD_")))
     mask: object = None
@@ -110,6 +111,10 @@ def process_state() -> tuple[object, ...]:
     if hasattr(os, "sched_getaffinity"):
         with contextlib.suppress(OSError):
             cpus = frozenset(os.sched_getaffinity(0))
+    priority: object = None
+    with contextlib.suppress(Exception):
+        priority = (os.getpriority(os.PRIO_PROCESS, 0),
+                    os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None)
     files: object = None
     with contextlib.suppress(Exception):
         import resource
@@ -120,7 +125,7 @@ def process_state() -> tuple[object, ...]:
         with contextlib.suppress(Exception):
             if signal.getsignal(sig) is signal.SIG_IGN:
                 ignored.add(int(sig))
-    return made_with, mask, cpus, files, frozenset(ignored)
+    return made_with, mask, cpus, priority, files, frozenset(ignored)
 
 
 @dataclass(eq=False)
@@ -176,7 +181,9 @@ def spawn(spare: bool = False) -> Spawned:
     :data:`SPARE_IDLE_S`)."""
     if not sys.executable:
         raise SpawnFailed("no Python executable to start (sys.executable is empty)")
+    state = process_state()  # what the process is made under (a microsecond before)
     ends: list[int] = []
+    proc: subprocess.Popen[bytes] | None = None
     try:
         for _ in range(3):
             ends.extend(os.pipe())
@@ -195,15 +202,20 @@ def spawn(spare: bool = False) -> Spawned:
                                     env=child_env(), close_fds=True)
         except OSError as exc:
             raise SpawnFailed(f"could not start the engine process: {exc}") from exc
-    except BaseException:
+        for fd in theirs:  # the engine process's ends: its own copies are all it needs
+            ends.remove(fd)
+            os.close(fd)
+        return Spawned(proc, to_child_w, from_child_r, rows_r, time.monotonic(), os.getpid(),
+                       state)
+    except BaseException:  # a Ctrl-C too: no process or descriptor is left without an owner
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                proc.kill()
+                proc.wait()
         for fd in ends:
             with contextlib.suppress(OSError):
                 os.close(fd)
         raise
-    for fd in theirs:  # the engine process's ends: its own copies are all it needs
-        os.close(fd)
-    return Spawned(proc, to_child_w, from_child_r, rows_r, time.monotonic(), os.getpid(),
-                   process_state())
 
 
 _lock = threading.Lock()
