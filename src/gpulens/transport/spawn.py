@@ -181,7 +181,7 @@ def spawn(spare: bool = False) -> Spawned:
     :data:`SPARE_IDLE_S`)."""
     if not sys.executable:
         raise SpawnFailed("no Python executable to start (sys.executable is empty)")
-    state = process_state()  # what the process is made under (a microsecond before)
+    state = process_state()  # what the process is made under (read just before)
     ends: list[int] = []
     proc: subprocess.Popen[bytes] | None = None
     try:
