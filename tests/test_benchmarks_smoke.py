@@ -435,6 +435,12 @@ def test_tune_prefetch_lead_eight_steps_see_the_short_loader(tmp_path: Path) -> 
         wait = float(re.findall(rf"({NUMBER}) %", row)[0])
         assert wait >= 5 and row.endswith("| batch 16, 2 workers |"), proc.stdout
     assert (tmp_path / "out" / "table.md").read_text() == proc.stdout
+    # the slow warm-up happened: rank 0's first trial (batch 4, no workers, in both arms) took
+    # about 0.8 s longer with it
+    first = [json.loads((tmp_path / "out" / arm / "rank0.json").read_text())["local"][0]
+             for arm in ("steps8-delay0", "steps8-delay0.8")]
+    assert [t["config"]["num_workers"] for t in first] == [0, 0], first
+    assert first[1]["wall_s"] - first[0]["wall_s"] >= 0.5, first
 
 
 def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) -> None:

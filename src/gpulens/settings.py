@@ -171,7 +171,8 @@ def backend_for(settings: Settings) -> Any:
 def isolation_for(settings: Settings, backend: Any) -> tuple[str, str | None]:
     """Where a monitor of ``settings`` runs its engine with ``backend``: ``("process", None)``
     or ``("thread", why)``, ``why`` being the reason a thread was taken where a process is the
-    default (``None`` when a thread was asked for). ``ValueError`` (one line) where a process
+    default (``None`` when a thread was asked for, or is the only choice: not POSIX).
+    ``ValueError`` (one line) where a process
     was asked for and cannot be (not POSIX, a backend object that does not pickle), or for an
     unknown ``GPULENS_ISOLATION``."""
     choice = isolation_asked(settings)
@@ -180,7 +181,7 @@ def isolation_for(settings: Settings, backend: Any) -> tuple[str, str | None]:
     if os.name != "posix":
         if choice == "process":
             raise ValueError("isolation='process' is only available on POSIX systems")
-        return "thread", "not a POSIX system"
+        return "thread", None
     if not isinstance(backend, str):
         try:
             pickle.dumps(backend)

@@ -73,12 +73,11 @@ def _tune(out: Path, steps: int, delay_s: float) -> None:
 
     tune_dist.agree = spy
     # eight timed steps by default, not three: a long warm-up step (in CI on 2026-11-28, a
-    # loaded machine) lets rank 1's one worker fill its prefetch queue (two batches, and a third
-    # under way), and three steps then ran on those batches alone: no data wait at batch 16 with
-    # one worker, so the sweep kept one worker there.  The queue hides 0.08 s of the worker's
-    # shortfall per step for about four steps; eight steps show a wait of about 29 % even from
-    # a full queue (about 41 % from an empty one), far above the 5 % target
-    # (benchmarks/tune_prefetch_lead.py runs both with a slow warm-up)
+    # loaded machine) lets rank 1's one worker fill its prefetch queue (two batches ready: the
+    # loader has at most prefetch_factor x workers outstanding), and three steps then ran on
+    # those batches alone: no data wait at batch 16 with one worker, so the sweep kept one
+    # worker there.  Eight steps read about 28 % even from a full queue (about 41 % from an
+    # empty one), far above the 5 % target (benchmarks/tune_prefetch_lead.py runs both)
     # twice the times this job had until 2026-11-28: the loader's hand-over of a batch from its
     # worker (a few ms on a loaded machine) was 5.3 % of rank 0's 34 ms step at batch 4 in CI,
     # which sent the sweep to two workers before rank 1's loader could fall short alone

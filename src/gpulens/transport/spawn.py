@@ -208,13 +208,13 @@ def spawn(spare: bool = False) -> Spawned:
         return Spawned(proc, to_child_w, from_child_r, rows_r, time.monotonic(), os.getpid(),
                        state)
     except BaseException:  # a Ctrl-C too: no process or descriptor is left without an owner
+        for fd in ends:  # first: a second Ctrl-C in the wait below leaks no descriptor
+            with contextlib.suppress(OSError):
+                os.close(fd)
         if proc is not None:
             with contextlib.suppress(Exception):
                 proc.kill()
                 proc.wait()
-        for fd in ends:
-            with contextlib.suppress(OSError):
-                os.close(fd)
         raise
 
 
