@@ -97,8 +97,9 @@ def _tune(out: Path, steps: int, delay_s: float) -> None:
     # free the DDP model (its Reducer holds the group from C++) before destroying the group, or
     # the group's last reference goes with the model later and gloo's destructor can wait for
     # the GIL it holds (docs/design-notes.md, "DDP exit"; seen here when the script returned
-    # to tests/support/ddp_scripts.py)
-    del step, loader
+    # to tests/support/ddp_scripts.py; and again on 2026-11-28 when `run`, which is `step` or
+    # wraps it, was left holding the model)
+    del step, loader, run
     gc.collect()
     dist.destroy_process_group()
 
