@@ -423,6 +423,7 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
     path = tmp_path / "gpu.jsonl"
     script = textwrap.dedent(f"""
         import json, os, sys, time, gpulens
+        from tests.support.fds import open_among
         mon = gpulens.Monitor(interval=0.05, sinks=["jsonl:{path}"], backend="simulated")
         mon.start()
         for step in range(1, 4):
@@ -432,13 +433,7 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
         t = time.monotonic()
         pid = os.fork()
         if pid == 0:
-            closed = []
-            for fd in fds:
-                try:
-                    os.fstat(fd)
-                    closed.append(False)
-                except OSError:
-                    closed.append(True)
+            closed = [fd not in open_among(fds) for fd in fds]
             mon.log(99, loss=1.0)  # does nothing here
             print("child", json.dumps(closed), flush=True)
             sys.exit(0)  # atexit: the monitor's finalizer
@@ -450,7 +445,7 @@ def test_a_forked_child_leaves_the_parents_sampler_alone(tmp_path: Path) -> None
             mon.log(step, loss=1.0)
         mon.stop()
     """)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0, done.stderr

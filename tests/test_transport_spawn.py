@@ -22,6 +22,7 @@ import pytest
 import gpulens
 from gpulens.log import reset_warnings
 from gpulens.transport import spawn
+from tests.support.fds import open_among
 from tests.support.jsonl import read_rows
 from tests.support.wait import wait_until
 
@@ -102,13 +103,7 @@ def test_a_forked_child_never_takes_its_parents_spare(monkeypatch: pytest.Monkey
         try:
             os.close(r)
             took = spawn.take() is not None or spawn._spare is not None
-            open_ends = []
-            for fd in ends:
-                try:
-                    os.fstat(fd)
-                    open_ends.append(fd)
-                except OSError:
-                    pass
+            open_ends = open_among(ends)
             gc.collect()
             os.write(w, repr((took, open_ends, said)).encode())
         finally:

@@ -19,7 +19,8 @@ anything, as a fresh process would have inherited them.
 At most one spare a process.  It is not taken (and is ended, off the training thread) if this
 process was forked since (the spare is its parent's), if it ended, if what a process takes
 from its parent only when it is made changed (the ``PYTHON*`` and ``LD_*`` variables, the
-umask, the CPUs allowed, the open-files limit, the signals ignored: :func:`process_state`), or
+umask, the CPUs allowed, the spawning thread's priority and scheduling policy, the open-files
+limit, the signals ignored: :func:`process_state`), or
 if it is older than :data:`TAKE_WITHIN_S`.  A spare that is
 never taken ends itself after :data:`SPARE_IDLE_S` (a ``Trainer`` built, never trained), when
 this process exits (end of file on its pipe), or at :func:`discard`.
@@ -140,7 +141,7 @@ class Spawned:
     """``time.monotonic()`` at its spawn."""
     owner: int
     """The id of the process that spawned it (the only one that may talk to it)."""
-    state: tuple[object, ...] = ()
+    state: tuple[object, ...]
     """:func:`process_state` at its spawn."""
     closed: bool = False
     """This process's ends are closed (never twice: the numbers may be another file's by
