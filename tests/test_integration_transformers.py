@@ -583,3 +583,10 @@ def test_the_monitor_starts_on_the_engine_process_spawned_when_the_trainer_was_b
     assert set(seen) == {spare.proc.pid}
     assert spawn._spare is None
     assert [r["step"] for r in read_jsonl(tmp_path / "rows.jsonl") if "step" in r] == [4, 8, 12]
+    # the same Trainer trained again (a user's second train()): no spare is left to take, its
+    # own engine process is spawned and its rows land too
+    seen.clear()
+    trainer.train()
+    assert len(set(seen)) == 1 and spare.proc.pid not in seen and None not in seen
+    assert [r["step"] for r in read_jsonl(tmp_path / "rows.jsonl") if "step" in r] == [
+        4, 8, 12, 4, 8, 12]
