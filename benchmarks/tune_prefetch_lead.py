@@ -5,8 +5,13 @@ batch 16) with a timed window of 3 and of 8 steps, each with rank 0's warm-up st
 runs, rank 1's one worker fills its prefetch queue (``prefetch_factor`` 2); a window shorter
 than the time that queue lasts times only batches made before it opened.
 
-Prints, per arm, rank 1's data wait and the agreed throughput at batch 16 with one worker, and
-the configuration the sweep chose; writes ``--out/<arm>/rank<R>.json`` and ``--out/table.md``.
+Since the loader's pace (``gpulens.tune.pace``), a window in which the worker finished two
+batches takes its wait from the worker's own time per batch where that is more; a window too
+short for that (three steps here) still reads the queue.
+
+Prints, per arm, rank 1's data wait (and where it came from) and the agreed throughput at batch
+16 with one worker, and the configuration the sweep chose; writes ``--out/<arm>/rank<R>.json``
+and ``--out/table.md``.
 
     python benchmarks/tune_prefetch_lead.py --out /tmp/lead      # about 2 minutes
 """
@@ -43,9 +48,12 @@ def arm(out: Path, steps: int, delay_s: float) -> list[str]:
         a, b = one[0]
         wait = f"{b['data_wait_pct']:.1f} %"
         rate = f"{2 * min(a['samples_per_s'], b['samples_per_s']):.0f}"
+        per_batch = b.get("loader_batch_s")
+        by = f"{b.get('data_wait_by')}" + (f" ({per_batch * 1e3:.0f} ms a batch)"
+                                           if per_batch is not None else "")
     else:
-        wait = rate = "not tried"
-    return [str(steps), f"{delay_s:g} s", wait, rate,
+        wait = rate = by = "not tried"
+    return [str(steps), f"{delay_s:g} s", wait, by, rate,
             f"batch {chosen['batch_size']}, {chosen['num_workers']} worker"
             + ("s" if chosen["num_workers"] != 1 else "")]
 
@@ -58,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [arm(args.out / f"steps{s}-delay{d:g}", s, d)
             for s in args.steps for d in (0.0, DELAY_S)]
     head = ["timed steps", "rank 0's warm-up longer by", "rank 1's data wait, batch 16, 1 worker",
-            "samples/s there (job)", "chosen"]
+            "from (the worker's gap between batches)", "samples/s there (job)", "chosen"]
     table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                       + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
     (args.out / "table.md").write_text(table)

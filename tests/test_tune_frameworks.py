@@ -91,6 +91,7 @@ def test_hf_trainer(tmp_path: Path) -> None:
     model = Regression()
     trainer = hf_trainer(tmp_path, model, Samples())
     callbacks = list(trainer.callback_handler.callbacks)
+    collator = trainer.data_collator
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     result = tune_trainer(trainer, batch_sizes=SIZES, workers=(0, 1), **FAST)
     seen = [(t.config.batch_size, t.config.num_workers, t.data_wait_pct, t.samples_per_s)
@@ -102,7 +103,12 @@ def test_hf_trainer(tmp_path: Path) -> None:
     assert (result.speedup_pct or 0) > 0
     at32 = result.best_at(32)
     assert at32 is not None and at32.throughput < result.chosen.throughput
-    # the choice is in the Trainer's arguments; the rest is as it was
+    # with a worker, the Trainer's loader was watched: its gaps between batches are at least
+    # the worker's sleep for one batch
+    for t in (t for t in result.trials if t.ok and t.config.num_workers == 1):
+        assert t.loader_batch_s is not None and t.loader_batch_s >= LOAD_S * t.config.batch_size
+    # the choice is in the Trainer's arguments; the rest is as it was (the collator too)
+    assert trainer.data_collator is collator
     args = trainer.args
     assert (args.per_device_train_batch_size, args.dataloader_num_workers) == (16, 1)
     assert args.max_steps == 20 and trainer.callback_handler.callbacks == callbacks
@@ -174,6 +180,10 @@ def test_lightning_with_datamodule_attributes() -> None:
     assert trainer.global_step == 0  # your Trainer was not fitted
     for t in (t for t in result.trials if t.ok):
         assert t.forward_backward_pct is not None and t.optimizer_pct is not None
+        # your train_dataloader()'s loader was watched where it had a worker
+        watched = t.loader_batch_s is not None and t.loader_batch_s >= LOAD_S * t.config.batch_size
+        assert watched == (t.config.num_workers == 1), seen
+    assert "train_dataloader" not in vars(dm)  # the watch is gone
 
 
 def test_lightning_with_a_dataloader_is_rebuilt() -> None:

@@ -6,7 +6,9 @@ The agreed trial has
 
 * the **slowest rank's** rates, times the world size (samples/s, tokens/s of the job: in a
   synchronous DDP step every rank waits for the slowest), TFLOP/s and MFU per GPU of that rank;
-* the **largest** data wait, phase times and step time of any rank;
+* the **largest** data wait, phase times and step time of any rank (the wait is ``loader
+  pace`` when any rank's came from its loader's pace), and the slowest loader worker's time per
+  batch;
 * the **fullest GPU's** peak memory (and the smallest headroom), the most allocator retries;
 * ``oom`` when any rank ran out of memory, ``failed`` when any could not time the trial.
 
@@ -31,9 +33,11 @@ from gpulens.tune.model import Trial
 _MIN_RATES = ("samples_per_s", "tokens_per_s", "tflops", "mfu_pct", "headroom_gb")
 _MAX_FIGURES = ("data_wait_pct", "forward_backward_pct", "optimizer_pct", "data_wait_s",
                 "forward_backward_s", "optimizer_s", "step_s", "seconds", "wall_s",
-                "peak_allocated_gb", "peak_reserved_gb", "total_gb", "alloc_retries")
+                "peak_allocated_gb", "peak_reserved_gb", "total_gb", "alloc_retries",
+                "loader_batch_s")
 _JOB_RATES = ("samples_per_s", "tokens_per_s")
 _STATUS = {"ok": 0.0, "failed": 1.0, "oom": 2.0}
+_WAIT_BY = {"window": 0.0, "loader pace": 1.0}
 
 
 def world() -> tuple[int, int]:
@@ -59,6 +63,7 @@ def agree(trial: Trial) -> Trial:
     device = _device()
     lows = [_value(trial, k, math.inf) for k in _MIN_RATES]
     highs = [_value(trial, k, -math.inf) for k in _MAX_FIGURES]
+    highs.append(-math.inf if trial.data_wait_by is None else _WAIT_BY[trial.data_wait_by])
     highs.append(_STATUS[trial.status])
     low_t = torch.tensor(lows, dtype=torch.float64, device=device)
     high_t = torch.tensor(highs, dtype=torch.float64, device=device)
@@ -70,6 +75,9 @@ def agree(trial: Trial) -> Trial:
     high = high_t.tolist()
     for key, v in zip(_MAX_FIGURES, high, strict=False):
         values[key] = None if math.isinf(v) else v
+    by = high[-2]
+    values["data_wait_by"] = None if math.isinf(by) else next(
+        name for name, code in _WAIT_BY.items() if code == by)
     if values["alloc_retries"] is not None:
         values["alloc_retries"] = int(values["alloc_retries"])
     status = next(s for s, code in _STATUS.items() if code == high[-1])

@@ -17,7 +17,10 @@ of the tuner marks the phases: ``on_step_end`` -> ``on_step_begin`` is the data 
 Trainer fetches the step's micro-batches there), ``on_step_begin`` -> ``on_pre_optimizer_step``
 forward+backward, then the optimizer until ``on_step_end``. On a GPU the phases are on the
 GPU's timeline; on a CPU (host clock) the data wait also holds the Trainer's own work between
-steps (its logging decision, the loss's NaN check), some milliseconds per step.
+steps (its logging decision, the loss's NaN check), some milliseconds per step. With loader
+workers, the collator is wrapped for the trial so each worker notes when it finished a batch,
+and a window that ran on batches queued during the warm-up takes its data wait from the
+workers' pace instead (:mod:`gpulens.tune.pace`).
 
 Afterwards the model's weights (and an optimizer or scheduler you passed to the Trainer) are
 put back, the Trainer's callbacks and arguments restored, and, with ``apply=True`` (default),
@@ -39,6 +42,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gpulens.tune.model import Config, TuneResult, TuneSettings
+from gpulens.tune.pace import LoaderPace
 from gpulens.tune.plain import settings_from
 from gpulens.tune.runner import make_context, restored, sweep
 from gpulens.tune.trial import Recorder
@@ -95,7 +99,15 @@ class HfWorkload:
                                                        * config.accumulation)]
         t.optimizer, t.lr_scheduler = self.optimizer, self.scheduler
         t.model_wrapped = t.model
-        t.train()
+        collator = t.data_collator
+        if config.num_workers > 0:
+            pace = LoaderPace(config.num_workers)
+            rec.watch(pace)
+            t.data_collator = pace.wrap(collator)
+        try:
+            t.train()
+        finally:
+            t.data_collator = collator
 
     def cleanup(self) -> None:
         t = self.trainer

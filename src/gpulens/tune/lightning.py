@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
@@ -133,9 +135,9 @@ class LightningWorkload:
             # Lightning's advice to add loader workers: the sweep is measuring exactly that
             warnings.filterwarnings("ignore", message=r".*does not have many workers",
                                     category=UserWarning)
-            self._fit(trainer, config)
+            self._fit(trainer, config, rec)
 
-    def _fit(self, trainer: Any, config: Config) -> None:
+    def _fit(self, trainer: Any, config: Config, rec: Recorder) -> None:
         if self.loader is None and self.batch_holder is not None:
             _set(self.batch_holder, "batch_size", config.batch_size)
         if self.workers_holder is not None:
@@ -143,10 +145,14 @@ class LightningWorkload:
         own = config.pin_memory is None and config.prefetch_factor is None
         if own and self.loader is None and None not in (self.batch_holder,
                                                         self.workers_holder):
-            trainer.fit(self.model, datamodule=self.datamodule)  # your train_dataloader()
+            with _watched(self.datamodule if self.datamodule is not None else self.model,
+                          config, rec):
+                trainer.fit(self.model, datamodule=self.datamodule)  # your train_dataloader()
             return
         source = self.loader if self.loader is not None else self._train_loader()
-        trainer.fit(self.model, train_dataloaders=loaders.rebuild(source, config))
+        pace = loaders.pace_for(source, config)
+        rec.watch(pace)
+        trainer.fit(self.model, train_dataloaders=loaders.rebuild(source, config, pace))
 
     def _train_loader(self) -> Any:
         dm = self.datamodule
@@ -160,6 +166,40 @@ class LightningWorkload:
 
     def cleanup(self) -> None:
         self.model.zero_grad(set_to_none=True)
+
+
+_MISSING = object()
+
+
+@contextmanager
+def _watched(owner: Any, config: Config, rec: Recorder) -> Iterator[None]:
+    """During the block, the loader that ``owner.train_dataloader()`` returns has its collate
+    function timed in its workers (:mod:`gpulens.tune.pace`): an attribute of the instance,
+    removed after. Lightning re-creates the loader from its arguments where it adds a
+    distributed sampler; that copy is not watched, and the trial's data wait stays the
+    window's."""
+    if config.num_workers < 1:
+        yield
+        return
+    made = owner.train_dataloader
+    own = owner.__dict__.get("train_dataloader", _MISSING)
+
+    def train_dataloader() -> Any:
+        loader = made()
+        pace = loaders.pace_for(loader, config)
+        if pace is not None and pace.workers == loader.num_workers:
+            loader.collate_fn = pace.wrap(loader.collate_fn)
+            rec.watch(pace)
+        return loader
+
+    owner.__dict__["train_dataloader"] = train_dataloader
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            owner.__dict__.pop("train_dataloader", None)
+        else:
+            owner.__dict__["train_dataloader"] = own
 
 
 def tune_lightning(trainer: Any, model: Any, datamodule: Any = None, *,

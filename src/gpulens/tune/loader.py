@@ -4,8 +4,9 @@ batch size and worker count, or the user's own factory called with them.
 * A ``torch.utils.data.DataLoader`` is rebuilt from its own parts: the same dataset, sampler
   (a ``DistributedSampler`` stays one), collate function, ``drop_last``, worker init function,
   generator and timeout; only ``batch_size``, ``num_workers``, and, when a trial sets them,
-  ``pin_memory`` and ``prefetch_factor`` change. A loader built on a custom ``batch_sampler``
-  has no batch size to change: pass a factory instead.
+  ``pin_memory`` and ``prefetch_factor`` change. With workers, the collate function is wrapped
+  to note when each worker finished a batch (:mod:`gpulens.tune.pace`). A loader built on a
+  custom ``batch_sampler`` has no batch size to change: pass a factory instead.
 * A factory ``make_loader(batch_size, num_workers=..., pin_memory=..., prefetch_factor=...)`` is
   called with the keywords its signature accepts (``batch_size`` is required); a factory
   without ``num_workers`` is not given a worker sweep.
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpulens.tune.model import Config
+from gpulens.tune.pace import LoaderPace
 
 LOADER_KEYWORDS = ("batch_size", "num_workers", "pin_memory", "prefetch_factor")
 
@@ -72,10 +74,20 @@ def defaults(source: object) -> Config | None:
                   pin_memory=bool(loader.pin_memory), prefetch_factor=loader.prefetch_factor)
 
 
-def loader_for(source: object, config: Config) -> Iterable[Any]:
-    """The loader a trial with ``config`` iterates."""
+def pace_for(source: object, config: Config) -> LoaderPace | None:
+    """What times the workers of the loader a trial with ``config`` rebuilds from ``source``
+    (:mod:`gpulens.tune.pace`); ``None`` without workers, or for a factory (the loader is of
+    your making)."""
+    if not _is_dataloader(source) or config.num_workers < 1:
+        return None
+    return LoaderPace(config.num_workers, getattr(source, "multiprocessing_context", None))
+
+
+def loader_for(source: object, config: Config, pace: LoaderPace | None = None) -> Iterable[Any]:
+    """The loader a trial with ``config`` iterates (its workers timed by ``pace``, when the
+    loader is rebuilt)."""
     if _is_dataloader(source):
-        rebuilt: Iterable[Any] = rebuild(source, config)
+        rebuilt: Iterable[Any] = rebuild(source, config, pace)
         return rebuilt
     factory: Callable[..., Iterable[Any]] = source  # type: ignore[assignment]
     accepted = accepted_keywords(factory)
@@ -86,15 +98,17 @@ def loader_for(source: object, config: Config) -> Iterable[Any]:
     return made
 
 
-def rebuild(loader: Any, config: Config) -> Any:
-    """``loader`` rebuilt for ``config`` (module docstring)."""
+def rebuild(loader: Any, config: Config, pace: LoaderPace | None = None) -> Any:
+    """``loader`` rebuilt for ``config`` (module docstring); with ``pace``, its collate
+    function notes in each worker when a batch is done."""
     from torch.utils.data import DataLoader, IterableDataset
 
     workers = config.num_workers
+    collate = loader.collate_fn
     kwargs: dict[str, Any] = {
         "batch_size": config.batch_size,
         "num_workers": workers,
-        "collate_fn": loader.collate_fn,
+        "collate_fn": pace.wrap(collate) if pace is not None and workers > 0 else collate,
         "pin_memory": loader.pin_memory if config.pin_memory is None else config.pin_memory,
         "drop_last": loader.drop_last,
         "timeout": loader.timeout if workers > 0 else 0,

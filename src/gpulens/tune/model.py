@@ -165,6 +165,15 @@ class Trial:
     forward_backward_pct: float | None = None
     optimizer_pct: float | None = None
     data_wait_s: float | None = None
+    """Seconds per optimizer step the training waited for its batches."""
+    data_wait_by: str | None = None
+    """Where the data wait comes from: ``window`` (timed in the window) or ``loader pace`` (the
+    loader workers' own time per batch, larger: the window ran on batches queued before it;
+    :mod:`gpulens.tune.pace`); ``None`` where no loader of the tuner's making was watched."""
+    loader_batch_s: float | None = None
+    """Seconds a loader worker took per batch in the window (the median gap between two
+    batches it finished: its time per batch when it cannot keep up, ``workers x`` the step
+    when it can); ``None`` without workers, or where the tuner did not build the loader."""
     forward_backward_s: float | None = None
     optimizer_s: float | None = None
     tflops: float | None = None

@@ -68,7 +68,9 @@ class PlainWorkload:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         job = self.job
-        data = loaders.loader_for(job.loader, config)
+        pace = loaders.pace_for(job.loader, config)
+        rec.watch(pace)
+        data = loaders.loader_for(job.loader, config, pace)
         hook = register_optimizer_step_pre_hook(lambda *_: rec.before_optimizer())
         it = iter(data)
         try:

@@ -20,7 +20,8 @@ from gpulens.tune.model import Trial
 
 def trial_line(trial: Trial) -> str:
     """``batch 16, 2 workers: 1.84k samples/s, data wait 2.1 %, peak 9.3 GB`` (or the status
-    of a trial that did not run)."""
+    of a trial that did not run); ``(loader pace)`` after a data wait taken from the loader
+    workers' own pace (:mod:`gpulens.tune.pace`)."""
     head = trial.config.label()
     if trial.status == "oom":
         return f"{head}: out of memory"
@@ -30,7 +31,8 @@ def trial_line(trial: Trial) -> str:
     if trial.tokens_per_s is not None:
         parts.append(f"{fmt(trial.tokens_per_s)} tokens/s")
     if trial.data_wait_pct is not None:
-        parts.append(f"data wait {trial.data_wait_pct:.1f} %")
+        paced = " (loader pace)" if trial.data_wait_by == "loader pace" else ""
+        parts.append(f"data wait {trial.data_wait_pct:.1f} %{paced}")
     if trial.mfu_pct is not None:
         parts.append(f"MFU {trial.mfu_pct:.1f} %")
     if trial.peak_reserved_gb is not None:

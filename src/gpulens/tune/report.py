@@ -111,6 +111,10 @@ def headline(result: TuneResult) -> list[str]:
             under = "under" if c.data_wait_pct < s.data_wait_pct else "not under"
             lines.append(f"Data wait at that setting: {c.data_wait_pct:.1f} % of the step "
                          f"({under} the {s.data_wait_pct:g} % target).")
+    paced = sum(t.data_wait_by == "loader pace" for t in result.trials)
+    if paced:
+        lines.append(f"{paced} trial(s) ran their timed steps on batches the loader had queued "
+                     "during the warm-up; their data wait is the loader workers' own pace.")
     if result.oom_batch is not None:
         fits = f" (the largest that ran: {result.fits_batch})" if result.fits_batch else ""
         lines.append(f"Out of memory from batch {result.oom_batch}{fits}; recorded, the sweep "

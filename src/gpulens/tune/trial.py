@@ -14,6 +14,10 @@ phases (data wait, forward+backward, optimizer) are timed by ``StepPhases``: wit
 the GPU's timeline on a CUDA device (the data wait is then the time the GPU sat idle waiting for
 the next batch), with the host clock on a CPU; they are read after the closing sync.
 
+**The loader's pace.** Where the adapter built the loader with workers, it passes the
+recorder a :class:`gpulens.tune.pace.LoaderPace`: a window that ran on batches queued during
+the warm-up then reads the data wait from the workers' own time per batch instead.
+
 **Work.** Samples come from the batches (their leading dimension) or from the adapter; tokens
 and model FLOPs from :class:`gpulens.work.hf.TokenCounter` when the model has a Hugging Face
 config (a forward pre-hook; counts stay on the device until the closing sync), else from
@@ -40,6 +44,7 @@ from typing import Any
 
 from gpulens.integrations.phases import StepPhases
 from gpulens.tune.model import Config, Trial, TuneSettings
+from gpulens.tune.pace import LoaderPace
 from gpulens.work import mfu as mfu_keys
 from gpulens.work.mfu import window_perf
 
@@ -128,6 +133,7 @@ class Recorder:
         self._samples_known = True
         self._tokens: float | None = None
         self._flops: float | None = None
+        self._pace: LoaderPace | None = None
         if settings.warmup_steps == 0:
             self._open()
 
@@ -135,6 +141,11 @@ class Recorder:
     def timing(self) -> bool:
         """Whether the timed window is open."""
         return self._t0 is not None and not self.done
+
+    def watch(self, pace: LoaderPace | None) -> None:
+        """Take the data wait from ``pace`` (the loader workers' own batch times) where it is
+        more than the window measured (:mod:`gpulens.tune.pace`)."""
+        self._pace = pace
 
     # -- marks --------------------------------------------------------------------------------
     def step_begin(self, batch: Any = None, *, samples: float | None = None) -> None:
@@ -236,6 +247,8 @@ class Recorder:
         }
         for key, value in self._phases.collect(self.timed_steps).items():
             out[key.removeprefix("perf/")] = value
+        if self._pace is not None:
+            out = self._pace.correct(out, self._t0, self._t1, self.config.accumulation)
         return out
 
 

@@ -1,0 +1,146 @@
+"""The loader's own pace: how long a loader worker takes per batch, measured in the workers.
+
+A trial's timed window can run on batches its loader made before the window opened: while a
+slow warm-up step runs (a compile, a slow rank, a loaded machine), the workers fill their
+prefetch queue (``num_workers x prefetch_factor`` batches), and a short window eats those
+before it has to wait. It then understates the data wait of a loader that cannot keep up
+(``docs/design-notes.md``, "Tuning batch size and loader workers").
+
+:class:`LoaderPace` removes that bias where the tuner builds the loader (a rebuilt
+``DataLoader``, the Hugging Face Trainer's): the trial's collate function is wrapped
+(:class:`TimedCollate`) so each worker notes when it finishes a batch, in shared memory. In the
+window, the gap between two batches a worker finishes is its time per batch ``b`` when it
+cannot keep up (it always has the next index waiting), and ``workers x`` the step when it can
+(it waits for the next index). So ``k x b / workers - busy`` (``k`` batches an optimizer step,
+``busy`` the step less its measured wait) is the wait the loader imposes once its queue is
+empty: zero or less for a loader that keeps up, the steady shortfall for one that cannot.
+:meth:`LoaderPace.correct` takes the larger of that and the wait the window measured, and
+recomputes the step time and the rates from it (``Trial.data_wait_by`` says which one counted).
+
+What this needs from the workers: one ``time.perf_counter()`` and two stores into shared
+memory per batch. ``perf_counter`` reads ``CLOCK_MONOTONIC`` on Linux, the same clock in every
+process of the host, so the workers' times and the window's edges compare.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+CAPACITY = 256
+"""Batch times kept per worker (the latest; a timed window holds far fewer)."""
+
+
+class TimedCollate:
+    """``collate`` that notes, in a loader worker, when it finished each batch."""
+
+    def __init__(self, collate: Callable[[Any], Any], times: Any, counts: Any,
+                 workers: int) -> None:
+        self.collate = collate
+        self.times = times
+        self.counts = counts
+        self.workers = workers
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.collate(samples)
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        if info is not None and 0 <= info.id < self.workers:
+            n = self.counts[info.id]
+            self.times[info.id * CAPACITY + n % CAPACITY] = time.perf_counter()
+            self.counts[info.id] = n + 1
+        return batch
+
+
+class LoaderPace:
+    """The batch times of one trial's loader workers (module docstring).
+
+    Args:
+        workers: the loader's ``num_workers`` (at least 1).
+        context: the loader's multiprocessing context (its start method's), or ``None`` for the
+            default one; the shared memory must reach workers started that way.
+    """
+
+    def __init__(self, workers: int, context: Any = None) -> None:
+        import multiprocessing  # here: its import names __mp_main__, which the core's does not
+
+        if workers < 1:
+            raise ValueError("LoaderPace needs loader workers")
+        ctx = context if context is not None else multiprocessing.get_context()
+        if isinstance(ctx, str):
+            ctx = multiprocessing.get_context(ctx)
+        self.workers = workers
+        self._times = ctx.RawArray("d", workers * CAPACITY)
+        self._counts = ctx.RawArray("q", workers)
+
+    def wrap(self, collate: Callable[[Any], Any]) -> TimedCollate:
+        """``collate`` timed in the workers; pass it as the loader's ``collate_fn``."""
+        return TimedCollate(collate, self._times, self._counts, self.workers)
+
+    def finished(self) -> list[list[float]]:
+        """Each worker's batch finish times (``perf_counter`` seconds), oldest first."""
+        out: list[list[float]] = []
+        for w in range(self.workers):
+            n = int(self._counts[w])
+            kept = min(n, CAPACITY)
+            out.append([self._times[w * CAPACITY + i % CAPACITY] for i in range(n - kept, n)])
+        return out
+
+    def batch_s(self, t0: float, t1: float) -> float | None:
+        """A worker's seconds per batch in ``[t0, t1]`` (:func:`batch_s`)."""
+        return batch_s(self.finished(), t0, t1)
+
+    def correct(self, figures: dict[str, Any], t0: float, t1: float,
+                batches_per_step: int) -> dict[str, Any]:
+        """``figures`` (a trial's) with the data wait the loader's pace imposes, where that is
+        more than the window measured (module docstring); adds ``loader_batch_s`` and
+        ``data_wait_by``."""
+        return corrected(figures, self.batch_s(t0, t1), self.workers, batches_per_step)
+
+
+def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float) -> float | None:
+    """The median gap between two batches one worker finished, both in ``[t0, t1]`` (over all
+    workers); ``None`` when no worker finished two there."""
+    gaps: list[float] = []
+    for times in finished:
+        inside = [t for t in times if t0 <= t <= t1]
+        gaps += [b - a for a, b in itertools.pairwise(inside)]
+    return statistics.median(gaps) if gaps else None
+
+
+_RATES = ("samples_per_s", "tokens_per_s", "tflops", "mfu_pct")
+_PHASES = ("data_wait", "forward_backward", "optimizer")
+
+
+def corrected(figures: dict[str, Any], per_batch_s: float | None, workers: int,
+              batches_per_step: int) -> dict[str, Any]:
+    """``figures`` with ``data_wait_s`` raised to ``batches_per_step x per_batch_s / workers``
+    less the step's busy time, when that is larger, and the step time, rates and phase shares
+    recomputed from it (module docstring). ``seconds`` stays the window as timed."""
+    out = dict(figures)
+    out["loader_batch_s"] = per_batch_s
+    out["data_wait_by"] = "window"
+    step, wait = figures.get("step_s"), figures.get("data_wait_s")
+    if per_batch_s is None or step is None or wait is None or step <= 0:
+        return out
+    busy = max(0.0, step - wait)
+    paced = batches_per_step * per_batch_s / workers - busy
+    if paced <= wait:
+        return out
+    new_step = busy + paced
+    scale = step / new_step
+    for key in _RATES:
+        if out.get(key) is not None:
+            out[key] = out[key] * scale
+    out["step_s"], out["data_wait_s"], out["data_wait_by"] = new_step, paced, "loader pace"
+    phase_s = {p: out.get(f"{p}_s") for p in _PHASES}
+    total = sum(v for v in phase_s.values() if v is not None)
+    if total > 0:
+        for p, v in phase_s.items():
+            if v is not None:
+                out[f"{p}_pct"] = 100.0 * v / total
+    return out

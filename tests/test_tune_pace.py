@@ -1,0 +1,113 @@
+"""The loader's own pace (:mod:`gpulens.tune.pace`): batch times noted in real loader workers
+under every start method, the seconds per batch read from them, and a trial's figures
+corrected where its window ran on batches queued before it opened."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from gpulens.tune.model import Config, Trial, TuneResult
+from gpulens.tune.pace import CAPACITY, LoaderPace, batch_s, corrected
+from gpulens.tune.progress import trial_line
+from gpulens.tune.report import headline
+from tests.support.tune_load import SlowSamples, collate_numpy
+
+
+def test_batch_s_is_the_median_gap_between_one_workers_batches_inside_the_window() -> None:
+    finished = [[0.5, 1.2, 1.4, 1.6, 9.0],   # 0.5 before the window, 9.0 after it
+                [1.1, 1.35],                 # one gap of its own
+                [1.3]]                       # one batch: no gap
+    assert batch_s(finished, 1.0, 2.0) == pytest.approx(0.2)
+    assert batch_s([[1.1], [1.2]], 1.0, 2.0) is None  # no worker finished two in the window
+    assert batch_s([], 1.0, 2.0) is None
+
+
+FIGURES = {"steps": 8, "seconds": 0.8, "step_s": 0.1, "data_wait_s": 0.0,
+           "forward_backward_s": 0.08, "optimizer_s": 0.02, "data_wait_pct": 0.0,
+           "forward_backward_pct": 80.0, "optimizer_pct": 20.0, "samples_per_s": 160.0,
+           "tokens_per_s": None, "tflops": 2.0, "mfu_pct": None}
+
+
+def test_a_loader_that_cannot_keep_up_sets_the_wait_the_rates_and_the_shares() -> None:
+    # one worker, 0.15 s a batch, a step busy 0.1 s: once the queue is gone, 0.05 s of wait
+    out = corrected(FIGURES, 0.15, workers=1, batches_per_step=1)
+    assert out["data_wait_by"] == "loader pace" and out["loader_batch_s"] == 0.15
+    assert out["data_wait_s"] == pytest.approx(0.05) and out["step_s"] == pytest.approx(0.15)
+    assert out["samples_per_s"] == pytest.approx(160.0 / 1.5)
+    assert out["tflops"] == pytest.approx(2.0 / 1.5)
+    assert out["tokens_per_s"] is None and out["mfu_pct"] is None  # absent stays absent
+    assert out["data_wait_pct"] == pytest.approx(100 / 3)
+    assert out["forward_backward_pct"] == pytest.approx(80 / 1.5)
+    assert out["seconds"] == 0.8  # the window as timed
+    # two batches a step (accumulation), two workers: the same pace per step
+    assert corrected(FIGURES, 0.15, workers=2, batches_per_step=2)["data_wait_s"] == \
+        pytest.approx(0.05)
+
+
+def test_a_loader_that_keeps_up_or_a_larger_measured_wait_leaves_the_window_figures() -> None:
+    # two workers at 0.15 s a batch feed a 0.1 s step: no wait from the loader
+    out = corrected(FIGURES, 0.15, workers=2, batches_per_step=1)
+    assert out["data_wait_by"] == "window" and out["loader_batch_s"] == 0.15
+    assert {k: out[k] for k in FIGURES} == FIGURES
+    # the window measured more wait than the pace asks for (e.g. the batch's transfer)
+    waited = dict(FIGURES, step_s=0.2, data_wait_s=0.1)
+    assert corrected(waited, 0.15, workers=1, batches_per_step=1)["data_wait_s"] == 0.1
+    # no gap seen, or no phases: as timed
+    assert corrected(FIGURES, None, 1, 1)["data_wait_by"] == "window"
+    no_phases = {"steps": 8, "step_s": 0.1, "samples_per_s": 160.0}
+    assert corrected(no_phases, 0.5, 1, 1)["samples_per_s"] == 160.0
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_real_workers_note_their_batches_under_every_start_method(method: str) -> None:
+    """Two workers, 40 ms a batch of sleep, a consumer that never waits on its own: each
+    worker's gaps are its time per batch."""
+    ctx = multiprocessing.get_context(method)
+    pace = LoaderPace(2, ctx)
+    loader = DataLoader(SlowSamples(n=64, per_sample_s=0.005), batch_size=8, num_workers=2,
+                        collate_fn=pace.wrap(collate_numpy), multiprocessing_context=ctx)
+    t0 = time.perf_counter()
+    batches = list(loader)
+    t1 = time.perf_counter()
+    assert len(batches) == 8 and batches[0][0].shape == (8, 8)  # the batches as collated
+    finished = pace.finished()
+    assert [len(f) for f in finished] == [4, 4]
+    for times in finished:
+        assert times == sorted(times) and t0 < times[0] and times[-1] < t1
+    per_batch = pace.batch_s(t0, t1)
+    assert per_batch is not None and 0.04 <= per_batch < 0.4
+
+
+def test_the_main_process_notes_nothing_and_the_ring_keeps_the_latest() -> None:
+    pace = LoaderPace(1)
+    collate = pace.wrap(collate_numpy)
+    collate([(torch.zeros(2), torch.zeros(1))])  # no worker: nothing to note
+    assert pace.finished() == [[]]
+    with pytest.raises(ValueError, match="needs loader workers"):
+        LoaderPace(0)
+    # the ring buffer: more batches than it holds keeps the latest CAPACITY, oldest first
+    for i in range(CAPACITY + 3):
+        pace._times[i % CAPACITY] = float(i)
+    pace._counts[0] = CAPACITY + 3
+    kept = pace.finished()[0]
+    assert len(kept) == CAPACITY and kept[0] == 3.0 and kept[-1] == CAPACITY + 2.0
+
+
+def test_a_wait_from_the_loaders_pace_is_said_in_the_progress_line_and_the_report() -> None:
+    paced = Trial(config=Config(16, 1), status="ok", samples_per_s=106.7, data_wait_pct=33.3,
+                  **{k: v for k, v in corrected(FIGURES, 0.15, 1, 1).items()
+                     if k in ("data_wait_by", "loader_batch_s")})
+    timed = Trial(config=Config(16, 2), status="ok", samples_per_s=160.0, data_wait_pct=0.4,
+                  data_wait_by="window", loader_batch_s=0.15)
+    assert trial_line(paced).endswith("data wait 33.3 % (loader pace)")
+    assert trial_line(timed).endswith("data wait 0.4 %")
+    result = TuneResult(trials=[paced, timed], chosen=timed)
+    assert sum("the loader workers' own pace" in line for line in headline(result)) == 1
+    back = TuneResult.from_dict(result.to_dict())  # the new fields round-trip
+    assert back.trials[0].data_wait_by == "loader pace" and back.trials[0].loader_batch_s == 0.15
+    assert not any("own pace" in line for line in headline(TuneResult([timed], timed)))
