@@ -119,6 +119,25 @@ def test_hf_trainer(tmp_path: Path) -> None:
     assert trainer.train().global_step == 2
 
 
+def test_hf_accumulation_with_workers_that_keep_up_keeps_the_timed_wait(tmp_path: Path) -> None:
+    """Three micro-batches of 8 a step (``global_batch=24``) from two workers at 16 ms a batch,
+    against ~40 ms a micro-batch: the loader keeps up. The Trainer fetches a step's
+    micro-batches back to back, so a worker's gaps between batches are 16 ms or a step or two;
+    the workers' pace must read the 16 ms (a median read ~105 ms and a 25 % wait), and the
+    window's own wait stands."""
+    trainer = hf_trainer(tmp_path, Regression(), Samples(4096), batch=8,
+                         dataloader_num_workers=2)
+    result = tune_trainer(trainer, batch_sizes=(8,), workers=(2,), global_batch=24,
+                          warmup_steps=2, steps=10, loader_options=False, confirm=False,
+                          progress=False)
+    ran = [t for t in result.trials if t.ok]
+    assert ran and all(t.config.accumulation == 3 and t.config.num_workers == 2 for t in ran)
+    for t in ran:
+        seen = (t.data_wait_pct, t.data_wait_by, t.loader_batch_s)
+        assert t.loader_batch_s is not None and t.loader_batch_s < 0.06, seen
+        assert t.data_wait_by == "window", seen
+
+
 def test_hf_model_counts_tokens_and_flops(tmp_path: Path) -> None:
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64,
                                      vocab_size=128, bos_token_id=0, eos_token_id=0)
@@ -184,6 +203,32 @@ def test_lightning_with_datamodule_attributes() -> None:
         watched = t.loader_batch_s is not None and t.loader_batch_s >= LOAD_S * t.config.batch_size
         assert watched == (t.config.num_workers == 1), seen
     assert "train_dataloader" not in vars(dm)  # the watch is gone
+
+
+def test_lightning_watch_puts_a_kept_loaders_collate_back() -> None:
+    """A ``train_dataloader()`` that returns the same loader every time: each trial's watch
+    wraps its own collate function, not the last trial's wrapper, and puts it back after."""
+    from gpulens.tune.lightning import _watched
+    from gpulens.tune.model import TuneSettings
+    from gpulens.tune.pace import TimedCollate
+    from gpulens.tune.trial import Recorder, TrialContext
+
+    class Keeper:
+        def __init__(self) -> None:
+            self.loader = DataLoader(Samples(64), batch_size=8, num_workers=1)
+            self.original = self.loader.collate_fn
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            return self.loader
+
+    keeper = Keeper()
+    for _ in range(2):
+        rec = Recorder(Config(8, 1), TuneSettings(), TrialContext())
+        with _watched(keeper, Config(8, 1), rec):
+            collate = keeper.train_dataloader().collate_fn
+            assert isinstance(collate, TimedCollate) and collate.collate is keeper.original
+        assert keeper.loader.collate_fn is keeper.original
+        assert "train_dataloader" not in vars(keeper)
 
 
 def test_lightning_with_a_dataloader_is_rebuilt() -> None:

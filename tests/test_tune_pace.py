@@ -4,6 +4,8 @@ corrected where its window ran on batches queued before it opened."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import multiprocessing
 import time
 
@@ -27,6 +29,22 @@ def test_batch_s_is_the_median_gap_between_one_workers_batches_inside_the_window
     assert batch_s([], 1.0, 2.0) is None
 
 
+def test_batch_s_reads_the_time_per_batch_of_a_worker_that_waits_for_uneven_work() -> None:
+    """Two workers, 16 ms a batch, fed three micro-batches back to back every 120 ms step (a
+    Trainer with accumulation 3): each worker's gaps are 16 ms (two indices in a row) and about
+    one or two steps; the median would read a step."""
+    finished: list[list[float]] = [[], []]
+    for step in range(10):
+        for micro in range(3):
+            n = 3 * step + micro
+            worker = n % 2
+            start = max(0.12 * step, finished[worker][-1] if finished[worker] else 0.0)
+            finished[worker].append(start + 0.016)
+    gaps = sorted(b - a for f in finished for a, b in itertools.pairwise(f))
+    assert gaps[len(gaps) // 2] > 0.09  # the median: a step
+    assert batch_s(finished, 0.0, 2.0) == pytest.approx(0.016)
+
+
 FIGURES = {"steps": 8, "seconds": 0.8, "step_s": 0.1, "data_wait_s": 0.0,
            "forward_backward_s": 0.08, "optimizer_s": 0.02, "data_wait_pct": 0.0,
            "forward_backward_pct": 80.0, "optimizer_pct": 20.0, "samples_per_s": 160.0,
@@ -47,6 +65,12 @@ def test_a_loader_that_cannot_keep_up_sets_the_wait_the_rates_and_the_shares() -
     # two batches a step (accumulation), two workers: the same pace per step
     assert corrected(FIGURES, 0.15, workers=2, batches_per_step=2)["data_wait_s"] == \
         pytest.approx(0.05)
+
+
+def test_a_paced_wait_within_the_margin_of_the_timed_one_leaves_the_window_figures() -> None:
+    # paced 0.0015 s against 0.0 timed: 1.5 % of the 0.1 s step, under the 2 % margin
+    assert corrected(FIGURES, 0.1015, 1, 1)["data_wait_by"] == "window"
+    assert corrected(FIGURES, 0.1025, 1, 1)["data_wait_by"] == "loader pace"
 
 
 def test_a_loader_that_keeps_up_or_a_larger_measured_wait_leaves_the_window_figures() -> None:
@@ -83,11 +107,23 @@ def test_real_workers_note_their_batches_under_every_start_method(method: str) -
     assert per_batch is not None and 0.04 <= per_batch < 0.4
 
 
+def test_a_loader_with_other_workers_than_the_pace_is_not_noted() -> None:
+    """A Trainer subclass that builds its own loader with two workers where the trial set
+    one: its gaps would be read against the wrong count, so none are noted."""
+    pace = LoaderPace(1)
+    loader = DataLoader(SlowSamples(n=48, per_sample_s=0.001), batch_size=8, num_workers=2,
+                        collate_fn=pace.wrap(collate_numpy))
+    assert len(list(loader)) == 6
+    assert pace.finished() == [[]]
+
+
 def test_the_main_process_notes_nothing_and_the_ring_keeps_the_latest() -> None:
     pace = LoaderPace(1)
     collate = pace.wrap(collate_numpy)
     collate([(torch.zeros(2), torch.zeros(1))])  # no worker: nothing to note
     assert pace.finished() == [[]]
+    # the collator's own attributes read through (a Trainer's ``data_collator.tokenizer``)
+    assert pace.wrap(functools.partial(collate_numpy)).func is collate_numpy
     with pytest.raises(ValueError, match="needs loader workers"):
         LoaderPace(0)
     # the ring buffer: more batches than it holds keeps the latest CAPACITY, oldest first

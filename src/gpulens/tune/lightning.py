@@ -40,6 +40,7 @@ from lightning.pytorch import Callback, Trainer
 
 from gpulens.tune import loader as loaders
 from gpulens.tune.model import Config, TuneResult, TuneSettings
+from gpulens.tune.pace import TimedCollate
 from gpulens.tune.plain import settings_from
 from gpulens.tune.runner import make_context, restored, sweep
 from gpulens.tune.trial import Recorder
@@ -175,20 +176,25 @@ _MISSING = object()
 def _watched(owner: Any, config: Config, rec: Recorder) -> Iterator[None]:
     """During the block, the loader that ``owner.train_dataloader()`` returns has its collate
     function timed in its workers (:mod:`gpulens.tune.pace`): an attribute of the instance,
-    removed after. Lightning re-creates the loader from its arguments where it adds a
-    distributed sampler; that copy is not watched, and the trial's data wait stays the
-    window's."""
+    removed after, and the loader's own collate function put back (a ``train_dataloader()``
+    that keeps its loader gets it back as it was). Lightning records the assignment and
+    replays it on the loader it re-creates with a distributed sampler."""
     if config.num_workers < 1:
         yield
         return
     made = owner.train_dataloader
     own = owner.__dict__.get("train_dataloader", _MISSING)
+    handed: list[tuple[Any, Any]] = []
 
     def train_dataloader() -> Any:
         loader = made()
+        collate = loader.collate_fn
+        while isinstance(collate, TimedCollate):  # a loader kept from an earlier trial
+            collate = collate.collate
         pace = loaders.pace_for(loader, config)
         if pace is not None and pace.workers == loader.num_workers:
-            loader.collate_fn = pace.wrap(loader.collate_fn)
+            handed.append((loader, collate))
+            loader.collate_fn = pace.wrap(collate)
             rec.watch(pace)
         return loader
 
@@ -200,6 +206,8 @@ def _watched(owner: Any, config: Config, rec: Recorder) -> Iterator[None]:
             owner.__dict__.pop("train_dataloader", None)
         else:
             owner.__dict__["train_dataloader"] = own
+        for loader, collate in handed:
+            loader.collate_fn = collate
 
 
 def tune_lightning(trainer: Any, model: Any, datamodule: Any = None, *,

@@ -10,12 +10,14 @@ before it has to wait. It then understates the data wait of a loader that cannot
 ``DataLoader``, the Hugging Face Trainer's): the trial's collate function is wrapped
 (:class:`TimedCollate`) so each worker notes when it finishes a batch, in shared memory. In the
 window, the gap between two batches a worker finishes is its time per batch ``b`` when it
-cannot keep up (it always has the next index waiting), and ``workers x`` the step when it can
-(it waits for the next index). So ``k x b / workers - busy`` (``k`` batches an optimizer step,
-``busy`` the step less its measured wait) is the wait the loader imposes once its queue is
-empty: zero or less for a loader that keeps up, the steady shortfall for one that cannot.
-:meth:`LoaderPace.correct` takes the larger of that and the wait the window measured, and
-recomputes the step time and the rates from it (``Trial.data_wait_by`` says which one counted).
+cannot keep up (it always has the next index waiting), and at least that when it can (it
+also waits for the next index); the lower quartile of the gaps (:func:`batch_s`) reads ``b``.
+So ``k x b / workers - busy`` (``k`` batches an optimizer step, ``busy`` the step less its
+measured wait) is the wait the loader imposes once its queue is empty: zero or less for a
+loader that keeps up, the steady shortfall for one that cannot. :meth:`LoaderPace.correct`
+takes that where it is clearly larger than the wait the window measured (by more than
+:data:`MARGIN` of the step), and recomputes the step time and the rates from it
+(``Trial.data_wait_by`` says which one counted).
 
 What this needs from the workers: one ``time.perf_counter()`` and two stores into shared
 memory per batch. ``perf_counter`` reads ``CLOCK_MONOTONIC`` on Linux, the same clock in every
@@ -25,7 +27,6 @@ process of the host, so the workers' times and the window's edges compare.
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,12 +45,21 @@ class TimedCollate:
         self.counts = counts
         self.workers = workers
 
+    def __getattr__(self, name: str) -> Any:
+        # what reads the collator's own attributes (a Trainer subclass's
+        # ``self.data_collator.tokenizer``) still finds them; never while unpickling
+        if name.startswith("__") or name in ("collate", "times", "counts", "workers"):
+            raise AttributeError(name)
+        return getattr(self.collate, name)
+
     def __call__(self, samples: Any) -> Any:
         batch = self.collate(samples)
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
-        if info is not None and 0 <= info.id < self.workers:
+        # a loader with other workers than the pace's (a Trainer subclass's own loader) is
+        # not noted: its gaps would be read against the wrong count
+        if info is not None and info.num_workers == self.workers and 0 <= info.id < self.workers:
             n = self.counts[info.id]
             self.times[info.id * CAPACITY + n % CAPACITY] = time.perf_counter()
             self.counts[info.id] = n + 1
@@ -102,15 +112,32 @@ class LoaderPace:
         return corrected(figures, self.batch_s(t0, t1), self.workers, batches_per_step)
 
 
+QUANTILE = 0.25
+"""Which of the gaps is read (the lower quartile, module docstring)."""
+
+
 def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float) -> float | None:
-    """The median gap between two batches one worker finished, both in ``[t0, t1]`` (over all
-    workers); ``None`` when no worker finished two there."""
+    """The lower quartile of the gaps between two batches one worker finished, both in
+    ``[t0, t1]`` (over all workers); ``None`` when no worker finished two there.
+
+    A gap is never shorter than the worker's time for the second batch. A worker that cannot
+    keep up has every gap about that long; one that keeps up waits for indices, which come
+    unevenly (a Trainer fetches a step's micro-batches back to back, an epoch's end restarts
+    the workers), so its gaps mix its time per batch with steps and restarts: a low quantile
+    reads the time per batch, where the median would read a step or a restart."""
     gaps: list[float] = []
     for times in finished:
         inside = [t for t in times if t0 <= t <= t1]
         gaps += [b - a for a, b in itertools.pairwise(inside)]
-    return statistics.median(gaps) if gaps else None
+    if not gaps:
+        return None
+    gaps.sort()
+    return gaps[int(QUANTILE * (len(gaps) - 1))]
 
+
+MARGIN = 0.02
+"""The paced wait replaces the timed one only when longer by more than this share of the
+step: where they agree (a loader that keeps up, or no queue), the window's figure stands."""
 
 _RATES = ("samples_per_s", "tokens_per_s", "tflops", "mfu_pct")
 _PHASES = ("data_wait", "forward_backward", "optimizer")
@@ -119,8 +146,9 @@ _PHASES = ("data_wait", "forward_backward", "optimizer")
 def corrected(figures: dict[str, Any], per_batch_s: float | None, workers: int,
               batches_per_step: int) -> dict[str, Any]:
     """``figures`` with ``data_wait_s`` raised to ``batches_per_step x per_batch_s / workers``
-    less the step's busy time, when that is larger, and the step time, rates and phase shares
-    recomputed from it (module docstring). ``seconds`` stays the window as timed."""
+    less the step's busy time, when that is larger by more than :data:`MARGIN` of the step,
+    and the step time, rates and phase shares recomputed from it (module docstring).
+    ``seconds`` stays the window as timed."""
     out = dict(figures)
     out["loader_batch_s"] = per_batch_s
     out["data_wait_by"] = "window"
@@ -129,7 +157,7 @@ def corrected(figures: dict[str, Any], per_batch_s: float | None, workers: int,
         return out
     busy = max(0.0, step - wait)
     paced = batches_per_step * per_batch_s / workers - busy
-    if paced <= wait:
+    if paced - wait <= MARGIN * step:
         return out
     new_step = busy + paced
     scale = step / new_step
