@@ -227,8 +227,23 @@ def test_lightning_watch_puts_a_kept_loaders_collate_back() -> None:
         with _watched(keeper, Config(8, 1), rec):
             collate = keeper.train_dataloader().collate_fn
             assert isinstance(collate, TimedCollate) and collate.collate is keeper.original
+            # as Lightning records an assignment made inside its hook, to replay it on a
+            # loader it re-creates
+            record = [(("collate_fn", collate), "__setattr__")]
+            keeper.loader.__dict__["__pl_attrs_record"] = record
         assert keeper.loader.collate_fn is keeper.original
         assert "train_dataloader" not in vars(keeper)
+        assert keeper.loader.__dict__["__pl_attrs_record"] == []  # no wrapper left to replay
+
+    class Several(Keeper):  # a dict of loaders (Lightning combines them): not watched
+        def train_dataloader(self) -> Any:  # type: ignore[override]
+            return {"a": self.loader, "b": self.loader}
+
+    several = Several()
+    rec = Recorder(Config(8, 1), TuneSettings(), TrialContext())
+    with _watched(several, Config(8, 1), rec):
+        assert several.train_dataloader() == {"a": several.loader, "b": several.loader}
+    assert several.loader.collate_fn is several.original
 
 
 def test_lightning_with_a_dataloader_is_rebuilt() -> None:

@@ -20,12 +20,14 @@ from gpulens.tune.report import headline
 from tests.support.tune_load import SlowSamples, collate_numpy
 
 
-def test_batch_s_is_the_median_gap_between_one_workers_batches_inside_the_window() -> None:
-    finished = [[0.5, 1.2, 1.4, 1.6, 9.0],   # 0.5 before the window, 9.0 after it
-                [1.1, 1.35],                 # one gap of its own
-                [1.3]]                       # one batch: no gap
+def test_batch_s_is_the_lower_quartile_of_one_workers_gaps_inside_the_window() -> None:
+    finished = [[0.5, 1.2, 1.4, 1.6, 1.9, 9.0],  # 0.5 before the window, 9.0 after it
+                [1.1, 1.35, 1.7]]                # gaps of its own
+    # gaps 0.2, 0.2, 0.3, 0.25, 0.35: the lower quartile
     assert batch_s(finished, 1.0, 2.0) == pytest.approx(0.2)
-    assert batch_s([[1.1], [1.2]], 1.0, 2.0) is None  # no worker finished two in the window
+    # fewer than two gaps a worker: too few to tell a slow loader from a few steps
+    assert batch_s([[1.2, 1.4, 1.6], [1.1, 1.35]], 1.0, 2.0) is None
+    assert batch_s([[1.1], [1.2]], 1.0, 2.0) is None
     assert batch_s([], 1.0, 2.0) is None
 
 
@@ -71,6 +73,22 @@ def test_a_paced_wait_within_the_margin_of_the_timed_one_leaves_the_window_figur
     # paced 0.0015 s against 0.0 timed: 1.5 % of the 0.1 s step, under the 2 % margin
     assert corrected(FIGURES, 0.1015, 1, 1)["data_wait_by"] == "window"
     assert corrected(FIGURES, 0.1025, 1, 1)["data_wait_by"] == "loader pace"
+
+
+def test_a_paced_wait_that_reaches_the_target_counts_inside_the_margin() -> None:
+    """A loader 6 % short after a slow warm-up: the window timed 4.5 % (under the 5 % target),
+    the pace says 5.7 %: 1.2 % more, inside the margin, but across the target."""
+    # busy 0.0955 s: forward+backward 0.0755, optimizer 0.02
+    timed = dict(FIGURES, step_s=0.1, data_wait_s=0.0045, forward_backward_s=0.0755)
+    per_batch = 0.0955 / (1 - 0.057)
+    assert corrected(timed, per_batch, 1, 1)["data_wait_by"] == "window"  # no target given
+    out = corrected(timed, per_batch, 1, 1, target_pct=5.0)
+    assert out["data_wait_by"] == "loader pace"
+    assert out["data_wait_pct"] == pytest.approx(5.7, abs=0.05)
+    # both under the target, or both over it: the margin decides
+    assert corrected(timed, 0.0955 / (1 - 0.049), 1, 1, 5.0)["data_wait_by"] == "window"
+    over = dict(FIGURES, step_s=0.1, data_wait_s=0.06)
+    assert corrected(over, 0.04 / (1 - 0.605), 1, 1, 5.0)["data_wait_by"] == "window"
 
 
 def test_a_loader_that_keeps_up_or_a_larger_measured_wait_leaves_the_window_figures() -> None:

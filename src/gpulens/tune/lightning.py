@@ -188,11 +188,11 @@ def _watched(owner: Any, config: Config, rec: Recorder) -> Iterator[None]:
 
     def train_dataloader() -> Any:
         loader = made()
-        collate = loader.collate_fn
-        while isinstance(collate, TimedCollate):  # a loader kept from an earlier trial
-            collate = collate.collate
-        pace = loaders.pace_for(loader, config)
+        pace = loaders.pace_for(loader, config)  # None for a dict, list or CombinedLoader
         if pace is not None and pace.workers == loader.num_workers:
+            collate = loader.collate_fn
+            while isinstance(collate, TimedCollate):  # a loader kept from an earlier trial
+                collate = collate.collate
             handed.append((loader, collate))
             loader.collate_fn = pace.wrap(collate)
             rec.watch(pace)
@@ -208,6 +208,11 @@ def _watched(owner: Any, config: Config, rec: Recorder) -> Iterator[None]:
             owner.__dict__["train_dataloader"] = own
         for loader, collate in handed:
             loader.collate_fn = collate
+            # what Lightning recorded to replay on a re-created loader, less the trial's wrapper
+            record = loader.__dict__.get("__pl_attrs_record")
+            if isinstance(record, list):
+                record[:] = [(args, tag) for args, tag in record
+                             if not any(isinstance(a, TimedCollate) for a in args)]
 
 
 def tune_lightning(trainer: Any, model: Any, datamodule: Any = None, *,

@@ -171,10 +171,11 @@ class Trial:
     loader workers' own time per batch, larger: the window ran on batches queued before it;
     :mod:`gpulens.tune.pace`); ``None`` where no loader of the tuner's making was watched."""
     loader_batch_s: float | None = None
-    """Seconds a loader worker took per batch in the window: the lower quartile of the gaps
-    between two batches one worker finished (a gap is at least the worker's time for a batch,
-    longer where it waited for work); ``None`` without workers, where no worker finished two
-    batches in the window, or where the tuner did not build the loader."""
+    """The lower quartile of the gaps between two batches one loader worker finished in the
+    window (s): the worker's time per batch where the loader cannot keep up, an upper bound
+    on it where it can (a worker then also waits for work: its gaps are steps); ``None``
+    without workers, with fewer than two gaps a worker, or where the tuner did not build the
+    loader."""
     forward_backward_s: float | None = None
     optimizer_s: float | None = None
     tflops: float | None = None

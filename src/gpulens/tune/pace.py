@@ -105,11 +105,12 @@ class LoaderPace:
         return batch_s(self.finished(), t0, t1)
 
     def correct(self, figures: dict[str, Any], t0: float, t1: float,
-                batches_per_step: int) -> dict[str, Any]:
+                batches_per_step: int, target_pct: float | None = None) -> dict[str, Any]:
         """``figures`` (a trial's) with the data wait the loader's pace imposes, where that is
         more than the window measured (module docstring); adds ``loader_batch_s`` and
         ``data_wait_by``."""
-        return corrected(figures, self.batch_s(t0, t1), self.workers, batches_per_step)
+        return corrected(figures, self.batch_s(t0, t1), self.workers, batches_per_step,
+                         target_pct)
 
 
 QUANTILE = 0.25
@@ -118,7 +119,9 @@ QUANTILE = 0.25
 
 def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float) -> float | None:
     """The lower quartile of the gaps between two batches one worker finished, both in
-    ``[t0, t1]`` (over all workers); ``None`` when no worker finished two there.
+    ``[t0, t1]`` (over all workers); ``None`` with fewer than two gaps a worker (a handful of
+    gaps of a loader that keeps up are a handful of steps, and a jittery step's quartile can
+    pass for a slow loader).
 
     A gap is never shorter than the worker's time for the second batch. A worker that cannot
     keep up has every gap about that long; one that keeps up waits for indices, which come
@@ -129,24 +132,26 @@ def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float) -> float 
     for times in finished:
         inside = [t for t in times if t0 <= t <= t1]
         gaps += [b - a for a, b in itertools.pairwise(inside)]
-    if not gaps:
+    if not gaps or len(gaps) < 2 * len(finished):
         return None
     gaps.sort()
     return gaps[int(QUANTILE * (len(gaps) - 1))]
 
 
 MARGIN = 0.02
-"""The paced wait replaces the timed one only when longer by more than this share of the
-step: where they agree (a loader that keeps up, or no queue), the window's figure stands."""
+"""The paced wait replaces the timed one when longer by more than this share of the step
+(where they agree, the window's figure stands), or when it reaches the sweep's data-wait
+target and the timed one does not (a loader just short of the target is not missed)."""
 
 _RATES = ("samples_per_s", "tokens_per_s", "tflops", "mfu_pct")
 _PHASES = ("data_wait", "forward_backward", "optimizer")
 
 
 def corrected(figures: dict[str, Any], per_batch_s: float | None, workers: int,
-              batches_per_step: int) -> dict[str, Any]:
+              batches_per_step: int, target_pct: float | None = None) -> dict[str, Any]:
     """``figures`` with ``data_wait_s`` raised to ``batches_per_step x per_batch_s / workers``
-    less the step's busy time, when that is larger by more than :data:`MARGIN` of the step,
+    less the step's busy time, when that is larger by more than :data:`MARGIN` of the step or
+    reaches ``target_pct`` (the sweep's data-wait target, %) where the timed wait does not,
     and the step time, rates and phase shares recomputed from it (module docstring).
     ``seconds`` stays the window as timed."""
     out = dict(figures)
@@ -157,7 +162,9 @@ def corrected(figures: dict[str, Any], per_batch_s: float | None, workers: int,
         return out
     busy = max(0.0, step - wait)
     paced = batches_per_step * per_batch_s / workers - busy
-    if paced - wait <= MARGIN * step:
+    crosses = (target_pct is not None and paced > wait
+               and 100 * paced / (busy + paced) >= target_pct > 100 * wait / step)
+    if paced - wait <= MARGIN * step and not crosses:
         return out
     new_step = busy + paced
     scale = step / new_step

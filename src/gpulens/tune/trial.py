@@ -248,7 +248,8 @@ class Recorder:
         for key, value in self._phases.collect(self.timed_steps).items():
             out[key.removeprefix("perf/")] = value
         if self._pace is not None:
-            out = self._pace.correct(out, self._t0, self._t1, self.config.accumulation)
+            out = self._pace.correct(out, self._t0, self._t1, self.config.accumulation,
+                                     self.settings.data_wait_pct)
         return out
 
 
