@@ -79,7 +79,8 @@ def test_a_paced_wait_that_reaches_the_target_counts_inside_the_margin() -> None
     """A loader 6 % short after a slow warm-up: the window timed 4.5 % (under the 5 % target),
     the pace says 5.7 %: 1.2 % more, inside the margin, but across the target."""
     # busy 0.0955 s: forward+backward 0.0755, optimizer 0.02
-    timed = dict(FIGURES, step_s=0.1, data_wait_s=0.0045, forward_backward_s=0.0755)
+    timed = dict(FIGURES, step_s=0.1, data_wait_s=0.0045, forward_backward_s=0.0755,
+                 data_wait_pct=4.5, forward_backward_pct=75.5)
     per_batch = 0.0955 / (1 - 0.057)
     assert corrected(timed, per_batch, 1, 1)["data_wait_by"] == "window"  # no target given
     out = corrected(timed, per_batch, 1, 1, target_pct=5.0)
@@ -87,7 +88,8 @@ def test_a_paced_wait_that_reaches_the_target_counts_inside_the_margin() -> None
     assert out["data_wait_pct"] == pytest.approx(5.7, abs=0.05)
     # both under the target, or both over it: the margin decides
     assert corrected(timed, 0.0955 / (1 - 0.049), 1, 1, 5.0)["data_wait_by"] == "window"
-    over = dict(FIGURES, step_s=0.1, data_wait_s=0.06)
+    over = dict(FIGURES, step_s=0.1, data_wait_s=0.06, forward_backward_s=0.02,
+                data_wait_pct=60.0, forward_backward_pct=20.0)
     assert corrected(over, 0.04 / (1 - 0.605), 1, 1, 5.0)["data_wait_by"] == "window"
 
 
@@ -110,7 +112,7 @@ def test_real_workers_note_their_batches_under_every_start_method(method: str) -
     """Two workers, 40 ms a batch of sleep, a consumer that never waits on its own: each
     worker's gaps are its time per batch."""
     ctx = multiprocessing.get_context(method)
-    pace = LoaderPace(2, ctx)
+    pace = LoaderPace(2)
     loader = DataLoader(SlowSamples(n=64, per_sample_s=0.005), batch_size=8, num_workers=2,
                         collate_fn=pace.wrap(collate_numpy), multiprocessing_context=ctx)
     t0 = time.perf_counter()
@@ -161,7 +163,7 @@ def test_a_wait_from_the_loaders_pace_is_said_in_the_progress_line_and_the_repor
     assert trial_line(paced).endswith("data wait 33.3 % (loader pace)")
     assert trial_line(timed).endswith("data wait 0.4 %")
     result = TuneResult(trials=[paced, timed], chosen=timed)
-    assert sum("the loader workers' own pace" in line for line in headline(result)) == 1
+    assert sum("their data wait is the workers' pace" in line for line in headline(result)) == 1
     back = TuneResult.from_dict(result.to_dict())  # the new fields round-trip
     assert back.trials[0].data_wait_by == "loader pace" and back.trials[0].loader_batch_s == 0.15
-    assert not any("own pace" in line for line in headline(TuneResult([timed], timed)))
+    assert not any("workers' pace" in line for line in headline(TuneResult([timed], timed)))

@@ -80,7 +80,7 @@ def pace_for(source: object, config: Config) -> LoaderPace | None:
     your making)."""
     if not _is_dataloader(source) or config.num_workers < 1:
         return None
-    return LoaderPace(config.num_workers, getattr(source, "multiprocessing_context", None))
+    return LoaderPace(config.num_workers)
 
 
 def loader_for(source: object, config: Config, pace: LoaderPace | None = None) -> Iterable[Any]:

@@ -70,22 +70,20 @@ class LoaderPace:
     """The batch times of one trial's loader workers (module docstring).
 
     Args:
-        workers: the loader's ``num_workers`` (at least 1).
-        context: the loader's multiprocessing context (its start method's), or ``None`` for the
-            default one; the shared memory must reach workers started that way.
+        workers: the loader's ``num_workers`` (at least 1). The shared memory is a
+            ``multiprocessing`` ``RawArray``: it reaches the workers whatever their start
+            method (fork, spawn, forkserver).
     """
 
-    def __init__(self, workers: int, context: Any = None) -> None:
-        import multiprocessing  # here: its import names __mp_main__, which the core's does not
+    def __init__(self, workers: int) -> None:
+        # here: importing multiprocessing names __mp_main__, which the core's import does not
+        from multiprocessing.sharedctypes import RawArray
 
         if workers < 1:
             raise ValueError("LoaderPace needs loader workers")
-        ctx = context if context is not None else multiprocessing.get_context()
-        if isinstance(ctx, str):
-            ctx = multiprocessing.get_context(ctx)
         self.workers = workers
-        self._times = ctx.RawArray("d", workers * CAPACITY)
-        self._counts = ctx.RawArray("q", workers)
+        self._times = RawArray("d", workers * CAPACITY)
+        self._counts = RawArray("q", workers)
 
     def wrap(self, collate: Callable[[Any], Any]) -> TimedCollate:
         """``collate`` timed in the workers; pass it as the loader's ``collate_fn``."""
@@ -162,20 +160,20 @@ def corrected(figures: dict[str, Any], per_batch_s: float | None, workers: int,
         return out
     busy = max(0.0, step - wait)
     paced = batches_per_step * per_batch_s / workers - busy
-    crosses = (target_pct is not None and paced > wait
-               and 100 * paced / (busy + paced) >= target_pct > 100 * wait / step)
-    if paced - wait <= MARGIN * step and not crosses:
+    if paced <= wait:
         return out
-    new_step = busy + paced
-    scale = step / new_step
+    new = dict(out, step_s=busy + paced, data_wait_s=paced, data_wait_by="loader pace")
     for key in _RATES:
         if out.get(key) is not None:
-            out[key] = out[key] * scale
-    out["step_s"], out["data_wait_s"], out["data_wait_by"] = new_step, paced, "loader pace"
-    phase_s = {p: out.get(f"{p}_s") for p in _PHASES}
+            new[key] = out[key] * step / (busy + paced)
+    phase_s = {p: new.get(f"{p}_s") for p in _PHASES}
     total = sum(v for v in phase_s.values() if v is not None)
     if total > 0:
         for p, v in phase_s.items():
             if v is not None:
-                out[f"{p}_pct"] = 100.0 * v / total
-    return out
+                new[f"{p}_pct"] = 100.0 * v / total
+    # the target compared on the shares the report shows, before and after
+    timed_pct = figures.get("data_wait_pct", 100 * wait / step)
+    paced_pct = new.get("data_wait_pct", 100 * paced / (busy + paced))
+    crosses = target_pct is not None and paced_pct >= target_pct > timed_pct
+    return new if paced - wait > MARGIN * step or crosses else out
