@@ -449,6 +449,20 @@ def test_tune_prefetch_lead_eight_steps_see_the_short_loader(tmp_path: Path) -> 
     assert first[1]["wall_s"] - first[0]["wall_s"] >= 0.5, first
 
 
+def test_tune_pace_cases_prints_both_cases(tmp_path: Path) -> None:
+    """``tune_pace_cases.py --repeat 2``: both tables, a row per case, what it prints written."""
+    out = tmp_path / "cases.md"
+    proc = subprocess.run([sys.executable, str(BENCH / "tune_pace_cases.py"), "--repeat", "2",
+                           "--out", str(out)], cwd=tmp_path, env=bench_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d", line)]
+    assert len(rows) == 4 + 2, proc.stdout
+    assert all(re.search(r"\((window|loader pace)\) \| [12] \|$", r) for r in rows[:4]), rows
+    assert [r.split(" | ")[1] for r in rows[4:]] == ["2", "2"], rows
+    assert out.read_text() == proc.stdout
+
+
 def test_paths_aa_quick_under_torchrun_takes_the_slowest_rank(tmp_path: Path) -> None:
     json_path = tmp_path / "ddp.json"
     proc = subprocess.run(

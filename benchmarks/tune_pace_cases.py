@@ -1,0 +1,125 @@
+"""The loader's pace (``gpulens.tune.pace``) at its edges, with the plain ``gpulens.tune.tune`` on
+a CPU: sleeps for the step and the loader (:mod:`tests.support.tune_load`), so the costs hold on
+a loaded machine.
+
+1. **Just short of the target**: a 100 ms step, one worker a few percent too slow (steady wait
+   5.2 % and 5.7 %, over the 5 % target), the first step of each trial 20 or 30 ms slower. The
+   window reads under the target; does the trial, and does the sweep choose two workers?
+2. **A loader that keeps up, jittery steps**: 10 ms a batch against 25-75 ms steps (uniform),
+   three timed steps, one or two workers, ``--repeat`` trials each: how many read ``loader
+   pace``, and what wait.
+
+Prints a table per case and writes ``--out`` (Markdown).
+
+    python benchmarks/tune_pace_cases.py --out /tmp/pace-cases.md     # about 2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from gpulens.tune import Trial, tune  # noqa: E402
+from tests.support.tune_load import SlowSamples, collate_numpy  # noqa: E402
+
+BATCH = 16
+
+
+class Step:
+    """A real optimizer step of a tiny model plus a sleep of ``busy_s`` (times a uniform draw
+    in ``1 +- jitter``); the first step after a pause (a new trial's) ``extra_s`` longer."""
+
+    def __init__(self, busy_s: float, extra_s: float = 0.0, jitter: float = 0.0,
+                 seed: int = 0) -> None:
+        self.busy_s, self.extra_s, self.jitter = busy_s, extra_s, jitter
+        self.rng = random.Random(seed)
+        self.model = torch.nn.Linear(8, 1)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.last: float | None = None
+
+    def __call__(self, batch: Any) -> None:
+        now = time.perf_counter()
+        first = self.last is None or now - self.last > 0.5 * self.busy_s
+        draw = self.rng.uniform(1 - self.jitter, 1 + self.jitter)
+        time.sleep(draw * self.busy_s + (self.extra_s if first else 0.0))
+        x, y = (torch.as_tensor(a) for a in batch)
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.last = time.perf_counter()
+
+
+def loader(per_batch_s: float, workers: int) -> DataLoader[Any]:
+    return DataLoader(SlowSamples(n=4096, per_sample_s=per_batch_s / BATCH), batch_size=BATCH,
+                      num_workers=workers, collate_fn=collate_numpy)
+
+
+def near_target() -> list[str]:
+    rows = ["| loader a batch | steady wait (nominal) | first step longer by "
+            "| one worker's wait (from) | workers chosen |", "|---|---|---|---|---|"]
+    busy = 0.1  # the sleep; the step is about 1 ms longer (the model's own step)
+    for short in (0.07, 0.08):
+        per_batch = busy * (1 + short)
+        for extra in (0.02, 0.03):
+            step = Step(busy, extra)
+            seen: list[Trial] = []
+            result = tune(loader(per_batch, 1), step, model=step.model,
+                          optimizer=step.optimizer, batch_sizes=(BATCH,), workers=(1, 2),
+                          steps=10, loader_options=False, confirm=False, progress=False)
+            seen = [t for t in result.trials if t.config.num_workers == 1 and t.ok]
+            one = ", ".join(f"{t.data_wait_pct:.1f} % ({t.data_wait_by})" for t in seen
+                            if t.data_wait_pct is not None)
+            # the steady wait: the trial's busy time (the pace keeps it) against the loader's
+            first = seen[0] if seen else None
+            steady = ("-" if first is None or first.step_s is None or first.data_wait_s is None
+                      else f"{100 * (1 - (first.step_s - first.data_wait_s) / per_batch):.1f} %")
+            chosen = result.chosen.config.num_workers if result.chosen else "-"
+            rows.append(f"| {1000 * per_batch:.0f} ms | {steady} | {1000 * extra:.0f} ms | "
+                        f"{one or '-'} | {chosen} |")
+    return rows
+
+
+def jittery(repeat: int) -> list[str]:
+    rows = ["| workers | trials | read `loader pace` | their waits |", "|---|---|---|---|"]
+    for workers in (1, 2):
+        paced: list[float] = []
+        for seed in range(repeat):
+            step = Step(0.05, jitter=0.5, seed=seed)
+            result = tune(loader(0.01, workers), step, model=step.model,
+                          optimizer=step.optimizer, batch_sizes=(BATCH,), workers=(workers,),
+                          warmup_steps=1, steps=3, loader_options=False, confirm=False,
+                          progress=False)
+            paced += [t.data_wait_pct or 0.0 for t in result.trials
+                      if t.ok and t.data_wait_by == "loader pace"]
+        waits = ", ".join(f"{w:.1f} %" for w in paced) or "-"
+        rows.append(f"| {workers} | {repeat} | {len(paced)} | {waits} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--repeat", type=int, default=12, help="trials a worker count in case 2")
+    args = ap.parse_args(argv)
+    text = "\n".join(["## 1. just short of the 5 % target (100 ms step, 10 timed steps)", "",
+                      *near_target(), "",
+                      "## 2. a loader that keeps up (10 ms a batch), steps of 25-75 ms, 3 timed "
+                      "steps", "", *jittery(args.repeat), ""])
+    args.out.write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
