@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -24,8 +25,8 @@ from gpulens.distributed import aggregate as agg  # noqa: E402
 from gpulens.distributed import levels  # noqa: E402
 from gpulens.distributed.channel import UpChannel  # noqa: E402
 from gpulens.distributed.gather import JobGather  # noqa: E402
-from gpulens.distributed.nodering import LOST, NodeRing, sweep_stale  # noqa: E402
-from gpulens.distributed.rows import RowGather  # noqa: E402
+from gpulens.distributed.nodering import LOST, NodeRing, pid_alive, sweep_stale  # noqa: E402
+from gpulens.distributed.rows import GatherPlan, RowGather  # noqa: E402
 from gpulens.distributed.topology import Placement, placement_from_env  # noqa: E402
 from gpulens.log import reset_warnings  # noqa: E402
 from gpulens.model import GpuInfo, Row, RunContext  # noqa: E402
@@ -37,9 +38,12 @@ WAIT_S = 30.0
 class Job:
     """``world`` ranks over ``nodes`` nodes, each a JobGather made in its own thread."""
 
-    def __init__(self, world: int, nodes: int, generation: int = 1, tcp: bool = False) -> None:
+    def __init__(self, world: int, nodes: int, generation: int = 1, tcp: bool = False,
+                 held: tuple[int, ...] = ()) -> None:
         """``tcp``: the job's store is a ``TCPStore`` (each rank a client of its own, as the
-        launchers give): the engines then gather a job of several nodes themselves."""
+        launchers give): the engines then gather a job of several nodes themselves.
+        ``held``: ranks whose engine's per-row work starts only at :meth:`start_engine` (an
+        engine slower to start than its training process)."""
         self.server: Any = None
         if tcp:
             self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -63,6 +67,8 @@ class Job:
         """Each rank's per-row work: its engine's (one node, made here as the engine makes
         it) or its JobGather's (several nodes)."""
 
+        self.plans: dict[int, GatherPlan] = {}
+
         def start(r: int) -> None:
             g = self.g[r]
             self.shapes[r] = g.shape_before_engine()
@@ -71,12 +77,18 @@ class Job:
             g.bind(RunContext(gpus=(gpu,), hostname="h", backend="simulated",
                               interval=0.1, job=self.shapes[r]))
             if plan is not None:  # as the engine makes it
-                self.w[r] = plan.gather(self.rows[r].append, gpu=r, shape=self.shapes[r])
+                self.plans[r] = plan
+                if r not in held:
+                    self.start_engine(r)
             elif g.work is not None:
                 self.w[r] = g.work
             # else: this rank could not join its node's file (said); its rows go nowhere
 
         self._parallel(start)
+
+    def start_engine(self, r: int) -> None:
+        """Rank ``r``'s engine's per-row work, as the engine makes it."""
+        self.w[r] = self.plans[r].gather(self.rows[r].append, gpu=r, shape=self.shapes[r])
 
     def _parallel(self, fn: Any) -> None:
         threads = [threading.Thread(target=fn, args=(r,)) for r in range(self.world)]
@@ -87,14 +99,19 @@ class Job:
 
     def log(self, step: int, ranks: Any = None, busy: dict[int, float] | None = None) -> None:
         for r in ranks if ranks is not None else range(self.world):
-            sm = (busy or {}).get(r, 50.0 + r)
-            values = {f"gpu/{r}/util_pct": 60.0 + r, f"gpu/{r}/sm_active_pct": sm,
-                      f"gpu/{r}/power_w": 100.0 + r, f"gpu/{r}/energy_j": 10.0,
-                      "perf/steps": 1.0, "perf/step_time_s": 0.5, "work/cpu_s": 0.1,
-                      "work/tokens": 8.0, "train/loss": 1.0 / step,
-                      "train/global_step": float(step)}
             if r in self.w:
-                self.w[r].local_row(Row(step=step, time=float(step), values=values))
+                self.w[r].local_row(self.row(r, step, busy))
+
+    @staticmethod
+    def row(r: int, step: int, busy: dict[int, float] | None = None) -> Row:
+        """Rank ``r``'s raw row of ``step``."""
+        sm = (busy or {}).get(r, 50.0 + r)
+        values = {f"gpu/{r}/util_pct": 60.0 + r, f"gpu/{r}/sm_active_pct": sm,
+                  f"gpu/{r}/power_w": 100.0 + r, f"gpu/{r}/energy_j": 10.0,
+                  "perf/steps": 1.0, "perf/step_time_s": 0.5, "work/cpu_s": 0.1,
+                  "work/tokens": 8.0, "train/loss": 1.0 / step,
+                  "train/global_step": float(step)}
+        return Row(step=step, time=float(step), values=values)
 
     def wait_rows(self, rank: int, n: int) -> list[Row]:
         deadline = time.monotonic() + WAIT_S
@@ -410,6 +427,37 @@ def test_a_two_rank_job_is_gathered_by_rank_0s_engine(caplog: pytest.LogCaptureF
     assert [r.step for r in rows] == [1, 2, 3, 4, 5] and not job.rows[1]
 
 
+def test_a_rank_whose_engine_starts_after_its_training_process_exited_is_waited_for(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 logs steps 1-3 and exits before its engine has opened the node's file (a loaded
+    host: the engine starts slower than the three steps took). The slot's writer is the
+    engine, so rank 0 waits for it rather than judging rank 1 by its exited training
+    process, and steps 1-3 are whole; step 4, after rank 1's engine ended, is partial and said
+    once (the old slot held the training process's pid: step 1 was written partial)."""
+    job = Job(world=2, nodes=1, held=(1,))
+    ring = job.g[0].ring
+    assert ring is not None and 1 not in job.w
+    slot = job.g[1].m.slot
+    assert ring.state(slot)[2] == 0  # claimed for an engine that has not said its pid
+    for step in (1, 2, 3):
+        job.log(step)  # rank 0's rows; rank 1's wait in its (held) engine's pipe
+    time.sleep(1.0)  # rank 0's gather polls every 50 ms: it waits, it writes nothing
+    assert job.rows[0] == []
+    job.start_engine(1)
+    assert ring.state(slot)[2] == os.getpid()  # the engine said it writes the slot
+    for step in (1, 2, 3):
+        job.w[1].local_row(Job.row(1, step))  # its backlog
+    job.w[1].flush(WAIT_S)  # and it ends (its training process is gone)
+    with caplog.at_level(logging.WARNING, logger="gpulens"):
+        job.log(4, ranks=[0])
+        rows = job.wait_rows(0, 4)
+        job.stop()
+    assert [(r.values["job/ranks"], r.values["job/partial"]) for r in rows] == [
+        (2, 0), (2, 0), (2, 0), (1, 1)]
+    told = [r.getMessage() for r in caplog.records if "rank 1 " in r.getMessage()]
+    assert len(told) == 1 and "step 4" in told[0], told
+
+
 @pytest.mark.parametrize(("world", "full"), [(3, None), (8, None), (2, "1")])
 def test_rank_0_s_engine_leads_one_node_but_not_the_large_view(
         world: int, full: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -592,6 +640,23 @@ def test_stale_node_files_of_dead_leaders_are_swept(tmp_path: Path) -> None:
     assert sweep_stale(tmp_path) == 1  # also run by every leader's create()
     assert not (tmp_path / "gpulens-old-n0").exists() and (tmp_path / "gpulens-new-n0").exists()
     live.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_zombie_is_not_alive() -> None:
+    """An engine that died under an exited training process may stay a zombie for good (a
+    container whose first process reaps nothing): its slot must not be waited for."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + WAIT_S
+    while b") Z " not in Path(f"/proc/{child.pid}/stat").read_bytes():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert not pid_alive(child.pid)
+        assert pid_alive(os.getpid()) and not pid_alive(0)
+    finally:
+        child.wait()
+    assert not pid_alive(child.pid)
 
 
 class _NoQueues:

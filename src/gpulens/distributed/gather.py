@@ -31,9 +31,11 @@ Roles, from the start exchange (:mod:`gpulens.distributed.start`):
 
 Faults.  A row waits for the ranks of its node at most :data:`NODE_WAIT_S` after the
 leader's own row for that step, and for the nodes at most :data:`JOB_WAIT_S` after rank 0's
-own row; a rank whose process has exited is not waited for at all (its pid is checked: a
-node's ranks share the host; the pid is the training process's, whichever process writes
-the slot).  A row without every rank is written all the same, marked:
+own row; a rank whose slot's writer has exited is not waited for at all (its pid is
+checked: a node's ranks share the host).  The writer is the rank's engine where the engines
+gather: a rank whose training process exited is still waited for while its engine writes
+the rows of the steps it logged (the engine ends soon after its training process, and says
+how many rows it wrote).  A row without every rank is written all the same, marked:
 ``job/ranks``, ``job/nodes``, ``job/partial`` (and ``node/{n}/partial``).  The first such row
 names what is missing in one WARNING on rank 0 (a node's leader logs it at INFO); a rank or node
 missing from then on is not waited for again, and one that comes back is said at INFO (a later
@@ -198,7 +200,10 @@ class JobGather:
             if self.is_writer and self.crosses_store:
                 return GatherPlan(self.m, "", self.full, store=self.store_address)
             return None
-        self._ring.claim(self.m.slot, self.rank, os.getpid())
+        # written by the engine, not this process: the engine says its pid when it starts,
+        # and until then the slot counts as alive (the engine writes what was logged even if
+        # this process exits first)
+        self._ring.claim(self.m.slot, self.rank, 0)
         return GatherPlan(self.m, str(self._ring.path), self.full, store=self.store_address)
 
     def bind(self, context: RunContext) -> None:

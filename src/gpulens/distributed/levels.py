@@ -220,8 +220,8 @@ class NodeLevel:
                 continue
             state, _, pid, written, final = ring.state(slot)
             read_all = self.next_seq[slot] >= written
-            gone = final is not None or (state != 0 and not _alive(pid))
-            if (gone and read_all) or rank in self.missing:
+            if rank in self.missing or (read_all and (
+                    final is not None or (state != 0 and not _alive(pid)))):
                 skip.append(rank)
             else:
                 wait.append(rank)

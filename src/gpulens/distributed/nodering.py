@@ -6,6 +6,11 @@ Layout (float64 cells, native byte order; all ranks of a node run on one host)::
 
     header       [MAGIC, VERSION, slots, ring, width, creator pid, 0, 0]
     slot i       [state, rank, pid, written, beat, final, 0, 0]          (SLOT_HEAD cells)
+
+A slot's ``pid`` is its writer's: the rank's engine process where the engines gather (0 until
+that engine has opened the file: a rank whose engine is still starting counts as alive, even
+if its training process has exited, for its engine still writes what was logged), else the
+training process.
                  ring x [seq, value_0 .. value_{width-1}, seq]            (width + 2 cells each)
 
 Each slot has one writer (its rank, under a lock of that process) and one reader (the
@@ -72,7 +77,9 @@ def sweep_stale(folder: Path) -> int:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a zombie counts: its parent has not seen it end)."""
+    """Whether process ``pid`` runs: it exists and, where ``/proc`` tells, is not a zombie (an
+    engine that died under a training process that exited is reparented; in a container whose
+    first process reaps nothing it stays a zombie for good)."""
     if pid <= 0:
         return False
     try:
@@ -81,7 +88,12 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no /proc (macOS), or it ended just now: the next look tells
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] != b"Z"
 
 
 class NodeRing:
@@ -146,7 +158,8 @@ class NodeRing:
 
     # -- a rank, on its own slot --------------------------------------------------------------
     def claim(self, slot: int, rank: int, pid: int) -> None:
-        """Take ``slot`` for ``rank`` (process ``pid``): nothing written yet."""
+        """Take ``slot`` for ``rank``, written by process ``pid`` (0: a process not started
+        yet, which says so with :meth:`writer`): nothing written yet."""
         base = self._slot(slot)
         c = self._cells
         c[base + _WRITTEN] = 0.0
@@ -155,6 +168,10 @@ class NodeRing:
         c[base + _PID] = float(pid)
         c[base + _BEAT] = time.time()
         c[base + _STATE] = RUNNING
+
+    def writer(self, slot: int, pid: int) -> None:
+        """The process that writes ``slot`` from now on is ``pid`` (an engine that started)."""
+        self._cells[self._slot(slot) + _PID] = float(pid)
 
     def write(self, slot: int, seq: int, values: list[float]) -> None:
         """Entry ``seq`` of ``slot`` (``len(values) == width``); seqs come in order from 0."""

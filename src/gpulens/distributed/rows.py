@@ -28,6 +28,7 @@ waits for the nodes' summaries.  Its faults are :mod:`~.gather`'s.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -88,8 +89,11 @@ class GatherPlan:
             def connect() -> Any:
                 return connect_store(address)
 
-        return RowGather(self, submit, gpu=gpu, ring=self.open_ring() if self.ring else None,
-                         shape=shape, connect=connect).start()
+        ring = self.open_ring() if self.ring else None
+        if ring is not None:
+            ring.writer(self.m.slot, os.getpid())  # this engine writes the rank's slot
+        return RowGather(self, submit, gpu=gpu, ring=ring, shape=shape,
+                         connect=connect).start()
 
 
 REACH_S = 5.0
