@@ -590,3 +590,46 @@ def test_the_monitor_starts_on_the_engine_process_spawned_when_the_trainer_was_b
     assert len(set(seen)) == 1 and spare.proc.pid not in seen and None not in seen
     assert [r["step"] for r in read_jsonl(tmp_path / "rows.jsonl") if "step" in r] == [
         4, 8, 12, 4, 8, 12]
+
+
+def test_each_trial_of_a_search_starts_on_a_spare_made_at_the_previous_trials_end(
+    tmp_path: Path,
+) -> None:
+    """``hyperparameter_search`` (optuna, three trials) calls ``train()`` per trial on one
+    Trainer, with no ``on_init_end`` between: the callback makes the next trial's spare when
+    a trial ends, so every trial's monitor starts on a process spawned beforehand; each
+    trial's rows land."""
+    pytest.importorskip("optuna")
+    from gpulens.transport import spawn
+
+    callback = GPUMonitorCallback(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"], interval=0.05)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=8, logging_steps=4,
+        per_device_train_batch_size=4, report_to="none", use_cpu=True, disable_tqdm=True,
+        save_strategy="no", eval_strategy="no", per_device_eval_batch_size=16)
+    trainer = transformers.Trainer(model_init=lambda: Regression(), args=args,
+                                   train_dataset=Points(), eval_dataset=Points(64),
+                                   callbacks=[callback])
+    spares: list[int] = []  # the spare waiting as each trial's train() begins
+    engines: list[int | None] = []
+
+    class Look(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            if spawn._spare is not None:  # runs before gpulens's callback takes it
+                spares.append(spawn._spare.proc.pid)
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            engines.append(callback.monitor._transport.pid)  # type: ignore[union-attr]
+
+    trainer.callback_handler.callbacks.insert(0, Look())
+    best = trainer.hyperparameter_search(
+        direction="minimize", backend="optuna", n_trials=3,
+        hp_space=lambda trial: {"learning_rate": trial.suggest_float("learning_rate",
+                                                                     1e-3, 1e-1, log=True)})
+    assert best.run_id is not None
+    assert len(spares) == 3 and len(set(spares)) == 3, spares
+    assert sorted(set(engines)) == sorted(spares)  # each trial ran on the spare it found
+    steps = [r["step"] for r in read_jsonl(tmp_path / "rows.jsonl") if "step" in r]
+    assert steps == [4, 8] * 3
+    spawn.discard()  # the last trial's spare (ends at exit otherwise)
+

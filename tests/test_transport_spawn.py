@@ -248,7 +248,10 @@ def test_a_spare_that_died_before_its_start_is_replaced_by_a_new_process(
         assert pid is not None and psutil.Process(pid).is_running()
         mon.log(1)
         mon.log(2)
-    assert caplog.records == []
+    # survived, and said: something killed a process of gpulens's
+    assert [r.getMessage() for r in caplog.records] == [
+        "gpulens: the engine process made ready while training was set up had ended before "
+        "the monitor's start (killed by SIGKILL); a new one was started in its place"]
     assert [r["step"] for r in read_rows(tmp_path / "rows.jsonl") if "step" in r] == [1, 2]
 
 
@@ -274,6 +277,38 @@ def test_an_unused_spare_ends_by_itself_and_with_its_process(
     assert out.returncode == 0, out.stderr
     pid = int(out.stdout.split()[0])
     assert wait_until(lambda: _gone(pid), what="the exiting script's spare's end")
+
+
+def test_a_spare_no_start_took_is_ended_and_reaped_by_its_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``Trainer`` built and never trained: at :data:`~spawn.TAKE_WITHIN_S` this process
+    ends its spare and reaps it (it ended itself, and stayed a zombie until the next
+    ``take()`` or exit); a spare taken before then is not ended by its timer."""
+    monkeypatch.setattr(spawn, "TAKE_WITHIN_S", 1.0)
+    assert spawn.prepare()
+    pid = _spare_pid()
+
+    def reaped() -> bool:
+        try:
+            psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            return True
+        return False
+
+    assert wait_until(reaped, what="the idle spare's end, reaped")
+    assert spawn._spare is None
+    assert wait_until(lambda: not [t for t in threading.enumerate()
+                                   if t.name == "gpulens-spare-retire"], what="its timer's end")
+    monkeypatch.setattr(spawn, "TAKE_WITHIN_S", 3.0)
+    assert spawn.prepare()
+    got = spawn.take()
+    assert got is not None and got.retire is None  # taken: its timer cancelled
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # running past its timer's time: the
+            got.proc.wait(4.0)  # start that took it owns it
+    finally:
+        got.close()
 
 
 def test_the_jobs_shape_is_awaited_while_the_engine_starts_and_lands_in_its_context(

@@ -206,6 +206,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         run, self._mlflow_run = self._mlflow_run, None
         if run is not None:
             _end_mlflow_run(run)
+        if getattr(state, "is_hyper_param_search", False):
+            # a search's next trial calls train() again, with no on_init_end before it
+            prepare_engine(self.settings)
 
     def _stop(self, collective: bool = True) -> None:
         self._tail = None

@@ -89,7 +89,12 @@ STOP_GRACE_S = 10.0
 
 
 class _EndedFirst(SpawnFailed):
-    """The engine process ended before it answered its ``Start``."""
+    """The engine process ended before it answered its ``Start``; ``how``: in words
+    (:func:`how_it_ended`)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(f"the engine process ended before it started ({how})")
+        self.how = how
 
 
 def how_it_ended(proc: subprocess.Popen[bytes], wait_s: float = 1.0) -> str:
@@ -178,7 +183,9 @@ class ProcessTransport:
                     if reader.is_alive():
                         raise
                 self._close_rows()
-                logger.debug("gpulens: the spare engine process could not start (%s)", exc)
+                logger.warning("gpulens: the engine process made ready while training was "
+                               "set up had ended before the monitor's start (%s); a new one "
+                               "was started in its place", exc.how)
                 self._reset()
         return self._start(spawn.spawn(), spec, on_row, job)
 
@@ -204,8 +211,7 @@ class ProcessTransport:
             start = Start(spec if job is None else replace(spec, job=None), spawn.child_env(),
                           spawn.cwd(), job_follows=job is not None)
             if not self._tx.send(start, force=True):  # its pipe's other end is closed
-                raise _EndedFirst(f"the engine process ended before it started "
-                                  f"({how_it_ended(self._proc)})")
+                raise _EndedFirst(how_it_ended(self._proc))
             if job is not None:  # it opens NVML and its GPUs while this waits for the others
                 self._tx.send(Job(job()), force=True)
             try:
@@ -219,8 +225,7 @@ class ProcessTransport:
                 raise ValueError(got.text)
             if isinstance(got, Failed):
                 raise SpawnFailed(f"the engine process failed: {got.kind}: {got.text}")
-            raise _EndedFirst(f"the engine process ended before it started "
-                              f"({how_it_ended(self._proc)})")
+            raise _EndedFirst(how_it_ended(self._proc))
         except BaseException:
             self._kill()
             _LIVE.discard(self)

@@ -22,8 +22,10 @@ from its parent only when it is made changed (the ``PYTHON*`` and ``LD_*`` varia
 umask, the CPUs allowed, the spawning thread's priority and scheduling policy, the open-files
 limit, the signals ignored: :func:`process_state`), or
 if it is older than :data:`TAKE_WITHIN_S`.  A spare that is
-never taken ends itself after :data:`SPARE_IDLE_S` (a ``Trainer`` built, never trained), when
-this process exits (end of file on its pipe), or at :func:`discard`.
+never taken is ended (and reaped) by this process at :data:`TAKE_WITHIN_S` (a ``Trainer``
+built, never trained), when this process exits (end of file on its pipe), or at
+:func:`discard`; if this process cannot (it is stopped, or busy holding the GIL), the spare
+ends itself after :data:`SPARE_IDLE_S`.
 """
 
 from __future__ import annotations
@@ -146,6 +148,8 @@ class Spawned:
     closed: bool = False
     """This process's ends are closed (never twice: the numbers may be another file's by
     then)."""
+    retire: threading.Timer | None = None
+    """A spare's: ends it at :data:`TAKE_WITHIN_S` unless it was taken (cancelled then)."""
 
     def close(self, wait_s: float = 1.0) -> None:
         """Close this process's ends (the engine process sees end of file and exits) and
@@ -158,6 +162,12 @@ class Spawned:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5.0)
 
+    def keep(self) -> None:
+        """Cancel the spare's retirement (it was taken, or is being ended otherwise)."""
+        timer, self.retire = self.retire, None
+        if timer is not None:
+            timer.cancel()
+
     def end_later(self) -> None:
         """:meth:`close`, off this thread: its ends closed now, the process reaped (killed
         if it does not end) by a thread of its own, so a start that refuses a spare does not
@@ -167,6 +177,7 @@ class Spawned:
 
     def abandon(self) -> None:
         """Close this process's ends only (a forked child's copies)."""
+        self.keep()
         if self.closed:
             return
         self.closed = True
@@ -248,16 +259,32 @@ def prepare() -> bool:
     if old is not None and old.owner == os.getpid():
         old.end_later()
     try:
-        new: Spawned | None = spawn(spare=True)
+        made = spawn(spare=True)
     except Exception as exc:
         logger.debug("gpulens: no spare engine process: %s", exc)
         return False
     with _lock:
         if _spare is None:
-            _spare, new = new, None
-    if new is not None:  # another thread's came first
-        new.end_later()
+            timer = threading.Timer(TAKE_WITHIN_S, _retire, (made,))
+            timer.name, timer.daemon = "gpulens-spare-retire", True
+            made.retire = timer
+            timer.start()
+            _spare = made
+            return True
+    made.end_later()  # another thread's came first
     return True
+
+
+def _retire(spawned: Spawned) -> None:
+    """A spare that no start took within :data:`TAKE_WITHIN_S`: ended and reaped here (on its
+    timer's thread), so it leaves no zombie behind."""
+    global _spare
+    with _lock:
+        if _spare is not spawned:
+            return
+        _spare = None
+    spawned.retire = None  # this timer's own thread: nothing to cancel
+    spawned.close()
 
 
 def take() -> Spawned | None:
@@ -268,6 +295,7 @@ def take() -> Spawned | None:
         got, _spare = _spare, None
     if got is None:
         return None
+    got.keep()
     if _good(got):
         return got
     if got.owner == os.getpid():
