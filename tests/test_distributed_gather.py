@@ -427,27 +427,30 @@ def test_a_two_rank_job_is_gathered_by_rank_0s_engine(caplog: pytest.LogCaptureF
     assert [r.step for r in rows] == [1, 2, 3, 4, 5] and not job.rows[1]
 
 
-def test_a_rank_whose_engine_starts_after_its_training_process_exited_is_waited_for(
+def test_a_rank_whose_training_process_exited_is_waited_for_while_its_engine_writes(
         caplog: pytest.LogCaptureFixture) -> None:
-    """Rank 1 logs steps 1-3 and exits before its engine has opened the node's file (a loaded
-    host: the engine starts slower than the three steps took). The slot's writer is the
-    engine, so rank 0 waits for it rather than judging rank 1 by its exited training
-    process, and steps 1-3 are whole; step 4, after rank 1's engine ended, is partial and said
-    once (the old slot held the training process's pid: step 1 was written partial)."""
+    """Rank 1 logs steps 1-3 and exits while its engine still has their rows on the way (a
+    loaded host). The slot's writer is the engine, which says its pid as it opens the node's
+    file, so rank 0 waits for the engine rather than judging rank 1 by its exited training
+    process: steps 1-3 are whole; step 4, after rank 1's engine ended, is partial and said
+    once. (CI, once: the slot held the training process's pid, and step 1 was written
+    partial.)"""
     job = Job(world=2, nodes=1, held=(1,))
     ring = job.g[0].ring
     assert ring is not None and 1 not in job.w
     slot = job.g[1].m.slot
-    assert ring.state(slot)[2] == 0  # claimed for an engine that has not said its pid
-    for step in (1, 2, 3):
-        job.log(step)  # rank 0's rows; rank 1's wait in its (held) engine's pipe
-    time.sleep(1.0)  # rank 0's gather polls every 50 ms: it waits, it writes nothing
-    assert job.rows[0] == []
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ring.claim(slot, 1, dead.pid)  # as the training process claimed it; it has exited since
     job.start_engine(1)
     assert ring.state(slot)[2] == os.getpid()  # the engine said it writes the slot
     for step in (1, 2, 3):
-        job.w[1].local_row(Job.row(1, step))  # its backlog
-    job.w[1].flush(WAIT_S)  # and it ends (its training process is gone)
+        job.log(step, ranks=[0])
+    time.sleep(1.0)  # rank 0's gather polls every 50 ms: it waits, it writes nothing
+    assert job.rows[0] == []
+    for step in (1, 2, 3):
+        job.w[1].local_row(Job.row(1, step))  # rank 1's rows, late
+    job.w[1].flush(WAIT_S)  # and its engine ends
     with caplog.at_level(logging.WARNING, logger="gpulens"):
         job.log(4, ranks=[0])
         rows = job.wait_rows(0, 4)

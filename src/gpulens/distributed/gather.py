@@ -200,10 +200,10 @@ class JobGather:
             if self.is_writer and self.crosses_store:
                 return GatherPlan(self.m, "", self.full, store=self.store_address)
             return None
-        # written by the engine, not this process: the engine says its pid when it starts,
-        # and until then the slot counts as alive (the engine writes what was logged even if
-        # this process exits first)
-        self._ring.claim(self.m.slot, self.rank, 0)
+        # written by the engine, not this process: the engine says its pid as it opens the
+        # file, before it answers the start (until then this process stands for it: a start
+        # that fails leaves a slot of a process that ends, not one waited for)
+        self._ring.claim(self.m.slot, self.rank, os.getpid())
         return GatherPlan(self.m, str(self._ring.path), self.full, store=self.store_address)
 
     def bind(self, context: RunContext) -> None:

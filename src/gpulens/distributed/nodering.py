@@ -7,10 +7,9 @@ Layout (float64 cells, native byte order; all ranks of a node run on one host)::
     header       [MAGIC, VERSION, slots, ring, width, creator pid, 0, 0]
     slot i       [state, rank, pid, written, beat, final, 0, 0]          (SLOT_HEAD cells)
 
-A slot's ``pid`` is its writer's: the rank's engine process where the engines gather (0 until
-that engine has opened the file: a rank whose engine is still starting counts as alive, even
-if its training process has exited, for its engine still writes what was logged), else the
-training process.
+A slot's ``pid`` is its writer's: the rank's engine process where the engines gather (it says
+so as it opens the file, before it answers its start: the engine still writes the rows of the
+steps its training process logged after that process has exited), else the training process.
                  ring x [seq, value_0 .. value_{width-1}, seq]            (width + 2 cells each)
 
 Each slot has one writer (its rank, under a lock of that process) and one reader (the
@@ -158,8 +157,8 @@ class NodeRing:
 
     # -- a rank, on its own slot --------------------------------------------------------------
     def claim(self, slot: int, rank: int, pid: int) -> None:
-        """Take ``slot`` for ``rank``, written by process ``pid`` (0: a process not started
-        yet, which says so with :meth:`writer`): nothing written yet."""
+        """Take ``slot`` for ``rank``, written by process ``pid`` (until :meth:`writer` says
+        another): nothing written yet."""
         base = self._slot(slot)
         c = self._cells
         c[base + _WRITTEN] = 0.0

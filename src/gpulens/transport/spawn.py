@@ -325,6 +325,9 @@ def _forget_after_fork() -> None:
     _lock = threading.Lock()  # the parent's may have been held at the fork
     got, _spare = _spare, None
     if got is not None:
+        # its timer's thread is not in this process, and its lock may have been held at the
+        # fork: the copy is dropped, never cancelled
+        got.retire = None
         got.abandon()  # the parent's spare: close the copies of its pipe ends
         forked_away.append(got)
 
