@@ -6,8 +6,9 @@ a loaded machine.
    5.2 % and 5.7 %, over the 5 % target), the first step of each trial 20 or 30 ms slower. The
    window reads under the target; does the trial, and does the sweep choose two workers?
 2. **A loader that keeps up, jittery steps**: 10 ms a batch against 25-75 ms steps (uniform),
-   three timed steps, one or two workers, ``--repeat`` trials each: how many read ``loader
-   pace``, and what wait.
+   three timed steps, one or two workers, ``--repeat`` trials each, read by the workers'
+   service times and by their gaps alone (:data:`ARMS`): how many read ``loader pace``, what
+   wait, and what time per batch.
 
 Prints a table per case and writes ``--out`` (Markdown).
 
@@ -29,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from gpulens.tune import Trial, tune  # noqa: E402
+from gpulens.tune import Trial, pace, tune  # noqa: E402
 from tests.support.tune_load import SlowSamples, collate_numpy  # noqa: E402
 
 BATCH = 16
@@ -90,20 +91,41 @@ def near_target() -> list[str]:
     return rows
 
 
+ARMS = ("service times", "gaps only")
+"""Case 2's two readings of a worker's time per batch, side by side (the same seeds, one
+after the other): the workers' service times (finish less start), and the gaps between their
+finishes alone (the sixteenth session's reading: the workers, forked from this process, find
+their fetchers counted as wrapped and note no starts)."""
+
+
 def jittery(repeat: int) -> list[str]:
-    rows = ["| workers | trials | read `loader pace` | their waits |", "|---|---|---|---|"]
+    rows = ["| workers | reading | trials | read `loader pace` | their waits "
+            "| `loader_batch_s`, median |", "|---|---|---|---|---|---|"]
     for workers in (1, 2):
-        paced: list[float] = []
+        paced: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        per_batch: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for seed in range(repeat):
-            step = Step(0.05, jitter=0.5, seed=seed)
-            result = tune(loader(0.01, workers), step, model=step.model,
-                          optimizer=step.optimizer, batch_sizes=(BATCH,), workers=(workers,),
-                          warmup_steps=1, steps=3, loader_options=False, confirm=False,
-                          progress=False)
-            paced += [t.data_wait_pct or 0.0 for t in result.trials
-                      if t.ok and t.data_wait_by == "loader pace"]
-        waits = ", ".join(f"{w:.1f} %" for w in paced) or "-"
-        rows.append(f"| {workers} | {repeat} | {len(paced)} | {waits} |")
+            for arm in ARMS:
+                if arm == "gaps only":
+                    pace._wrapped.append(True)  # inherited by the forked workers
+                try:
+                    step = Step(0.05, jitter=0.5, seed=seed)
+                    result = tune(loader(0.01, workers), step, model=step.model,
+                                  optimizer=step.optimizer, batch_sizes=(BATCH,),
+                                  workers=(workers,), warmup_steps=1, steps=3,
+                                  loader_options=False, confirm=False, progress=False)
+                finally:
+                    pace._wrapped.clear()
+                ok = [t for t in result.trials if t.ok]
+                paced[arm] += [t.data_wait_pct or 0.0 for t in ok
+                               if t.data_wait_by == "loader pace"]
+                per_batch[arm] += [t.loader_batch_s for t in ok if t.loader_batch_s is not None]
+        for arm in ARMS:
+            waits = ", ".join(f"{w:.1f} %" for w in paced[arm]) or "-"
+            read = sorted(per_batch[arm])
+            median = f"{1000 * read[len(read) // 2]:.1f} ms" if read else "-"
+            rows.append(f"| {workers} | {arm} | {repeat} | {len(paced[arm])} | {waits} "
+                        f"| {median} |")
     return rows
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import multiprocessing
 import time
 
@@ -45,6 +46,26 @@ def test_batch_s_reads_the_time_per_batch_of_a_worker_that_waits_for_uneven_work
     gaps = sorted(b - a for f in finished for a, b in itertools.pairwise(f))
     assert gaps[len(gaps) // 2] > 0.09  # the median: a step
     assert batch_s(finished, 0.0, 2.0) == pytest.approx(0.016)
+
+
+def test_service_times_read_the_time_per_batch_where_a_few_gaps_read_the_steps() -> None:
+    """One worker, 10 ms a batch, steps of 25-75 ms (a loader that keeps up): its gaps are
+    the steps that freed its queue, not the steps the window timed, and three of them can
+    read a slow loader. Its service times (finish less start) read 10 ms; without starts (the
+    worker's first batch, or a torch whose fetchers are not wrapped) the gaps stand in."""
+    finished = [[0.100, 0.175, 0.200, 0.275]]  # paced by steps of 75, 25, 75 ms before
+    began = [[math.nan, 0.165, 0.190, 0.265]]  # each began when its index came
+    assert batch_s(finished, 0.1, 0.3) == pytest.approx(0.025)  # the gaps: a step, not 10 ms
+    assert batch_s(finished, 0.1, 0.3, began) == pytest.approx(0.010)
+    # no start noted (a torch whose fetchers are not where they were): the gaps stand in
+    assert batch_s(finished, 0.1, 0.3, [[math.nan] * 4]) == pytest.approx(0.025)
+    # the batches made while the window was open count: one that began before it and ended
+    # in it, one that began in it and ended after it (a short window that ate a queue: its
+    # worker's one batch); not one made wholly before or after it
+    slow = [[0.10, 0.50, 0.70, 1.20]]
+    assert batch_s(slow, 0.45, 0.60, [[math.nan, 0.30, 0.50, 1.00]]) == pytest.approx(0.2)
+    assert batch_s(slow, 0.55, 0.60, [[math.nan, 0.30, 0.50, 1.00]]) == pytest.approx(0.2)
+    assert batch_s(slow, 0.75, 0.90, [[math.nan, 0.30, 0.50, 1.00]]) is None
 
 
 FIGURES = {"steps": 8, "seconds": 0.8, "step_s": 0.1, "data_wait_s": 0.0,
@@ -119,12 +140,20 @@ def test_real_workers_note_their_batches_under_every_start_method(method: str) -
     batches = list(loader)
     t1 = time.perf_counter()
     assert len(batches) == 8 and batches[0][0].shape == (8, 8)  # the batches as collated
-    finished = pace.finished()
+    finished, began = pace.batches()
     assert [len(f) for f in finished] == [4, 4]
-    for times in finished:
+    for times, starts in zip(finished, began, strict=True):
         assert times == sorted(times) and t0 < times[0] and times[-1] < t1
+        # a worker's first batch has no start (its fetches are wrapped as it ends); from the
+        # second on each began before it finished, by at least the batch's 40 ms of sleep
+        assert math.isnan(starts[0])
+        assert all(0.04 <= f - b < 0.4 for f, b in zip(times[1:], starts[1:], strict=True))
     per_batch = pace.batch_s(t0, t1)
     assert per_batch is not None and 0.04 <= per_batch < 0.4
+    # the fetchers were wrapped in the workers only, never in this (the training) process
+    from torch.utils.data._utils import fetch
+
+    assert not hasattr(fetch._MapDatasetFetcher.fetch, "gpulens_timed")
 
 
 def test_a_loader_with_other_workers_than_the_pace_is_not_noted() -> None:

@@ -19,14 +19,25 @@ takes that where it is clearly larger than the wait the window measured (by more
 :data:`MARGIN` of the step), and recomputes the step time and the rates from it
 (``Trial.data_wait_by`` says which one counted).
 
-What this needs from the workers: one ``time.perf_counter()`` and two stores into shared
-memory per batch. ``perf_counter`` reads ``CLOCK_MONOTONIC`` on Linux, the same clock in every
-process of the host, so the workers' times and the window's edges compare.
+**Service times.** The gaps mix the worker's time per batch with its waits for indices, and a
+few gaps of a loader that keeps up, under uneven steps, can read as a slow loader (the steps
+that paced the gaps are not the steps the window timed). So each worker also notes when it
+began each batch: on its first batch, :class:`TimedCollate` wraps, in that worker process
+only, the ``fetch`` of torch's dataset fetchers (the worker calls it as soon as an index
+comes; it reads the samples, then calls the collate function), and from its second batch on a
+batch's service time is its finish less its start: the worker's own time for it, without the
+waits. Where there are service times in the window (at least :data:`MIN_SERVICES`), their
+mean is ``b``; else the gaps' lower quartile (a torch whose fetchers are not where this looks).
+
+What this needs from the workers: two ``time.perf_counter()`` calls and three stores into
+shared memory per batch. ``perf_counter`` reads ``CLOCK_MONOTONIC`` on Linux, the same clock in
+every process of the host, so the workers' times and the window's edges compare.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,24 +46,56 @@ CAPACITY = 256
 """Batch times kept per worker (the latest; a timed window holds far fewer)."""
 
 
+_began = [math.nan]
+"""In a loader worker whose fetchers are wrapped (:func:`_time_fetches`): when the batch being
+made now began (``perf_counter`` seconds; NaN once taken)."""
+_wrapped: list[bool] = []
+"""In a loader worker: :func:`_time_fetches` ran (one element)."""
+
+
+def _time_fetches() -> None:
+    """Wrap, in this process (a loader worker), the ``fetch`` of torch's dataset fetchers so
+    each notes when it began in :data:`_began`.  Once a process; what cannot be wrapped is
+    left as it is (the gaps then stand in)."""
+    if _wrapped:
+        return
+    _wrapped.append(True)
+    from torch.utils.data._utils import fetch as fetchers
+
+    for cls in (getattr(fetchers, "_MapDatasetFetcher", None),
+                getattr(fetchers, "_IterableDatasetFetcher", None)):
+        original = cls.__dict__.get("fetch") if isinstance(cls, type) else None
+        if original is None or getattr(original, "gpulens_timed", False):
+            continue
+
+        def timed(self: Any, index: Any, _original: Any = original) -> Any:
+            _began[0] = time.perf_counter()
+            return _original(self, index)
+
+        timed.gpulens_timed = True  # type: ignore[attr-defined]
+        setattr(cls, "fetch", timed)  # noqa: B010
+
+
 class TimedCollate:
-    """``collate`` that notes, in a loader worker, when it finished each batch."""
+    """``collate`` that notes, in a loader worker, when it began and finished each batch."""
 
     def __init__(self, collate: Callable[[Any], Any], times: Any, counts: Any,
-                 workers: int) -> None:
+                 workers: int, began: Any = None) -> None:
         self.collate = collate
         self.times = times
         self.counts = counts
         self.workers = workers
+        self.began = began
 
     def __getattr__(self, name: str) -> Any:
         # what reads the collator's own attributes (a Trainer subclass's
         # ``self.data_collator.tokenizer``) still finds them; never while unpickling
-        if name.startswith("__") or name in ("collate", "times", "counts", "workers"):
+        if name.startswith("__") or name in ("collate", "times", "counts", "workers", "began"):
             raise AttributeError(name)
         return getattr(self.collate, name)
 
     def __call__(self, samples: Any) -> Any:
+        start, _began[0] = _began[0], math.nan
         batch = self.collate(samples)
         from torch.utils.data import get_worker_info
 
@@ -61,7 +104,15 @@ class TimedCollate:
         # not noted: its gaps would be read against the wrong count
         if info is not None and info.num_workers == self.workers and 0 <= info.id < self.workers:
             n = self.counts[info.id]
-            self.times[info.id * CAPACITY + n % CAPACITY] = time.perf_counter()
+            at = info.id * CAPACITY + n % CAPACITY
+            self.times[at] = time.perf_counter()
+            if self.began is not None:
+                self.began[at] = start
+                if not _wrapped:  # this worker's first batch: its starts from the next on
+                    try:
+                        _time_fetches()
+                    except Exception:  # another torch: the gaps stand in
+                        self.began = None
             self.counts[info.id] = n + 1
         return batch
 
@@ -83,24 +134,33 @@ class LoaderPace:
             raise ValueError("LoaderPace needs loader workers")
         self.workers = workers
         self._times = RawArray("d", workers * CAPACITY)
+        self._began = RawArray("d", [math.nan] * (workers * CAPACITY))
         self._counts = RawArray("q", workers)
 
     def wrap(self, collate: Callable[[Any], Any]) -> TimedCollate:
         """``collate`` timed in the workers; pass it as the loader's ``collate_fn``."""
-        return TimedCollate(collate, self._times, self._counts, self.workers)
+        return TimedCollate(collate, self._times, self._counts, self.workers, self._began)
+
+    def batches(self) -> tuple[list[list[float]], list[list[float]]]:
+        """Each worker's batch finish times (``perf_counter`` seconds), oldest first, and when
+        each of those batches began (NaN where it was not noted: a worker's first)."""
+        finished: list[list[float]] = []
+        began: list[list[float]] = []
+        for w in range(self.workers):
+            n = int(self._counts[w])  # once: the two lists match
+            at = [w * CAPACITY + i % CAPACITY for i in range(n - min(n, CAPACITY), n)]
+            finished.append([self._times[i] for i in at])
+            began.append([self._began[i] for i in at])
+        return finished, began
 
     def finished(self) -> list[list[float]]:
         """Each worker's batch finish times (``perf_counter`` seconds), oldest first."""
-        out: list[list[float]] = []
-        for w in range(self.workers):
-            n = int(self._counts[w])
-            kept = min(n, CAPACITY)
-            out.append([self._times[w * CAPACITY + i % CAPACITY] for i in range(n - kept, n)])
-        return out
+        return self.batches()[0]
 
     def batch_s(self, t0: float, t1: float) -> float | None:
         """A worker's seconds per batch in ``[t0, t1]`` (:func:`batch_s`)."""
-        return batch_s(self.finished(), t0, t1)
+        finished, began = self.batches()
+        return batch_s(finished, t0, t1, began)
 
     def correct(self, figures: dict[str, Any], t0: float, t1: float,
                 batches_per_step: int, target_pct: float | None = None) -> dict[str, Any]:
@@ -113,10 +173,21 @@ class LoaderPace:
 
 QUANTILE = 0.25
 """Which of the gaps is read (the lower quartile, module docstring)."""
+MIN_SERVICES = 1
+"""Service times needed to read ``b`` from them (else the gaps): one batch's own time is a
+measurement of it, where a gap is a measurement only when the worker was busy."""
 
 
-def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float) -> float | None:
-    """The lower quartile of the gaps between two batches one worker finished, both in
+def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float,
+            began: Sequence[Sequence[float]] | None = None) -> float | None:
+    """A worker's seconds per batch in ``[t0, t1]``: the mean service time (finish less
+    start, ``began`` beside ``finished``) of the batches made while the window was open (each
+    began before it closed and finished after it opened), where there are at least
+    :data:`MIN_SERVICES`; else the gaps' lower quartile (below), ``None`` where neither is
+    there. (A window that eats a queue made before it may see a worker finish one batch, or
+    none inside it; the batch it began there is noted if it finished by the time this is read.)
+
+    The gaps: the lower quartile of the gaps between two batches one worker finished, both in
     ``[t0, t1]`` (over all workers); ``None`` with fewer than two gaps a worker (a handful of
     gaps of a loader that keeps up are a handful of steps, and a jittery step's quartile can
     pass for a slow loader).
@@ -126,6 +197,12 @@ def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float) -> float 
     unevenly (a Trainer fetches a step's micro-batches back to back, an epoch's end restarts
     the workers), so its gaps mix its time per batch with steps and restarts: a low quantile
     reads the time per batch, where the median would read a step or a restart."""
+    if began is not None:
+        services = [f - b for times, starts in zip(finished, began, strict=True)
+                    for f, b in zip(times, starts, strict=True)
+                    if math.isfinite(b) and t0 <= f and b <= t1 and b <= f]
+        if len(services) >= MIN_SERVICES:
+            return sum(services) / len(services)
     gaps: list[float] = []
     for times in finished:
         inside = [t for t in times if t0 <= t <= t1]
