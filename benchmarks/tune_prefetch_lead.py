@@ -5,9 +5,10 @@ batch 16) with a timed window of 3 and of 8 steps, each with rank 0's warm-up st
 runs, rank 1's one worker fills its prefetch queue (``prefetch_factor`` 2); a window shorter
 than the time that queue lasts times only batches made before it opened.
 
-Since the loader's pace (``gpulens.tune.pace``), a window in which the worker finished two
-batches takes its wait from the worker's own time per batch where that is more; a window too
-short for that (three steps here) still reads the queue.
+Since the loader's pace (``gpulens.tune.pace``), a trial takes its wait from the worker's own
+time per batch where that is more: its service times (finish less start) of the batches made
+while the window was open (before them, the gaps between its batches, which needed two gaps a
+worker: three steps here still read the queue).
 
 Prints, per arm, rank 1's data wait (and where it came from) and the agreed throughput at batch
 16 with one worker, and the configuration the sweep chose; writes ``--out/<arm>/rank<R>.json``
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [arm(args.out / f"steps{s}-delay{d:g}", s, d)
             for s in args.steps for d in (0.0, DELAY_S)]
     head = ["timed steps", "rank 0's warm-up longer by", "rank 1's data wait, batch 16, 1 worker",
-            "from (the worker's gap between batches)", "samples/s there (job)", "chosen"]
+            "from (the worker's time per batch)", "samples/s there (job)", "chosen"]
     table = "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
                       + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
     (args.out / "table.md").write_text(table)

@@ -55,8 +55,8 @@ def test_workers_batch_size_and_an_out_of_memory_trial() -> None:
     assert any(t.config == Config(short[0].config.batch_size, 2) for t in result.trials)
     assert chosen.data_wait_pct is not None and chosen.data_wait_pct < 5
     assert not [t for t in result.trials if t.config.num_workers > 2]
-    # the workers' own pace: a worker's gap between batches is at least its sleep for one
-    # batch (4.5 ms a sample); no pace without workers
+    # the workers' own pace: a worker's time per batch is at least its sleep for one batch
+    # (4.5 ms a sample); no pace without workers
     for t in (t for t in result.trials if t.ok):
         if t.config.num_workers == 0:
             assert t.loader_batch_s is None and t.data_wait_by is None
