@@ -8,26 +8,24 @@ before it has to wait. It then understates the data wait of a loader that cannot
 
 :class:`LoaderPace` removes that bias where the tuner builds the loader (a rebuilt
 ``DataLoader``, the Hugging Face Trainer's): the trial's collate function is wrapped
-(:class:`TimedCollate`) so each worker notes when it finishes a batch, in shared memory. In the
-window, the gap between two batches a worker finishes is its time per batch ``b`` when it
-cannot keep up (it always has the next index waiting), and at least that when it can (it
-also waits for the next index); the lower quartile of the gaps (:func:`batch_s`) reads ``b``.
-So ``k x b / workers - busy`` (``k`` batches an optimizer step, ``busy`` the step less its
-measured wait) is the wait the loader imposes once its queue is empty: zero or less for a
-loader that keeps up, the steady shortfall for one that cannot. :meth:`LoaderPace.correct`
-takes that where it is clearly larger than the wait the window measured (by more than
-:data:`MARGIN` of the step), and recomputes the step time and the rates from it
-(``Trial.data_wait_by`` says which one counted).
+(:class:`TimedCollate`) so each worker notes, in shared memory, when it begins and finishes
+each batch. To note the beginning, on its first batch the worker wraps, in its own process
+only, the ``fetch`` of torch's dataset fetchers (the worker loop calls it as soon as an index
+comes; it reads the samples, then calls the collate function). From a worker's second batch on,
+finish less start is that batch's service time: the worker's own time for it, with no wait for
+an index in it. The mean service time of the batches made while the window was open is ``b``,
+the time per batch (:func:`batch_s`). So ``k x b / workers - busy`` (``k`` batches an optimizer
+step, ``busy`` the step less its measured wait) is the wait the loader imposes once its queue
+is empty: zero or less for a loader that keeps up, the steady shortfall for one that cannot.
+:meth:`LoaderPace.correct` takes that where it is clearly larger than the wait the window
+measured (by more than :data:`MARGIN` of the step), and recomputes the step time and the
+rates from it (``Trial.data_wait_by`` says which one counted).
 
-**Service times.** The gaps mix the worker's time per batch with its waits for indices, and a
-few gaps of a loader that keeps up, under uneven steps, can read as a slow loader (the steps
-that paced the gaps are not the steps the window timed). So each worker also notes when it
-began each batch: on its first batch, :class:`TimedCollate` wraps, in that worker process
-only, the ``fetch`` of torch's dataset fetchers (the worker calls it as soon as an index
-comes; it reads the samples, then calls the collate function), and from its second batch on a
-batch's service time is its finish less its start: the worker's own time for it, without the
-waits. Where there are service times in the window (at least :data:`MIN_SERVICES`), their
-mean is ``b``; else the gaps' lower quartile (a torch whose fetchers are not where this looks).
+Where no start was noted (a torch whose fetchers are not where this looks), the gaps between
+the batches a worker finished stand in: a gap is ``b`` when the worker cannot keep up (its next
+index is always waiting) and longer when it waits for indices, so their lower quartile reads
+``b``; but a worker that keeps up has gaps of the steps that freed its queue, which are not the
+steps the window timed, and a few of them under uneven steps can read as a slow loader.
 
 What this needs from the workers: two ``time.perf_counter()`` calls and three stores into
 shared memory per batch. ``perf_counter`` reads ``CLOCK_MONOTONIC`` on Linux, the same clock in
