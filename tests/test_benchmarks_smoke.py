@@ -453,8 +453,9 @@ def test_tune_prefetch_lead_eight_steps_see_the_short_loader(tmp_path: Path) -> 
 
 
 def test_tune_pace_cases_prints_both_cases(tmp_path: Path) -> None:
-    """``tune_pace_cases.py --repeat 2``: both tables, a row per case (case 2: each worker
-    count read both ways), what it prints written. With service times, one worker's time per
+    """``tune_pace_cases.py --repeat 2``: the three tables, a row per case (case 2: each
+    worker count read both ways; case 3: the long window and the short ones), what it prints
+    written. With service times, one worker's time per
     batch reads about its 10 ms (not a step of 25-75 ms)."""
     out = tmp_path / "cases.md"
     proc = subprocess.run([sys.executable, str(BENCH / "tune_pace_cases.py"), "--repeat", "2",
@@ -462,14 +463,15 @@ def test_tune_pace_cases_prints_both_cases(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d", line)]
-    assert len(rows) == 4 + 4, proc.stdout
+    assert len(rows) == 4 + 4 + 2, proc.stdout
     assert all(re.search(r"\((window|loader pace)\) \| [12] \|$", r) for r in rows[:4]), rows
-    cells = [r.strip("| ").split(" | ") for r in rows[4:]]
+    cells = [r.strip("| ").split(" | ") for r in rows[4:8]]
     assert [(c[0], c[1], c[2]) for c in cells] == [
         ("1", "service times", "2"), ("1", "gaps only", "2"),
         ("2", "service times", "2"), ("2", "gaps only", "2")], rows
     service_ms = float(cells[0][5].removesuffix(" ms"))
     assert 9.0 <= service_ms < 25.0, rows  # 10 ms of sleep a batch, on a loaded machine
+    assert [r.split(" | ")[:2] for r in rows[8:]] == [["| 150 steps", "1"], ["| 3 steps", "2"]]
     assert out.read_text() == proc.stdout
 
 

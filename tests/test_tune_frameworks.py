@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -136,6 +137,62 @@ def test_hf_accumulation_with_workers_that_keep_up_keeps_the_timed_wait(tmp_path
         seen = (t.data_wait_pct, t.data_wait_by, t.loader_batch_s)
         assert t.loader_batch_s is not None and t.loader_batch_s < 0.06, seen
         assert t.data_wait_by == "window", seen
+
+
+class SlowFirstStep(Regression):
+    """The first forward of each ``train()`` takes ``first_s`` (a compile, a slow rank); the
+    others ``step_s``."""
+
+    def __init__(self, first_s: float, step_s: float) -> None:
+        super().__init__()
+        self.first_s, self.step_s, self.calls = first_s, step_s, 0
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        time.sleep(self.first_s if self.calls == 1 else self.step_s)
+        return {"loss": nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
+
+
+class _Restart(transformers.TrainerCallback):  # type: ignore[misc]
+    def __init__(self, model: SlowFirstStep) -> None:
+        self.model = model
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        self.model.calls = 0
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_hf_a_short_window_after_a_slow_warm_up_reads_the_loaders_pace(
+        tmp_path: Path, persistent: bool) -> None:
+    """Two workers at 8 x 20 ms = 160 ms a batch (80 ms a step from the two), 40 ms steps, a
+    first step of 1 s: the workers fill their queue, and a 3-step window eats it without
+    waiting. The workers' service times read ~160 ms a batch and the trial takes the wait
+    the pace imposes (~50 %). With persistent workers the accelerator keeps the loader after
+    ``train()``: the trial ends its workers (each finishes the batch it began, which then
+    counts), and none outlives the sweep."""
+    model = SlowFirstStep(first_s=1.0, step_s=0.04)
+    trainer = hf_trainer(tmp_path, model, SlowSamples(), batch=8, dataloader_num_workers=2,
+                         dataloader_persistent_workers=persistent)
+    trainer.add_callback(_Restart(model))
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    result = tune_trainer(trainer, batch_sizes=(8,), workers=(2,), warmup_steps=1, steps=3,
+                          loader_options=False, confirm=False, progress=False)
+    (trial,) = [t for t in result.trials if t.ok]
+    seen = (trial.data_wait_pct, trial.data_wait_by, trial.loader_batch_s)
+    assert trial.data_wait_by == "loader pace", seen
+    assert trial.loader_batch_s is not None and 0.16 <= trial.loader_batch_s < 0.4, seen
+    assert trial.data_wait_pct is not None and trial.data_wait_pct > 30, seen
+    left = [c for c in psutil.Process().children(recursive=True)
+            if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [c.cmdline() for c in left]
+
+
+class SlowSamples(Samples):
+    """20 ms a sample."""
+
+    def __getitems__(self, idx: list[int]) -> list[dict[str, torch.Tensor]]:
+        time.sleep(0.02 * len(idx))
+        return [self[i] for i in idx]
 
 
 def test_hf_model_counts_tokens_and_flops(tmp_path: Path) -> None:

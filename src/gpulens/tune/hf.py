@@ -41,6 +41,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from gpulens.log import logger
 from gpulens.tune.model import Config, TuneResult, TuneSettings
 from gpulens.tune.pace import LoaderPace
 from gpulens.tune.plain import settings_from
@@ -108,12 +109,31 @@ class HfWorkload:
             t.train()
         finally:
             t.data_collator = collator
+            _end_workers(t)
 
     def cleanup(self) -> None:
         t = self.trainer
         t.model.zero_grad(set_to_none=True)
         t.model_wrapped = t.model  # the next train() frees the accelerator's references
         t.optimizer, t.lr_scheduler = self.optimizer, self.scheduler
+
+
+def _end_workers(trainer: Any) -> None:
+    """End the loader workers of the trial's ``train()`` now, letting each finish the batch it
+    is making. Persistent workers (``dataloader_persistent_workers``) outlive ``train()``: the
+    accelerator keeps its loaders until the next ``train()``, so the trial's figures would be
+    read with batches begun in the window still unfinished (and not counted in its pace), and
+    the last trial's workers would outlive the sweep. Non-persistent workers ended already."""
+    for loader in list(getattr(getattr(trainer, "accelerator", None), "_dataloaders", None)
+                       or ()):
+        base = getattr(loader, "base_dataloader", loader)
+        shutdown = getattr(getattr(base, "_iterator", None), "_shutdown_workers", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+                base._iterator = None
+            except Exception as exc:  # the figures stand; the workers end with the loader
+                logger.debug("gpulens tune: could not end a trial's loader workers: %r", exc)
 
 
 @contextmanager

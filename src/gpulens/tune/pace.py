@@ -13,10 +13,11 @@ each batch. To note the beginning, on its first batch the worker wraps, in its o
 only, the ``fetch`` of torch's dataset fetchers (the worker loop calls it as soon as an index
 comes; it reads the samples, then calls the collate function). From a worker's second batch on,
 finish less start is that batch's service time: the worker's own time for it, with no wait for
-an index in it. The mean service time of the batches made while the window was open is ``b``,
-the time per batch (:func:`batch_s`). So ``k x b / workers - busy`` (``k`` batches an optimizer
-step, ``busy`` the step less its measured wait) is the wait the loader imposes once its queue
-is empty: zero or less for a loader that keeps up, the steady shortfall for one that cannot.
+an index in it. The mean service time of the trial's batches begun before the window closed is
+``b``, the time per batch (:func:`batch_s`). So ``k x b / workers - busy`` (``k`` batches an
+optimizer step, ``busy`` the step less its measured wait) is the wait the loader imposes once
+its queue is empty: zero or less for a loader that keeps up, the steady shortfall for one that
+cannot.
 :meth:`LoaderPace.correct` takes that where it is clearly larger than the wait the window
 measured (by more than :data:`MARGIN` of the step), and recomputes the step time and the
 rates from it (``Trial.data_wait_by`` says which one counted).
@@ -178,12 +179,13 @@ measurement of it, where a gap is a measurement only when the worker was busy.""
 
 def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float,
             began: Sequence[Sequence[float]] | None = None) -> float | None:
-    """A worker's seconds per batch in ``[t0, t1]``: the mean service time (finish less
-    start, ``began`` beside ``finished``) of the batches made while the window was open (each
-    began before it closed and finished after it opened), where there are at least
-    :data:`MIN_SERVICES`; else the gaps' lower quartile (below), ``None`` where neither is
-    there. (A window that eats a queue made before it may see a worker finish one batch, or
-    none inside it; the batch it began there is noted if it finished by the time this is read.)
+    """A worker's seconds per batch by ``t1``: the mean service time (finish less start,
+    ``began`` beside ``finished``) of every noted batch that began before the window closed
+    (service times hold no wait, so the batches made in the warm-up count as well as those of
+    the window: a three-step window holds two or three, and one slow batch among so few would
+    set the pace), where there are at least :data:`MIN_SERVICES`; else the gaps' lower quartile
+    in ``[t0, t1]`` (below), ``None`` where neither is there. (A batch begun before ``t1`` is
+    noted once it finished: the tuner reads this after the trial's workers ended.)
 
     The gaps: the lower quartile of the gaps between two batches one worker finished, both in
     ``[t0, t1]`` (over all workers); ``None`` with fewer than two gaps a worker (a handful of
@@ -198,7 +200,7 @@ def batch_s(finished: Sequence[Sequence[float]], t0: float, t1: float,
     if began is not None:
         services = [f - b for times, starts in zip(finished, began, strict=True)
                     for f, b in zip(times, starts, strict=True)
-                    if math.isfinite(b) and t0 <= f and b <= t1 and b <= f]
+                    if math.isfinite(b) and b <= t1 and b <= f]
         if len(services) >= MIN_SERVICES:
             return sum(services) / len(services)
     gaps: list[float] = []
