@@ -6,11 +6,11 @@ Layout (float64 cells, native byte order; all ranks of a node run on one host)::
 
     header       [MAGIC, VERSION, slots, ring, width, creator pid, 0, 0]
     slot i       [state, rank, pid, written, beat, final, 0, 0]          (SLOT_HEAD cells)
+                 ring x [seq, value_0 .. value_{width-1}, seq]            (width + 2 cells each)
 
 A slot's ``pid`` is its writer's: the rank's engine process where the engines gather (it says
 so as it opens the file, before it answers its start: the engine still writes the rows of the
 steps its training process logged after that process has exited), else the training process.
-                 ring x [seq, value_0 .. value_{width-1}, seq]            (width + 2 cells each)
 
 Each slot has one writer (its rank, under a lock of that process) and one reader (the
 node's leader).  Entry ``seq`` goes to ring position ``seq % ring``: the writer marks the entry's
