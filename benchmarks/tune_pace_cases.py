@@ -65,8 +65,14 @@ class Step:
 
 
 def loader(per_batch_s: float, workers: int) -> DataLoader[Any]:
+    """Workers started by fork: case 2's "gaps only" arm relies on them inheriting this
+    process's ``pace._wrapped`` (spawned ones import the module afresh and wrap)."""
+    import multiprocessing
+
     return DataLoader(SlowSamples(n=4096, per_sample_s=per_batch_s / BATCH), batch_size=BATCH,
-                      num_workers=workers, collate_fn=collate_numpy)
+                      num_workers=workers, collate_fn=collate_numpy,
+                      multiprocessing_context=multiprocessing.get_context("fork")
+                      if workers > 0 else None)
 
 
 def near_target() -> list[str]:

@@ -6,9 +6,9 @@ runs, rank 1's one worker fills its prefetch queue (``prefetch_factor`` 2); a wi
 than the time that queue lasts times only batches made before it opened.
 
 Since the loader's pace (``gpulens.tune.pace``), a trial takes its wait from the worker's own
-time per batch where that is more: its service times (finish less start) of the batches made
-while the window was open (before them, the gaps between its batches, which needed two gaps a
-worker: three steps here still read the queue).
+time per batch where that is more: the mean service time (finish less start) of the trial's
+batches begun before the window closed (before service times, the gaps between its batches,
+which needed two gaps a worker: three steps here still read the queue).
 
 Prints, per arm, rank 1's data wait (and where it came from) and the agreed throughput at batch
 16 with one worker, and the configuration the sweep chose; writes ``--out/<arm>/rank<R>.json``

@@ -471,6 +471,8 @@ def test_tune_pace_cases_prints_both_cases(tmp_path: Path) -> None:
         ("2", "service times", "2"), ("2", "gaps only", "2")], rows
     service_ms = float(cells[0][5].removesuffix(" ms"))
     assert 9.0 <= service_ms < 25.0, rows  # 10 ms of sleep a batch, on a loaded machine
+    # the gaps arm read gaps (whole steps of 25-75 ms), not service times
+    assert cells[1][5] == "-" or float(cells[1][5].removesuffix(" ms")) > 20.0, rows
     assert [r.split(" | ")[:2] for r in rows[8:]] == [["| 150 steps", "1"], ["| 3 steps", "2"]]
     assert out.read_text() == proc.stdout
 

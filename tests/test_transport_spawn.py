@@ -250,8 +250,8 @@ def test_a_spare_that_died_before_its_start_is_replaced_by_a_new_process(
         mon.log(2)
     # survived, and said: something killed a process of gpulens's
     assert [r.getMessage() for r in caplog.records] == [
-        "gpulens: the engine process made ready while training was set up had ended before "
-        "the monitor's start (killed by SIGKILL); a new one was started in its place"]
+        "gpulens: the engine process made ready while training was set up ended before it "
+        "answered the monitor's start (killed by SIGKILL); starting a new one"]
     assert [r["step"] for r in read_rows(tmp_path / "rows.jsonl") if "step" in r] == [1, 2]
 
 

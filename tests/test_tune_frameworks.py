@@ -140,8 +140,8 @@ def test_hf_accumulation_with_workers_that_keep_up_keeps_the_timed_wait(tmp_path
 
 
 class SlowFirstStep(Regression):
-    """The first forward of each ``train()`` takes ``first_s`` (a compile, a slow rank); the
-    others ``step_s``."""
+    """The first forward takes ``first_s`` (a compile, a slow rank: the sweep's one trial
+    begins with it); the others ``step_s``."""
 
     def __init__(self, first_s: float, step_s: float) -> None:
         super().__init__()
@@ -151,14 +151,6 @@ class SlowFirstStep(Regression):
         self.calls += 1
         time.sleep(self.first_s if self.calls == 1 else self.step_s)
         return {"loss": nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
-
-
-class _Restart(transformers.TrainerCallback):  # type: ignore[misc]
-    def __init__(self, model: SlowFirstStep) -> None:
-        self.model = model
-
-    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
-        self.model.calls = 0
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -173,7 +165,6 @@ def test_hf_a_short_window_after_a_slow_warm_up_reads_the_loaders_pace(
     model = SlowFirstStep(first_s=1.0, step_s=0.04)
     trainer = hf_trainer(tmp_path, model, SlowSamples(), batch=8, dataloader_num_workers=2,
                          dataloader_persistent_workers=persistent)
-    trainer.add_callback(_Restart(model))
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     result = tune_trainer(trainer, batch_sizes=(8,), workers=(2,), warmup_steps=1, steps=3,
                           loader_options=False, confirm=False, progress=False)

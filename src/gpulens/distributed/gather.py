@@ -201,8 +201,9 @@ class JobGather:
                 return GatherPlan(self.m, "", self.full, store=self.store_address)
             return None
         # written by the engine, not this process: the engine says its pid as it opens the
-        # file, before it answers the start (until then this process stands for it: a start
-        # that fails leaves a slot of a process that ends, not one waited for)
+        # file, before it answers the start; until then this process stands for it (a slot
+        # counted alive while nothing would ever write it made rank 0 wait NODE_WAIT_S; a
+        # start that falls back to a thread claims the slot again in bind())
         self._ring.claim(self.m.slot, self.rank, os.getpid())
         return GatherPlan(self.m, str(self._ring.path), self.full, store=self.store_address)
 

@@ -184,8 +184,8 @@ class ProcessTransport:
                         raise
                 self._close_rows()
                 logger.warning("gpulens: the engine process made ready while training was "
-                               "set up had ended before the monitor's start (%s); a new one "
-                               "was started in its place", exc.how)
+                               "set up ended before it answered the monitor's start (%s); "
+                               "starting a new one", exc.how)
                 self._reset()
         return self._start(spawn.spawn(), spec, on_row, job)
 

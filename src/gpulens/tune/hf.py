@@ -18,9 +18,10 @@ Trainer fetches the step's micro-batches there), ``on_step_begin`` -> ``on_pre_o
 forward+backward, then the optimizer until ``on_step_end``. On a GPU the phases are on the
 GPU's timeline; on a CPU (host clock) the data wait also holds the Trainer's own work between
 steps (its logging decision, the loss's NaN check), some milliseconds per step. With loader
-workers, the collator is wrapped for the trial so each worker notes when it finished a batch,
-and a window that ran on batches queued during the warm-up takes its data wait from the
-workers' pace instead (:mod:`gpulens.tune.pace`).
+workers, the collator is wrapped for the trial so each worker notes when it began and
+finished each batch, and a window that waited less than the workers' pace allows (it ran on
+batches queued during the warm-up) takes its data wait from that pace instead
+(:mod:`gpulens.tune.pace`); the trial's workers are ended after it, persistent ones too.
 
 Afterwards the model's weights (and an optimizer or scheduler you passed to the Trainer) are
 put back, the Trainer's callbacks and arguments restored, and, with ``apply=True`` (default),

@@ -5,8 +5,8 @@ batch size and worker count, or the user's own factory called with them.
   (a ``DistributedSampler`` stays one), collate function, ``drop_last``, worker init function,
   generator and timeout; only ``batch_size``, ``num_workers``, and, when a trial sets them,
   ``pin_memory`` and ``prefetch_factor`` change. With workers, the collate function is wrapped
-  to note when each worker finished a batch (:mod:`gpulens.tune.pace`). A loader built on a
-  custom ``batch_sampler`` has no batch size to change: pass a factory instead.
+  to note when each worker began and finished each batch (:mod:`gpulens.tune.pace`). A loader
+  built on a custom ``batch_sampler`` has no batch size to change: pass a factory instead.
 * A factory ``make_loader(batch_size, num_workers=..., pin_memory=..., prefetch_factor=...)`` is
   called with the keywords its signature accepts (``batch_size`` is required); a factory
   without ``num_workers`` is not given a worker sweep.
@@ -100,7 +100,7 @@ def loader_for(source: object, config: Config, pace: LoaderPace | None = None) -
 
 def rebuild(loader: Any, config: Config, pace: LoaderPace | None = None) -> Any:
     """``loader`` rebuilt for ``config`` (module docstring); with ``pace``, its collate
-    function notes in each worker when a batch is done."""
+    function notes in each worker when each batch began and was done."""
     from torch.utils.data import DataLoader, IterableDataset
 
     workers = config.num_workers

@@ -171,11 +171,12 @@ class Trial:
     loader workers' own time per batch, larger: the window ran on batches queued before it;
     :mod:`gpulens.tune.pace`); ``None`` where no loader of the tuner's making was watched."""
     loader_batch_s: float | None = None
-    """The lower quartile of the gaps between two batches one loader worker finished in the
-    window (s): the worker's time per batch where the loader cannot keep up, an upper bound
-    on it where it can (a worker then also waits for work: its gaps are steps); ``None``
-    without workers, with fewer than two gaps a worker, or where the tuner did not build the
-    loader."""
+    """A loader worker's time per batch (s): the mean service time (a batch's finish less its
+    start, in the worker) of the trial's batches begun before its window closed. Where no
+    start was noted (a torch whose fetchers are not where :mod:`gpulens.tune.pace` looks),
+    the lower quartile of the gaps between a worker's batches in the window, an upper bound
+    where the loader keeps up. ``None`` without workers, with neither to read, or where the
+    tuner did not build the loader."""
     forward_backward_s: float | None = None
     optimizer_s: float | None = None
     tflops: float | None = None

@@ -157,7 +157,7 @@ class LoaderPace:
         return self.batches()[0]
 
     def batch_s(self, t0: float, t1: float) -> float | None:
-        """A worker's seconds per batch in ``[t0, t1]`` (:func:`batch_s`)."""
+        """A worker's seconds per batch for the window ``[t0, t1]`` (:func:`batch_s`)."""
         finished, began = self.batches()
         return batch_s(finished, t0, t1, began)
 

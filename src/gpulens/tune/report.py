@@ -114,8 +114,8 @@ def headline(result: TuneResult) -> list[str]:
     paced = sum(t.data_wait_by == "loader pace" for t in result.trials)
     if paced:
         lines.append(f"{paced} trial(s) waited less for data in their timed steps than their "
-                     "loader workers' pace allows (batches queued during the warm-up): their "
-                     "data wait is the workers' pace.")
+                     "loader workers' pace allows (batches queued during the warm-up, or a "
+                     "window too short to show it): their data wait is the workers' pace.")
     if result.oom_batch is not None:
         fits = f" (the largest that ran: {result.fits_batch})" if result.fits_batch else ""
         lines.append(f"Out of memory from batch {result.oom_batch}{fits}; recorded, the sweep "
