@@ -180,15 +180,15 @@ class NodeLevel:
         while self.order:
             key = self.order[0]
             p = self.pending[key]
-            wait, skip = self._expected(ring)
-            absent = [r for r in wait if r not in p.entries]
+            # the slots' states (a pid look each) only for a row that lacks some rank
+            lacking = [s for s in self.slots if self.rank_of[s] not in p.entries]
+            absent = self._awaited(ring, lacking)
             if absent and now - p.since < NODE_WAIT_S and len(self.pending) <= MAX_PENDING:
                 break
             self.order.popleft()
             del self.pending[key]
             self.missing.update(absent)
-            missing = sorted(r for r in (*absent, *skip) if r not in p.entries)
-            out.append(self._reduce(key, p, missing))
+            out.append(self._reduce(key, p, sorted(self.rank_of[s] for s in lacking)))
         _prune(self.pending, set(self.order))
         return out
 
@@ -209,23 +209,19 @@ class NodeLevel:
             self.missing.discard(rank)
         self.next_seq[slot] = seq
 
-    def _expected(self, ring: NodeRing | None) -> tuple[list[int], list[int]]:
-        """(ranks to wait for, ranks not to: exited or stopped with every entry read, or said
-        missing already)."""
-        wait, skip = [], []
-        for slot in self.slots:
+    def _awaited(self, ring: NodeRing | None, slots: list[int]) -> list[int]:
+        """The ranks of ``slots`` (each lacking the row) still to wait for: not those whose
+        writer exited or stopped with every entry read, nor those said missing already."""
+        wait = []
+        for slot in slots if ring is not None else ():
+            assert ring is not None
             rank = self.rank_of[slot]
-            if ring is None:
-                skip.append(rank)
-                continue
             state, _, pid, written, final = ring.state(slot)
-            read_all = self.next_seq[slot] >= written
-            if rank in self.missing or (read_all and (
+            if rank in self.missing or (self.next_seq[slot] >= written and (
                     final is not None or (state != 0 and not _alive(pid)))):
-                skip.append(rank)
-            else:
-                wait.append(rank)
-        return wait, skip
+                continue
+            wait.append(rank)
+        return wait
 
     def _reduce(self, key: Key, p: _Pending, missing: list[int]
                 ) -> tuple[agg.NodeSummary, dict[str, float]]:
