@@ -164,14 +164,14 @@ def test_a_loader_with_other_workers_than_the_pace_is_not_noted() -> None:
     loader = DataLoader(SlowSamples(n=48, per_sample_s=0.001), batch_size=8, num_workers=2,
                         collate_fn=pace.wrap(collate_numpy))
     assert len(list(loader)) == 6
-    assert pace.finished() == [[]]
+    assert pace.batches()[0] == [[]]
 
 
 def test_the_main_process_notes_nothing_and_the_ring_keeps_the_latest() -> None:
     pace = LoaderPace(1)
     collate = pace.wrap(collate_numpy)
     collate([(torch.zeros(2), torch.zeros(1))])  # no worker: nothing to note
-    assert pace.finished() == [[]]
+    assert pace.batches()[0] == [[]]
     # the collator's own attributes read through (a Trainer's ``data_collator.tokenizer``)
     assert pace.wrap(functools.partial(collate_numpy)).func is collate_numpy
     with pytest.raises(ValueError, match="needs loader workers"):
@@ -180,7 +180,7 @@ def test_the_main_process_notes_nothing_and_the_ring_keeps_the_latest() -> None:
     for i in range(CAPACITY + 3):
         pace._times[i % CAPACITY] = float(i)
     pace._counts[0] = CAPACITY + 3
-    kept = pace.finished()[0]
+    kept = pace.batches()[0][0]
     assert len(kept) == CAPACITY and kept[0] == 3.0 and kept[-1] == CAPACITY + 2.0
 
 

@@ -152,10 +152,6 @@ class LoaderPace:
             began.append([self._began[i] for i in at])
         return finished, began
 
-    def finished(self) -> list[list[float]]:
-        """Each worker's batch finish times (``perf_counter`` seconds), oldest first."""
-        return self.batches()[0]
-
     def batch_s(self, t0: float, t1: float) -> float | None:
         """A worker's seconds per batch for the window ``[t0, t1]`` (:func:`batch_s`)."""
         finished, began = self.batches()
