@@ -14,6 +14,8 @@ job beyond the ranks' meeting; the ranks share the host's clock).
         benchmarks/start_ddp.py --out $OUT
     GPULENS_BACKEND=simulated python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         benchmarks/start_ddp.py --runs 1 --out /tmp/start-ddp      # a CPU, gloo
+
+``--laps``: each rank also keeps where its starts went (``laps{R}.txt``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--runs", type=int, default=5, help="Trainer runs a way on each rank")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--laps", action="store_true",
+                    help="also keep gpulens's start laps (its DEBUG lines '... (s): ...': the "
+                         "monitor's start, the engine process's, the engine's own) in "
+                         "laps{R}.txt, in the order the runs made them")
     ap.add_argument("--summarize", type=int, metavar="WORLD",
                     help="only rewrite --out's ranks.md from its WORLD ranks' JSON files")
     args = ap.parse_args(argv)
@@ -45,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if table else 1
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    laps = _keep_laps() if args.laps else None
     got: dict[str, list[float]] = {"with the spare": [], "without": []}
     entered: dict[str, list[float]] = {way: [] for way in got}
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             for way in ways:
                 folder = Path(tmp) / f"r{i}{'s' if way == 'with the spare' else 'n'}"
                 folder.mkdir()
+                if laps is not None:
+                    laps.append(f"-- run {i}, {way}")
                 got[way].append(hf_begin(way == "with the spare", folder, entered[way]))
     lines = [f"rank {rank} of {world}: the HF callback's `on_train_begin` (s)", "",
              "| way | each | median |", "|---|---|---|"]
@@ -63,12 +72,34 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / f"rank{rank}.json").write_text(json.dumps({"s": got, "entered": entered},
                                                           indent=1))
     print("\n".join(lines))
+    if laps is not None:
+        (args.out / f"laps{rank}.txt").write_text("\n".join(laps) + "\n")
     if rank == 0:
         beyond = beyond_meeting(args.out, world)
         if beyond:
             (args.out / "ranks.md").write_text(beyond)
             print(beyond)
     return 0
+
+
+def _keep_laps() -> list[str]:
+    """gpulens's start laps (``gpulens.log.Laps``, said at DEBUG), as they come: the
+    ``gpulens`` logger at DEBUG, and a handler that keeps only those lines (the engine's come
+    through its pipe, re-emitted in this process)."""
+    import logging
+
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            if " (s): " in text:
+                kept.append(text)
+
+    log = logging.getLogger("gpulens")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Keep(logging.DEBUG))
+    return kept
 
 
 def beyond_meeting(out: Path, world: int, wait_s: float = 60.0) -> str:

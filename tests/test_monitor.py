@@ -93,6 +93,51 @@ def test_rows_come_soon_after_log(isolation: str) -> None:
     assert [r.step for r in sink.rows] == [1, 2, 3, 4, 5]
 
 
+def test_start_does_not_wait_for_the_first_sample(isolation: str, tmp_path: Path) -> None:
+    """The engine's first reading is taken by its sampler thread, not on the way to start()
+    returning (on two H200s it was 0.10-0.18 s of rank 0's start:
+    benchmarks/results/2026-11-28-h200x2-start-laps). The GPU's reads here wait for a file:
+    start() returns while they wait, and the rows then hold the GPU's figures."""
+    from tests.support.marked_nvml import GatedNVML
+
+    gate = tmp_path / "gate"
+    sink = MemorySink()
+    mon = gpulens.Monitor(interval=0.05, sinks=[sink], isolation=isolation,
+                          backend=GatedNVML(str(gate), most_s=60.0, gpus=1))
+    starting = threading.Thread(target=mon.start, daemon=True)
+    starting.start()
+    starting.join(30.0)
+    try:
+        assert not starting.is_alive(), "start() waited for the first sample"
+        assert not sink.rows
+    finally:
+        gate.touch()
+    for step in range(1, 4):
+        time.sleep(0.1)
+        mon.log(step)
+    mon.stop()
+    assert [r.step for r in sink.rows] == [1, 2, 3]
+    assert all("gpu/0/util_pct" in r.values for r in sink.rows)
+
+
+def test_a_start_says_where_its_time_went_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """At DEBUG a start says its laps once each: the monitor's, the engine process's and the
+    engine's own (benchmarks/start_ddp.py --laps keeps them); nothing at INFO."""
+    with caplog.at_level(logging.INFO, logger="gpulens"):
+        gpulens.Monitor(interval=0.05, backend=SimulatedNVML(gpus=1)).start().stop()
+    assert not [r for r in caplog.records if " (s): " in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="gpulens"):
+        gpulens.Monitor(interval=0.05, backend=SimulatedNVML(gpus=1)).start().stop()
+    laps = sorted(r.getMessage().split(" (s): ")[0] for r in caplog.records
+                  if " (s): " in r.getMessage())
+    assert laps == ["gpulens: engine process start", "gpulens: engine start", "gpulens: start"]
+    engine = next(r.getMessage() for r in caplog.records
+                  if r.getMessage().startswith("gpulens: engine start (s): "))
+    assert [part.split(" ")[0] for part in engine.split(" (s): ")[1].split(", ")] == [
+        "nvml", "gpus", "context", "sampler", "total"]
+
+
 def test_energy_follows_the_load_and_adds_up(isolation: str) -> None:
     """Per-step energy against the simulator's exact integral (power samples are 20 ms
     averages there, the counter updates every 100 ms at its own phase and each read takes

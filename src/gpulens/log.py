@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -209,3 +210,28 @@ def effective_level() -> int:
     """The level below which the ``gpulens`` logger drops records here (sent to the engine
     process, so it forwards only what would be heard)."""
     return logger.getEffectiveLevel()
+
+
+class Laps:
+    """Seconds between named points of one piece of work (a start), said once at DEBUG:
+    ``gpulens: <what> (s): a 0.011, b 0.200, total 0.211``. Costs two clock reads a point,
+    and nothing more where DEBUG is off."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._on = logger.isEnabledFor(logging.DEBUG)
+        self._last = self._first = time.perf_counter() if self._on else 0.0
+        self._laps: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        """The work since the last mark (or the start) was ``name``."""
+        if self._on:
+            now = time.perf_counter()
+            self._laps.append((name, now - self._last))
+            self._last = now
+
+    def say(self) -> None:
+        if self._on:
+            parts = ", ".join(f"{name} {s:.3f}" for name, s in self._laps)
+            logger.debug("gpulens: %s (s): %s, total %.3f", self.what, parts,
+                         self._last - self._first)

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS, EngineSpec
-from gpulens.log import effective_level, logger, warn_once
+from gpulens.log import Laps, effective_level, logger, warn_once
 from gpulens.model import Row, RunContext, SinkStats
 from gpulens.settings import (
     Settings,
@@ -267,9 +267,12 @@ class Monitor:
             if self._started:
                 return self
             settings = self._settings
+            laps = Laps("start")
             backend = backend_for(settings)
             link = _Link()
             gather = link.gather = self._make_gather(link)  # rank rows may come once started
+            if gather is not None:
+                laps.mark("ranks met")
             try:
                 # rank 0: every sink; above 8 ranks another node's leader its node's (JSONL,
                 # Prometheus)
@@ -285,11 +288,14 @@ class Monitor:
                     transport = InprocTransport()
                     context, torch_indices = self._start_engine(transport, link, named,
                                                                 backend, step)
+                laps.mark("engine")
                 if gather is not None:
                     gather.bind(context)
+                    laps.mark("GPU said to the others")
                 writer = link.writer
                 assert writer is not None
                 writer.open(context)
+                laps.mark("this process's sinks")
             except BaseException:
                 if link.transport is not None:
                     link.transport.stop(2.0, 2.0, collective=False)
@@ -310,6 +316,7 @@ class Monitor:
             self._finalizer = weakref.finalize(self, _stop_dropped, link, relay)
             logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (engine in a %s)",
                         len(context.gpus), context.backend, settings.interval, self.isolation)
+            laps.say()
             return self
 
     def _start_engine(self, transport: Transport, link: _Link,

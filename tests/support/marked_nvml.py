@@ -1,8 +1,10 @@
-"""A simulated NVML that leaves a mark when an engine opens it: a test sees from outside
-that an engine process got that far (the simulator is pickled into the engine process)."""
+"""Simulated NVMLs that a test sees or steers from outside an engine process (the simulator
+is pickled into it): one leaves a mark when an engine opens it, one holds its samples until a
+file exists."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,3 +21,19 @@ class MarkedNVML(SimulatedNVML):
     def nvmlInit(self) -> None:
         super().nvmlInit()
         Path(self.mark).touch()
+
+
+class GatedNVML(SimulatedNVML):
+    """:class:`~gpulens.testing.SimulatedNVML` whose clock reads (a sample's, never a start's
+    look at the GPU) wait until the file ``gate`` exists, at most ``most_s``."""
+
+    def __init__(self, gate: str, most_s: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gate = gate
+        self.most_s = most_s
+
+    def nvmlDeviceGetClockInfo(self, h: Any, clock_type: int) -> int:
+        deadline = time.monotonic() + self.most_s
+        while not Path(self.gate).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return super().nvmlDeviceGetClockInfo(h, clock_type)

@@ -44,7 +44,7 @@ from gpulens.engine.finish import Finisher
 from gpulens.engine.sampler import MAX_MARKS, GpuState, Sampler
 from gpulens.engine.spec import EngineSpec
 from gpulens.errors import NvmlUnavailable
-from gpulens.log import logger, warn_once
+from gpulens.log import Laps, logger, warn_once
 from gpulens.model import Event, GpuInfo, JobShape, Mark, Row, RunContext, SinkStats
 from gpulens.sinks.writer import STALL_S, StepLogger
 from gpulens.sources.host import HostReader
@@ -98,7 +98,9 @@ class Engine:
         absent, a sink that cannot open); everything opened is closed again first.
         """
         spec = self.spec
+        laps = Laps("engine start")
         source = self._open_source()
+        laps.mark("nvml")
         states: list[GpuState] = []
         steplogger: StepLogger | None = None
         try:
@@ -109,8 +111,10 @@ class Engine:
                                            info=device.info(key, visible.mig),
                                            torch_index=torch_index))
             infos = tuple(s.info for s in states)
+            laps.mark("gpus")
             if late_job is not None:
                 spec = self.spec = replace(spec, job=late_job())
+                laps.mark("job shape waited")
             finisher = Finisher(spec, infos)
             context = RunContext(
                 gpus=infos,
@@ -125,6 +129,7 @@ class Engine:
             steplogger = StepLogger(list(spec.sinks), names=[s.name for s in spec.sinks],
                                     buffer_rows=spec.buffer_rows)
             steplogger.open(context)
+            laps.mark("context and sinks")
         except BaseException:
             for state in states:
                 state.device.close()
@@ -139,6 +144,7 @@ class Engine:
             self._merged_thread.start()
         if spec.gather_plan is not None:
             self._gather = self._join_gather(spec, infos, context)
+            laps.mark("gather")
         self._sampler = Sampler(
             states,
             interval=spec.interval,
@@ -150,6 +156,7 @@ class Engine:
             driver_samples=spec.driver_samples,
         )
         self._sampler.start(spec.step)
+        laps.mark("sampler started")
         if spec.energy and states:
             self._probe = threading.Thread(target=self._probe_energy, args=(states,),
                                            name="gpulens-probe", daemon=True)
@@ -158,6 +165,7 @@ class Engine:
         logger.info("gpulens: engine sampling %d GPU(s) via %s (%s)", len(states),
                     context.backend,
                     ", ".join(f"GPU {s.key}: {s.info.name}" for s in states) or "no GPU")
+        laps.say()
         return context, self.torch_indices
 
     def _open_source(self) -> NvmlSource | None:

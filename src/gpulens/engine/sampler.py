@@ -186,16 +186,19 @@ class Sampler:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, step: int = 0) -> float:
-        """Take the first reading on this thread, then start the loop.  Returns window start.
+        """Start the loop, which takes the first reading at once.  Returns the first window's
+        start: now.
 
         ``step`` is the training step the first window starts after (0 for a fresh run).
+
+        The first reading is not waited for: on an H200 it took 0.10-0.18 s in rank 0's engine
+        under DDP (`benchmarks/results/2026-11-28-h200x2-start-laps`), all of it on the way to
+        the monitor's start returning. The first window still holds what the GPU did from now:
+        the driver's buffered power and utilization samples reach back before the reading,
+        and the cheap figures are averaged over the readings inside the window.
         """
         self._stop.clear()
         self._prev_step = step
-        now = time.monotonic()
-        self._read_fast(now)
-        self._read_slow(now)
-        self._read_gpm(now)
         self._window_start = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="gpulens-sampler", daemon=True)
         self._thread.start()
@@ -227,6 +230,10 @@ class Sampler:
 
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
+        now = time.monotonic()
+        self._guard(self._read_fast, now)
+        self._guard(self._read_slow, now)
+        self._guard(self._read_gpm, now)
         now = time.monotonic()
         next_fast = now + self.interval
         next_slow = now + self.slow_interval

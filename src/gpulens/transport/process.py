@@ -50,7 +50,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpulens.engine.spec import EngineSpec
-from gpulens.log import logger, reemit, warn_once
+from gpulens.log import Laps, logger, reemit, warn_once
 from gpulens.model import JobShape, MarkFields, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 from gpulens.transport import spawn
@@ -170,10 +170,12 @@ class ProcessTransport:
         wait (KeyboardInterrupt too), the process is ended and the pipes closed before it
         propagates.
         """
+        laps = Laps("engine process start")
         spare = spawn.take()
         if spare is not None:
+            laps.mark("spare taken")
             try:
-                return self._start(spare, spec, on_row, job)
+                return self._start(spare, spec, on_row, job, laps)
             except _EndedFirst as exc:
                 # it ended since it was judged good (killed?), having said nothing: a new
                 # process, as below, once its link thread (which ends with it) is gone
@@ -187,11 +189,13 @@ class ProcessTransport:
                                "set up ended before it answered the monitor's start (%s); "
                                "starting a new one", exc.how)
                 self._reset()
-        return self._start(spawn.spawn(), spec, on_row, job)
+        spawned = spawn.spawn()
+        laps.mark("spawned")
+        return self._start(spawned, spec, on_row, job, laps)
 
     def _start(self, spawned: spawn.Spawned, spec: EngineSpec,
-               on_row: Callable[[Row, bool], None], job: Callable[[], JobShape | None] | None
-               ) -> tuple[RunContext, list[int]]:
+               on_row: Callable[[Row, bool], None], job: Callable[[], JobShape | None] | None,
+               laps: Laps) -> tuple[RunContext, list[int]]:
         self._pid = os.getpid()
         self._on_row = on_row
         self._sink_names = [s.name for s in spec.sinks]
@@ -212,14 +216,18 @@ class ProcessTransport:
                           spawn.cwd(), job_follows=job is not None)
             if not self._tx.send(start, force=True):  # its pipe's other end is closed
                 raise _EndedFirst(how_it_ended(self._proc))
+            laps.mark("spec sent")
             if job is not None:  # it opens NVML and its GPUs while this waits for the others
                 self._tx.send(Job(job()), force=True)
+                laps.mark("the other ranks' GPUs waited for")
             try:
                 got = self._startup.get(timeout=READY_TIMEOUT_S)
             except queue.Empty:
                 raise SpawnFailed(f"the engine process did not start within "
                                   f"{READY_TIMEOUT_S:.0f} s") from None
             if isinstance(got, Ready):
+                laps.mark("ready waited for")
+                laps.say()
                 return got.context, list(got.torch_indices)
             if isinstance(got, Failed) and got.user_error:
                 raise ValueError(got.text)
