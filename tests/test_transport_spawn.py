@@ -77,6 +77,26 @@ def test_start_takes_the_spare_with_this_moments_environment_and_folder(
     assert wait_until(lambda: _gone(pid), what="the engine process's end")
 
 
+def test_gpulens_setup_makes_the_next_starts_engine_process_ready(tmp_path: Path) -> None:
+    """``gpulens.setup()`` (a plain loop's early call, as ``wandb.setup()``) leaves a spare
+    that the next ``Monitor.start()`` takes; none where that monitor's engine would run in a
+    thread; an unknown isolation is the monitor's one-line error."""
+    assert not gpulens.setup(isolation="thread")
+    assert spawn._spare is None
+    with pytest.raises(ValueError, match="isolation 'threads': expected one of"):
+        gpulens.setup(isolation="threads")
+    assert gpulens.setup()
+    pid = _spare_pid()
+    mon = gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"], interval=0.05).start()
+    try:
+        assert mon._transport.pid == pid  # type: ignore[union-attr]
+        mon.log(1)
+    finally:
+        mon.stop()
+    assert spawn._spare is None
+    assert [r["step"] for r in read_rows(tmp_path / "rows.jsonl") if "step" in r] == [1]
+
+
 def test_a_spare_whose_interpreter_would_differ_is_ended_not_taken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -362,7 +382,7 @@ def test_no_spare_for_a_monitor_whose_engine_will_run_in_a_thread() -> None:
     """``prepare_engine`` asks the monitor's own question (``isolation_for``): a backend object
     that does not pickle runs its engine in a thread, so no spare is spawned to idle beside
     it; a backend that pickles gets one."""
-    from gpulens.integrations.session import prepare_engine
+    from gpulens.transport.spawn import prepare_engine
     from gpulens.settings import Settings
     from gpulens.sources.simulated import SimulatedNVML
 

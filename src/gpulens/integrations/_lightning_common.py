@@ -18,12 +18,12 @@ from gpulens.integrations.session import (
     SessionCallback,
     TrainingSession,
     monitor_for_run,
-    prepare_engine,
 )
 from gpulens.log import warn_once
 from gpulens.model import Row, RunContext
 from gpulens.sinks import SinkSpec
 from gpulens.sinks.base import Sink
+from gpulens.transport.spawn import prepare_engine
 
 DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on the steps where
     Lightning writes the module's own ``self.log(...)`` metrics.

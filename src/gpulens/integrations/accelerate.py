@@ -42,12 +42,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpulens.integrations.session import GateAction, StepGate, prepare_engine
+from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
 from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
+from gpulens.transport.spawn import prepare_engine
 
 try:
     from accelerate.tracking import GeneralTracker

@@ -68,10 +68,9 @@ from typing import Any, Protocol
 from gpulens.integrations.phases import StepPhases
 from gpulens.log import warn_once
 from gpulens.monitor import Monitor
-from gpulens.settings import Settings, backend_for, isolation_for, normalize_run_dtype
+from gpulens.settings import Settings, normalize_run_dtype
 from gpulens.sinks import SinkSpec, as_sink
 from gpulens.sinks.base import Sink
-from gpulens.transport import spawn
 
 __all__ = ["GateAction", "SessionCallback", "StepGate", "TrainingSession", "WorkSource",
            "monitor_for_run"]
@@ -331,23 +330,6 @@ def _after_forwards(model: Any, session: TrainingSession) -> Any:
                           "rows are written at the step's marks instead", exc)
 
     return model.register_forward_hook(after_forward)
-
-
-def prepare_engine(settings: Settings | None) -> None:
-    """Spawn a spare engine process now, for a monitor of ``settings`` that starts later, so
-    that its start takes it instead of waiting for a new interpreter and its imports
-    (:mod:`gpulens.transport.spawn`); nothing for a monitor whose engine will run in a thread
-    (the monitor's own choice: :func:`gpulens.settings.isolation_for`). Never raises (a wrong
-    ``GPULENS_ISOLATION`` or backend is said at the start, as without this); ``None`` (a
-    monitor that is not gpulens's): nothing."""
-    if not isinstance(settings, Settings):
-        return
-    try:
-        if isolation_for(settings, backend_for(settings))[0] != "process":
-            return
-    except ValueError:
-        return
-    spawn.prepare()
 
 
 class SessionCallback:

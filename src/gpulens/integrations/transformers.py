@@ -98,10 +98,10 @@ from gpulens.integrations.session import (
     TrainingSession,
     WorkSource,
     monitor_for_run,
-    prepare_engine,
 )
 from gpulens.sinks import SinkSpec, check_sinks, sink_spec
 from gpulens.sinks.base import Sink
+from gpulens.transport.spawn import prepare_engine
 
 try:
     from transformers import TrainerCallback

@@ -56,12 +56,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gpulens.integrations.session import GateAction, StepGate, prepare_engine
+from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.schema import STEP_KEY
 from gpulens.sinks import check_sinks
 from gpulens.sinks.base import Sink
+from gpulens.transport.spawn import prepare_engine
 
 __all__ = ["MergingLogger", "RowHandoff", "TrackingLogger"]
 

@@ -41,9 +41,13 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpulens.log import logger
 from gpulens.transport.base import SpawnFailed
+
+if TYPE_CHECKING:
+    from gpulens.settings import Settings
 
 CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
          "from gpulens.transport.child import main; sys.exit(main(sys.argv[1:]))")
@@ -335,3 +339,22 @@ def _forget_after_fork() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 atexit.register(discard)
+
+
+def prepare_engine(settings: Settings | None) -> bool:
+    """Spawn a spare engine process now (:func:`prepare`), for a monitor of ``settings`` that
+    starts later, so that its start takes it instead of waiting for a new interpreter and its
+    imports; nothing for a monitor whose engine will run in a thread (the monitor's own
+    choice: :func:`gpulens.settings.isolation_for`). Never raises (a wrong
+    ``GPULENS_ISOLATION`` or backend is said at the start, as without this); ``None`` (a
+    monitor that is not gpulens's): nothing. True when a spare waits."""
+    from gpulens.settings import Settings, backend_for, isolation_for
+
+    if not isinstance(settings, Settings):
+        return False
+    try:
+        if isolation_for(settings, backend_for(settings))[0] != "process":
+            return False
+    except ValueError:
+        return False
+    return prepare()
