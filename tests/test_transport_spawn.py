@@ -382,9 +382,9 @@ def test_no_spare_for_a_monitor_whose_engine_will_run_in_a_thread() -> None:
     """``prepare_engine`` asks the monitor's own question (``isolation_for``): a backend object
     that does not pickle runs its engine in a thread, so no spare is spawned to idle beside
     it; a backend that pickles gets one."""
-    from gpulens.transport.spawn import prepare_engine
     from gpulens.settings import Settings
     from gpulens.sources.simulated import SimulatedNVML
+    from gpulens.transport.spawn import prepare_engine
 
     unpicklable = SimulatedNVML(gpus=1)
     unpicklable.hook = lambda: None  # type: ignore[attr-defined]
