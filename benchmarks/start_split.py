@@ -10,7 +10,9 @@ Three arms, ``--repeat`` times each, in a rotated order, each with a JSONL sink:
   training up: :mod:`gpulens.transport.spawn`);
 * ``thread`` (``isolation="thread"``: the engine in the calling process): ``start()`` under
   ``cProfile``, and the time inside each of the engine's start phases (the NVML source's open,
-  each GPU's device and info, the sinks' open, the sampler's start with its first sample), s.
+  each GPU's device and info, the sinks' open, the sampler's start: with its whole first
+  sample up to `c9dacee`, since then its first GPM sample only, the rest in the sampler
+  thread), s.
 
 With ``--hf N``: N tiny Hugging Face ``Trainer`` runs a way (on the GPU where there is one),
 timing the gpulens callback's ``on_train_begin`` (where it starts its monitor), with the

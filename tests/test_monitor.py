@@ -120,6 +120,31 @@ def test_start_does_not_wait_for_the_first_sample(isolation: str, tmp_path: Path
     assert all("gpu/0/util_pct" in r.values for r in sink.rows)
 
 
+def test_the_first_gpm_sample_comes_before_the_first_window_and_the_rest_after(
+    tmp_path: Path,
+) -> None:
+    """GPM sees nothing before its first sample, so that one sample (cheap) is taken before
+    the first window starts; the rest of the first reading (the cheap reads, the driver's
+    buffers) is the sampler thread's, after the start."""
+    from gpulens.engine.engine import Engine
+    from gpulens.engine.spec import EngineSpec
+    from tests.support.marked_nvml import GatedNVML
+
+    gate = tmp_path / "gate"
+    sim = GatedNVML(str(gate), most_s=60.0, gpus=1)
+    engine = Engine(EngineSpec(interval=0.05, backend=sim, energy=False))
+    engine.start()
+    sampler = engine._sampler
+    assert sampler is not None
+    try:
+        assert sim.gpm_sampled and sim.gpm_sampled[0] <= sampler._window_start
+        assert not sampler.first_read.is_set()
+    finally:
+        gate.touch()
+    assert sampler.first_read.wait(30.0)
+    engine.stop(5.0)
+
+
 def test_a_start_says_where_its_time_went_at_debug(caplog: pytest.LogCaptureFixture) -> None:
     """At DEBUG a start says its laps once each: the monitor's, the engine process's and the
     engine's own (benchmarks/start_ddp.py --laps keeps them); nothing at INFO."""

@@ -255,8 +255,9 @@ class Monitor:
 
     def start(self, step: int = 0) -> Monitor:
         """Check the sinks (a one-line ``ValueError`` for what can be known now: see the
-        ``sinks`` argument), start the engine (a process or a thread, see ``isolation``) and
-        take the first sample; the sinks open off this thread, rows waiting for them.
+        ``sinks`` argument) and start the engine (a process or a thread, see ``isolation``);
+        its first sample and the sinks' opening happen off this thread, rows waiting for them
+        (:meth:`latest` may be empty for a moment).
         Idempotent while running; a stopped monitor starts afresh.
 
         ``step``: the training step the first window starts after (0 for a fresh run; a

@@ -24,16 +24,30 @@ class MarkedNVML(SimulatedNVML):
 
 
 class GatedNVML(SimulatedNVML):
-    """:class:`~gpulens.testing.SimulatedNVML` whose clock reads (a sample's, never a start's
-    look at the GPU) wait until the file ``gate`` exists, at most ``most_s``."""
+    """:class:`~gpulens.testing.SimulatedNVML` whose clock reads and buffered samples (a
+    sample's cheap and slow reads, never a start's look at the GPU) wait until the file
+    ``gate`` exists, at most ``most_s``."""
 
     def __init__(self, gate: str, most_s: float = 30.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.gate = gate
         self.most_s = most_s
+        self.gpm_sampled: list[float] = []
+        """When each GPM sample was taken (``time.monotonic()``): never gated."""
 
-    def nvmlDeviceGetClockInfo(self, h: Any, clock_type: int) -> int:
+    def _wait(self) -> None:
         deadline = time.monotonic() + self.most_s
         while not Path(self.gate).exists() and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def nvmlDeviceGetClockInfo(self, h: Any, clock_type: int) -> int:
+        self._wait()
         return super().nvmlDeviceGetClockInfo(h, clock_type)
+
+    def nvmlDeviceGetSamples(self, h: Any, kind: int, since: int) -> Any:
+        self._wait()
+        return super().nvmlDeviceGetSamples(h, kind, since)
+
+    def nvmlGpmSampleGet(self, h: Any, sample: Any) -> Any:
+        self.gpm_sampled.append(time.monotonic())
+        return super().nvmlGpmSampleGet(h, sample)

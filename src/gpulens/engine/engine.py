@@ -87,7 +87,8 @@ class Engine:
     # -- start -------------------------------------------------------------------------------
     def start(self, late_job: Callable[[], JobShape | None] | None = None
               ) -> tuple[RunContext, list[int]]:
-        """Open NVML and the sinks, take the first sample, start sampling.
+        """Open NVML and the sinks, start sampling (the sampler thread takes the first
+        reading, all but its GPM sample, after this returns: :meth:`Sampler.start`).
 
         ``late_job``: gives the job's shape (``spec.job``), called once NVML and the GPUs are
         open, before anything that uses it (the client waits for the other ranks while this
@@ -254,6 +255,9 @@ class Engine:
     def _probe_energy(self, states: list[GpuState]) -> None:
         """Learn how often each GPU's energy counter changes (read back to back, all GPUs at
         once, while sampling goes on) and tell it in the next row (a notice event)."""
+        sampler = self._sampler
+        if sampler is not None:  # not beside the sampler's first reading, the slowest of all
+            sampler.first_read.wait(5.0)
         found = _probe_energy_updates([s.device for s in states])
         notes: list[Event] = []
         for state in states:

@@ -175,6 +175,8 @@ class Sampler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self.first_read = threading.Event()
+        """Set once the loop has taken its first cheap and buffered reads (:meth:`start`)."""
         self._window_start = 0.0
         self._prev_step = 0
         self._last_fast = -math.inf
@@ -186,19 +188,25 @@ class Sampler:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, step: int = 0) -> float:
-        """Start the loop, which takes the first reading at once.  Returns the first window's
-        start: now.
+        """Take the first GPM sample here, then start the loop, which takes the rest of the
+        first reading at once.  Returns the first window's start: now.
 
         ``step`` is the training step the first window starts after (0 for a fresh run).
 
-        The first reading is not waited for: on an H200 it took 0.10-0.18 s in rank 0's engine
-        under DDP (`benchmarks/results/2026-11-28-h200x2-start-laps`), all of it on the way to
-        the monitor's start returning. The first window still holds what the GPU did from now:
-        the driver's buffered power and utilization samples reach back before the reading,
-        and the cheap figures are averaged over the readings inside the window.
+        The rest of the first reading is not waited for: on an H200 the whole reading took
+        0.10-0.18 s in rank 0's engine under DDP (`benchmarks/results/2026-11-28-h200x2-start-
+        laps`), all of it on the way to the monitor's start returning. The first window still
+        holds what the GPU did from now: the driver's buffered power and utilization samples
+        reach back before the reading, the cheap figures are averaged over the readings inside
+        the window, and GPM, which sees nothing before its first sample, has it from here
+        (one sample a GPU: 0.03-3.7 ms).  :attr:`first_read` is set once the loop has taken
+        the rest.
         """
         self._stop.clear()
         self._prev_step = step
+        self.first_read.clear()
+        now = time.monotonic()
+        self._guard(self._read_gpm, now)
         self._window_start = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="gpulens-sampler", daemon=True)
         self._thread.start()
@@ -233,7 +241,7 @@ class Sampler:
         now = time.monotonic()
         self._guard(self._read_fast, now)
         self._guard(self._read_slow, now)
-        self._guard(self._read_gpm, now)
+        self.first_read.set()
         now = time.monotonic()
         next_fast = now + self.interval
         next_slow = now + self.slow_interval

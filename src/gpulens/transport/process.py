@@ -185,6 +185,7 @@ class ProcessTransport:
                     if reader.is_alive():
                         raise
                 self._close_rows()
+                laps.mark("spare ended first")
                 logger.warning("gpulens: the engine process made ready while training was "
                                "set up ended before it answered the monitor's start (%s); "
                                "starting a new one", exc.how)
