@@ -133,7 +133,12 @@ def test_monitor_from_config_writes_rows(compose: Any, tmp_path: Path,
                                    "+trainer.gpu_monitor_interval=0.05",
                                    f"+trainer.gpu_monitor_sinks=[jsonl:{sink}]"]))
     assert monitor is not None
+    from gpulens.transport import spawn
+
+    spare = spawn._spare  # made ready while the app builds its model; the start takes it
+    assert spare is not None
     with monitor:
+        assert monitor._transport.pid == spare.proc.pid  # type: ignore[union-attr]
         for step in (1, 2, 3):
             monitor.log(step, loss=1.0 / step)
     rows = read_rows(sink)

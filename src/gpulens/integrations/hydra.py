@@ -84,7 +84,8 @@ def register_configs() -> None:
 def from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (),
                 default_sinks: Sequence[str | SinkSpec | Sink] = ()) -> Monitor | None:
     """A :class:`gpulens.Monitor` (not started) when the config turns GPU monitoring on, else
-    ``None``. ``cfg`` is an OmegaConf ``DictConfig`` (struct or not) or a plain mapping.
+    ``None``. ``cfg`` is an OmegaConf ``DictConfig`` (struct or not) or a plain mapping. Its
+    engine process is made ready now (``gpulens.setup()``), for a start after the app's set-up.
 
     Args:
         sinks: sinks the app adds to those of the config (e.g. a
@@ -99,8 +100,12 @@ def from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (),
     if settings is None:
         return None
     from gpulens.monitor import Monitor
+    from gpulens.transport.spawn import prepare_engine
 
-    return Monitor.from_settings(settings)
+    monitor = Monitor.from_settings(settings)
+    # the app starts it later, once its model is built: its engine process gets ready meanwhile
+    prepare_engine(settings)
+    return monitor
 
 
 def settings_from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (),
