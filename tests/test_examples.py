@@ -42,10 +42,28 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
     return read_rows(path)
 
 
+_TAKES = """
+import runpy, sys
+from gpulens.transport import spawn
+took, real = [], spawn.take
+def take():
+    got = real()
+    took.append(got is not None)
+    return got
+spawn.take = take
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+print("spare taken:", took)
+"""
+"""Runs an example (the arguments after ``-c``) and says whether each start took a spare."""
+
+
 def test_plain_loop(tmp_path: Path) -> None:
+    """Also: the start takes the engine process that ``gpulens.setup()`` made early."""
     out = tmp_path / "rows.jsonl"
-    run_example([str(EXAMPLES / "plain_loop.py"), "--out", str(out), "--steps", "40",
-                 "--log-every", "10"], tmp_path)
+    said = run_example(["-c", _TAKES, str(EXAMPLES / "plain_loop.py"), "--out", str(out),
+                        "--steps", "40", "--log-every", "10"], tmp_path)
+    assert "spare taken: [True]" in said, said[-2000:]
     rows = jsonl(out)
     assert [r["step"] for r in rows] == [10, 20, 30, 40]
     for row in rows:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import signal
 import subprocess
@@ -98,15 +99,35 @@ def test_gpulens_setup_makes_the_next_starts_engine_process_ready(tmp_path: Path
 
 
 def test_a_spare_whose_interpreter_would_differ_is_ended_not_taken(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     assert spawn.prepare()
     pid = _spare_pid()
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    with gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"]) as mon:
+    with caplog.at_level(logging.DEBUG, logger="gpulens"), \
+            gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"]) as mon:
         assert mon.isolation == "process"
         assert mon._transport.pid != pid  # type: ignore[union-attr]
     assert wait_until(lambda: _gone(pid), what="the untaken spare's end")
+    # said, at DEBUG: why the start spawned a new process
+    assert ("gpulens: the engine process made ready earlier is not used (this process changed "
+            "since it was made: PYTHON*/LD_* variables); starting a new one"
+            in [r.getMessage() for r in caplog.records])
+
+
+def test_a_spare_no_monitor_will_take_is_ended(tmp_path: Path) -> None:
+    """A monitor whose engine runs in a thread ends the waiting spare (it would idle until its
+    retirement), and so does ``gpulens.setup(isolation="thread")``."""
+    assert gpulens.setup()
+    pid = _spare_pid()
+    with gpulens.Monitor(isolation="thread", sinks=[f"jsonl:{tmp_path / 'rows.jsonl'}"]):
+        assert spawn._spare is None
+    assert wait_until(lambda: _gone(pid), what="the spare's end")
+    assert gpulens.setup()
+    pid = _spare_pid()
+    assert not gpulens.setup(isolation="thread")
+    assert spawn._spare is None
+    assert wait_until(lambda: _gone(pid), what="the spare's end")
 
 
 def test_a_forked_child_never_takes_its_parents_spare(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,9 +44,10 @@ def setup(*, isolation: str = "auto", backend: Any = None) -> bool:
 
     ``isolation`` and ``backend``: as the monitor's (``"auto"``, and ``None`` for
     ``GPULENS_BACKEND`` or NVML); nothing is made where that monitor would run its engine in a
-    thread. The process waits, idle, for a start of this process; one that no start takes
-    ends within 10 minutes. Returns True when one waits. ``ValueError`` for an unknown
-    ``isolation``.
+    thread (and one made earlier is ended). The process waits, idle, for a start of this
+    process; this process ends one that no start took after 9 minutes, or at its exit (which
+    then waits for its end). Returns True when one waits. ``ValueError`` for an
+    unknown ``isolation`` or backend name.
     """
     from gpulens.settings import Settings
     from gpulens.transport.spawn import prepare_engine

@@ -38,6 +38,7 @@ from gpulens.sinks.base import Sink
 from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, StepLogger
 from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
+from gpulens.transport import spawn
 from gpulens.transport.base import SpawnFailed, Transport
 from gpulens.transport.inproc import InprocTransport
 from gpulens.transport.process import ProcessTransport
@@ -251,6 +252,7 @@ class Monitor:
             return ProcessTransport()
         if why is not None:
             logger.info("gpulens: %s; sampling in a thread of this process", why)
+        spawn.drop()  # a spare made for this start would idle until its retirement
         return InprocTransport()
 
     def start(self, step: int = 0) -> Monitor:

@@ -85,7 +85,8 @@ def from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (),
                 default_sinks: Sequence[str | SinkSpec | Sink] = ()) -> Monitor | None:
     """A :class:`gpulens.Monitor` (not started) when the config turns GPU monitoring on, else
     ``None``. ``cfg`` is an OmegaConf ``DictConfig`` (struct or not) or a plain mapping. Its
-    engine process is made ready now (``gpulens.setup()``), for a start after the app's set-up.
+    engine process is made ready now (``gpulens.setup()``), for a start after the app's set-up
+    (an app that never starts it ends that process at exit, and waits for its end).
 
     Args:
         sinks: sinks the app adds to those of the config (e.g. a

@@ -244,10 +244,29 @@ collected here: a ``Popen`` collected while its process runs warns, and the proc
 parent's to end)."""
 
 
+_STATE_PARTS = ("PYTHON*/LD_* variables", "umask", "CPUs allowed", "priority or scheduling",
+                "open-files limit", "ignored signals")
+"""What each part of :func:`process_state` is, to say which one changed."""
+
+
+def _unfit(spawned: Spawned) -> str | None:
+    """Why this process may not take the spare (``None``: it may)."""
+    if spawned.owner != os.getpid():
+        return "it belongs to the parent of this forked process"
+    if spawned.proc.poll() is not None:
+        return "it ended"
+    if time.monotonic() - spawned.born >= TAKE_WITHIN_S:
+        return f"it is older than {TAKE_WITHIN_S:.0f} s"
+    now = process_state()
+    if spawned.state != now:
+        changed = [part for part, was, is_ in zip(_STATE_PARTS, spawned.state, now, strict=True)
+                   if was != is_]
+        return f"this process changed since it was made: {', '.join(changed)}"
+    return None
+
+
 def _good(spawned: Spawned) -> bool:
-    return (spawned.owner == os.getpid() and spawned.proc.poll() is None
-            and time.monotonic() - spawned.born < TAKE_WITHIN_S
-            and spawned.state == process_state())
+    return _unfit(spawned) is None
 
 
 def prepare() -> bool:
@@ -300,11 +319,24 @@ def take() -> Spawned | None:
     if got is None:
         return None
     got.keep()
-    if _good(got):
+    why = _unfit(got)
+    if why is None:
         return got
+    logger.debug("gpulens: the engine process made ready earlier is not used (%s); starting a "
+                 "new one", why)
     if got.owner == os.getpid():
         got.end_later()
     return None
+
+
+def drop() -> None:
+    """End the spare, if any, without waiting for it (a monitor that will not take it: its
+    engine runs in a thread)."""
+    global _spare
+    with _lock:
+        got, _spare = _spare, None
+    if got is not None and got.owner == os.getpid():
+        got.end_later()
 
 
 def cwd() -> str | None:
@@ -347,13 +379,15 @@ def prepare_engine(settings: Settings | None) -> bool:
     imports; nothing for a monitor whose engine will run in a thread (the monitor's own
     choice: :func:`gpulens.settings.isolation_for`). Never raises (a wrong
     ``GPULENS_ISOLATION`` or backend is said at the start, as without this); ``None`` (a
-    monitor that is not gpulens's): nothing. True when a spare waits."""
+    monitor that is not gpulens's): nothing. True when a spare waits. For a monitor whose
+    engine runs in a thread, a spare made earlier is ended (nothing would take it)."""
     from gpulens.settings import Settings, backend_for, isolation_for
 
     if not isinstance(settings, Settings):
         return False
     try:
         if isolation_for(settings, backend_for(settings))[0] != "process":
+            drop()  # one made earlier would idle until its retirement
             return False
     except ValueError:
         return False
