@@ -257,7 +257,7 @@ class Engine:
         once, while sampling goes on) and tell it in the next row (a notice event)."""
         sampler = self._sampler
         if sampler is not None:  # not beside the sampler's first reading, the slowest of all
-            sampler.first_read.wait(5.0)
+            sampler.first_read.wait(2.0)  # within stop()'s wait for this thread
         found = _probe_energy_updates([s.device for s in states])
         notes: list[Event] = []
         for state in states:
