@@ -561,6 +561,24 @@ def test_sampler_failure_warns_and_training_goes_on(
     assert [r.step for r in sink.rows] == list(range(1, 9))
 
 
+def test_a_fault_at_the_first_sample_is_said_and_training_goes_on(
+    caplog: pytest.LogCaptureFixture, isolation: str,
+) -> None:
+    """The first sample is the sampler thread's (it used to fail the start): its fault is a
+    WARNING heard here, from the engine process too, and the rows come, GPU figures in them."""
+    from tests.support.marked_nvml import FirstReadFails
+
+    sink = MemorySink()
+    with caplog.at_level(logging.WARNING, logger="gpulens"), gpulens.Monitor(
+        interval=0.05, sinks=[sink], backend=FirstReadFails(gpus=1), isolation=isolation,
+    ) as mon:
+        _run(mon, 4, 0.1)
+    assert any("sampler failed" in r.message and "simulated fault at the first sample"
+               in r.message for r in caplog.records)
+    assert [r.step for r in sink.rows] == [1, 2, 3, 4]
+    assert "gpu/0/power_w" in sink.rows[-1].values
+
+
 def test_failing_sink_is_retried_then_counted(
     caplog: pytest.LogCaptureFixture, isolation: str,
 ) -> None:

@@ -51,3 +51,18 @@ class GatedNVML(SimulatedNVML):
     def nvmlGpmSampleGet(self, h: Any, sample: Any) -> Any:
         self.gpm_sampled.append(time.monotonic())
         return super().nvmlGpmSampleGet(h, sample)
+
+
+class FirstReadFails(SimulatedNVML):
+    """:class:`~gpulens.testing.SimulatedNVML` whose first clock read (the first sample's, never
+    a start's look at the GPU) raises, as a driver fault would; later ones answer."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.failed = False
+
+    def nvmlDeviceGetClockInfo(self, h: Any, clock_type: int) -> int:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("simulated fault at the first sample")
+        return super().nvmlDeviceGetClockInfo(h, clock_type)
