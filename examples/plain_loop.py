@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         # one simulated GPU per process of the node (torchrun sets LOCAL_WORLD_SIZE)
         os.environ.setdefault("GPULENS_SIMULATED_GPUS", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # the monitor's engine process gets ready while the model and data are built: start()
-    # below then takes it (0.05 s instead of 0.3-0.4 s on an H200 host)
+    # below then takes it (0.05 s instead of 0.3-0.4 s on an H200 host: gpulens's
+    # benchmarks/results/2026-11-28-h200-start-spare)
     gpulens.setup()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:

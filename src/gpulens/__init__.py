@@ -39,8 +39,8 @@ def setup(*, isolation: str = "auto", backend: Any = None) -> bool:
     the rest of the program starts (as ``wandb.setup()`` does for W&B): call it early (before
     building the model, or before ``init_process_group``), and ``start()`` takes the process
     made here instead of waiting for a new interpreter and its imports (on an H200 host
-    0.05 s instead of 0.3-0.4 s). The Hugging Face and Lightning callbacks do this by
-    themselves when the Trainer is built.
+    0.05 s instead of 0.3-0.4 s: ``benchmarks/results/2026-11-28-h200-start-spare``). The
+    Hugging Face and Lightning callbacks do this by themselves before training starts.
 
     ``isolation`` and ``backend``: as the monitor's (``"auto"``, and ``None`` for
     ``GPULENS_BACKEND`` or NVML); nothing is made where that monitor would run its engine in a

@@ -212,9 +212,10 @@ class NodeLevel:
     def _awaited(self, ring: NodeRing | None, slots: list[int]) -> list[int]:
         """The ranks of ``slots`` (each lacking the row) still to wait for: not those whose
         writer exited or stopped with every entry read, nor those said missing already."""
+        if ring is None:
+            return []
         wait = []
-        for slot in slots if ring is not None else ():
-            assert ring is not None
+        for slot in slots:
             rank = self.rank_of[slot]
             state, _, pid, written, final = ring.state(slot)
             if rank in self.missing or (self.next_seq[slot] >= written and (
