@@ -13,6 +13,8 @@ own figures beside the pooled ones; the runs set side by side (``paired.between_
 Cochran's Q, I squared, the between-run SD) with the random-effects interval, on which the
 bound is judged, or on the pooled rounds' where that is wider (the rounds of one run are not
 independent of each other the way runs are);
+each arm's step by position in its blocks, the runs as units (a start or stop that reaches
+past the burn-in shows at the first or last counted positions, which no run alone resolves);
 and, where the runs have variant arms (``paths_aa.py --variants``), the gpulens arm minus each,
 paired per round.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,7 +66,7 @@ def per_run_pp(docs: list[dict[str, Any]], name: str, arm: str,
     """Each run's per-round differences of ``arm`` to the baseline ``name`` (pp); with
     ``unit="call"`` each training-run call's (``paths_aa.py``'s ``train_call``; a run that
     does not record it is one unit)."""
-    out = []
+    out: list[list[float]] = []
     for doc in docs:
         one = pool([doc], name)
         if arm not in one or name not in one:
@@ -115,6 +118,73 @@ def between_table(docs: list[dict[str, Any]], name: str, bound: float,
         out[arm] = {**b.as_dict(), "judged_ci95_pp": [j.interval.lo, j.interval.hi],
                     "within_bound": j.verdict}
     return ([*lines, *(["", *notes] if notes else [])] if out else []), out
+
+
+def by_position(docs: list[dict[str, Any]], name: str, burn: int
+                ) -> tuple[list[str], dict[str, Any]]:
+    """Markdown lines and JSON of each arm's step minus the baseline's at each position of a
+    block (rank 0's ``profile_ms_rank0``), the runs as units: mean and 95 % t interval over
+    the runs that recorded it. Where a monitor's start or stop reaches past the ``burn``
+    burn-in steps into the counted ones, the first or last counted positions show it, which
+    no run alone resolves. Also, per arm, the first counted step minus the mean of the other
+    counted steps (the part of a start that leaks into the block's value), in ms and as pp of
+    the block's value (that excess over the counted steps, of the baseline's step)."""
+    arms = [paired.aa_name(name), f"{name}_gpulens"]
+    diffs: dict[str, list[list[float]]] = {a: [] for a in arms}
+    base_ms: list[float] = []
+    for doc in docs:
+        prof = doc["paths"].get(name, {}).get("profile_ms_rank0") or {}
+        base = prof.get(name)
+        if not base:
+            continue
+        base_ms.append(statistics.fmean(base[burn:]) if len(base) > burn else math.nan)
+        for arm in arms:
+            steps = prof.get(arm)
+            if steps and len(steps) == len(base):
+                diffs[arm].append([a - b for a, b in zip(steps, base, strict=True)])
+    arms = [a for a in arms if len(diffs[a]) >= 2]
+    if not arms:
+        return [], {}
+
+    def est(values: list[float]) -> tuple[float, float, float]:
+        n = len(values)
+        m = statistics.fmean(values)
+        h = paired.t975(n - 1) * statistics.stdev(values) / math.sqrt(n)
+        return m, m - h, m + h
+
+    positions = min(len(d) for a in arms for d in diffs[a])
+    lines = ["each arm's step minus the baseline's at each position of its blocks (ms, rank 0), "
+             "the runs as units: mean [95 % t interval]; a position whose interval excludes 0 "
+             "is marked *", "",
+             "| position | part | " + " | ".join(f"{a} (runs: {len(diffs[a])})" for a in arms)
+             + " |", "|---|---|" + "---|" * len(arms)]
+    out: dict[str, Any] = {"burn_steps": burn, "arms": {}}
+    for arm in arms:
+        out["arms"][arm] = {"runs": len(diffs[arm]), "positions": []}
+    for i in range(positions):
+        cells = []
+        for arm in arms:
+            m, lo, hi = est([d[i] for d in diffs[arm]])
+            mark = " *" if lo > 0 or hi < 0 else ""
+            cells.append(f"{m:+.2f} [{lo:+.2f}, {hi:+.2f}]{mark}")
+            out["arms"][arm]["positions"].append({"mean_ms": m, "ci95_ms": [lo, hi]})
+        part = "burn-in" if i < burn else "counted"
+        lines.append(f"| {i} | {part} | " + " | ".join(cells) + " |")
+    counted = positions - burn
+    step_ms = statistics.fmean([b for b in base_ms if math.isfinite(b)]) if base_ms else math.nan
+    if counted >= 2:
+        lines += ["", "the first counted step minus the mean of the other counted steps, "
+                  "per run, the runs as units (ms; pp: its share of the block's value)", "",
+                  "| arm | runs | ms: mean [95 % CI] | pp of a step |", "|---|---|---|---|"]
+        for arm in arms:
+            firsts = [d[burn] - statistics.fmean(d[burn + 1:positions]) for d in diffs[arm]]
+            m, lo, hi = est(firsts)
+            pp = 100.0 * m / counted / step_ms if step_ms and math.isfinite(step_ms) else math.nan
+            lines.append(f"| {arm} | {len(firsts)} | {m:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                         f"{pp:+.3f} |")
+            out["arms"][arm]["first_counted_excess"] = {"mean_ms": m, "ci95_ms": [lo, hi],
+                                                       "pp": pp}
+    return lines, out
 
 
 def pool(docs: list[dict[str, Any]], name: str) -> dict[str, dict[int, float]]:
@@ -207,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", *between_lines]
     if shared:
         lines += ["", paired.shared_seeds_pooled(shared)]
+    position_lines, positions = by_position([d for _, d in have], args.path,
+                                            int(ids[0].get("burn_steps") or 0))
+    if position_lines:
+        lines += ["", *position_lines]
     variants = {arm: paired.Estimate.of(d, args.seed)
                 for arm, d in paired.variants_minus(values, args.path).items()}
     if variants:
@@ -223,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "path": args.path, "identity": ids[0], "runs": per_run, "plan": plan.as_dict(),
             "seeds": seeds, "same_orders": bool(shared), "between_runs": between,
-            "unit": args.unit,
+            "unit": args.unit, "by_position": positions,
             "comparisons": [
                 {**c.as_dict(),
                  "within_bound": (between[c.arm]["within_bound"] if c.arm in between

@@ -953,6 +953,50 @@ def test_paths_pool_judges_the_bound_on_runs_side_by_side(tmp_path: Path) -> Non
     assert g["within_bound"] == b["within_bound"] == "within +-0.3 pp"
 
 
+def test_paths_pool_sets_each_position_of_the_blocks_side_by_side_over_runs(
+        tmp_path: Path) -> None:
+    """Runs whose gpulens blocks are 2 ms slower at their first counted step (a start that
+    reaches past the burn-in) and no slower elsewhere: the pooled report marks that position,
+    and no other, and says the first counted step's excess (+2 ms, 2/20 ms of a block: 0.1 pp
+    of a 100 ms step); the A/A arm shows none. Runs without the positions: no table."""
+    burn, counted = 5, 20
+    docs = []
+    for k in range(4):
+        wiggle = [0.01 * ((k * 7 + i * 3) % 5 - 2) for i in range(burn + counted)]
+        base = [100.0] * (burn + counted)
+        gpulens = [b + w for b, w in zip(base, wiggle, strict=True)]
+        gpulens[0] += 300.0  # the start, in the burn-in
+        gpulens[burn] += 2.0 + 0.1 * k
+        aa = [b - w for b, w in zip(base, wiggle, strict=True)]
+        doc = _paths_doc(19, _rounds(6, lambda r: 0.0, lambda r: 0.0))
+        doc["paths"]["hf_ls1"]["profile_ms_rank0"] = {
+            "hf_ls1": base, "hf_ls1_b": aa, "hf_ls1_gpulens": gpulens}
+        docs.append(doc)
+    proc, pooled = _pool(tmp_path, docs)
+    assert proc.returncode == 0, proc.stderr
+    assert pooled is not None
+    pos = pooled["by_position"]
+    assert pos["burn_steps"] == burn
+    g = pos["arms"]["hf_ls1_gpulens"]
+    assert g["runs"] == 4 and len(g["positions"]) == burn + counted
+    excluding_zero = [i for i, p in enumerate(g["positions"])
+                      if p["ci95_ms"][0] > 0 or p["ci95_ms"][1] < 0]
+    assert excluding_zero == [0, burn]
+    first = g["first_counted_excess"]
+    assert first["mean_ms"] == pytest.approx(2.15, abs=0.02)
+    assert first["pp"] == pytest.approx(100 * 2.15 / counted / 100.0, abs=0.002)
+    aa = pos["arms"]["hf_ls1_b"]["first_counted_excess"]
+    assert abs(aa["mean_ms"]) < 0.05
+    rows = [x for x in proc.stdout.splitlines() if x.startswith(f"| {burn} | counted |")]
+    assert len(rows) == 1 and rows[0].rstrip(" |").endswith("*")
+
+    bare = [_paths_doc(19, _rounds(6, lambda r: 0.0, lambda r: 0.0)) for _ in range(2)]
+    proc, pooled = _pool(tmp_path, bare)
+    assert proc.returncode == 0, proc.stderr
+    assert pooled is not None and pooled["by_position"] == {}
+    assert "at each position" not in proc.stdout
+
+
 def test_between_runs_matches_a_hand_computation() -> None:
     """DerSimonian-Laird and Hartung-Knapp by hand: two runs of means 0 and 1, each of
     sample variance 0.5 over 2 rounds."""
