@@ -43,6 +43,33 @@ def rows_of(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return header, rows
 
 
+def tensor_ratio(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """MFU against GPM's tensor-pipe activity, row by row: what ``perf/mfu_when_tensor_active_pct``
+    is, including the rows the engine leaves it out of (over 100 %), with the SM clock beside
+    (a datasheet peak is at its boost clock, 1830 MHz on an H100 SXM, below NVML's maximum).
+    One GPU: ``gpu/0/``."""
+    by_row = []
+    for r in rows:
+        mfu, active = r.get("perf/mfu_pct"), r.get("gpu/0/tensor_active_pct")
+        if mfu is None or not active:
+            continue
+        by_row.append({"step": r.get("step"), "mfu_pct": mfu,
+                       "mfu_clock_adjusted_pct": r.get("perf/mfu_clock_adjusted_pct"),
+                       "tensor_active_pct": active, "sm_clock_mhz": r.get("gpu/0/sm_clock_mhz"),
+                       "ratio_pct": 100.0 * mfu / active,
+                       "in_row": "perf/mfu_when_tensor_active_pct" in r})
+    ratios = [b["ratio_pct"] for b in by_row]
+    return {"rows": len(by_row), "by_row": by_row,
+            "median_pct": statistics.median(ratios) if ratios else None,
+            "min_pct": min(ratios) if ratios else None,
+            "max_pct": max(ratios) if ratios else None,
+            "over_100": sum(x > 100.0 for x in ratios)}
+
+
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=80)
@@ -157,6 +184,7 @@ def main() -> int:
     }
     if row_med is not None and by_hand:
         result["rows_vs_by_hand"] = row_med / by_hand - 1
+    result["tensor_ratio"] = tensor_ratio(rows)
     if row_med is not None and by_hand_model:
         result["rows_vs_by_hand_model_flops"] = row_med / by_hand_model - 1
 
@@ -182,6 +210,18 @@ def main() -> int:
                 "rows_vs_by_hand", "flops_step_model", "mfu_pct_by_hand_model_flops",
                 "rows_vs_by_hand_model_flops", "lightning_exit", "lightning_mfu_pct_last"):
         print(f"| {key} | {result.get(key)} |")
+    t = result["tensor_ratio"]
+    if t["rows"]:
+        print(f"\nMFU / GPM tensor activity, by row ({t['rows']} rows with both; the engine "
+              f"writes perf/mfu_when_tensor_active_pct only where it is <= 100 %): median "
+              f"{t['median_pct']:.1f} %, {t['min_pct']:.1f}-{t['max_pct']:.1f} %, "
+              f"{t['over_100']} over 100 % (left out of the rows)")
+        print("\n| step | MFU % | clock-adjusted MFU % | tensor active % | SM clock MHz | "
+              "MFU / tensor active % | in the row |\n|---|---|---|---|---|---|---|")
+        for r in t["by_row"]:
+            print(f"| {r['step']} | {r['mfu_pct']:.2f} | {_num(r['mfu_clock_adjusted_pct'])} | "
+                  f"{r['tensor_active_pct']:.2f} | {_num(r['sm_clock_mhz'])} | "
+                  f"{r['ratio_pct']:.1f} | {'yes' if r['in_row'] else 'no'} |")
     print(f"\npeak: {meta.get('peak_gpu')} {meta.get('peak_dtype')} "
           f"{meta.get('peak_tflops')} TFLOP/s ({meta.get('peak_source')})")
     print(f"HF row perf keys: {result['row_keys']}")
