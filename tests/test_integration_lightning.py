@@ -205,6 +205,69 @@ def test_validation_leaves_the_training_rows_alone(pkg: tuple[Any, Any],
     assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [3, 7, 11]
 
 
+def test_validation_inside_fit_is_no_wait_for_data(pkg: tuple[Any, Any],
+                                                   tmp_path: Path) -> None:
+    """Validation during fit (0.25 s a batch here, two batches every two steps) is left out of
+    the data wait, as the docstring says (``trainer.training`` is False inside it, which once
+    kept the wait running through it: data_wait_s ~0.25 s a step and an input_bound alert on
+    a run with no input wait at all)."""
+    import time
+
+    pl, ours = pkg
+    module_cls, data_cls = classes(pl)
+
+    class SlowValidation(module_cls):  # type: ignore[misc, valid-type]
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            time.sleep(0.25)
+            super().validation_step(batch, batch_idx)
+
+    sink = tmp_path / "gpu.jsonl"
+    trainer = pl.Trainer(
+        max_steps=8, log_every_n_steps=2, val_check_interval=2, limit_val_batches=2,
+        num_sanity_val_steps=0, logger=False, accelerator="cpu", devices=1,
+        callbacks=[ours.GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=str(tmp_path))
+    trainer.fit(SlowValidation(), datamodule=data_cls())
+    lines = read_rows(sink)
+    assert [r["step"] for r in lines] == [1, 3, 5, 7]
+    # rows 3-7 each hold a validation (0.5 s): none of it is a wait for data
+    assert all(r["perf/data_wait_s"] < 0.08 for r in lines), [r["perf/data_wait_s"]
+                                                              for r in lines]
+    assert not any(r.get("alerts/input_bound") for r in lines)
+
+
+def test_a_stop_set_after_this_callback_still_gets_its_row(pkg: tuple[Any, Any],
+                                                           tmp_path: Path) -> None:
+    """A callback after gpulens's sets ``should_stop`` at the tenth batch (as Lightning's own
+    Timer does for ``max_time``): Lightning logs that batch's step although it is no logging
+    step, and so does gpulens, at ``on_train_end``, with the steps since its last row."""
+    pl, ours = pkg
+    module_cls, data_cls = classes(pl)
+
+    class StopAtTen(pl.Callback):  # type: ignore[misc, name-defined]
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 10:
+                trainer.should_stop = True
+
+    logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    sink = tmp_path / "gpu.jsonl"
+    trainer = pl.Trainer(
+        max_steps=40, log_every_n_steps=4, limit_val_batches=0, num_sanity_val_steps=0,
+        logger=[logger], accelerator="cpu", devices=1,
+        callbacks=[ours.GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+                   StopAtTen()],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=str(tmp_path))
+    trainer.fit(module_cls(), datamodule=data_cls())
+    rows = csv_rows(logger)
+    assert steps_with(rows, "train_loss") == steps_with(rows, GPU_KEY) == [3, 7, 9]
+    lines = read_rows(sink)
+    assert [(r["step"], r["perf/steps"]) for r in lines] == [(3, 4), (7, 4), (9, 2)]
+    assert lines[-1]["train/train_loss"] == pytest.approx(
+        float(next(r["train_loss"] for r in rows if r.get("train_loss") and r["step"] == "9")))
+
+
 def test_wandb_logger_gets_rows_on_trainer_global_step(tmp_path: Path,
                                                        wandb_offline: Path) -> None:
     import lightning.pytorch as pl
@@ -441,3 +504,68 @@ def test_a_cut_of_the_batch_work_takes_its_own_batches_later() -> None:
     assert part.take_deferred() == {"tokens": 7}
     assert work.take_deferred() == {"tokens": 10}
     assert part.take_deferred() == {} and work.take_deferred() == {}
+
+
+class _Logger:
+    """A Lightning logger's ``log_metrics`` / ``save``, recording what it got; ``fail``: an
+    exception its first call for each of these steps raises."""
+
+    def __init__(self, fail: dict[int, BaseException] | None = None) -> None:
+        self.got: list[int] = []
+        self.fail = dict(fail or {})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if step in self.fail:
+            raise self.fail.pop(step)
+        self.got.append(step)
+
+    def save(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fault", [ConnectionError("down"), KeyboardInterrupt()])
+def test_a_row_one_logger_refused_is_retried_only_there(fault: BaseException) -> None:
+    """Two loggers, the second raises at a row (a tracker down; a Ctrl-C inside its write):
+    the row is written again, as the writer retries it, to the second only: the first never
+    gets a step twice. The sink names its loggers in warnings."""
+    from gpulens.integrations._lightning_common import LoggersSink
+    from gpulens.model import Row
+    from gpulens.sinks import sink_label
+
+    first, second = _Logger(), _Logger(fail={7: fault})
+    sink = LoggersSink([first, second])
+    rows = [Row(step=s, time=float(s), values={"gpu/0/util_pct": 50.0}) for s in (3, 7)]
+    sink.write(rows[0])
+    with pytest.raises(type(fault)):
+        sink.write(rows[1])
+    sink.write(rows[1])  # the retry
+    assert first.got == second.got == [3, 7]
+    assert sink_label(sink) == "Lightning loggers (_Logger, _Logger)"
+
+
+def test_subclasses_of_the_tracker_loggers_get_the_tracker_view() -> None:
+    """A subclass of W&B's or MLflow's logger (a common way to set defaults) gets the tracker
+    view like the class itself; other loggers get every key."""
+    from gpulens.integrations._lightning_common import LoggersSink
+    from gpulens.model import Row
+
+    class WandbLogger(_Logger):
+        pass
+
+    class MyWandbLogger(WandbLogger):
+        pass
+
+    class CSVLogger(_Logger):
+        pass
+
+    got: dict[str, list[dict[str, float]]] = {}
+    loggers = [MyWandbLogger(), CSVLogger()]
+    for lg in loggers:
+        def log_metrics(metrics: dict[str, float], step: int, name: str = type(lg).__name__
+                        ) -> None:
+            got.setdefault(name, []).append(metrics)
+        lg.log_metrics = log_metrics  # type: ignore[method-assign]
+    sink = LoggersSink(loggers)
+    sink.write(Row(step=3, time=0.0, values={GPU_KEY: 50.0, "perf/step_time_s": 0.1}))
+    assert GPU_KEY in got["CSVLogger"][0]
+    assert GPU_KEY not in got["MyWandbLogger"][0] and VIEW_GPU_KEY in got["MyWandbLogger"][0]

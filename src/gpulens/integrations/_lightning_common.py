@@ -38,8 +38,11 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
 
     A row is written in ``on_train_batch_end`` exactly when Lightning's logger connector is about
     to log training-step metrics (every ``log_every_n_steps`` optimizer steps, never on a
-    gradient-accumulation micro-batch, and on the last step when training stops), at the same
-    step Lightning passes to ``logger.log_metrics`` (``trainer/global_step`` in W&B). The GPU
+    gradient-accumulation micro-batch, and on the last step when training stops; where a hook
+    after this one stops it, such as Lightning's own ``max_time`` timer, that row comes at
+    ``on_train_end``), at the same step Lightning passes to ``logger.log_metrics``
+    (``trainer/global_step`` in W&B). A logger that raises gets the row again later; the
+    loggers that took it do not. The GPU
     window covers every batch since the previous row. Each row reaches each logger through
     ``logger.log_metrics(metrics, step=...)`` on the training thread, one log call later than
     it is taken (rows are summarised in a background thread) and at the latest when training
@@ -120,8 +123,12 @@ class LoggersSink:
 
         self.loggers = list(loggers)
         self._layout = TrackerLayout(keys, section="", include_train=False)
-        self._trackers = [type(lg).__name__ in TRACKER_LOGGERS and self._layout.keys != "all"
-                          for lg in self.loggers]
+        self._trackers = [_is_tracker(lg) and self._layout.keys != "all" for lg in self.loggers]
+        self.label = "Lightning loggers (" + ", ".join(type(lg).__name__
+                                                      for lg in self.loggers) + ")"
+        """The name warnings give this sink."""
+        self._pending: tuple[Row, set[int]] | None = None
+        """A row some loggers have and others have not (one raised): its retry skips those."""
         self._keys: set[str] = set()
         self._train: list[str] = []
         """The ``train/*`` keys of rows with the key set ``_keys`` (rows repeat their keys)."""
@@ -138,13 +145,20 @@ class LoggersSink:
         for key in self._train:
             del metrics[key]
         view: dict[str, float] | None = None
-        for logger, tracker in zip(self.loggers, self._trackers, strict=True):
+        pending = self._pending
+        done = pending[1] if pending is not None and pending[0] is row else set()
+        self._pending = (row, done)
+        for i, (logger, tracker) in enumerate(zip(self.loggers, self._trackers, strict=True)):
+            if i in done:  # a retry of this row: that logger has it (never twice)
+                continue
             if tracker:
                 if view is None:
                     view = self._layout.split(values)[0]
                 logger.log_metrics(view, step=row.step)
             else:
                 logger.log_metrics(metrics, step=row.step)
+            done.add(i)
+        self._pending = None
 
     def close(self) -> None:
         for logger in self.loggers:
@@ -202,6 +216,16 @@ class GPUMonitorHooks(SessionCallback):
             steps_done=done, phases=self._phases(pl_module.device), work=work).start()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        session = self.session
+        if session is not None and trainer.should_stop:
+            # Stopped from a hook after this callback's on_train_batch_end (Lightning's Timer
+            # for max_time, a later callback, the module's own on_train_batch_end): Lightning
+            # logged that last batch's step (should_update_logs holds should_stop), which
+            # on_train_batch_end could not know. Its row, if those steps have none yet.
+            done = internals.steps_done(trainer)
+            if session.steps_since_row(done) > 0:
+                scalars = internals.logged_metrics(trainer) if self._train_keys else {}
+                session.row(done - 1, done, scalars)
         self._stop()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -229,7 +253,9 @@ class GPUMonitorHooks(SessionCallback):
             self.session.resume()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.session is not None and trainer.training:
+        # a session lives from on_train_start to on_train_end: this is validation inside fit
+        # (where trainer.training is False), and its time is no wait for data
+        if self.session is not None:
             self.session.resume()
 
     # -- rows ------------------------------------------------------------------------------------
@@ -245,6 +271,12 @@ class GPUMonitorHooks(SessionCallback):
         scalars = internals.logged_metrics(trainer) if self._train_keys else {}
         # optimizer steps done: the logging step counts those before this batch's
         session.row(step, step + 1, scalars)
+
+
+def _is_tracker(logger: Any) -> bool:
+    """W&B's or MLflow's Lightning logger, or a subclass of one (by class name: neither
+    package is imported here)."""
+    return any(cls.__name__ in TRACKER_LOGGERS for cls in type(logger).__mro__)
 
 
 class _BatchWork:

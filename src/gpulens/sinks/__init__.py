@@ -171,8 +171,12 @@ def prepare_sinks(sinks: Iterable[SinkSpec | Sink]) -> list[SinkSpec | Sink]:
 
 
 def sink_label(sink: SinkSpec | Sink) -> str:
-    """A spec's name as written, an object's class name."""
-    return sink.name if isinstance(sink, SinkSpec) else type(sink).__name__
+    """A spec's name as written, an object's ``label`` where it has one (a string), else its
+    class name."""
+    if isinstance(sink, SinkSpec):
+        return sink.name
+    label = getattr(sink, "label", None)
+    return label if isinstance(label, str) and label else type(sink).__name__
 
 
 def unique_names(sinks: Iterable[SinkSpec | Sink]) -> list[str]:
