@@ -402,6 +402,47 @@ def test_exception_in_training_stops_monitor_when_callback_is_collected(tmp_path
     assert [r["step"] for r in read_jsonl(sink)] == [2, 4, 6]
 
 
+CRASH_SCRIPT = """
+import sys, torch
+sys.path[:0] = [{root!r}, {src!r}]
+import transformers
+from tests.test_integration_transformers import Points, Regression
+from gpulens.integrations.transformers import GPUMonitorCallback
+args = transformers.TrainingArguments(
+    output_dir={out!r}, max_steps=12, logging_steps=1, per_device_train_batch_size=4,
+    learning_rate=1e-2, report_to="wandb", use_cpu=True, disable_tqdm=True,
+    save_strategy="no")
+trainer = transformers.Trainer(model=Regression(fail_at=7), args=args, train_dataset=Points(),
+                               callbacks=[GPUMonitorCallback(interval=0.05)])
+trainer.train()  # raises at the seventh forward; nothing catches it
+"""
+
+
+def test_a_train_that_raises_and_exits_still_leaves_its_rows_in_w_and_b(
+        tmp_path: Path, wandb_offline: Path) -> None:
+    """``train()`` raises and the script ends there (the commonest crash): the rows of the
+    steps done reach HF's W&B run before W&B's exit hook ends its service. Through
+    ``weakref.finalize``'s exit hook, registered when torch was imported and so run after
+    W&B's, none did: "could not open", "0 rows written, 6 dropped"."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT.format(root=str(root), src=str(root / "src"),
+                                          out=str(tmp_path / "out")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 1 and "RuntimeError: boom" in proc.stderr, proc.stderr[-2000:]
+    assert "dropped" not in proc.stderr and "could not open" not in proc.stderr, \
+        proc.stderr[-2000:]
+    history = read_history(find_run_file(wandb_offline))
+    loss = [h["train/global_step"] for h in history if "train/loss" in h]
+    assert loss == [1, 2, 3, 4, 5, 6]
+    assert [h["gpulens/step"] for h in history if "gpulens/step" in h] == loss
+
+
 def test_second_train_call_restarts_after_a_failed_one(tmp_path: Path) -> None:
     sink = tmp_path / "gpu.jsonl"
     callback = GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)

@@ -46,7 +46,8 @@ What it guarantees:
   exit writes a row still held for later, stops the monitor with ``collective=False`` and
   detaches the counter. The finalizer holds the monitor, the counter and the held row, never
   the session or the callback, so a dropped callback is collected as soon as its last
-  reference goes.
+  reference goes. Its exit hook is registered with ``atexit`` when the session starts, after
+  the trackers' runs began, so that at exit it runs before W&B's own hook ends W&B's service.
 
 :class:`SessionCallback` is what the two callbacks hold between hooks: their arguments, checked
 when the callback is made, and the running session.
@@ -57,6 +58,7 @@ at the loop's own steps (Accelerate's tracker, verl's logger).
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -198,8 +200,17 @@ class TrainingSession:
             except Exception as exc:  # a model that takes no hook: the marks do the work
                 warn_once("session:hook", "gpulens: cannot hook the model's forward (%r); "
                           "rows and token counts are written at the step hooks instead", exc)
-        self._finalizer = weakref.finalize(self, _finish, self.monitor, self.work, self._held,
-                                           self._hook)
+        # Its exit hook goes to atexit now, after the trackers' runs began (W&B's wandb.init
+        # registers W&B's own exit hook): atexit runs the newest first, so at an exit with the
+        # session still running (train() raised and the script ended) the rows go out while
+        # W&B's service lives. weakref.finalize's own exit hook was registered when the
+        # process made its first finalizer (importing torch does), before wandb.init: through
+        # it the rows reached a W&B service already gone, and were dropped.
+        finalizer = weakref.finalize(self, _finish, self.monitor, self.work, self._held,
+                                     self._hook)
+        finalizer.atexit = False
+        atexit.register(finalizer)
+        self._finalizer = finalizer
         if self.phases is not None:
             self.phases.resume()
         return self
@@ -208,6 +219,8 @@ class TrainingSession:
         """Stop the monitor (writing every row it holds) and the work counter. Idempotent.
         ``collective=False``: this rank alone, no gather (exception paths)."""
         finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            atexit.unregister(finalizer)
         if finalizer is None or not finalizer.detach():
             return
         hook, self._hook = self._hook, None
