@@ -44,10 +44,12 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
     (``trainer/global_step`` in W&B). A logger that raises gets the row again later; the
     loggers that took it do not. The GPU
     window covers every batch since the previous row. Each row reaches each logger through
-    ``logger.log_metrics(metrics, step=...)`` on the training thread, one log call later than
-    it is taken (rows are summarised in a background thread) and at the latest when training
-    ends. The first window starts when training starts (at a resumed fit, at the restored
-    step), so the first row's ``perf/steps`` counts exactly the optimizer steps it covers.
+    ``logger.log_metrics(metrics, step=...)`` on the training thread, inside one of this
+    callback's later rows once it is summarised (the engine waits about 0.2 s for the GPU's
+    samples of its window: with fast steps that is several rows later) and at the latest
+    when training ends. The first window starts when training starts (at a resumed fit, at
+    the restored step), so the first row's ``perf/steps`` counts exactly the optimizer steps
+    it covers.
     Only global rank 0 writes; every rank samples its own GPU and takes part in the row
     (``Monitor.log`` is then a collective, called on every rank by this callback); the row holds
     every rank's GPU, the ``perf/*`` phase keys are rank 0's.
@@ -217,11 +219,12 @@ class GPUMonitorHooks(SessionCallback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         session = self.session
-        if session is not None and trainer.should_stop:
+        if session is not None and trainer.should_stop and trainer.log_every_n_steps:
             # Stopped from a hook after this callback's on_train_batch_end (Lightning's Timer
             # for max_time, a later callback, the module's own on_train_batch_end): Lightning
             # logged that last batch's step (should_update_logs holds should_stop), which
-            # on_train_batch_end could not know. Its row, if those steps have none yet.
+            # on_train_batch_end could not know. Its row, if those steps have none yet
+            # (log_every_n_steps=0: Lightning logs nothing, and nor does this).
             done = internals.steps_done(trainer)
             if session.steps_since_row(done) > 0:
                 scalars = internals.logged_metrics(trainer) if self._train_keys else {}
