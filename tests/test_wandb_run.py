@@ -233,3 +233,49 @@ def test_the_placer_puts_waiting_rows_into_records_as_the_user_frees_them() -> N
         assert not sink._queue
     finally:
         sink.close()
+
+
+class ServiceGoneRun(AttachedRun):
+    """An attached run far ahead of the rows (W&B's step 100), whose service goes away at
+    stop: from then on every log raises as wandb's does (``MailboxClosedError`` there)."""
+
+    def __init__(self) -> None:
+        super().__init__(answers=1000)
+        self.step_now = 100
+        self.gone = False
+
+    def log(self, data: dict[str, Any], **kwargs: Any) -> None:
+        if self.gone:
+            raise ConnectionResetError("the service is gone")
+        super().log(data, **kwargs)
+
+
+def test_rows_waiting_for_a_record_when_the_service_goes_are_counted_lost(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rows the sink took that wait for a W&B record (the run is ahead of them) and whose
+    service ends at stop (a crash's exit, ``wandb.finish()`` first): they are counted in
+    ``rows_lost``, which the step logger moves from written to dropped, and said once.
+    Before, they were thrown away uncounted: "19 written, 1 dropped" with 5 in W&B."""
+    from gpulens.log import reset_warnings
+    from gpulens.model import Row
+    from gpulens.sinks.writer import _Delivery
+
+    reset_warnings()  # said once a process: another test may have said it
+    run = ServiceGoneRun()
+    sink = _attached_sink(run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    for step in (1, 2, 3, 4):
+        sink.write(Row(step=step, time=float(step), values={"gpu/0/util_pct": 50.0}))
+    assert [d["gpulens/step"] for d, _ in run.logged] == [1.0]  # three wait for a record
+    run.gone = True
+    with caplog.at_level("WARNING", logger="gpulens"), pytest.raises(RunGone):
+        sink.close()
+    assert sink.rows_lost == 3
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 1 and "3 GPU row(s) waiting for a W&B record are lost" in told[0]
+
+    delivery = _Delivery(sink, "wandb", capacity=10)
+    delivery.stats.written = 4
+    delivery.count_lost()
+    assert (delivery.stats.written, delivery.stats.dropped) == (1, 3)
+    assert delivery.why is not None and "stopped answering" in delivery.why

@@ -171,6 +171,24 @@ def _definitions(run: Any) -> dict[str, tuple[bool, str]]:
 ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
 """W&B alert level of each :class:`~gpulens.model.Event` severity."""
 
+
+def send_alert(run: Any, event: Event) -> bool:
+    """``run.alert`` for an alert that fires (W&B sends it where the user set alerts up); a
+    failure is a warning, once, never an exception into training. True when it was sent.
+    Also used for Lightning's ``WandbLogger`` (its run)."""
+    text = f"Step {event.step}: {event.message}".strip()
+    if event.advice:
+        text += f" Try: {event.advice}"
+    try:
+        run.alert(title=f"gpulens: {event.name}"[:63], text=text,
+                  level=ALERT_LEVELS.get(event.severity, "WARN"))
+        return True
+    except Exception as exc:
+        warn_once("wandb-alert", "gpulens: could not send the W&B alert for %s: %s (the "
+                  "alerts/%s key and the other sinks still have it)", event.name,
+                  one_line(exc), event.name)
+        return False
+
 PLACE_POLL_S = 0.02
 PLACE_POLL_MAX_S = 0.2
 """With a run attached from the engine process: how often the sink asks W&B's step while rows
@@ -254,6 +272,9 @@ class WandbSink:
         self.section = check_section(section)
         self.rows_overwritten = 0
         """Rows overwritten in W&B by a later one (the queue was full)."""
+        self.rows_lost = 0
+        """Rows this sink took (``write`` returned) that never reached W&B: they waited for a
+        record when the run stopped answering. The step logger counts them as dropped."""
         self.alerts_sent = 0
         """``run.alert`` calls made for firing alerts."""
         self._reset()
@@ -436,20 +457,8 @@ class WandbSink:
                 defined[key] = (hidden, axis)
 
     def _alert(self, event: Event) -> None:
-        """``run.alert`` for an alert that fires (W&B sends it where the user set alerts up);
-        a failure is a warning, once, never an exception into training."""
-        run: Any = self._run
-        text = f"Step {event.step}: {event.message}".strip()
-        if event.advice:
-            text += f" Try: {event.advice}"
-        try:
-            run.alert(title=f"gpulens: {event.name}"[:63], text=text,
-                      level=ALERT_LEVELS.get(event.severity, "WARN"))
+        if send_alert(self._run, event):
             self.alerts_sent += 1
-        except Exception as exc:
-            warn_once("wandb-alert", "gpulens: could not send the W&B alert for %s: %s (the "
-                      "alerts/%s key and the other sinks still have it)", event.name,
-                      one_line(exc), event.name)
 
     def _wandb_step(self) -> int | None:
         """W&B's step ``S`` as this process's wandb mirrors it (free; may lag a commit the
@@ -552,15 +561,17 @@ class WandbSink:
                     self._core_step()  # the newest S: the row may have a record at once
                 self._place()
             except RunGone as exc:
-                self._run_gone(exc)
+                self._run_gone(exc, holding=1)  # this row stays the writer's (raised)
                 raise
             if self._queue and was_empty:
                 self._lock.notify()  # the placer looks for free records while rows wait
 
-    def _run_gone(self, exc: RunGone) -> None:
-        """An attached run stopped answering: say so once, with the rows lost."""
+    def _run_gone(self, exc: RunGone, holding: int = 0) -> None:
+        """An attached run stopped answering: say so once, with the rows lost (counted in
+        :attr:`rows_lost`, less the ``holding`` newest, which the writer still holds)."""
         self._gone = exc
         lost, self._queue = len(self._queue), deque()
+        self.rows_lost += max(0, lost - holding)
         warn_once("wandb-gone", "gpulens: %s; %d GPU row(s) waiting for a W&B record are lost "
                   "and later rows are not written to W&B (counted; the other sinks have them)",
                   exc, lost)
@@ -589,6 +600,12 @@ class WandbSink:
             except RunGone as exc:
                 self._run_gone(exc)
                 raise
+            except Exception as exc:
+                # W&B's service went away under the last rows (MailboxClosedError,
+                # ConnectionResetError...): lost like a run that stopped answering, counted
+                gone = RunGone(f"W&B's run stopped answering at stop: {one_line(exc)}")
+                self._run_gone(gone)
+                raise gone from exc
             finally:
                 if self._owned:
                     run.finish()

@@ -164,9 +164,15 @@ class _Delivery:
         else:
             self._backoff = min(10.0, max(0.5, self._backoff * 2))
         self._retry_at = time.monotonic() + self._backoff
-        warn_once(f"write:{self.name}",
-                  "gpulens: sink %s failed to write (%s); rows are kept (up to %d) and "
-                  "retried", self.name, one_line(exc), self.capacity)
+        if self._closing.is_set():
+            warn_once(f"write:{self.name}",
+                      "gpulens: sink %s failed to write at stop (%s); tried again at most %d "
+                      "times, then its rows are dropped (counted)", self.name, one_line(exc),
+                      CLOSE_RETRIES)
+        else:
+            warn_once(f"write:{self.name}",
+                      "gpulens: sink %s failed to write (%s); rows are kept (up to %d) and "
+                      "retried", self.name, one_line(exc), self.capacity)
 
     def _run(self, context: RunContext) -> None:
         try:
@@ -214,6 +220,19 @@ class _Delivery:
             self.buffer.clear()
         self._wake.set()
         return lost
+
+    def count_lost(self) -> None:
+        """Rows the sink took but says it lost (its ``rows_lost``: a W&B run that stopped
+        answering while rows waited in the sink for a record) move from written to dropped."""
+        lost = getattr(self.sink, "rows_lost", 0)
+        if not isinstance(lost, int) or lost <= 0:
+            return
+        with self._lock:
+            moved = min(lost, self.stats.written)
+            self.stats.written -= moved
+            self.stats.dropped += moved
+        if self.why is None:
+            self.why = "they waited in the sink when its run stopped answering"
 
     def close_sink(self) -> None:
         sink = self.sink
@@ -344,6 +363,7 @@ class StepLogger:
             time.sleep(0.01)
         for d in self._deliveries:
             d.close_sink()
+            d.count_lost()
         stats = self.stats()
         for d in self._deliveries:
             st = stats[d.name]
