@@ -569,3 +569,52 @@ def test_subclasses_of_the_tracker_loggers_get_the_tracker_view() -> None:
     sink.write(Row(step=3, time=0.0, values={GPU_KEY: 50.0, "perf/step_time_s": 0.1}))
     assert GPU_KEY in got["CSVLogger"][0]
     assert GPU_KEY not in got["MyWandbLogger"][0] and VIEW_GPU_KEY in got["MyWandbLogger"][0]
+
+
+def test_wandb_and_mlflow_loggers_get_the_run_metadata_and_the_alerts(
+        tmp_path: Path, wandb_offline: Path, mlflow_tracking: MlflowTracking) -> None:
+    """What the W&B and MLflow sinks give their runs, through Lightning's own loggers: the
+    run's metadata (W&B config "gpulens", MLflow params ``gpulens.*``), the W&B tag
+    ``simulated-gpus`` for simulated GPUs, and each alert (W&B ``run.alert``, MLflow tag
+    ``gpulens.alert.<rule>``, firing then resolved). Before, they got rows only."""
+    import time
+
+    import lightning.pytorch as pl
+
+    from gpulens.integrations._lightning_common import LoggersSink
+    from gpulens.model import Event, GpuInfo, Row, RunContext
+    from tests.support.wandb_reader import read_alerts, read_config, read_tags
+
+    wandb_logger = pl.loggers.WandbLogger(save_dir=str(wandb_offline), project="gpulens-test")
+    mlf_logger = pl.loggers.MLFlowLogger(experiment_name=mlflow_tracking.experiment_name,
+                                         tracking_uri=mlflow_tracking.uri)
+    context = RunContext(gpus=(GpuInfo(index=0, name="NVIDIA H100 80GB HBM3", uuid="GPU-0",
+                                       pci_bus_id="0:0"),),
+                         hostname="node-1", backend="simulated", interval=0.5, meta={})
+
+    def alert(state: str, step: int) -> Event:
+        return Event(kind="alert", name="input_bound", state=state, step=step,
+                     time=time.time(), severity="warning", message="data wait 41 %",
+                     advice="more DataLoader workers")
+
+    sink = LoggersSink([wandb_logger, mlf_logger])
+    sink.open(context)
+    for step, events in ((1, ()), (2, (alert("firing", 2),)), (3, ()),
+                         (4, (alert("resolved", 4),))):
+        sink.write(Row(step=step, time=time.time(),
+                       values={GPU_KEY: 50.0, "alerts/input_bound": float(step in (2, 3))},
+                       events=events))
+    sink.close()
+    run_id = wandb_logger.experiment.id
+    reset_wandb()
+    path = find_run_file(wandb_offline, run_id)
+    assert read_config(path)["gpulens"]["backend"] == "simulated"
+    assert "simulated-gpus" in read_tags(path)
+    assert [(a.title, a.text) for a in read_alerts(path)] == [
+        ("gpulens: input_bound", "Step 2: data wait 41 % Try: more DataLoader workers")]
+
+    client = mlflow_tracking.client()
+    data = client.get_run(mlf_logger.run_id).data
+    assert data.params["gpulens.backend"] == "simulated"
+    assert data.tags["gpulens.alert.input_bound"].startswith("resolved at step 4 (fired at "
+                                                             "step 2: data wait 41 %")

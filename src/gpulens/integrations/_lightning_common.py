@@ -103,9 +103,10 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
 """
 
 
-TRACKER_LOGGERS = ("WandbLogger", "MLFlowLogger")
-"""Lightning loggers whose UI makes a chart per key: they get the tracker view
-(:mod:`gpulens.sinks.layout`); the others (CSV, TensorBoard, ...) every key."""
+TRACKER_LOGGERS = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
+"""Lightning loggers whose UI makes a chart per key, and the tracker each writes to: they (and
+their subclasses) get the tracker view (:mod:`gpulens.sinks.layout`), the run's metadata and
+the alerts; the others (CSV, TensorBoard, ...) every key."""
 
 
 class LoggersSink:
@@ -116,6 +117,13 @@ class LoggersSink:
     MLflow's loggers get the tracker view (a handful of job-level GPU figures as bare keys,
     beside the module's own, e.g. ``gpu_sm_active_pct_mean``), unless ``keys="all"``
     (or ``GPULENS_TRACKER_KEYS=all``); the other loggers get every key.
+
+    W&B's and MLflow's loggers (and their subclasses) also get what the W&B and MLflow sinks
+    give their runs (``docs/trackers.md``): the run's metadata (GPUs, backend, host, ...) in
+    the W&B config under ``"gpulens"`` and as MLflow params ``gpulens.*``, with the first row
+    (inside a ``log()``, not at the start); the W&B tag ``simulated-gpus`` for simulated GPUs;
+    and for each advice rule that fires, ``run.alert`` in W&B and the MLflow tag
+    ``gpulens.alert.<rule>``.
     """
 
     on_training_thread = True
@@ -131,12 +139,21 @@ class LoggersSink:
         """The name warnings give this sink."""
         self._pending: tuple[Row, set[int]] | None = None
         """A row some loggers have and others have not (one raised): its retry skips those."""
+        self._kinds = [_tracker_kind(lg) for lg in self.loggers]
+        self._context: RunContext | None = None
+        """The run's metadata, until the first row writes it."""
+        self._fired: dict[str, str] = {}
+        """The text of each alert firing now (MLflow's tag when it ends)."""
+        self._tags: tuple[Row, dict[str, str]] | None = None
+        """A row's MLflow alert tags, made once for it (a retry makes none anew)."""
         self._keys: set[str] = set()
         self._train: list[str] = []
         """The ``train/*`` keys of rows with the key set ``_keys`` (rows repeat their keys)."""
 
     def open(self, context: RunContext) -> None:
         self._layout.reset()
+        self._context = context if any(self._kinds) else None
+        self._fired = {}
 
     def write(self, row: Row) -> None:
         values = row.values
@@ -146,6 +163,9 @@ class LoggersSink:
         metrics = dict(values)
         for key in self._train:
             del metrics[key]
+        if self._context is not None:
+            context, self._context = self._context, None
+            self._write_metadata(context)
         view: dict[str, float] | None = None
         pending = self._pending
         done = pending[1] if pending is not None and pending[0] is row else set()
@@ -160,7 +180,46 @@ class LoggersSink:
             else:
                 logger.log_metrics(metrics, step=row.step)
             done.add(i)
+            kind = self._kinds[i]
+            if row.events and kind is not None:
+                self._alert(logger, kind, row)
         self._pending = None
+
+    def _write_metadata(self, context: RunContext) -> None:
+        """The run's metadata into W&B's and MLflow's loggers' runs (a failure: a warning)."""
+        for logger, kind in zip(self.loggers, self._kinds, strict=True):
+            try:
+                if kind == "wandb":
+                    from gpulens.sinks.wandb_run import write_run_metadata
+
+                    write_run_metadata(logger.experiment, context)
+                elif kind == "mlflow":
+                    from gpulens.sinks.mlflow import write_run_params
+
+                    write_run_params(logger.experiment, logger.run_id, context)
+            except Exception as exc:  # metadata is an extra: rows go on
+                warn_once(f"lightning-meta:{kind}", "gpulens: could not write the run's "
+                          "metadata to %s: %r", type(logger).__name__, exc)
+
+    def _alert(self, logger: Any, kind: str, row: Row) -> None:
+        """A firing alert as ``run.alert`` (W&B); every alert event as its MLflow tag."""
+        try:
+            if kind == "wandb":
+                from gpulens.sinks.wandb import send_alert
+
+                for event in row.events:
+                    if event.kind == "alert" and event.state == "firing":
+                        send_alert(logger.experiment, event)
+            elif kind == "mlflow":
+                from gpulens.sinks.mlflow import alert_tags
+
+                if self._tags is None or self._tags[0] is not row:
+                    self._tags = (row, alert_tags(row.events, self._fired))
+                for key, text in self._tags[1].items():
+                    logger.experiment.set_tag(logger.run_id, key, text)
+        except Exception as exc:  # alerts are extras: rows go on
+            warn_once(f"lightning-alert:{kind}", "gpulens: could not send an alert to %s: %r",
+                      type(logger).__name__, exc)
 
     def close(self) -> None:
         for logger in self.loggers:
@@ -276,10 +335,19 @@ class GPUMonitorHooks(SessionCallback):
         session.row(step, step + 1, scalars)
 
 
+def _tracker_kind(logger: Any) -> str | None:
+    """``"wandb"`` or ``"mlflow"`` for their Lightning loggers and subclasses, else ``None``."""
+    for cls in type(logger).__mro__:
+        kind = TRACKER_LOGGERS.get(cls.__name__)
+        if kind is not None:
+            return kind
+    return None
+
+
 def _is_tracker(logger: Any) -> bool:
     """W&B's or MLflow's Lightning logger, or a subclass of one (by class name: neither
     package is imported here)."""
-    return any(cls.__name__ in TRACKER_LOGGERS for cls in type(logger).__mro__)
+    return _tracker_kind(logger) is not None
 
 
 class _BatchWork:

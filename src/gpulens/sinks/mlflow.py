@@ -188,31 +188,7 @@ class MlflowSink:
         self._layout = TrackerLayout(self.keys, section=self._section(),
                                      include_train=self.include_train)
         self._fired = {}
-        self._write_params(context)
-
-    def _write_params(self, context: RunContext) -> None:
-        """The run's metadata as ``gpulens.*`` params (see the module doc); never a reason not
-        to log rows: a failure is a warning, once; a param the run holds already with another
-        value (a resumed run) is kept, and said at INFO."""
-        from mlflow.entities import Param
-
-        params = {mlflow_key(f"gpulens.{k}"): _text(v)
-                  for k, v in run_metadata(context).items()}
-        try:
-            existing: dict[str, str] = dict(self._client.get_run(self.run_id).data.params)
-            new = {k: v for k, v in params.items() if k not in existing}
-            kept = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
-            items = [Param(k, v) for k, v in new.items()]
-            for i in range(0, len(items), _PARAM_BATCH):
-                self._client.log_batch(self.run_id, params=items[i:i + _PARAM_BATCH],
-                                       synchronous=True)
-        except Exception as exc:
-            warn_once("mlflow-params", "gpulens: could not write the run's metadata (GPUs, "
-                      "backend, ...) as MLflow params: %s", _one_line(exc))
-            return
-        if kept:
-            _log.info("gpulens: MLflow run %s already has %s with other values (a resumed "
-                      "run?); they are kept", self.run_id, ", ".join(kept))
+        write_run_params(self._client, self.run_id, context)
 
     def _experiment_id(self) -> str:
         exp_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
@@ -238,7 +214,7 @@ class MlflowSink:
         ms = int(row.time * 1000)
         shown, _ = self._layout.split(row.values)
         metrics = [Metric(mlflow_key(key), value, ms, row.step) for key, value in shown.items()]
-        tags = [RunTag(k, v) for k, v in self._alert_tags(row.events).items()]
+        tags = [RunTag(k, v) for k, v in alert_tags(row.events, self._fired).items()]
         for i in range(0, max(len(metrics), 1), _BATCH):
             batch = metrics[i:i + _BATCH]
             if not batch and not tags:
@@ -250,29 +226,56 @@ class MlflowSink:
         if tags:
             self._client.log_batch(self.run_id, tags=tags, synchronous=True)
 
-    def _alert_tags(self, events: tuple[Event, ...]) -> dict[str, str]:
-        """``gpulens.alert.<rule>`` tags for the alert events of a row."""
-        tags: dict[str, str] = {}
-        for event in events:
-            if event.kind != "alert":
-                continue
-            if event.state == "firing":
-                text = f"firing at step {event.step}: {event.message}".strip()
-                if event.advice:
-                    text += f" Try: {event.advice}"
-                self._fired[event.name] = text
-            else:
-                fired = self._fired.pop(event.name, "")
-                text = f"{event.state} at step {event.step}"
-                if fired:
-                    text += f" ({fired.replace('firing at', 'fired at', 1)})"
-            tags[mlflow_key(f"gpulens.alert.{event.name}")] = text[:_MAX_TEXT]
-        return tags
-
     def close(self) -> None:
         if self._owned and self._client is not None and self.run_id is not None:
             self._client.set_terminated(self.run_id)
         self._client = None
+
+
+def write_run_params(client: Any, run_id: str | None, context: RunContext) -> None:
+    """The run's metadata as ``gpulens.*`` params (see the module doc) through an
+    ``MlflowClient``; never a reason not to log rows: a failure is a warning, once; a param
+    the run holds already with another value (a resumed run) is kept, and said at INFO. Also
+    used for Lightning's ``MLFlowLogger`` (its client and run)."""
+    from mlflow.entities import Param
+
+    params = {mlflow_key(f"gpulens.{k}"): _text(v)
+              for k, v in run_metadata(context).items()}
+    try:
+        existing: dict[str, str] = dict(client.get_run(run_id).data.params)
+        new = {k: v for k, v in params.items() if k not in existing}
+        kept = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
+        items = [Param(k, v) for k, v in new.items()]
+        for i in range(0, len(items), _PARAM_BATCH):
+            client.log_batch(run_id, params=items[i:i + _PARAM_BATCH], synchronous=True)
+    except Exception as exc:
+        warn_once("mlflow-params", "gpulens: could not write the run's metadata (GPUs, "
+                  "backend, ...) as MLflow params: %s", _one_line(exc))
+        return
+    if kept:
+        _log.info("gpulens: MLflow run %s already has %s with other values (a resumed "
+                  "run?); they are kept", run_id, ", ".join(kept))
+
+
+def alert_tags(events: tuple[Event, ...], fired: dict[str, str]) -> dict[str, str]:
+    """``gpulens.alert.<rule>`` tags for the alert events of a row; ``fired``: the text of
+    each rule firing now (kept here, for the tag of its end)."""
+    tags: dict[str, str] = {}
+    for event in events:
+        if event.kind != "alert":
+            continue
+        if event.state == "firing":
+            text = f"firing at step {event.step}: {event.message}".strip()
+            if event.advice:
+                text += f" Try: {event.advice}"
+            fired[event.name] = text
+        else:
+            was = fired.pop(event.name, "")
+            text = f"{event.state} at step {event.step}"
+            if was:
+                text += f" ({was.replace('firing at', 'fired at', 1)})"
+        tags[mlflow_key(f"gpulens.alert.{event.name}")] = text[:_MAX_TEXT]
+    return tags
 
 
 def _text(value: object) -> str:
