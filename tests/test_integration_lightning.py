@@ -618,3 +618,39 @@ def test_wandb_and_mlflow_loggers_get_the_run_metadata_and_the_alerts(
     assert data.params["gpulens.backend"] == "simulated"
     assert data.tags["gpulens.alert.input_bound"].startswith("resolved at step 4 (fired at "
                                                              "step 2: data wait 41 %")
+
+
+def test_a_fit_that_fails_before_training_ends_the_spare_it_made(tmp_path: Path) -> None:
+    """``configure_optimizers`` raises: the spare engine process made at ``setup("fit")`` is
+    ended at ``teardown``, not left idling until its retirement (9 minutes) or the exit."""
+    import lightning.pytorch as pl
+
+    from gpulens.integrations.lightning import GPUMonitorCallback
+    from gpulens.transport import spawn
+
+    module_cls, data_cls = classes(pl)
+
+    class NoOptimizer(module_cls):  # type: ignore[misc, valid-type]
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            raise RuntimeError("no optimizer")
+
+    made: list[Any] = []
+    real_prepare = spawn.prepare
+
+    def prepare() -> bool:
+        done = real_prepare()
+        made.append(spawn._spare)
+        return done
+
+    trainer = pl.Trainer(max_steps=4, limit_val_batches=0, num_sanity_val_steps=0,
+                         logger=False, callbacks=[GPUMonitorCallback(interval=0.05)],
+                         accelerator="cpu", devices=1, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spawn, "prepare", prepare)
+        with pytest.raises(RuntimeError, match="no optimizer"):
+            trainer.fit(NoOptimizer(), datamodule=data_cls())
+    assert made and made[0] is not None  # setup("fit") made one
+    assert spawn._spare is None
+    made[0].proc.wait(timeout=30)  # and it ends

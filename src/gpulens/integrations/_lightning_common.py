@@ -293,9 +293,12 @@ class GPUMonitorHooks(SessionCallback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # this rank failed; the others may be stuck in training's collectives: no gather
         self._stop(collective=False)
+        _drop_spare()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._stop()
+        if stage == "fit":
+            _drop_spare()
 
     # -- step anatomy ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
@@ -333,6 +336,15 @@ class GPUMonitorHooks(SessionCallback):
         scalars = internals.logged_metrics(trainer) if self._train_keys else {}
         # optimizer steps done: the logging step counts those before this batch's
         session.row(step, step + 1, scalars)
+
+
+def _drop_spare() -> None:
+    """A fit that ended before ``on_train_start`` took the spare engine process ``setup``
+    made (``configure_optimizers`` or the sanity check raised): it is ended now, not left
+    idle until its retirement (9 minutes) or the exit."""
+    from gpulens.transport import spawn
+
+    spawn.drop()
 
 
 def _tracker_kind(logger: Any) -> str | None:
