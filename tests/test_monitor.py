@@ -120,6 +120,29 @@ def test_start_does_not_wait_for_the_first_sample(isolation: str, tmp_path: Path
     assert all("gpu/0/util_pct" in r.values for r in sink.rows)
 
 
+def test_latest_is_empty_until_the_first_reading_is_whole(tmp_path: Path) -> None:
+    """The first reading is the sampler thread's, after start() returned: ``latest()`` holds
+    nothing until it is whole (here it waits half way, on the second GPU), never the first
+    GPU's figures without the second's and the host's."""
+    from gpulens.engine.engine import Engine
+    from gpulens.engine.spec import EngineSpec
+    from tests.support.marked_nvml import LastGpuGated
+
+    gate = tmp_path / "gate"
+    engine = Engine(EngineSpec(interval=0.05, backend=LastGpuGated(str(gate), most_s=60.0,
+                                                                   gpus=2), energy=False))
+    engine.start()
+    try:
+        time.sleep(0.3)  # the thread has read GPU 0 and waits at GPU 1
+        assert engine.latest() == {}
+    finally:
+        gate.touch()
+    latest = wait_until(engine.latest, what="a first reading")
+    assert "gpu/0/power_w" in latest and "gpu/1/power_w" in latest
+    assert "host/ram_used_gb" in latest
+    engine.stop(timeout=10.0)
+
+
 def test_the_first_gpm_sample_comes_before_the_first_window_and_the_rest_after(
     tmp_path: Path,
 ) -> None:

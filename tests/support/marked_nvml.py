@@ -53,6 +53,16 @@ class GatedNVML(SimulatedNVML):
         return super().nvmlGpmSampleGet(h, sample)
 
 
+class LastGpuGated(GatedNVML):
+    """:class:`GatedNVML` whose gate holds the last GPU's reads only: a reading stops half
+    way, the first GPUs read and the last not."""
+
+    def nvmlDeviceGetClockInfo(self, h: Any, clock_type: int) -> int:
+        if h.index == self.gpus - 1:
+            self._wait()
+        return SimulatedNVML.nvmlDeviceGetClockInfo(self, h, clock_type)
+
+
 class FirstReadFails(SimulatedNVML):
     """:class:`~gpulens.testing.SimulatedNVML` whose first clock read (the first sample's, never
     a start's look at the GPU) raises, as a driver fault would; later ones answer."""

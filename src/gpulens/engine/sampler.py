@@ -189,13 +189,11 @@ class Sampler:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, step: int = 0) -> float:
         """Take the first GPM sample here, then start the loop, which takes the rest of the
-        first reading at once.  Returns the first window's start: now.
-
-        ``step`` is the training step the first window starts after (0 for a fresh run).
-
-        The rest of the first reading is not waited for: on an H200 the whole reading took
-        0.10-0.18 s in rank 0's engine under DDP (`benchmarks/results/2026-11-28-h200x2-start-
-        laps`), all of it on the way to the monitor's start returning. The first window still
+        first reading at once.  Returns the first window's start: now.  ``step``: the training
+        step the first window starts after (0 for a fresh run).  The rest of the first reading
+        is not waited for: on an H200 the whole reading took 0.10-0.18 s in rank 0's engine
+        under DDP (`benchmarks/results/2026-11-28-h200x2-start-laps`), all of it on the way
+        to the monitor's start returning. The first window still
         holds what the GPU did from now: the driver's buffered power and utilization samples
         reach back before the reading, the cheap figures are averaged over the readings inside
         the window, and GPM, which sees nothing before its first sample, has it from here
@@ -404,10 +402,12 @@ class Sampler:
 
     # -- live view ---------------------------------------------------------------------------
     def latest(self) -> dict[str, float]:
-        """The newest sample of each metric, keyed like rows (read from the sampler's series;
-        a torn read at worst shows one sample older).  A metric whose newest sample is stale
-        (older than two intervals and half a second) is left out."""
+        """The newest sample of each metric, keyed like rows (a torn read at worst shows one
+        sample older); a stale one (two intervals and half a second) is left out. Empty until
+        the first reading is whole (:attr:`first_read`), never some GPUs' figures alone."""
         out: dict[str, float] = {}
+        if not self.first_read.is_set():
+            return out
         now = time.monotonic()
         stale = 2 * self.interval + 0.5
         for gpu in self.gpus:

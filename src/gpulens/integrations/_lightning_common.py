@@ -205,7 +205,7 @@ class LoggersSink:
         """A firing alert as ``run.alert`` (W&B); every alert event as its MLflow tag."""
         try:
             if kind == "wandb":
-                from gpulens.sinks.wandb import send_alert
+                from gpulens.sinks.wandb_run import send_alert
 
                 for event in row.events:
                     if event.kind == "alert" and event.state == "firing":

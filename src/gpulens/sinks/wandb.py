@@ -124,6 +124,7 @@ from gpulens.sinks.wandb_run import (
     check_wandb_ready,
     import_wandb,
     one_line,
+    send_alert,
     write_run_metadata,
 )
 
@@ -167,27 +168,6 @@ def _definitions(run: Any) -> dict[str, tuple[bool, str]]:
     except TypeError:
         return {}
 
-
-ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
-"""W&B alert level of each :class:`~gpulens.model.Event` severity."""
-
-
-def send_alert(run: Any, event: Event) -> bool:
-    """``run.alert`` for an alert that fires (W&B sends it where the user set alerts up); a
-    failure is a warning, once, never an exception into training. True when it was sent.
-    Also used for Lightning's ``WandbLogger`` (its run)."""
-    text = f"Step {event.step}: {event.message}".strip()
-    if event.advice:
-        text += f" Try: {event.advice}"
-    try:
-        run.alert(title=f"gpulens: {event.name}"[:63], text=text,
-                  level=ALERT_LEVELS.get(event.severity, "WARN"))
-        return True
-    except Exception as exc:
-        warn_once("wandb-alert", "gpulens: could not send the W&B alert for %s: %s (the "
-                  "alerts/%s key and the other sinks still have it)", event.name,
-                  one_line(exc), event.name)
-        return False
 
 PLACE_POLL_S = 0.02
 PLACE_POLL_MAX_S = 0.2

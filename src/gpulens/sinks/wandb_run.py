@@ -29,7 +29,7 @@ import sys
 from typing import Any
 
 from gpulens.log import logger, warn_once
-from gpulens.model import RunContext
+from gpulens.model import Event, RunContext
 from gpulens.sinks.layout import run_metadata
 
 SERVICE_ENV = "WANDB_SERVICE"
@@ -212,3 +212,25 @@ def write_run_metadata(run: Any, context: RunContext, *, seen: Any = CONFIG_FROM
         except Exception as exc:
             warn_once("wandb-tags", "gpulens: could not tag the W&B run %r: %s",
                       SIMULATED_TAG, one_line(exc))
+
+
+ALERT_LEVELS = {"info": "INFO", "warning": "WARN", "critical": "ERROR"}
+"""W&B alert level of each :class:`~gpulens.model.Event` severity."""
+
+
+def send_alert(run: Any, event: Event) -> bool:
+    """``run.alert`` for an alert that fires (W&B sends it where the user set alerts up); a
+    failure is a warning, once, never an exception into training. True when it was sent.
+    Also used for Lightning's ``WandbLogger`` (its run)."""
+    text = f"Step {event.step}: {event.message}".strip()
+    if event.advice:
+        text += f" Try: {event.advice}"
+    try:
+        run.alert(title=f"gpulens: {event.name}"[:63], text=text,
+                  level=ALERT_LEVELS.get(event.severity, "WARN"))
+        return True
+    except Exception as exc:
+        warn_once("wandb-alert", "gpulens: could not send the W&B alert for %s: %s (the "
+                  "alerts/%s key and the other sinks still have it)", event.name,
+                  one_line(exc), event.name)
+        return False
