@@ -452,6 +452,42 @@ def test_a_rank_that_raises_ends_the_job_and_gpulens_does_not_hold_it(tmp_path: 
     assert not done.leftovers
 
 
+RANK_0_RAISING = """
+import sys, time
+import torch, torch.distributed as dist
+from torch import nn
+import gpulens
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
+with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 40):
+        model(torch.randn(4, 8)).sum().backward()  # rank 1 then waits in DDP's all-reduce
+        mon.log(step, tokens=32)
+        if rank == 0 and step == 4:
+            raise RuntimeError("rank 0 fails after step 4")
+        time.sleep(0.02)
+"""
+
+
+def test_rank_0_that_raises_still_writes_its_steps_with_the_others_rows(
+        tmp_path: Path) -> None:
+    """Rank 0 raises after step 4 (its stop is no collective); rank 1 is alive, waiting in
+    DDP's all-reduce, and its engine sends its rows of steps 1-4 a window later. Rank 0's
+    engine waits for them briefly: the rows hold both ranks. It used to write them at once
+    without rank 1, marked partial, and say that rank 1 "sent no row" (its process "has
+    exited, or it stalls"), blaming the healthy rank."""
+    done = _run_script(tmp_path, RANK_0_RAISING, timeout=90.0)
+    assert not done.timed_out, done.stderr[-4000:]
+    assert done.returncode != 0 and "rank 0 fails after step 4" in done.stderr
+    rows = jsonl(tmp_path / "rows.jsonl")
+    assert [(r["step"], r["job/ranks"], r["job/partial"]) for r in rows] == [
+        (s, 2, 0) for s in (1, 2, 3, 4)]
+    assert "sent no row" not in done.stderr, done.stderr[-4000:]
+    assert not done.leftovers, done.leftovers
+
+
 ONE_NODE_DYING = """
 import os, sys, time
 import torch.distributed as dist

@@ -176,6 +176,8 @@ class RowGather:
         self._written = 0
         self._closed = False
         self._finishing = False
+        self._levels: tuple[NodeLevel | None, JobLevel | None] = (None, None)
+        """The gather thread's node and job levels (for the count of rows left at stop)."""
         self._finish_began: float | None = None
         """When :meth:`flush` began (the stop's waits count from there)."""
         self._finish_deadline: float | None = None
@@ -323,6 +325,7 @@ class RowGather:
     def _work(self) -> None:
         node = NodeLevel(self) if self.is_leader else None
         job = JobLevel(self) if self.is_writer else None
+        self._levels = (node, job)
         last = -PASS_S
         try:
             while True:
@@ -453,11 +456,22 @@ class RowGather:
                 self._finishing = True
                 self._wake.notify()
             thread.join(timeout)
-            if thread.is_alive():
-                logger.warning("gpulens: rank %d's last rows did not meet the others' within "
-                               "%.0f s; they are not written", self.rank, timeout or 0.0)
+            left = self._rows_waiting()
+            if thread.is_alive() and left:
+                logger.warning("gpulens: rank %d's last %d rows did not meet the others' within "
+                               "%.0f s; they are not written", self.rank, left, timeout or 0.0)
+            elif thread.is_alive():  # every row out; a rank alive that has not stopped yet
+                logger.debug("gpulens: rank %d stopped waiting for the other ranks' ends after "
+                             "%.1f s; no row was left", self.rank, timeout or 0.0)
         finally:
             self.close()
+
+    def _rows_waiting(self) -> int:
+        """Rows the gather thread still holds for the other ranks or nodes (read from another
+        thread: a count, at worst one row off)."""
+        node, job = self._levels
+        return (len(node.order) if node is not None else 0) + (
+            len(job.order) if job is not None else 0)
 
     def close(self) -> None:
         """Stop the threads; a rank marks its slot done.  Not a collective; idempotent.  (The

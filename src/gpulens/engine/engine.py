@@ -55,6 +55,11 @@ if TYPE_CHECKING:
     from gpulens.distributed.rows import RowGather
 
 ENERGY_PROBE_S = 0.35
+LAST_ROWS_AFTER_A_FAULT_S = 2.0
+"""At a stop that is no collective (this rank raised), how long rank 0 or a node's leader
+still waits for the other ranks' rows of the steps it logged: those ranks are alive and their
+engines send those rows within a window or two, while their training may soon hang in a
+collective (it does not hold their engines up)."""
 """How long the engine reads each GPU's energy counter back to back, once sampling has begun,
 to learn how often it changes (all GPUs at once, in threads; until then 0.1 s, an H200's)."""
 
@@ -353,17 +358,17 @@ class Engine:
     def stop(self, timeout: float, stall: float = STALL_S, collective: bool = True
              ) -> dict[str, SinkStats]:
         """Close the last windows, meet the other ranks' last rows where this engine gathers
-        (``collective``; bounded, :meth:`RowGather.flush`: the time it takes comes out of
-        ``timeout``, down to a floor of a second), finish what is merged, write what the
-        sinks hold (see :meth:`StepLogger.close`), release NVML.  Idempotent."""
+        (bounded, :meth:`RowGather.flush`: the time it takes comes out of ``timeout``, down to
+        a floor of a second; not ``collective``: at most :data:`LAST_ROWS_AFTER_A_FAULT_S`),
+        finish what is merged, write what the sinks hold (see :meth:`StepLogger.close`),
+        release NVML.  Idempotent."""
         self.drain()
         gather, self._gather = self._gather, None
         if gather is not None:
             began = time.monotonic()
-            if collective:
-                gather.flush(timeout)
-            else:
-                gather.close()
+            # this rank raised: its logged steps' rows still meet the others' (in flight from
+            # their engines), briefly; the written-without-them rows blamed the healthy ranks
+            gather.flush(timeout if collective else min(timeout, LAST_ROWS_AFTER_A_FAULT_S))
             timeout = max(min(timeout, 1.0), timeout - (time.monotonic() - began))
         thread, self._merged_thread = self._merged_thread, None
         if thread is not None:
