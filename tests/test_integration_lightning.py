@@ -506,6 +506,58 @@ def test_a_cut_of_the_batch_work_takes_its_own_batches_later() -> None:
     assert part.take_deferred() == {} and work.take_deferred() == {}
 
 
+def _stopping_fit(pl: Any, ours: Any, tmp_path: Path, stopper: Any, **options: Any
+                  ) -> tuple[list[int], list[int]]:
+    """A fit with ``stopper`` after gpulens's callback: the steps of Lightning's own
+    ``train_loss`` and of the GPU rows, from the CSV logger."""
+    module_cls, data_cls = classes(pl)
+    logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    kwargs: dict[str, Any] = {"max_steps": 40, "log_every_n_steps": 4, "limit_val_batches": 0,
+                              "num_sanity_val_steps": 0, **options}
+    trainer = pl.Trainer(logger=[logger], accelerator="cpu", devices=1,
+                         callbacks=[ours.GPUMonitorCallback(interval=0.05), stopper],
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=str(tmp_path), **kwargs)
+    trainer.fit(module_cls(), datamodule=data_cls())
+    rows = csv_rows(logger)
+    return steps_with(rows, "train_loss"), steps_with(rows, GPU_KEY)
+
+
+@pytest.mark.parametrize("case", ["micro-batch", "validation-end", "min-steps"])
+def test_rows_follow_lightning_whichever_hook_stops_training(case: str,
+                                                             tmp_path: Path) -> None:
+    """A stop Lightning logs no training metrics for (set on a gradient-accumulation micro-
+    batch; in ``on_validation_end``, after Lightning logged the batch, as EarlyStopping does)
+    gets no row; a stop that does not end training yet (``min_steps``), which Lightning
+    logs, gets its row. The GPU rows' steps are Lightning's ``train_loss`` steps."""
+    import lightning.pytorch as pl
+
+    from gpulens.integrations import lightning as ours
+
+    options: dict[str, Any] = {}
+
+    class Stop(pl.Callback):  # type: ignore[misc, name-defined]
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if case == "micro-batch" and trainer.global_step == 10 \
+                    and trainer.fit_loop._should_accumulate():
+                trainer.should_stop = True
+            if case == "min-steps" and trainer.global_step == 5:
+                trainer.should_stop = True
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            if case == "validation-end" and trainer.global_step >= 10:
+                trainer.should_stop = True
+
+    if case == "micro-batch":
+        options = {"accumulate_grad_batches": 2}
+    elif case == "validation-end":
+        options = {"val_check_interval": 5, "limit_val_batches": 1}
+    else:
+        options = {"min_steps": 10}
+    train, gpu = _stopping_fit(pl, ours, tmp_path, Stop(), **options)
+    assert train and gpu == train
+
+
 class _Logger:
     """A Lightning logger's ``log_metrics`` / ``save``, recording what it got; ``fail``: an
     exception its first call for each of these steps raises."""

@@ -40,7 +40,7 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
     to log training-step metrics (every ``log_every_n_steps`` optimizer steps, never on a
     gradient-accumulation micro-batch, and on the last step when training stops; where a hook
     after this one stops it, such as Lightning's own ``max_time`` timer, that row comes at
-    ``on_train_end``), at the same step Lightning passes to ``logger.log_metrics``
+    this callback's next hook), at the same step Lightning passes to ``logger.log_metrics``
     (``trainer/global_step`` in W&B). A logger that raises gets the row again later; the
     loggers that took it do not. The GPU
     window covers every batch since the previous row. Each row reaches each logger through
@@ -245,6 +245,8 @@ class GPUMonitorHooks(SessionCallback):
         self.to_loggers = to_loggers
         self._train_keys = False
         """Rows carry the module's logged metrics as ``train/*`` (an extra sink wants them)."""
+        self._late: int | None = None
+        """The logging step of the last batch, which had no row: see :meth:`_late_stop`."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -256,6 +258,7 @@ class GPUMonitorHooks(SessionCallback):
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._stop()
+        self._late = None
         sinks: list[SinkSpec | Sink] = []
         if trainer.is_global_zero:
             if self.to_loggers and trainer.loggers:
@@ -277,18 +280,27 @@ class GPUMonitorHooks(SessionCallback):
             steps_done=done, phases=self._phases(pl_module.device), work=work).start()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        session = self.session
-        if session is not None and trainer.should_stop and trainer.log_every_n_steps:
-            # Stopped from a hook after this callback's on_train_batch_end (Lightning's Timer
-            # for max_time, a later callback, the module's own on_train_batch_end): Lightning
-            # logged that last batch's step (should_update_logs holds should_stop), which
-            # on_train_batch_end could not know. Its row, if those steps have none yet
-            # (log_every_n_steps=0: Lightning logs nothing, and nor does this).
-            done = internals.steps_done(trainer)
-            if session.steps_since_row(done) > 0:
-                scalars = internals.logged_metrics(trainer) if self._train_keys else {}
-                session.row(done - 1, done, scalars)
+        self._late_stop(trainer)
         self._stop()
+
+    def _late_stop(self, trainer: Any) -> None:
+        """At the first of this callback's hooks after Lightning logged a batch's training
+        metrics (the next batch's start, validation's start, the epoch's end, training's
+        end): if ``should_stop`` is set now and was not at this callback's
+        ``on_train_batch_end`` (no row was due then), a hook after it set it (Lightning's
+        Timer for ``max_time``, a later callback, the module's ``on_train_batch_end``), and
+        Lightning logged that step (``should_update_logs`` holds ``should_stop``): its row.
+        Not after a gradient-accumulation micro-batch (Lightning logs none there). One case
+        reads wrong: a callback listed before this one that sets ``should_stop`` in
+        ``on_train_epoch_end`` gets a row at the epoch's last step, where Lightning logged
+        no training metrics."""
+        step, self._late = self._late, None
+        session = self.session
+        if (step is None or session is None or not trainer.should_stop
+                or not trainer.log_every_n_steps or session.steps_since_row(step + 1) <= 0):
+            return
+        scalars = internals.logged_metrics(trainer) if self._train_keys else {}
+        session.row(step, step + 1, scalars)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # this rank failed; the others may be stuck in training's collectives: no gather
@@ -303,6 +315,7 @@ class GPUMonitorHooks(SessionCallback):
     # -- step anatomy ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
+        self._late_stop(trainer)  # a stop that did not end training yet (min_steps)
         session = self.session
         if session is not None:
             session.step_begin()
@@ -316,6 +329,12 @@ class GPUMonitorHooks(SessionCallback):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self.session is not None:
             self.session.resume()
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._late_stop(trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._late_stop(trainer)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         # a session lives from on_train_start to on_train_end: this is validation inside fit
@@ -331,6 +350,8 @@ class GPUMonitorHooks(SessionCallback):
             return
         session.step_end()
         step, will_log = internals.log_step(trainer)
+        # a step with no row now may get one if a later hook stops training (_late_stop)
+        self._late = step if will_log is False else None
         if not will_log:
             return
         scalars = internals.logged_metrics(trainer) if self._train_keys else {}

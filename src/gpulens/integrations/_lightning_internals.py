@@ -57,16 +57,18 @@ def steps_done(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
-def log_step(trainer: Any) -> tuple[int, bool]:
+def log_step(trainer: Any) -> tuple[int, bool | None]:
     """The step Lightning logs training-step metrics at right after ``on_train_batch_end``,
-    and whether it logs them for this batch: not on a gradient-accumulation micro-batch under
-    automatic optimisation; otherwise when ``should_update_logs`` or ``fast_dev_run``."""
+    and whether it logs them for this batch: ``None`` (never) on a gradient-accumulation
+    micro-batch under automatic optimisation; otherwise when ``should_update_logs`` or
+    ``fast_dev_run`` (``False`` may still turn true: a hook after the caller's can set
+    ``should_stop``, which ``should_update_logs`` holds)."""
     fit_loop = trainer.fit_loop
     step = int(fit_loop.epoch_loop._batches_that_stepped)
     accumulating = bool(fit_loop._should_accumulate())
     module = trainer.lightning_module
     if accumulating and getattr(module, "automatic_optimization", True):
-        return step, False
+        return step, None
     will_log = bool(trainer._logger_connector.should_update_logs) or bool(trainer.fast_dev_run)
     return step, will_log
 
