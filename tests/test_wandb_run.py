@@ -279,3 +279,50 @@ def test_rows_waiting_for_a_record_when_the_service_goes_are_counted_lost(
     delivery.count_lost()
     assert (delivery.stats.written, delivery.stats.dropped) == (1, 3)
     assert delivery.why is not None and "stopped answering" in delivery.why
+
+
+class FinishedRun:
+    """A run of this process (not attached) whose logs raise from the ``fail_from``-th on,
+    as a finished run's do (W&B's ``UsageError``); its step as wandb mirrors it."""
+
+    def __init__(self, fail_from: int) -> None:
+        self.logged: list[dict[str, Any]] = []
+        self.calls = 0
+        self.fail_from = fail_from
+        self._local_step = 0
+
+    def log(self, data: dict[str, Any], **kwargs: Any) -> None:
+        self.calls += 1
+        if self.calls >= self.fail_from:
+            raise RuntimeError("You must call wandb.init() before wandb.log()")
+        self.logged.append(data)
+        if kwargs.get("commit", True) and "step" not in kwargs:
+            self._local_step += 1
+
+
+def test_rows_a_finished_run_refuses_are_kept_once_and_counted_lost_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The run refuses rows 2 and 3 (finished under the sink): each stays queued once (the
+    writer's retry used to queue it again), none is taken off the queue before W&B took it
+    (they used to leave it before the call that raised: one short), and at stop the two are
+    counted lost, once; the sink lets go of the finished run even though its close raised,
+    and a sink opened again starts its count at zero."""
+    from gpulens.log import reset_warnings
+    from gpulens.model import Row
+
+    reset_warnings()
+    run = FinishedRun(fail_from=2)
+    sink = WandbSink(run=run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    for step in (1, 2, 3):
+        run._local_step += 1  # the user's own commits: a free record for each row
+        sink.write(Row(step=step, time=float(step), values={"gpu/0/util_pct": 50.0}))
+    assert [d["gpulens/step"] for d in run.logged] == [1.0]
+    assert [d["gpulens/step"] for d in sink._queue] == [2.0, 3.0]
+    with caplog.at_level("WARNING", logger="gpulens"), pytest.raises(RunGone):
+        sink.close()
+    assert sink.rows_lost == 2 and sink._run is None
+    assert any("2 GPU row(s) waiting for a W&B record are lost" in r.getMessage()
+               for r in caplog.records)
+    sink._reset()  # what open() does first
+    assert sink.rows_lost == 0

@@ -252,14 +252,14 @@ class WandbSink:
         self.section = check_section(section)
         self.rows_overwritten = 0
         """Rows overwritten in W&B by a later one (the queue was full)."""
-        self.rows_lost = 0
-        """Rows this sink took (``write`` returned) that never reached W&B: they waited for a
-        record when the run stopped answering. The step logger counts them as dropped."""
         self.alerts_sent = 0
         """``run.alert`` calls made for firing alerts."""
         self._reset()
 
     def _reset(self) -> None:
+        self.rows_lost = 0
+        """This run's rows taken (``write`` returned) that waited for a record when it
+        stopped answering: never in W&B; the step logger counts them as dropped."""
         self._defined: dict[str, tuple[bool, str]] = {}
         self._detail_at: float | None = None
         """The time of the newest row written with the hidden keys."""
@@ -489,7 +489,8 @@ class WandbSink:
                 if not self._shared:
                     warn_once("wandb-step", "gpulens: W&B's step cannot be read; GPU rows are "
                               "logged as records of their own")
-                run.log(queue.popleft())
+                run.log(queue[0])
+                queue.popleft()
                 continue
             if self._attached_at is not None and self._attached_at >= step and (
                     final or self._may_commit(step)):
@@ -498,19 +499,22 @@ class WandbSink:
                 if step is None:
                     break
             if self._attached_at is None or self._attached_at < step:
-                run.log(queue.popleft(), commit=False)  # the pending record holds none of ours
+                run.log(queue[0], commit=False)  # the pending record holds none of ours
+                queue.popleft()
                 self._attached_at = self._held_by(step)
             elif final or self._may_commit(step):
                 if self._attached:  # W&B warns about step= from a second process
                     run.log({}, commit=True)
-                    run.log(queue.popleft(), commit=False)
+                    run.log(queue[0], commit=False)
                 else:
-                    run.log(queue.popleft(), step=step + 1)
+                    run.log(queue[0], step=step + 1)
+                queue.popleft()
                 self._attached_at = self._held_by(step + 1)
             else:
                 break
         while len(queue) > MAX_QUEUE:
-            run.log(queue.popleft(), commit=False)  # over the row waiting in the record
+            run.log(queue[0], commit=False)  # over the row waiting in the record
+            queue.popleft()
             self.rows_overwritten += 1
             warn_once("wandb-overwritten", "gpulens: GPU rows come faster than W&B records "
                       "free up for them (%d waiting); some are overwritten in W&B by later "
@@ -543,6 +547,9 @@ class WandbSink:
             except RunGone as exc:
                 self._run_gone(exc, holding=1)  # this row stays the writer's (raised)
                 raise
+            except Exception as exc:  # the row is queued: placed later, never queued twice
+                warn_once("wandb-place", "gpulens: could not give a GPU row a W&B record: "
+                          "%s", one_line(exc))
             if self._queue and was_empty:
                 self._lock.notify()  # the placer looks for free records while rows wait
 
@@ -563,7 +570,11 @@ class WandbSink:
                 self._lock.notify()
             placer.join(timeout=10)
         with self._lock:
-            self._close()
+            try:
+                self._close()
+            finally:  # also when it raised: a sink opened again never reuses a finished run
+                self._run = None
+                self._owned = False
 
     def _close(self) -> None:
         run: Any = self._run
@@ -580,14 +591,10 @@ class WandbSink:
             except RunGone as exc:
                 self._run_gone(exc)
                 raise
-            except Exception as exc:
-                # W&B's service went away under the last rows (MailboxClosedError,
-                # ConnectionResetError...): lost like a run that stopped answering, counted
+            except Exception as exc:  # its service went away (MailboxClosedError, ...)
                 gone = RunGone(f"W&B's run stopped answering at stop: {one_line(exc)}")
                 self._run_gone(gone)
                 raise gone from exc
             finally:
                 if self._owned:
                     run.finish()
-        self._run = None
-        self._owned = False
