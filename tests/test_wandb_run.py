@@ -326,3 +326,21 @@ def test_rows_a_finished_run_refuses_are_kept_once_and_counted_lost_once(
                for r in caplog.records)
     sink._reset()  # what open() does first
     assert sink.rows_lost == 0
+
+
+def test_a_run_that_keeps_refusing_rows_holds_a_bounded_queue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows a refusing run never takes wait at most ``MAX_QUEUE`` (2 here); older ones are
+    counted lost as they go, so a long run into a dead W&B run holds bounded memory."""
+    from gpulens.model import Row
+    from gpulens.sinks import wandb as wandb_sink
+
+    monkeypatch.setattr(wandb_sink, "MAX_QUEUE", 2)
+    run = FinishedRun(fail_from=2)
+    sink = WandbSink(run=run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    for step in range(1, 7):
+        run._local_step += 1
+        sink.write(Row(step=step, time=float(step), values={"gpu/0/util_pct": 50.0}))
+    assert [d["gpulens/step"] for d in sink._queue] == [5.0, 6.0]
+    assert sink.rows_lost == 3  # rows 2-4

@@ -258,8 +258,7 @@ class WandbSink:
 
     def _reset(self) -> None:
         self.rows_lost = 0
-        """This run's rows taken (``write`` returned) that waited for a record when it
-        stopped answering: never in W&B; the step logger counts them as dropped."""
+        """This run's rows taken that never reached W&B (counted dropped at stop)."""
         self._defined: dict[str, tuple[bool, str]] = {}
         self._detail_at: float | None = None
         """The time of the newest row written with the hidden keys."""
@@ -550,12 +549,14 @@ class WandbSink:
             except Exception as exc:  # the row is queued: placed later, never queued twice
                 warn_once("wandb-place", "gpulens: could not give a GPU row a W&B record: "
                           "%s", one_line(exc))
+                while len(self._queue) > MAX_QUEUE:  # a run that keeps refusing: bounded
+                    self._queue.popleft()
+                    self.rows_lost += 1
             if self._queue and was_empty:
                 self._lock.notify()  # the placer looks for free records while rows wait
 
     def _run_gone(self, exc: RunGone, holding: int = 0) -> None:
-        """An attached run stopped answering: say so once, with the rows lost (counted in
-        :attr:`rows_lost`, less the ``holding`` newest, which the writer still holds)."""
+        """The run stopped answering: said once, the rows lost counted (not ``holding``)."""
         self._gone = exc
         lost, self._queue = len(self._queue), deque()
         self.rows_lost += max(0, lost - holding)
@@ -573,8 +574,7 @@ class WandbSink:
             try:
                 self._close()
             finally:  # also when it raised: a sink opened again never reuses a finished run
-                self._run = None
-                self._owned = False
+                self._run, self._owned = None, False
 
     def _close(self) -> None:
         run: Any = self._run
