@@ -237,6 +237,46 @@ def test_validation_inside_fit_is_no_wait_for_data(pkg: tuple[Any, Any],
     assert not any(r.get("alerts/input_bound") for r in lines)
 
 
+@pytest.mark.parametrize("when", ["validation", "train-steps"])
+def test_checkpoint_saves_are_no_wait_for_data(pkg: tuple[Any, Any], tmp_path: Path,
+                                              when: str) -> None:
+    """``ModelCheckpoint`` saves after this callback's hooks (Lightning puts it last), at
+    validation's end or every N training steps; a slow disk (0.3 s a save here, a plugin's
+    write) is no wait for data: the rows' ``perf/data_wait_s`` stay small (they read ~0.15 s a
+    step, and input_bound could fire)."""
+    import time
+
+    pl, ours = pkg
+    module_cls, data_cls = classes(pl)
+
+    class SlowDisk(pl.plugins.TorchCheckpointIO):  # type: ignore[misc, name-defined]
+        def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(0.3)
+            super().save_checkpoint(*args, **kwargs)
+
+    sink = tmp_path / "gpu.jsonl"
+    if when == "validation":
+        saves = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_top_k=-1)
+        val: dict[str, Any] = {"val_check_interval": 2, "limit_val_batches": 1}
+    else:
+        saves = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_top_k=-1,
+                                             every_n_train_steps=2)
+        val = {"limit_val_batches": 0}
+    trainer = pl.Trainer(
+        max_steps=8, log_every_n_steps=2, num_sanity_val_steps=0, logger=False,
+        accelerator="cpu", devices=1, plugins=[SlowDisk()],
+        callbacks=[ours.GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05), saves],
+        enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path), **val)
+    trainer.fit(module_cls(), datamodule=data_cls())
+    assert len(list((tmp_path / "ck").iterdir())) >= 3  # the saves ran
+    lines = read_rows(sink)
+    assert [r["step"] for r in lines] == [1, 3, 5, 7]
+    assert all(r["perf/data_wait_s"] < 0.08 for r in lines), [r["perf/data_wait_s"]
+                                                              for r in lines]
+    assert "save_checkpoint" not in vars(trainer)  # the trainer's own method again
+
+
 def test_a_stop_set_after_this_callback_still_gets_its_row(pkg: tuple[Any, Any],
                                                            tmp_path: Path) -> None:
     """A callback after gpulens's sets ``should_stop`` at the tenth batch (as Lightning's own

@@ -65,10 +65,12 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
       to the loggers leave ``train/*`` out, and without extra sinks they are not read at all
       (reading them makes Lightning compute its logged results a second time).
     * ``perf/data_wait_pct``, ``perf/data_wait_s``: from the end of this callback's
-      ``on_train_batch_end`` (or of ``on_validation_end`` / ``on_train_epoch_start`` after it) to
-      its ``on_train_batch_start`` of the next batch: fetching the next batch, moving it to the
-      device, plus Lightning's own work after the batch (logger writes, checkpoints saved at
-      batch end, the ``on_train_batch_end`` of callbacks after this one).
+      ``on_train_batch_end`` (or of ``on_validation_end`` / ``on_train_epoch_start`` after it,
+      or of a checkpoint save through ``trainer.save_checkpoint``, as ``ModelCheckpoint``
+      saves) to its ``on_train_batch_start`` of the next batch: fetching the next batch,
+      moving it to the device, plus Lightning's own work after the batch (logger writes, the
+      ``on_train_batch_end`` of callbacks after this one). Validation and saves are no wait
+      for data.
     * ``perf/forward_backward_pct|_s``: ``on_train_batch_start`` -> ``on_before_optimizer_step``
       (training_step, backward; a gradient-accumulation micro-batch counts wholly here).
     * ``perf/optimizer_pct|_s``: ``on_before_optimizer_step`` -> ``on_train_batch_end``.
@@ -247,6 +249,8 @@ class GPUMonitorHooks(SessionCallback):
         """Rows carry the module's logged metrics as ``train/*`` (an extra sink wants them)."""
         self._late: int | None = None
         """The logging step of the last batch, which had no row: see :meth:`_late_stop`."""
+        self._saves: _SavesResume | None = None
+        """While a session runs: the trainer's checkpoint saves resume the data-wait clock."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -278,10 +282,17 @@ class GPUMonitorHooks(SessionCallback):
         self.session = TrainingSession(
             monitor_for_run(self.settings, sinks, dtype), start_step=done - 1,
             steps_done=done, phases=self._phases(pl_module.device), work=work).start()
+        self._saves = _SavesResume(trainer, self)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._late_stop(trainer)
         self._stop()
+
+    def _stop(self, collective: bool = True) -> None:
+        saves, self._saves = self._saves, None
+        if saves is not None:
+            saves.undo()
+        super()._stop(collective)
 
     def _late_stop(self, trainer: Any) -> None:
         """At the first of this callback's hooks after Lightning logged a batch's training
@@ -357,6 +368,36 @@ class GPUMonitorHooks(SessionCallback):
         scalars = internals.logged_metrics(trainer) if self._train_keys else {}
         # optimizer steps done: the logging step counts those before this batch's
         session.row(step, step + 1, scalars)
+
+
+class _SavesResume:
+    """Makes ``trainer.save_checkpoint`` resume the data-wait clock when it returns, for one
+    fit (:meth:`undo` puts the trainer's own method back). Lightning's ``ModelCheckpoint``
+    saves through it in ``on_validation_end`` and ``on_train_batch_end``, after this
+    callback's hooks there (Lightning puts checkpoint callbacks last): a slow save then read
+    as the next step's wait for data, and could raise ``input_bound``. Lightning has no hook
+    after a save ends (``on_save_checkpoint`` comes before the file is written)."""
+
+    def __init__(self, trainer: Any, hooks: GPUMonitorHooks) -> None:
+        self.trainer = trainer
+        self.had_own = "save_checkpoint" in vars(trainer)  # the user's own, kept as it is
+        save = trainer.save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return save(*args, **kwargs)
+            finally:
+                session = hooks.session
+                if session is not None:
+                    session.resume()
+
+        self.wrapped = save_checkpoint
+        if not self.had_own:
+            trainer.save_checkpoint = save_checkpoint
+
+    def undo(self) -> None:
+        if not self.had_own and vars(self.trainer).get("save_checkpoint") is self.wrapped:
+            del self.trainer.save_checkpoint
 
 
 def _drop_spare() -> None:
