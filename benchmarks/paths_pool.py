@@ -171,7 +171,8 @@ def by_position(docs: list[dict[str, Any]], name: str, burn: int
         part = "burn-in" if i < burn else "counted"
         lines.append(f"| {i} | {part} | " + " | ".join(cells) + " |")
     counted = positions - burn
-    step_ms = statistics.fmean([b for b in base_ms if math.isfinite(b)]) if base_ms else math.nan
+    finite = [b for b in base_ms if math.isfinite(b)]
+    step_ms = statistics.fmean(finite) if finite else math.nan
     if counted >= 2:
         lines += ["", "the first counted step minus the mean of the other counted steps, "
                   "per run, the runs as units (ms; pp: its share of the block's value)", "",
