@@ -301,10 +301,10 @@ class GPUMonitorHooks(SessionCallback):
         ``on_train_batch_end`` (no row was due then), a hook after it set it (Lightning's
         Timer for ``max_time``, a later callback, the module's ``on_train_batch_end``), and
         Lightning logged that step (``should_update_logs`` holds ``should_stop``): its row.
-        Not after a gradient-accumulation micro-batch (Lightning logs none there). One case
-        reads wrong: a callback listed before this one that sets ``should_stop`` in
-        ``on_train_epoch_end`` gets a row at the epoch's last step, where Lightning logged
-        no training metrics."""
+        Not after a gradient-accumulation micro-batch (Lightning logs none there). It reads
+        wrong where a callback listed before this one sets ``should_stop`` in that next hook
+        (``on_train_batch_start``, ``on_validation_start``, ``on_train_epoch_end``): a row at
+        the last batch's step, where Lightning logged no training metrics."""
         step, self._late = self._late, None
         session = self.session
         if (step is None or session is None or not trainer.should_stop

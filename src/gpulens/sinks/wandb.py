@@ -333,7 +333,7 @@ class WandbSink:
 
     def open(self, context: RunContext) -> None:
         wandb = import_wandb()
-        self._attached, self._gone, self._disabled = False, None, False
+        self._attached, self._gone, self._disabled, self.rows_lost = False, None, False, 0
         self._steps_seen.clear()
         if isinstance(self._run, RunHandle):
             if self._run.disabled:  # W&B's no-op run: nothing to write, nothing to attach
