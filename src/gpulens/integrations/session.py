@@ -133,6 +133,24 @@ def _write(monitor: Monitor, held: _Held, phases: StepPhases | None) -> None:
     monitor.log_at(held.at, held.step, **values)
 
 
+def exit_finalizer(owner: object, func: Any, *args: Any) -> weakref.finalize[Any, Any]:
+    """``weakref.finalize(owner, func, *args)`` whose exit hook is registered with ``atexit``
+    now, not when the process made its first finalizer (importing torch does): ``atexit``
+    runs the newest hook first, so one made after a tracker's run began (``wandb.init``
+    registers W&B's own hook) runs while that tracker's service still lives. Undo with
+    :func:`drop_exit_finalizer`."""
+    finalizer = weakref.finalize(owner, func, *args)
+    finalizer.atexit = False
+    atexit.register(finalizer)
+    return finalizer
+
+
+def drop_exit_finalizer(finalizer: weakref.finalize[Any, Any]) -> bool:
+    """Detach ``finalizer`` and take its exit hook back; True if it had not run."""
+    atexit.unregister(finalizer)
+    return finalizer.detach() is not None
+
+
 def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held], hook: Any) -> None:
     """The finalizer: the session was dropped without a stop."""
     if hook is not None:
@@ -200,17 +218,10 @@ class TrainingSession:
             except Exception as exc:  # a model that takes no hook: the marks do the work
                 warn_once("session:hook", "gpulens: cannot hook the model's forward (%r); "
                           "rows and token counts are written at the step hooks instead", exc)
-        # Its exit hook goes to atexit now, after the trackers' runs began (W&B's wandb.init
-        # registers W&B's own exit hook): atexit runs the newest first, so at an exit with the
-        # session still running (train() raised and the script ended) the rows go out while
-        # W&B's service lives. weakref.finalize's own exit hook was registered when the
-        # process made its first finalizer (importing torch does), before wandb.init: through
-        # it the rows reached a W&B service already gone, and were dropped.
-        finalizer = weakref.finalize(self, _finish, self.monitor, self.work, self._held,
-                                     self._hook)
-        finalizer.atexit = False
-        atexit.register(finalizer)
-        self._finalizer = finalizer
+        # made after the trackers' runs began: at an exit with the session still running
+        # (train() raised and the script ended) the rows go out while W&B's service lives
+        self._finalizer = exit_finalizer(self, _finish, self.monitor, self.work, self._held,
+                                         self._hook)
         if self.phases is not None:
             self.phases.resume()
         return self
@@ -219,9 +230,7 @@ class TrainingSession:
         """Stop the monitor (writing every row it holds) and the work counter. Idempotent.
         ``collective=False``: this rank alone, no gather (exception paths)."""
         finalizer, self._finalizer = self._finalizer, None
-        if finalizer is not None:
-            atexit.unregister(finalizer)
-        if finalizer is None or not finalizer.detach():
+        if finalizer is None or not drop_exit_finalizer(finalizer):
             return
         hook, self._hook = self._hook, None
         if hook is not None:

@@ -56,7 +56,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gpulens.integrations.session import GateAction, StepGate
+from gpulens.integrations.session import (
+    GateAction,
+    StepGate,
+    drop_exit_finalizer,
+    exit_finalizer,
+)
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.schema import STEP_KEY
@@ -246,15 +251,10 @@ class MergingLogger:
         tracking object, before this logger) and after the monitor started: ``atexit`` runs
         the newest hook first, so the rows go out while W&B's service and the monitor still
         run (``weakref.finalize``'s own exit hook may have been registered long before)."""
-        finalizer = weakref.finalize(self, _finish_quietly, self._state)
-        finalizer.atexit = False
-        atexit.register(finalizer)
-        return finalizer
+        return exit_finalizer(self, _finish_quietly, self._state)
 
     def _renew_finalizer(self) -> None:
-        old = self._finalizer
-        old.detach()
-        atexit.unregister(old)
+        drop_exit_finalizer(self._finalizer)
         self._finalizer = self._make_finalizer()
 
     @property
