@@ -664,7 +664,8 @@ def test_subclasses_of_the_tracker_loggers_get_the_tracker_view() -> None:
 
 
 def test_wandb_and_mlflow_loggers_get_the_run_metadata_and_the_alerts(
-        tmp_path: Path, wandb_offline: Path, mlflow_tracking: MlflowTracking) -> None:
+        tmp_path: Path, wandb_offline: Path, mlflow_tracking: MlflowTracking,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """What the W&B and MLflow sinks give their runs, through Lightning's own loggers: the
     run's metadata (W&B config "gpulens", MLflow params ``gpulens.*``), the W&B tag
     ``simulated-gpus`` for simulated GPUs, and each alert (W&B ``run.alert``, MLflow tag
@@ -689,6 +690,22 @@ def test_wandb_and_mlflow_loggers_get_the_run_metadata_and_the_alerts(
                      time=time.time(), severity="warning", message="data wait 41 %",
                      advice="more DataLoader workers")
 
+    import threading
+
+    from gpulens.sinks import mlflow as mlflow_sink
+    from gpulens.sinks import wandb_run
+
+    threads: list[str] = []  # where the network calls run: never the training thread
+
+    def spy(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+        return call
+
+    for module, name in ((mlflow_sink, "write_run_params"), (mlflow_sink, "alert_tags"),
+                         (wandb_run, "write_run_metadata"), (wandb_run, "send_alert")):
+        monkeypatch.setattr(module, name, spy(getattr(module, name)))
     sink = LoggersSink([wandb_logger, mlf_logger])
     sink.open(context)
     for step, events in ((1, ()), (2, (alert("firing", 2),)), (3, ()),
@@ -697,6 +714,8 @@ def test_wandb_and_mlflow_loggers_get_the_run_metadata_and_the_alerts(
                        values={GPU_KEY: 50.0, "alerts/input_bound": float(step in (2, 3))},
                        events=events))
     sink.close()
+    # metadata twice, one W&B alert, MLflow tags for the firing and the resolved row
+    assert len(threads) == 5 and set(threads) == {"gpulens-lightning-extras"}, threads
     run_id = wandb_logger.experiment.id
     reset_wandb()
     path = find_run_file(wandb_offline, run_id)

@@ -10,7 +10,9 @@ in :mod:`gpulens.integrations._lightning_internals`, and nowhere else.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpulens.integrations import _lightning_internals as internals
@@ -122,10 +124,10 @@ class LoggersSink:
 
     W&B's and MLflow's loggers (and their subclasses) also get what the W&B and MLflow sinks
     give their runs (``docs/trackers.md``): the run's metadata (GPUs, backend, host, ...) in
-    the W&B config under ``"gpulens"`` and as MLflow params ``gpulens.*``, with the first row
-    (inside a ``log()``, not at the start); the W&B tag ``simulated-gpus`` for simulated GPUs;
-    and for each advice rule that fires, ``run.alert`` in W&B and the MLflow tag
-    ``gpulens.alert.<rule>``.
+    the W&B config under ``"gpulens"`` and as MLflow params ``gpulens.*``; the W&B tag
+    ``simulated-gpus`` for simulated GPUs; and for each advice rule that fires, ``run.alert``
+    in W&B and the MLflow tag ``gpulens.alert.<rule>``; written by a thread of their own
+    (:class:`_Extras`), never the training thread.
     """
 
     on_training_thread = True
@@ -135,27 +137,24 @@ class LoggersSink:
 
         self.loggers = list(loggers)
         self._layout = TrackerLayout(keys, section="", include_train=False)
-        self._trackers = [_is_tracker(lg) and self._layout.keys != "all" for lg in self.loggers]
+        self._kinds = [_tracker_kind(lg) for lg in self.loggers]
+        self._trackers = [k is not None and self._layout.keys != "all" for k in self._kinds]
         self.label = "Lightning loggers (" + ", ".join(type(lg).__name__
                                                       for lg in self.loggers) + ")"
         """The name warnings give this sink."""
         self._pending: tuple[Row, set[int]] | None = None
         """A row some loggers have and others have not (one raised): its retry skips those."""
-        self._kinds = [_tracker_kind(lg) for lg in self.loggers]
-        self._context: RunContext | None = None
-        """The run's metadata, until the first row writes it."""
-        self._fired: dict[str, str] = {}
-        """The text of each alert firing now (MLflow's tag when it ends)."""
-        self._tags: tuple[Row, dict[str, str]] | None = None
-        """A row's MLflow alert tags, made once for it (a retry makes none anew)."""
+        self._extras: _Extras | None = None
+        """Metadata and alerts for W&B's and MLflow's loggers, written off the training
+        thread (while open)."""
         self._keys: set[str] = set()
         self._train: list[str] = []
         """The ``train/*`` keys of rows with the key set ``_keys`` (rows repeat their keys)."""
 
     def open(self, context: RunContext) -> None:
         self._layout.reset()
-        self._context = context if any(self._kinds) else None
-        self._fired = {}
+        if any(self._kinds):
+            self._extras = _Extras(self.loggers, self._kinds, context)
 
     def write(self, row: Row) -> None:
         values = row.values
@@ -165,9 +164,6 @@ class LoggersSink:
         metrics = dict(values)
         for key in self._train:
             del metrics[key]
-        if self._context is not None:
-            context, self._context = self._context, None
-            self._write_metadata(context)
         view: dict[str, float] | None = None
         pending = self._pending
         done = pending[1] if pending is not None and pending[0] is row else set()
@@ -182,50 +178,100 @@ class LoggersSink:
             else:
                 logger.log_metrics(metrics, step=row.step)
             done.add(i)
-            kind = self._kinds[i]
-            if row.events and kind is not None:
-                self._alert(logger, kind, row)
+            if row.events and self._extras is not None:
+                self._extras.alerts(i, row)
         self._pending = None
 
-    def _write_metadata(self, context: RunContext) -> None:
-        """The run's metadata into W&B's and MLflow's loggers' runs (a failure: a warning)."""
-        for logger, kind in zip(self.loggers, self._kinds, strict=True):
+    def close(self) -> None:
+        extras, self._extras = self._extras, None
+        if extras is not None:
+            extras.close()
+        for logger in self.loggers:
+            logger.save()
+
+
+class _Extras:
+    """What the W&B and MLflow sinks give their runs, for Lightning's W&B and MLflow loggers:
+    the run's metadata (W&B config ``"gpulens"`` and the ``simulated-gpus`` tag; MLflow params
+    ``gpulens.*``) and each alert (W&B ``run.alert``; MLflow tag ``gpulens.alert.<rule>``).
+    They are network calls: a thread of their own makes them, in order, never the training
+    thread. The runs (``logger.experiment``, ``logger.run_id``) are read once, at open, on the
+    training thread, as Lightning's loggers expect; a failure is a warning, once."""
+
+    def __init__(self, loggers: list[Any], kinds: list[str | None],
+                 context: RunContext) -> None:
+        self._targets: list[tuple[str, Any, Any] | None] = []
+        for logger, kind in zip(loggers, kinds, strict=True):
+            target = None
+            if kind is not None:
+                try:
+                    target = (kind, logger.experiment,
+                              getattr(logger, "run_id", None) if kind == "mlflow" else None)
+                except Exception as exc:  # extras: rows go on
+                    warn_once(f"lightning-run:{kind}", "gpulens: cannot reach the run of %s "
+                              "for its metadata and alerts: %r", type(logger).__name__, exc)
+            self._targets.append(target)
+        self._fired: dict[str, str] = {}
+        """The text of each alert firing now (MLflow's tag when it ends)."""
+        self._tags: tuple[Row, dict[str, str]] | None = None
+        """A row's MLflow alert tags, made once for it (two MLflow loggers share them)."""
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="gpulens-lightning-extras",
+                                        daemon=True)
+        self._thread.start()
+        self._jobs.put(lambda: self._metadata(context))
+
+    def alerts(self, index: int, row: Row) -> None:
+        """The alerts of ``row`` for the logger at ``index`` (it took the row)."""
+        target = self._targets[index]
+        if target is not None and any(e.kind == "alert" for e in row.events):
+            self._jobs.put(lambda: self._alert(target, row))
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def _metadata(self, context: RunContext) -> None:
+        for target in self._targets:
+            if target is None:
+                continue
+            kind, run, run_id = target
             try:
                 if kind == "wandb":
                     from gpulens.sinks.wandb_run import write_run_metadata
 
-                    write_run_metadata(logger.experiment, context)
-                elif kind == "mlflow":
+                    write_run_metadata(run, context)
+                else:
                     from gpulens.sinks.mlflow import write_run_params
 
-                    write_run_params(logger.experiment, logger.run_id, context)
+                    write_run_params(run, run_id, context)
             except Exception as exc:  # metadata is an extra: rows go on
                 warn_once(f"lightning-meta:{kind}", "gpulens: could not write the run's "
-                          "metadata to %s: %r", type(logger).__name__, exc)
+                          "metadata to the %s run: %r", kind, exc)
 
-    def _alert(self, logger: Any, kind: str, row: Row) -> None:
-        """A firing alert as ``run.alert`` (W&B); every alert event as its MLflow tag."""
+    def _alert(self, target: tuple[str, Any, Any], row: Row) -> None:
+        kind, run, run_id = target
         try:
             if kind == "wandb":
                 from gpulens.sinks.wandb_run import send_alert
 
                 for event in row.events:
                     if event.kind == "alert" and event.state == "firing":
-                        send_alert(logger.experiment, event)
-            elif kind == "mlflow":
+                        send_alert(run, event)
+            else:
                 from gpulens.sinks.mlflow import alert_tags
 
                 if self._tags is None or self._tags[0] is not row:
                     self._tags = (row, alert_tags(row.events, self._fired))
                 for key, text in self._tags[1].items():
-                    logger.experiment.set_tag(logger.run_id, key, text)
+                    run.set_tag(run_id, key, text)
         except Exception as exc:  # alerts are extras: rows go on
-            warn_once(f"lightning-alert:{kind}", "gpulens: could not send an alert to %s: %r",
-                      type(logger).__name__, exc)
-
-    def close(self) -> None:
-        for logger in self.loggers:
-            logger.save()
+            warn_once(f"lightning-alert:{kind}", "gpulens: could not send an alert to the %s "
+                      "run: %r", kind, exc)
 
 
 class GPUMonitorHooks(SessionCallback):
@@ -416,12 +462,6 @@ def _tracker_kind(logger: Any) -> str | None:
         if kind is not None:
             return kind
     return None
-
-
-def _is_tracker(logger: Any) -> bool:
-    """W&B's or MLflow's Lightning logger, or a subclass of one (by class name: neither
-    package is imported here)."""
-    return _tracker_kind(logger) is not None
 
 
 class _BatchWork:
