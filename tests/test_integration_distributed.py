@@ -422,12 +422,13 @@ rank = dist.get_rank()
 model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
 with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
     for step in range(1, 40):
-        if rank == 1 and step == 5:
-            raise RuntimeError("rank 1 fails at step 5")
-        model(torch.randn(4, 8)).sum().backward()  # rank 0 then waits in DDP's all-reduce
+        model(torch.randn(4, 8)).sum().backward()  # the other rank then waits in DDP's all-reduce
         mon.log(step, tokens=32)
+        if rank == FAILING and step == 4:
+            raise RuntimeError(f"rank {rank} fails after step 4")
         time.sleep(0.02)
 """
+"""Two ranks in DDP; rank ``FAILING`` (replaced) raises after logging step 4."""
 
 
 def _run_script(tmp_path: Path, text: str, timeout: float) -> TorchrunResult:
@@ -446,29 +447,10 @@ def test_a_rank_that_raises_ends_the_job_and_gpulens_does_not_hold_it(tmp_path: 
     """An exception leaves rank 1's ``with Monitor``: its stop() must not wait in gpulens's
     gather for rank 0 (stuck in DDP's all-reduce, and torchrun then ends it); the job ends in
     seconds, not at gloo's 30-minute time-out."""
-    done = _run_script(tmp_path, RAISING_RANK, timeout=90.0)
+    done = _run_script(tmp_path, RAISING_RANK.replace("FAILING", "1"), timeout=90.0)
     assert not done.timed_out, done.stderr[-4000:]
-    assert done.returncode != 0 and "rank 1 fails at step 5" in done.stderr
+    assert done.returncode != 0 and "rank 1 fails after step 4" in done.stderr
     assert not done.leftovers
-
-
-RANK_0_RAISING = """
-import sys, time
-import torch, torch.distributed as dist
-from torch import nn
-import gpulens
-
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
-with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
-    for step in range(1, 40):
-        model(torch.randn(4, 8)).sum().backward()  # rank 1 then waits in DDP's all-reduce
-        mon.log(step, tokens=32)
-        if rank == 0 and step == 4:
-            raise RuntimeError("rank 0 fails after step 4")
-        time.sleep(0.02)
-"""
 
 
 def test_rank_0_that_raises_still_writes_its_steps_with_the_others_rows(
@@ -478,7 +460,7 @@ def test_rank_0_that_raises_still_writes_its_steps_with_the_others_rows(
     engine waits for them briefly: the rows hold both ranks. It used to write them at once
     without rank 1, marked partial, and say that rank 1 "sent no row" (its process "has
     exited, or it stalls"), blaming the healthy rank."""
-    done = _run_script(tmp_path, RANK_0_RAISING, timeout=90.0)
+    done = _run_script(tmp_path, RAISING_RANK.replace("FAILING", "0"), timeout=90.0)
     assert not done.timed_out, done.stderr[-4000:]
     assert done.returncode != 0 and "rank 0 fails after step 4" in done.stderr
     rows = jsonl(tmp_path / "rows.jsonl")
