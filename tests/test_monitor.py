@@ -129,11 +129,11 @@ def test_latest_is_empty_until_the_first_reading_is_whole(tmp_path: Path) -> Non
     from tests.support.marked_nvml import LastGpuGated
 
     gate = tmp_path / "gate"
-    engine = Engine(EngineSpec(interval=0.05, backend=LastGpuGated(str(gate), most_s=60.0,
-                                                                   gpus=2), energy=False))
+    sim = LastGpuGated(str(gate), most_s=60.0, gpus=2)
+    engine = Engine(EngineSpec(interval=0.05, backend=sim, energy=False))
     engine.start()
     try:
-        time.sleep(0.3)  # the thread has read GPU 0 and waits at GPU 1
+        assert sim.held.wait(30.0)  # the thread has read GPU 0 and waits at GPU 1
         assert engine.latest() == {}
     finally:
         gate.touch()

@@ -4,6 +4,7 @@ file exists."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,16 @@ class GatedNVML(SimulatedNVML):
 
 class LastGpuGated(GatedNVML):
     """:class:`GatedNVML` whose gate holds the last GPU's reads only: a reading stops half
-    way, the first GPUs read and the last not."""
+    way, the first GPUs read and the last not. ``held`` is set once a read waits there (in
+    this process: never pickled into an engine process)."""
+
+    def __init__(self, gate: str, most_s: float = 30.0, **kwargs: Any) -> None:
+        super().__init__(gate, most_s, **kwargs)
+        self.held = threading.Event()
 
     def nvmlDeviceGetClockInfo(self, h: Any, clock_type: int) -> int:
         if h.index == self.gpus - 1:
+            self.held.set()
             self._wait()
         return SimulatedNVML.nvmlDeviceGetClockInfo(self, h, clock_type)
 
