@@ -372,7 +372,8 @@ class GPUMonitorHooks(SessionCallback):
     # -- step anatomy ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
-        self._late_stop(trainer)  # a stop that did not end training yet (min_steps)
+        if self._late is not None:  # a stop that did not end training yet (min_steps)
+            self._late_stop(trainer)
         session = self.session
         if session is not None:
             session.step_begin()
