@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -147,3 +148,42 @@ def test_the_engine_tells_once_when_the_tensor_share_is_left_out(
 def test_bad_inputs_are_user_errors(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         window_perf(**kwargs)  # type: ignore[arg-type]
+
+
+def test_rows_whose_gpm_spans_hold_the_start_get_no_tensor_share(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A monitor started mid-training: the GPU idles through the start, and GPM's first spans
+    (0.25 s each at a 0.5 s interval) hold that idle time, while the rows inside them are
+    busy steps. Their quotient read 100-215 % on an H200; such rows get no
+    ``perf/mfu_when_tensor_active_pct`` (and no warning), the rows after them do."""
+    import logging
+    from typing import Any, cast
+
+    from gpulens.engine.finish import Finisher
+    from gpulens.engine.sampler import GpuState, Sampler
+    from gpulens.engine.spec import WORK_FLOPS, EngineSpec
+    from gpulens.model import GpuInfo, Mark, Row
+
+    info = GpuInfo(index=0, name="Simulated H100 80GB HBM3", uuid="GPU-0", pci_bus_id="0:0",
+                   mem_total_gb=80.0, power_limit_w=700.0)
+    finisher = Finisher(EngineSpec(interval=0.5, dtype="bf16"), [info])
+    assert finisher.peak_tflops is not None
+    state = GpuState(key=0, device=cast(Any, None), info=info, torch_index=None)
+    for k in range(40):
+        state.fast.add_row(99.9 + 0.1 * k, {"sm_clock_mhz": 1980.0})
+    edges = [99.9 + 0.25 * k for k in range(12)]
+    for k, (a, b) in enumerate(itertools.pairwise(edges)):
+        state.gpm.add(a, b, {"tensor_active_pct": (5.0, 60.0)[k] if k < 2 else 93.0})
+    rows: list[Row] = []
+    sampler = Sampler([state], interval=0.5, emit=rows.append)
+    sampler._window_start, sampler._first_end, sampler._gpm_settled = 100.0, 0.0, False
+    step_s, flops = 0.115, 0.8 * finisher.peak_tflops * 1e12 * 0.115  # 80 % MFU
+    caplog.set_level(logging.WARNING, logger="gpulens")
+    ends = [100.2 + step_s * k for k in range(12)]
+    out = [finisher.finish(sampler._row(Mark(step, t, t, {WORK_FLOPS: flops}))).values
+           for step, t in enumerate(ends, start=1)]
+    shares = [r.get("perf/mfu_when_tensor_active_pct") for r in out]
+    assert shares[:3] == [None, None, None], shares  # their spans began before the first end
+    assert all(s == pytest.approx(80.0 / 0.93) for s in shares[4:]), shares
+    assert all("work/gpm_from_start" not in r for r in out)
+    assert not [r for r in caplog.records if "mfu_when_tensor_active" in r.getMessage()]

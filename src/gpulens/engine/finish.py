@@ -21,7 +21,9 @@ What a finished row gains (each absent where its inputs are):
   judged on as many rows as the share pays for, and the alert keys of the rows in between say
   the rules' state.
 
-The work figures a mark carried (``work/*``) are left out of the finished row.
+The work figures a mark carried (``work/*``) and the sampler's ``work/gpm_from_start`` are
+left out of the finished row; a row with the latter gets no ``perf/mfu_when_tensor_active_pct``
+(:data:`gpulens.engine.spec.GPM_FROM_START`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 
 from gpulens.engine.rules import RULES, RuleEngine, RulesConfig
 from gpulens.engine.spec import (
+    GPM_FROM_START,
     WORK_FLOPS,
     WORK_KEYS,
     WORK_SAMPLES,
@@ -102,6 +105,7 @@ class Finisher:
             for key in [k for k in values if k.startswith("perf/") or k == STEP_KEY]:
                 del values[key]
         work = {k: values.pop(k) for k in WORK_KEYS if k in values}
+        from_start = values.pop(GPM_FROM_START, 0.0)  # GPM spans that hold the start
         steps = values.get("perf/steps", 1.0) or 1.0
         step_time = values.get("perf/step_time_s")
         clocks: list[float] = []
@@ -149,7 +153,8 @@ class Finisher:
                 mean_sm_clock_mhz=sum(clocks) / len(clocks) if clocks else None,
                 max_sm_clock_mhz=self.max_clock_mhz,
                 energy_j=energy if have_energy else None,
-                tensor_active_pct=sum(tensors) / len(tensors) if tensors else None,
+                tensor_active_pct=(sum(tensors) / len(tensors)
+                                   if tensors and not from_start else None),
                 dtype=self.spec.dtype, out_of_range=self._tensor_ratio_out,
             ))
             if self._tensor_ratio_out and not self._tensor_ratio_told:

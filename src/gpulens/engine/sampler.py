@@ -23,7 +23,6 @@ while the driver works.
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import time
@@ -31,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from gpulens.engine.spec import GPM_FROM_START, GPM_START_SHARE
 from gpulens.engine.window import (
     CalibratedEnergy,
     IntervalSeries,
@@ -38,6 +38,7 @@ from gpulens.engine.window import (
     Stat,
     Table,
     job_aggregates,
+    sample_spacing,
 )
 from gpulens.errors import GpuLost
 from gpulens.log import logger, warn_once
@@ -179,6 +180,8 @@ class Sampler:
         """Set once the loop has taken its first cheap and buffered reads (:meth:`start`)."""
         self._window_start = 0.0
         self._prev_step = 0
+        self._first_end, self._gpm_settled = 0.0, True
+        """The first row's end; whether rows' GPM spans no longer reach back before it."""
         self._last_fast = -math.inf
         self._last_buffers = -math.inf
         self._last_gpm = -math.inf
@@ -191,17 +194,15 @@ class Sampler:
         """Take the first GPM sample here, then start the loop, which takes the rest of the
         first reading at once.  Returns the first window's start: now.  ``step``: the training
         step the first window starts after (0 for a fresh run).  The rest of the first reading
-        is not waited for: on an H200 the whole reading took 0.10-0.18 s in rank 0's engine
-        under DDP (`benchmarks/results/2026-11-28-h200x2-start-laps`), all of it on the way
-        to the monitor's start returning. The first window still
-        holds what the GPU did from now: the driver's buffered power and utilization samples
-        reach back before the reading, the cheap figures are averaged over the readings inside
-        the window, and GPM, which sees nothing before its first sample, has it from here
-        (one sample a GPU: 0.03-3.7 ms).  :attr:`first_read` is set once the loop has taken
-        the rest.
-        """
+        is not waited for (on an H200 it took 0.10-0.18 s in rank 0's engine under DDP,
+        `benchmarks/results/2026-11-28-h200x2-start-laps`). The first window still holds what
+        the GPU did from now: the driver's buffered power and utilization samples reach back
+        before the reading, the cheap figures are averaged over the readings inside the
+        window, and GPM, which sees nothing before its first sample, has it from here (one
+        sample a GPU: 0.03-3.7 ms).  :attr:`first_read` is set once the loop has the rest."""
         self._stop.clear()
         self._prev_step = step
+        self._first_end, self._gpm_settled = 0.0, not self.gpm
         self.first_read.clear()
         now = time.monotonic()
         self._guard(self._read_gpm, now)
@@ -355,7 +356,8 @@ class Sampler:
                     # A buffered sample is the average over the driver's sample period that
                     # ends at its timestamp (20 ms for power, ~200 ms for utilization on an
                     # H200): it belongs at the middle of that period.
-                    period = gpu.periods[kind] = _spacing(points) or gpu.periods.get(kind, 0.0)
+                    period = sample_spacing(points) or gpu.periods.get(kind, 0.0)
+                    gpu.periods[kind] = period
                     series.extend([(ts - offset - period / 2, v) for ts, v in points])
             except GpuLost as exc:
                 self._lose(gpu, exc)
@@ -584,17 +586,14 @@ class Sampler:
         for name, value in mark.scalars.items():
             values[train_key(name)] = value
         values["train/global_step"] = float(mark.step)
+        if not self._gpm_settled:  # do its GPM spans reach back into the start?
+            first = self._first_end = self._first_end or t1
+            share = max((g.gpm.share_from_before(t0, t1, first) for g in self.gpus), default=0)
+            if share > GPM_START_SHARE:
+                values[GPM_FROM_START] = share
+            self._gpm_settled = share == 0.0
         return Row(step=mark.step, time=mark.wall, values=values)
 
 
 def _stat(series: Series, t0: float, t1: float, stale: float) -> Stat | None:
     return series.stat(t0, t1, stale) if series.t else None
-
-
-def _spacing(points: list[tuple[float, float]]) -> float:
-    """The driver's sample period: the median gap between buffered samples (0 if unknown)."""
-    times = [t for t, _ in points]
-    gaps = sorted(b - a for a, b in itertools.pairwise(times) if b > a)
-    if gaps:
-        return gaps[len(gaps) // 2]
-    return 0.0

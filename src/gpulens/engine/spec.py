@@ -19,6 +19,15 @@ WORK_CPU = "work/cpu_s"
 is converted off the training thread like any scalar); the engine turns them into ``perf/*``
 keys and leaves them out of the rows it finishes."""
 WORK_KEYS = (WORK_TOKENS, WORK_SAMPLES, WORK_FLOPS, WORK_CPU)
+GPM_FROM_START = "work/gpm_from_start"
+"""In a row whose GPM figures draw more than :data:`GPM_START_SHARE` of their weight on GPM
+spans that began before the first row's end (the share, 0-1): those spans hold the start,
+when the GPU's queue was empty (a monitor started mid-training stalls the training thread),
+while the row's MFU counts steps whose kernels ran partly after its end. The finisher takes
+it out and writes no ``perf/mfu_when_tensor_active_pct`` for the row: on an H200 such rows
+read 100-215 % (HF every step and every 10, the paths harness's blocks) where the rest read
+81-84 % (``benchmarks/results/2026-11-29-h200-lightning-mfu-rows``)."""
+GPM_START_SHARE = 0.1
 
 
 @dataclass(frozen=True)

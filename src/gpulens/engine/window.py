@@ -19,6 +19,7 @@ forward.
 
 from __future__ import annotations
 
+import itertools
 import math
 from bisect import bisect_left, bisect_right
 from collections import deque
@@ -269,6 +270,27 @@ class IntervalSeries:
             return dict(nearest[2])
         return {key: acc[key] / weight[key] for key in acc}
 
+    def share_from_before(self, t0: float, t1: float, t: float) -> float:
+        """Of the weight :meth:`means` gives the spans over ``[t0, t1]``, the share held by
+        spans that began before ``t`` (0.0: none did; 1.0 where the window takes a nearest
+        span that did)."""
+        before = total = 0.0
+        for start, end, _ in reversed(self.spans):
+            if end < t0:
+                break
+            overlap = min(end, t1) - max(start, t0)
+            if overlap <= 0:
+                continue
+            total += overlap
+            if start < t:
+                before += overlap
+        if total > 0:
+            return before / total
+        if not self.spans:
+            return 0.0
+        nearest = min(self.spans, key=lambda s: min(abs(s[0] - t1), abs(s[1] - t0)))
+        return 1.0 if nearest[0] < t else 0.0
+
 
 class CalibratedEnergy:
     """A GPU's energy per window: the power integral, calibrated to NVML's energy counter.
@@ -408,3 +430,12 @@ def job_aggregates(per_gpu: list[dict[str, float]]) -> dict[str, float]:
 
 
 _AGG_KEYS: dict[str, tuple[str, str, str]] = {}
+
+
+def sample_spacing(points: list[tuple[float, float]]) -> float:
+    """The driver's sample period: the median gap between buffered samples (0 if unknown)."""
+    times = [t for t, _ in points]
+    gaps = sorted(b - a for a, b in itertools.pairwise(times) if b > a)
+    if gaps:
+        return gaps[len(gaps) // 2]
+    return 0.0

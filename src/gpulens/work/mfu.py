@@ -47,6 +47,11 @@ When it is left out:
   cores; a peak or GPU variant that is wrong; a GPM reading that does not cover the window).
   The window gets no figure (absent, not clamped: a clamped 100 would look like a perfect
   kernel); :func:`window_perf` reports it in ``out_of_range`` so that the engine says so once.
+* **Its GPM readings hold the start** (the engine's call, not :func:`window_perf`'s): the
+  first row, and the rows after it whose GPM spans began before the first row's end. A monitor
+  started mid-training stalls the training thread, so the GPU idles through the spans' start
+  while the rows inside them are busy steps (and the first row counts steps whose kernels ran
+  partly after it). Such rows read 100-215 % on an H200; the rest of a run 81-84 %.
 """
 
 from __future__ import annotations
