@@ -189,8 +189,12 @@ def test_a_real_monitor_run_throughput_mfu_and_the_engines_alert(tmp_path: Path)
     assert s.efficiency is not None and s.efficiency.per_joule == pytest.approx(tokens / energy)
     assert tp.mfu_pct == pytest.approx(100 * tokens * 7.44e8 / sum(windows) / 2 / 989.4e12)
     dom = check_page_in_chromium(html, tmp_path, min_charts=11)
-    for chart in ("chart-tokens", "chart-tflops", "chart-mfu", "chart-mfu-tensor"):
+    for chart in ("chart-tokens", "chart-tflops", "chart-mfu"):
         assert re.search(rf'id="{chart}".*?data-points="(40|120)"', dom), chart
+    # the first rows' GPM spans hold the start: no MFU-while-busy figure there, the rest have it
+    busy = [r["step"] for r in rows if "perf/mfu_when_tensor_active_pct" in r]
+    assert 30 <= len(busy) < 40 and busy == list(range(41 - len(busy), 41)), busy
+    assert re.search(rf'id="chart-mfu-tensor".*?data-points="{len(busy)}"', dom)
     assert "989.4 TFLOP/s, the dense bf16 peak of one H100 SXM5 80GB" in dom
     # the engine's alert, with what it saw and what to try, in both reports
     assert re.search(r'<tr class="warning"><td>\d+</td><td>[^<]+</td><td>alert · warning</td>'
