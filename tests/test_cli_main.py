@@ -97,3 +97,13 @@ def test_console_script_entry_point() -> None:
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "gpulens"]
     assert ep.value == "gpulens.cli:main"
+
+
+def test_python_dash_m_gpulens_runs_the_command_line() -> None:
+    """``python -m gpulens`` (what a user tries first, as ``python -m pip``) is the command."""
+    proc = subprocess.run([sys.executable, "-m", "gpulens", "--help"], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: gpulens")
+    for cmd in ("watch", "record", "report", "serve", "tune"):
+        assert cmd in proc.stdout
