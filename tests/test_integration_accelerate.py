@@ -155,3 +155,82 @@ def test_merging_logger_wraps_an_accelerator(mlflow_tracking: MlflowTracking) ->
     (run,) = mlflow_tracking.runs()
     assert mlflow_steps(mlflow_tracking, run, "loss") == [1, 2, 3, 4, 5, 6]
     assert mlflow_steps(mlflow_tracking, run, GPU_KEY) == [2, 3, 4, 5, 6]
+
+
+ACCELERATE_SCRIPT_THAT_RAISES = '''
+import time
+import accelerate
+from gpulens.integrations.accelerate import attach
+
+acc = accelerate.Accelerator(cpu=True, log_with=["wandb"])
+acc.init_trackers("gpulens-test")
+attach(acc, interval=0.05)
+for step in range(1, 21):
+    time.sleep(0.1)
+    if step == 20:
+        raise RuntimeError("boom at step 20")   # no end_training()
+    acc.log({"loss": 1.0 / step}, step=step)
+'''
+
+
+def test_rows_reach_wandb_when_the_script_raises_without_end_training(
+        tmp_path: Path, wandb_offline: Path) -> None:
+    """No ``end_training()``: the rows still waiting go into the W&B run at exit, before
+    W&B's own exit hook ends its service (the tracker's exit hook is the newer)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(ACCELERATE_SCRIPT_THAT_RAISES)
+    env = {**os.environ, "GPULENS_BACKEND": "simulated", "GPULENS_SIMULATED_GPUS": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=tmp_path)
+    assert proc.returncode == 1 and "boom at step 20" in proc.stderr
+    assert "rows are lost" not in proc.stderr and "dropped" not in proc.stderr, proc.stderr
+    history = read_history(find_run_file(wandb_offline))
+    assert [h["_step"] for h in history if "loss" in h] == list(range(1, 20))
+    assert sorted(h["gpulens/step"] for h in history if "gpulens/step" in h) == list(
+        range(2, 20))
+
+
+def test_a_second_run_on_one_accelerator_attaches_again(wandb_offline: Path) -> None:
+    """``end_training()``, then ``init_trackers`` and ``attach`` again (a sweep in one process):
+    Accelerate keeps the finished run's trackers in its list; the second attach replaces the
+    finished GPU tracker and writes into the new run only."""
+    acc = accelerator(["wandb"])
+    run_ids = []
+    for _ in range(2):
+        acc.init_trackers("gpulens-test")
+        run_ids.append([t for t in acc.trackers if t.name == "wandb"][-1].tracker.id)
+        attach(acc, interval=0.05)
+        for step in range(1, 7):
+            time.sleep(0.05)
+            acc.log({"loss": 1.0 / step}, step=step)
+        acc.end_training()
+    reset_wandb()
+    assert sum(isinstance(t, GPUTracker) for t in acc.trackers) == 1
+    for run_id in run_ids:
+        history = read_history(find_run_file(wandb_offline, run_id))
+        assert [h["_step"] for h in history if "loss" in h] == list(range(1, 7))
+        assert sorted(h["gpulens/step"] for h in history if "gpulens/step" in h) == list(
+            range(2, 7))
+
+
+def test_without_step_the_gpu_rows_share_the_wandb_steps_of_their_calls(
+        wandb_offline: Path) -> None:
+    """``accelerator.log(values)`` without ``step=``: W&B numbers the calls 0, 1, 2, ...; the
+    GPU row whose window a call ended is plotted at that call's step, not one past it."""
+    acc = accelerator(["wandb"])
+    acc.init_trackers("gpulens-test")
+    attach(acc, interval=0.05)
+    for call in range(1, 9):
+        time.sleep(0.1)
+        acc.log({"call": float(call)})
+    acc.end_training()
+    reset_wandb()
+    history = read_history(find_run_file(wandb_offline))
+    assert [(h["_step"], h["call"]) for h in history if "call" in h] == [
+        (c - 1, c) for c in range(1, 9)]
+    # the first call starts the first window; each later call c ends one, at W&B step c - 1
+    assert sorted(h["gpulens/step"] for h in history if "gpulens/step" in h) == list(range(1, 8))

@@ -301,3 +301,27 @@ def test_the_first_log_starts_the_monitor_on_the_engine_process_spawned_at_wrapp
         assert spawn._spare is None
     finally:
         logger.close()
+
+
+def test_a_wandb_sink_beside_a_wandb_backend_is_a_clear_error(wandb_offline: Path) -> None:
+    """``+trainer.gpu_monitor_sinks=[wandb]`` with a ``Tracking`` whose ``wandb`` backend gets
+    the GPU rows: the sink's own records would move W&B's step past the trainer's calls still
+    waiting here (seen: ``actor/*`` of steps 6-12 dropped by W&B); refused before training."""
+    import wandb
+
+    class Tracking:  # verl's Tracking with its wandb and console backends
+        def __init__(self) -> None:
+            self.logger = {"wandb": wandb, "console": None}
+
+        def log(self, data: dict[str, Any], step: int, backend: Any = None) -> None:
+            if backend is None or "wandb" in backend:
+                wandb.log(data=data, step=step)
+
+    wandb.init(project="gpulens-test")
+    cfg = {"trainer": {**ON["trainer"], "gpu_monitor_sinks": ["wandb"]}}
+    with pytest.raises(ValueError, match="'wandb' sink"):
+        MergingLogger.from_config(Tracking(), cfg)
+    # the same sink is fine where the GPU rows do not go to W&B through the logger
+    logger = MergingLogger.from_config(Tracking(), cfg, gpu_backends=["console"])
+    logger.close()
+    reset_wandb()

@@ -18,10 +18,10 @@ first in ``accelerator.trackers``, so ``accelerator.log(values, step=...)`` reac
 others and ``end_training()`` finishes it first, while the other runs are still open.
 
 * Each ``accelerator.log`` ends the GPU window at ``step`` (the user's step; without ``step=``,
-  the count of ``log`` calls).  The first call starts the first window (it carries no GPU
-  row), so a resumed run's first row counts only the steps it ran; ``start_step=`` starts the
-  window at ``attach`` instead.  Several calls at one step (training, then evaluation) end one
-  window.
+  the count of earlier ``log`` calls, as W&B numbers them).  The first call starts the first
+  window (it carries no GPU row), so a resumed run's first row counts only the steps it ran;
+  ``start_step=`` starts the window at ``attach`` instead.  Several calls at one step
+  (training, then evaluation) end one window.
 * Rows go into the runs the trackers started, on the user's steps: W&B through
   :class:`gpulens.sinks.wandb.WandbSink` on the tracker's run, written from gpulens's engine
   process (each row joins the user's pending step, plotted against ``gpulens/step``, the
@@ -42,7 +42,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpulens.integrations.session import GateAction, StepGate
+from gpulens.integrations.session import (
+    GateAction,
+    StepGate,
+    drop_exit_finalizer,
+    exit_finalizer,
+)
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
@@ -111,8 +116,13 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
         self.monitor = monitor
         self._gate = StepGate()
         self._calls = 0
+        self._finalizer: Any = None
+        self.finished = False
+        """``finish()`` ran (``end_training``): a later ``attach`` replaces this tracker."""
+        self.covers: list[Any] = []
+        """The trackers of the run this one writes into (set by :func:`attach`)."""
         if start_step is not None:
-            monitor.start(step=start_step)
+            self._start(start_step)
         elif not monitor.running:  # it starts at the first log(): spawn its engine now
             prepare_engine(monitor.settings)
 
@@ -130,18 +140,41 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
         """End the GPU window at ``step`` (the first call starts it) and write the rows
         finished so far to the trackers."""
         self._calls += 1
-        step = self._calls if step is None else int(step)
+        # without step= W&B numbers the calls from 0: the GPU row goes where its call's values went
+        step = self._calls - 1 if step is None else int(step)
         monitor = self.monitor
         action = self._gate.at(step, started=monitor.running)
         if action is GateAction.START:
-            monitor.start(step=step)
+            self._start(step)
         elif action is GateAction.ROW:
             monitor.log(step, **_train_scalars(values))
 
+    def _start(self, step: int) -> None:
+        self.monitor.start(step=step)
+        # registered after init_trackers' wandb.init: at an exit without end_training (the
+        # script raised) the rows go out while W&B's service still runs (atexit: newest first)
+        if self._finalizer is not None:
+            drop_exit_finalizer(self._finalizer)
+        self._finalizer = exit_finalizer(self, _stop_quietly, self.monitor)
+
     def finish(self) -> None:
         """Write every row still waiting into the trackers' runs (before they are ended)."""
+        self.finished = True
+        if self._finalizer is not None:
+            drop_exit_finalizer(self._finalizer)
+            self._finalizer = None
         if self.monitor.running:
             self.monitor.stop()
+
+
+def _stop_quietly(monitor: Monitor) -> None:
+    """At garbage collection or interpreter exit without ``end_training``: write what waits."""
+    try:
+        if monitor.running:
+            monitor.stop(collective=False)
+    except Exception as exc:
+        _log.warning("gpulens: writing the last GPU rows to Accelerate's trackers failed: %r",
+                     exc)
 
 
 def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: float = 0.5,
@@ -169,8 +202,15 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
     if not getattr(accelerator, "is_main_process", True):
         return None
     trackers = list(getattr(accelerator, "trackers", None) or ())
-    if any(isinstance(t, GPUTracker) for t in trackers):
+    earlier = [t for t in trackers if isinstance(t, GPUTracker)]
+    if any(not t.finished for t in earlier):
         raise ValueError("gpulens is already attached to this Accelerator")
+    # a second run on one Accelerator (end_training, then init_trackers again): Accelerate keeps
+    # the finished run's trackers in its list; leave them and their GPUTracker out
+    ended = {id(c) for t in earlier for c in t.covers}
+    for t in earlier:
+        accelerator.trackers.remove(t)
+    trackers = [t for t in trackers if not isinstance(t, GPUTracker) and id(t) not in ended]
     if not trackers and not sinks:
         raise ValueError("no tracker has started: call attach(accelerator) after "
                          "accelerator.init_trackers(...), or pass sinks=")
@@ -183,6 +223,7 @@ def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: floa
                       distributed=False)
     check_sinks(monitor.sinks)
     gpu_tracker = GPUTracker(monitor, start_step=start_step)
+    gpu_tracker.covers = trackers
     accelerator.trackers.insert(0, gpu_tracker)
     return gpu_tracker
 

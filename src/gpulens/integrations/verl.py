@@ -232,6 +232,13 @@ class MergingLogger:
         self.handoff = handoff
         self.max_delay_s = float(max_delay_s)
         gpu, rest = _split_backends(logger, gpu_backends)
+        if monitor is not None and gpu and "wandb" in gpu and any(
+                getattr(s, "kind", None) == "wandb" for s in monitor.sinks):
+            # two writers of one W&B run: the sink's records move W&B's step past calls this
+            # logger still holds, and W&B drops them (the trainer's own values)
+            raise ValueError("the monitor has a 'wandb' sink, but the GPU rows already go to "
+                             "W&B through the logger's 'wandb' backend: leave 'wandb' out of "
+                             "the sinks (trainer.gpu_monitor_sinks)")
         self._state = _State(logger, monitor, handoff, gpu, rest, self.max_delay_s)
         self._gate = StepGate()
         self._window_open = monitor is not None and monitor.running
