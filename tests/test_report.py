@@ -273,6 +273,30 @@ def test_report_of_a_real_monitor_run(tmp_path: Path) -> None:
     assert "**SIMULATED GPUs**" in md.read_text() and "backend: simulated" in md.read_text()
 
 
+def test_a_loss_that_goes_nan_or_inf_is_said_not_hidden(tmp_path: Path) -> None:
+    """A diverging run: the JSONL keeps a NaN or infinite loss as ``null``; the report says in
+    its headline how many rows had one and from which step, and charts the finite points."""
+    import gpulens
+
+    path = tmp_path / "run.jsonl"
+    losses = {1: 2.0, 2: 1.5, 3: math.nan, 4: math.inf, 5: 1.0, 6: -math.inf, 7: 0.5}
+    with gpulens.Monitor(backend="simulated", interval=0.02, sinks=[f"jsonl:{path}"]) as mon:
+        for step, loss in losses.items():
+            time.sleep(0.02)
+            mon.log(step, loss=loss, grad_norm=0.7)
+    assert [r.get("train/loss") for r in read_rows(path)] == [2.0, 1.5, None, None, 1.0, None,
+                                                              0.5]
+    summary = summarize(load_jsonl(path))
+    assert summary.not_finite == {"train/loss": [3, 3]}
+    assert (summary.loss_first, summary.loss_last, summary.loss_min) == (2.0, 0.5, 0.5)
+    html, md = tmp_path / "r.html", tmp_path / "r.md"
+    assert main(["report", str(path), "-o", str(html), "--markdown", str(md)]) == 0
+    assert "loss: NOT FINITE (NaN or inf) in 3 row(s), first at step 3" in md.read_text()
+    dom = check_page_in_chromium(html, tmp_path, min_charts=5)
+    assert "loss not finite in 3 row(s), first at step 3" in dom
+    assert re.search(r'id="chart-loss".*?data-points="4"', dom)
+
+
 def test_report_of_a_gpulens_record_run(tmp_path: Path) -> None:
     """Rows from `gpulens record` are intervals, not training steps: GPU charts only, no
     per-step figures."""

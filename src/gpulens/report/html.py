@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,11 +165,12 @@ def _axis(record: Record) -> _Axis:
 
 
 def _points(record: Record, axis: _Axis, key: str) -> dict[int, list[tuple[float, float]]]:
-    """Points of ``key`` per run number, in row order."""
+    """Finite points of ``key`` per run number, in row order."""
     out: dict[int, list[tuple[float, float]]] = {}
     for x, n, r in zip(axis.xs, axis.runs, record.rows, strict=True):
-        if key in r.values:
-            out.setdefault(n, []).append((x, r.values[key]))
+        v = r.values.get(key)
+        if v is not None and math.isfinite(v):  # a NaN loss: in the headline, not a point
+            out.setdefault(n, []).append((x, v))
     return out
 
 
@@ -381,6 +383,9 @@ def _kpis(summary: RunSummary) -> str:
                       "mean step time (duration / steps)"))
     if summary.loss_last is not None:
         items.append((f"{summary.loss_last:.4g}", f"final loss (first {summary.loss_first:.4g})"))
+    for key, (rows, first) in summary.not_finite.items():
+        items.append(("NaN/inf", f"{key.removeprefix('train/')} not finite in {rows} row(s), "
+                      f"first at step {first}"))
     t = summary.throughput
     if t is not None and t.per_s is not None:
         items.append((f"{figure(t.per_s)} {t.unit}/s", f"throughput ({t.unit} per second)"))

@@ -268,6 +268,8 @@ class _Reader:
             f = _number(value)
             if f is not None:
                 values[key] = f
+            elif value is None and key.startswith("train/"):
+                values[key] = math.nan  # the JSONL's null for a scalar that was not finite
         info = self._run_for(_text(obj.get("run_id")))
         info.rows += 1
         info.first_step = step if info.first_step is None else min(info.first_step, step)

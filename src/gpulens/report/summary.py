@@ -199,6 +199,9 @@ class RunSummary:
     loss_first: float | None = None
     loss_last: float | None = None
     loss_min: float | None = None
+    not_finite: dict[str, list[int]] = field(default_factory=dict)
+    """Training scalars that were NaN or infinite in some rows (a diverging loss):
+    ``train/<name>`` -> [rows, first step]."""
     step_time_mean_s: float | None = None
     """Duration / steps, where the rows are training steps that time themselves
     (``perf/step_time_s`` beside training scalars)."""
@@ -255,6 +258,7 @@ class SummaryBuilder:
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._loss: list[float] = []  # first, last, min
+        self._not_finite: dict[str, list[int]] = {}
         self._step_time = _Stat()
         self._trained = False  # rows with training scalars (not `gpulens record` intervals)
 
@@ -267,6 +271,11 @@ class SummaryBuilder:
     def add(self, step: int, time: float, values: Mapping[str, float]) -> None:
         """Fold in one row.  Rows of one run must come in time order."""
         self._rows += 1
+        for key, value in values.items():
+            if not math.isfinite(value) and key.startswith("train/"):
+                seen = self._not_finite.setdefault(key, [0, step])
+                seen[0] += 1
+                seen[1] = min(seen[1], step)
         if self._prev_time is None:  # the first row of a run
             window = self._first_row_window(time, values)
             span: list[float | None] = [time, window, time]
@@ -418,6 +427,7 @@ class SummaryBuilder:
             out.steps = self._last_step - self._first_step + 1
         if self._loss:
             out.loss_first, out.loss_last, out.loss_min = self._loss
+        out.not_finite = {k: list(v) for k, v in sorted(self._not_finite.items())}
         if self._step_time.count and self._trained and out.steps and out.duration_s:
             out.step_time_mean_s = out.duration_s / out.steps
         total_j = 0.0

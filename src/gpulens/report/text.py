@@ -239,6 +239,9 @@ def headline(s: RunSummary) -> list[str]:
         out.append(f"energy/step: {s.energy_per_step_j:.1f} J")
     if s.loss_first is not None and s.loss_last is not None:
         out.append(f"loss: {s.loss_first:.4g} → {s.loss_last:.4g} (min {s.loss_min:.4g})")
+    for key, (rows, first) in s.not_finite.items():
+        out.append(f"{key.removeprefix('train/')}: NOT FINITE (NaN or inf) in {rows} row(s), "
+                   f"first at step {first}")
     if s.step_time_mean_s is not None:
         out.append(f"mean step time: {s.step_time_mean_s * 1000:.0f} ms")
     e = s.efficiency

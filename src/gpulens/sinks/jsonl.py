@@ -22,7 +22,8 @@ the sink never overwrites, it appends.  Each run is told apart by its run id:
   answer at start) and ``node_names`` (node index -> name);
 * a row line per :class:`~gpulens.model.Row`: ``run_id``, ``step``, ``time`` (unix seconds
   at the end of the window) and the row's keys; a value that is not finite (a NaN loss) is
-  written as ``null``;
+  written as ``null`` (``gpulens report`` says how many rows had a training scalar so, from
+  which step);
 * an event line per :class:`~gpulens.model.Event` of a row, after that row:
   ``{"event": "alert"|"notice", "run_id", "step", "time", "name", "state", "severity",
   "message", "advice", "data"}``;
