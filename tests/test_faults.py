@@ -334,3 +334,26 @@ def test_rows_are_complete_when_the_cpu_is_starved(tmp_path: Path) -> None:
         partial, *present = row
         assert all(present) or partial > 0, rows
     assert sum(all(r[1:]) for r in rows) >= 11, rows
+
+
+def test_a_long_error_keeps_its_cause_in_the_warning_line() -> None:
+    """An MLflow server that is down fails in urllib3 with a message of several hundred
+    characters whose cause ("Connection refused") comes last: the warning's one line keeps its
+    head and its tail, not the first 300 characters alone."""
+    import socket
+
+    import requests
+
+    from gpulens.log import ONE_LINE_CHARS, one_line
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(requests.ConnectionError) as err:
+        requests.get(f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/log-batch/" + "x" * 200,
+                     timeout=5)
+    assert len(str(err.value)) > ONE_LINE_CHARS
+    line = one_line(err.value)
+    assert line.startswith("ConnectionError: HTTPConnectionPool(host='127.0.0.1'")
+    assert "Connection refused" in line and len(line) <= ONE_LINE_CHARS + 30, line
+    assert one_line(ValueError("a user error\n  on two lines")) == "a user error on two lines"

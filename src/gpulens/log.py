@@ -235,3 +235,20 @@ class Laps:
             parts = ", ".join(f"{name} {s:.3f}" for name, s in self._laps)
             logger.debug("gpulens: %s (s): %s, total %.3f", self.what, parts,
                          self._last - self._first)
+
+
+ONE_LINE_CHARS = 300
+""":func:`one_line` keeps at most about this many characters of an exception's text."""
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its own text for a user error (``ValueError``, an install
+    hint's ``ImportError``), ``Type: text`` otherwise. A text longer than
+    :data:`ONE_LINE_CHARS` keeps its head and its tail, where a chained error says its cause
+    (an MLflow server that is down: urllib3's "Connection refused" comes last)."""
+    text = " ".join(str(exc).split())
+    if len(text) > ONE_LINE_CHARS:
+        text = f"{text[:ONE_LINE_CHARS // 2]} ... {text[-(ONE_LINE_CHARS // 2 - 5):]}"
+    if isinstance(exc, (ValueError, ImportError)) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

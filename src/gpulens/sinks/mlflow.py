@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gpulens.log import logger as _log
-from gpulens.log import warn_once
+from gpulens.log import one_line, warn_once
 from gpulens.model import Event, Row, RunContext
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
 
@@ -195,7 +195,7 @@ class MlflowSink:
                 if not pauses:
                     raise
                 _log.debug("gpulens: opening the MLflow store %s failed (%s); trying again",
-                           uri, _one_line(exc))
+                           uri, one_line(exc))
                 time.sleep(pauses.pop(0))
         self._layout = TrackerLayout(self.keys, section=self._section(),
                                      include_train=self.include_train)
@@ -301,7 +301,7 @@ def write_run_params(client: Any, run_id: str | None, context: RunContext) -> No
             client.log_batch(run_id, params=items[i:i + _PARAM_BATCH], synchronous=True)
     except Exception as exc:
         warn_once("mlflow-params", "gpulens: could not write the run's metadata (GPUs, "
-                  "backend, ...) as MLflow params: %s", _one_line(exc))
+                  "backend, ...) as MLflow params: %s", one_line(exc))
         return
     if kept:
         _log.info("gpulens: MLflow run %s already has %s with other values (a resumed "
@@ -333,11 +333,6 @@ def _text(value: object) -> str:
     """A param's value as MLflow keeps it (text, at most ``_MAX_TEXT`` characters)."""
     text = f"{value:.6g}" if isinstance(value, float) else str(value)
     return text[:_MAX_TEXT]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 _RUN_ID = re.compile(r"^[a-zA-Z0-9][\w\-]{0,255}$")

@@ -111,7 +111,7 @@ from collections import deque
 from typing import Any
 
 from gpulens.log import logger as _log
-from gpulens.log import warn_once
+from gpulens.log import one_line, warn_once
 from gpulens.model import Event, Row, RunContext
 from gpulens.schema import STEP_KEY
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys
@@ -123,7 +123,6 @@ from gpulens.sinks.wandb_run import (
     check_wandb_login,
     check_wandb_ready,
     import_wandb,
-    one_line,
     send_alert,
     write_run_metadata,
 )

@@ -28,7 +28,7 @@ import pickle
 import sys
 from typing import Any
 
-from gpulens.log import logger, warn_once
+from gpulens.log import logger, one_line, warn_once
 from gpulens.model import Event, RunContext
 from gpulens.sinks.layout import run_metadata
 
@@ -166,11 +166,6 @@ def check_wandb_ready() -> None:
         raise ValueError("the 'wandb' sink needs wandb: pip install 'gpulens[wandb]'")
     if "wandb" in sys.modules:
         check_wandb_login()
-
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 SIMULATED_TAG = "simulated-gpus"

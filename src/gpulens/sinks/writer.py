@@ -28,7 +28,7 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from gpulens.log import logger, warn_once
+from gpulens.log import logger, one_line, warn_once
 from gpulens.model import Row, RunContext, SinkStats
 from gpulens.sinks import SinkSpec, unique_names
 from gpulens.sinks.base import Sink
@@ -53,15 +53,6 @@ writes a leading part of them in one call and returns how many it wrote): MLflow
 SLOW_BACKLOG_ROWS = 200
 SLOW_BACKLOG_S = 30.0
 """A sink this many rows or seconds behind is a slow tracker: warned about once."""
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as one line: its own text for a user error (``ValueError``, an install
-    hint's ``ImportError``), ``Type: text`` otherwise."""
-    text = " ".join(str(exc).split())[:300]
-    if isinstance(exc, (ValueError, ImportError)) and text:
-        return text
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class _Delivery:
