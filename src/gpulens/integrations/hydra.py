@@ -5,7 +5,11 @@ Two ways to switch it on, both from the command line of an existing Hydra app:
 * verl's convention, keys added to the ``trainer`` node of a struct config that lacks them::
 
       python train.py +trainer.enable_gpu_monitoring=true +trainer.gpu_monitor_interval=0.2 \\
-          '+trainer.gpu_monitor_sinks=[wandb,jsonl:runs/gpu.jsonl]'
+          '+trainer.gpu_monitor_sinks=[jsonl:runs/gpu.jsonl]'
+
+  (verl's ``Tracking`` gives the rows to its own W&B and MLflow backends through
+  :class:`gpulens.integrations.verl.MergingLogger`; a ``wandb`` sink beside its ``wandb``
+  backend is refused. A plain Hydra app names its trackers here: ``[wandb,jsonl:...]``.)
 
 * a config group, registered in Hydra's ConfigStore by the ``hydra_plugins.gpulens`` module
   (Hydra imports it when it looks for plugins)::
