@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -319,6 +320,45 @@ def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None
     rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all("gpu/0/power_w" in r for r in rows)
+
+
+def test_sigterm_to_the_process_group_leaves_the_rows_written(tmp_path: Path) -> None:
+    """A launcher that stops a job (torchrun: ``os.killpg(rank, SIGTERM)``; the engine
+    process is in the rank's process group) ends the training process; the engine process
+    outlives the signal, sees the pipe close and writes the rows it holds and ``run_end``
+    (it died with the training process: the last rows and the run's end were lost)."""
+    path = tmp_path / "gpu.jsonl"
+    script = textwrap.dedent(f"""
+        import time, gpulens
+        mon = gpulens.Monitor(interval=0.05, sinks=["jsonl:{path}"], backend="simulated")
+        mon.start()
+        for step in range(1, 6):
+            time.sleep(0.03)
+            mon.log(step)
+        print(mon._transport.pid, flush=True)
+        time.sleep(60)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        deadline = time.monotonic() + 15
+        while psutil.pid_exists(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert [r["step"] for r in read_rows(path)] == [1, 2, 3, 4, 5]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[-1].get("event") == "run_end", lines[-1]
 
 
 # -- faults: pipes, fork, interrupts, relay, stop -------------------------------------------------

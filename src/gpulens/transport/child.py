@@ -31,6 +31,10 @@ def main(argv: list[str]) -> int:
     from gpulens.engine.engine import Engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM too: a launcher that stops a job (torchrun, Slurm) signals each rank's process
+    # group, this process included; it ends once the training process has gone (end of file
+    # on its pipe), after writing the rows it holds, instead of losing them
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spare = argv[3:4] == [SPARE_ARG]
     if spare:
         _import_sources()
