@@ -71,6 +71,11 @@ class _Keys:
         return step, self._epoch * EPOCH + self._n
 
 
+def _order(key: Key) -> tuple[int, int, int]:
+    """A key's place in its rank's sequence of rows: (epoch, step, repeat)."""
+    return key[1] // EPOCH, key[0], key[1] % EPOCH
+
+
 def _alive(pid: int) -> bool:
     """A slot's process: a slot not claimed yet (pid 0) counts as alive (a rank that joins
     late)."""
@@ -123,7 +128,7 @@ class _Teller:
                 "here on are written without it, marked partial (job/partial = 1)", n,
                 names.get(n, "?"), step, JOB_WAIT_S)
         for r in ranks:
-            if r in self.ranks:
+            if r in self.ranks or r in g.misstepped:  # said already, as what it is
                 continue
             self.ranks.add(r)
             say("gpulens: rank %d%s sent no row for step %d (its process has exited, or it "
@@ -150,6 +155,8 @@ class NodeLevel:
         self.rank_of = {i: m.members[i] for i in range(len(m.members))}
         self.next_seq = dict.fromkeys(self.slots, 0)
         self.keys = {i: _Keys() for i in self.slots}
+        self.last_key: dict[int, Key] = {}
+        """Each slot's latest row read: an earlier key it lacks will not come."""
         self.own_keys = _Keys()
         self.pending: dict[Key, _Pending] = {}
         self.order: deque[Key] = deque()
@@ -182,7 +189,7 @@ class NodeLevel:
             p = self.pending[key]
             # the slots' states (a pid look each) only for a row that lacks some rank
             lacking = [s for s in self.slots if self.rank_of[s] not in p.entries]
-            absent = self._awaited(ring, lacking)
+            absent = self._awaited(ring, lacking, key)
             if absent and now - p.since < NODE_WAIT_S and len(self.pending) <= MAX_PENDING:
                 break
             self.order.popleft()
@@ -205,18 +212,33 @@ class NodeLevel:
                 self.g.stats["lost"] += 1
                 continue
             key = self.keys[slot].next(int(agg.field_of(got, "step")))
+            self.last_key[slot] = key
             self.pending.setdefault(key, _Pending()).entries[rank] = got
             self.missing.discard(rank)
         self.next_seq[slot] = seq
 
-    def _awaited(self, ring: NodeRing | None, slots: list[int]) -> list[int]:
-        """The ranks of ``slots`` (each lacking the row) still to wait for: not those whose
-        writer exited or stopped with every entry read, nor those said missing already."""
+    def _awaited(self, ring: NodeRing | None, slots: list[int], key: Key) -> list[int]:
+        """The ranks of ``slots`` (each lacking the row ``key``) still to wait for: not those
+        whose writer exited or stopped with every entry read, nor those said missing already,
+        nor those that sent a later row (a rank's rows come in order: it did not log this
+        step; said once as what it is)."""
         if ring is None:
             return []
         wait = []
         for slot in slots:
             rank = self.rank_of[slot]
+            last = self.last_key.get(slot)
+            if last is not None and _order(last) > _order(key):
+                if rank not in self.g.misstepped:
+                    self.g.misstepped.add(rank)
+                    logger.warning(
+                        "gpulens: rank %d%s logged step %d but not step %d, which rank %d "
+                        "logged: the ranks call log() at different steps (every rank must "
+                        "log the same steps; or its mark was dropped); rows of a step a rank "
+                        "did not log are written without its GPU, marked partial "
+                        "(job/partial = 1)", rank, self.teller._where(rank), last[0], key[0],
+                        self.g.rank)
+                continue
             state, _, pid, written, final = ring.state(slot)
             if rank in self.missing or (self.next_seq[slot] >= written and (
                     final is not None or (state != 0 and not _alive(pid)))):

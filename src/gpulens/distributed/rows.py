@@ -176,6 +176,8 @@ class RowGather:
         self._written = 0
         self._closed = False
         self._finishing = False
+        self.misstepped: set[int] = set()
+        """Ranks seen logging other steps than their leader (told once, by the node level)."""
         self._levels: tuple[NodeLevel | None, JobLevel | None] = (None, None)
         """The gather thread's node and job levels (for the count of rows left at stop)."""
         self._finish_began: float | None = None
