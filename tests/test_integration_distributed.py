@@ -274,9 +274,13 @@ def test_hf_trainer_ddp_into_wandb_from_rank_0s_engine(ddp_examples: Path) -> No
     HF started on rank 0 and writes the job's rows on HF's steps; no other rank makes a run."""
     needs("transformers")
     needs("wandb")
-    from tests.support.wandb_reader import read_history, wait_for_finished_run
+    from tests.support.wandb_reader import read_config, read_history, wait_for_finished_run
 
-    history = read_history(wait_for_finished_run(ddp_examples))  # the launch's one run
+    run = wait_for_finished_run(ddp_examples)  # the launch's one run
+    history = read_history(run)
+    config = read_config(run)["gpulens"]  # the job's GPUs, not rank 0's alone
+    assert (config["gpu_count"], config["job.world"]) == (2, 2), config
+    assert config["gpus"].startswith("2 x ") and {"gpu.0.name", "gpu.1.name"} <= set(config)
     loss_steps = [h["train/global_step"] for h in history if "train/loss" in h]
     rows = [h for h in history if "gpulens/step" in h]
     assert loss_steps == [4, 8, 12]

@@ -287,7 +287,8 @@ def _kind(key: str, scaled: bool) -> tuple[int, str | None]:
 def run_metadata(context: RunContext) -> dict[str, str | float | int]:
     """What the trackers record about a run: gpulens's version, the backend (``"simulated"``
     for simulated GPUs, said so plainly), hostname, sampling interval (s), the GPUs (count,
-    ``"2 x NAME"`` summary, each GPU's name as ``gpu.{i}.name``), a distributed job's shape
+    ``"2 x NAME"`` summary, each GPU's name as ``gpu.{i}.name``; in a distributed job the
+    job's GPUs, names up to :data:`~gpulens.schema.FULL_GPUS`), a distributed job's shape
     (``job.world``, ``job.nodes``, ``job.launcher``, ``node.{n}`` = ``"NAME: ranks 0-7, 8 x
     GPU"``, and up to :data:`~gpulens.schema.FULL_GPUS` GPUs each GPU's ``gpu.{i}.node`` and
     ``gpu.{i}.uuid``; every GPU's identity is in the JSONL ``run_start``) and the run's
@@ -299,19 +300,24 @@ def run_metadata(context: RunContext) -> dict[str, str | float | int]:
         "backend": context.backend,
         "hostname": context.hostname,
         "interval_s": float(context.interval),
-        "gpu_count": len(context.gpus),
     }
     if context.backend == "simulated":
         out["simulated"] = ("yes: the GPU figures of this run come from gpulens's simulator, "
                             "not from hardware")
-    if context.gpus:
+    job = getattr(context, "job", None)
+    gpus = list(context.gpus)  # a job's: every rank's GPUs where the start exchange found them
+    known = [g for r in job.ranks for g in r.gpus] if job is not None else []
+    if len(known) > len(gpus):
+        gpus = known
+    out["gpu_count"] = len(gpus)
+    if gpus:
         names: dict[str, int] = {}
-        for g in context.gpus:
+        for g in gpus:
             names[g.name] = names.get(g.name, 0) + 1
         out["gpus"] = ", ".join(f"{n} x {name}" for name, n in names.items())
-        for g in context.gpus:
-            out[f"gpu.{g.index}.name"] = g.name
-    job = getattr(context, "job", None)
+        if job is None or len(gpus) <= FULL_GPUS:
+            for g in gpus:
+                out[f"gpu.{g.index}.name"] = g.name
     if job is not None:  # the job's shape: a few keys a node, never one a GPU beyond 8
         out["job.world"] = job.world
         out["job.nodes"] = job.nodes
