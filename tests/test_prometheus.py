@@ -454,3 +454,22 @@ def test_promtool_accepts_the_rules_and_their_unit_tests() -> None:
     proc = subprocess.run([exe, "check", "config", "prometheus.yml"], capture_output=True,
                           text=True, timeout=240, cwd=RULES.parent)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_gpu_the_row_no_longer_carries_is_gone_not_carried_forward() -> None:
+    """A GPU lost mid-run: its gauges leave the next scrape (DESIGN's failure model: a metric
+    that stops reading is absent from then on), while the GPU still there keeps its own."""
+    from gpulens.model import Row
+
+    sink = PrometheusSink(port=0, http=False)
+    sink.open(None)  # type: ignore[arg-type]
+    both = {"gpu/0/power_w": 300.0, "gpu/0/energy_j": 30.0,
+            "gpu/1/power_w": 582.5, "gpu/1/energy_j": 58.0}
+    sink.write(Row(step=1, time=T0, values=both))
+    assert {lbl["gpu"] for lbl, _ in exposed(sink)["gpulens_gpu_power_watts"]} == {"0", "1"}
+    sink.write(Row(step=2, time=T0 + 1, values={"gpu/0/power_w": 310.0,
+                                                 "gpu/0/energy_j": 31.0}))
+    power = exposed(sink)["gpulens_gpu_power_watts"]
+    assert [(lbl["gpu"], v) for lbl, v in power] == [("0", 310.0)]
+    energy = dict((lbl["gpu"], v) for lbl, v in exposed(sink)["gpulens_gpu_energy_joules_total"])
+    assert energy == {"0": 61.0, "1": 58.0}  # a counter stays: what was used was used

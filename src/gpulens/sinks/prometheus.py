@@ -294,8 +294,10 @@ class PrometheusSink:
             ):
                 scalars[key] = float(value)
         with self._lock:
+            # the latest row's GPUs only: a GPU the row no longer carries (lost mid-run) is
+            # gone from the next scrape, never its last values carried forward
+            self._gpu_values = gpu
             for index, values in gpu.items():
-                self._gpu_values[index] = values
                 if "energy_j" in values:
                     self._energy_j[index] = self._energy_j.get(index, 0.0) + values["energy_j"]
             # the engine's figures are the latest row's: one it no longer gives is gone
@@ -361,7 +363,7 @@ class _Collector:
         context, gpu_values, energy, scalars, steps = self._sink.snapshot()
         host = _host(context)
         infos, placed = _gpus(context)
-        indices = sorted(set(infos) | set(gpu_values), key=int)
+        indices = sorted(set(infos) | set(gpu_values) | set(energy), key=int)
 
         def labels(index: str) -> list[str]:
             info = infos.get(index)
