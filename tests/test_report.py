@@ -340,3 +340,31 @@ def test_report_efficiency_with_work(tmp_path: Path) -> None:
     for shown in (text, page):  # the same unit twice under two names: gone
         assert "per W" not in shown and "per watt" not in shown
     assert '<div class="v">2 tokens/J</div><div class="l">efficiency (tokens per joule)' in page
+
+
+def test_gpu_lost_mid_run_counts_its_own_time_not_the_runs(tmp_path: Path) -> None:
+    """GPU 1 leaves after 20 of 120 steps (a GPU lost: its keys stop).  The run's mean power
+    is the energy over the run's time, not the sum of each GPU's mean over its own rows, and
+    GPU 1's throttled seconds are of the 10 s it was seen, not of the run's 60 s."""
+    path = write_rows(tmp_path / "run.jsonl", junk=False)
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        row = json.loads(line)
+        if row["step"] > 20:
+            row = {k: v for k, v in row.items() if not k.startswith("gpu/1/")}
+        else:
+            row["gpu/1/throttle_pct"] = row["gpu/1/throttle_power_pct"] = 100.0
+        kept.append(json.dumps(row))
+    path.write_text("\n".join(kept) + "\n")
+    s = summarize(load_jsonl(path))
+    g0, g1 = s.gpus
+    assert s.duration_s == pytest.approx(60.0)
+    assert g1.power_mean_w == pytest.approx(400.0)  # while it was there
+    assert s.energy_wh == pytest.approx((300 * 60 + 400 * 10) / 3600)
+    assert s.power_mean_w == pytest.approx(300.0 + 400.0 * 10 / 60)
+    assert s.energy_wh is not None and s.duration_s is not None
+    assert s.power_mean_w == pytest.approx(s.energy_wh * 3600 / s.duration_s)
+    assert g1.throttle_pct == pytest.approx(100.0)
+    assert g1.throttled_power_s == pytest.approx(10.0)  # not 100 % of 60 s
+    assert g0.throttled_power_s == pytest.approx(15.0)

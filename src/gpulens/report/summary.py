@@ -194,7 +194,8 @@ class RunSummary:
     energy_wh: float | None = None
     """All GPUs together."""
     power_mean_w: float | None = None
-    """All GPUs together (sum of the GPUs' mean power)."""
+    """All GPUs together over the run's duration (each GPU's mean power times the share of
+    the run its rows cover, summed)."""
     energy_per_step_j: float | None = None
     loss_first: float | None = None
     loss_last: float | None = None
@@ -440,7 +441,9 @@ class SummaryBuilder:
                 total_j += g.energy_wh * 3600
                 have_energy = True
             if g.power_mean_w is not None:
-                total_power += g.power_mean_w
+                # a GPU's mean over the run's time, not only over its own rows (a GPU lost
+                # mid-run drew nothing gpulens saw after it left)
+                total_power += g.power_mean_w * _share(self._gpu[gpu]["power_w"], out.duration_s)
                 have_power = True
         if have_energy:
             out.energy_wh = total_j / 3600
@@ -495,13 +498,28 @@ class SummaryBuilder:
         g.throttle_power_pct = mean("throttle_power_pct")
         g.throttle_thermal_pct = mean("throttle_thermal_pct")
         if duration is not None:
+            # the share of the time this GPU's rows cover (a GPU lost mid-run: its own rows)
             if g.throttle_pct is not None:
-                g.throttled_s = g.throttle_pct / 100 * duration
+                g.throttled_s = g.throttle_pct / 100 * _covered(s["throttle_pct"], duration)
             if g.throttle_power_pct is not None:
-                g.throttled_power_s = g.throttle_power_pct / 100 * duration
+                g.throttled_power_s = g.throttle_power_pct / 100 * _covered(
+                    s["throttle_power_pct"], duration)
             if g.throttle_thermal_pct is not None:
-                g.throttled_thermal_s = g.throttle_thermal_pct / 100 * duration
+                g.throttled_thermal_s = g.throttle_thermal_pct / 100 * _covered(
+                    s["throttle_thermal_pct"], duration)
         return g
+
+
+def _covered(stat: _Stat, duration: float) -> float:
+    """Seconds of the run that a metric's rows cover (their windows), at most the run's."""
+    return min(stat.weight, duration) if stat.weight > 0 else duration
+
+
+def _share(stat: _Stat, duration: float | None) -> float:
+    """The share of the run's duration that a metric's rows cover (1 when unknown)."""
+    if not duration or duration <= 0 or stat.weight <= 0:
+        return 1.0
+    return min(1.0, stat.weight / duration)
 
 
 _PERF_KEYS = (
