@@ -8,6 +8,7 @@ NVML would be opened there.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import statistics
@@ -570,6 +571,24 @@ def test_gpu_lost_mid_run(caplog: pytest.LogCaptureFixture, isolation: str) -> N
     assert not any(k.startswith("gpu/1/") for k in last)
     assert "gpu/0/power_w" in last
     assert last["perf/partial_gpus"] == 0.0  # a lost GPU is told, not a partial window
+
+
+def test_gpu_lost_mid_run_is_a_notice_in_the_record(tmp_path: Path, isolation: str) -> None:
+    """The loss is told in the record too (a notice event), not only on stderr: the JSONL and
+    the report then say why GPU 1's figures stop."""
+    path = tmp_path / "run.jsonl"
+    sim = SimulatedNVML(gpus=2, lose_gpu_after={1: 1.0})
+    with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{path}"], backend=sim,
+                         isolation=isolation) as mon:
+        for step in range(1, 30):
+            time.sleep(0.1)
+            mon.log(step)
+            if sim.elapsed() > 2.0 and step > 3:
+                break
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lost = [e for e in lines if e.get("event") == "notice" and e.get("name") == "gpu_lost"]
+    assert len(lost) == 1, lines
+    assert "GPU 1" in lost[0]["message"] and lost[0]["severity"] == "warning"
 
 
 def crashing_load(gpu: int, t: float) -> float:

@@ -245,6 +245,11 @@ class Engine:
     def _emit(self, row: Row) -> None:
         """A window's row (sampler thread): finished and written, or, in a distributed job,
         to meet the other ranks' (in this engine's gather, or back to the client raw)."""
+        sampler = self._sampler
+        if sampler is not None and sampler.notes:  # a GPU lost: told in the record too
+            with self._notes_lock:
+                while sampler.notes:
+                    self._notes.append(sampler.notes.popleft())
         gather = self._gather
         if gather is not None:
             gather.local_row(row)

@@ -42,7 +42,7 @@ from gpulens.engine.window import (
 )
 from gpulens.errors import GpuLost
 from gpulens.log import logger, warn_once
-from gpulens.model import GpuInfo, Mark, Row
+from gpulens.model import Event, GpuInfo, Mark, Row
 from gpulens.schema import GPU_METRICS, Agg, gpu_key, train_key
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import (
@@ -178,16 +178,15 @@ class Sampler:
         self._thread: threading.Thread | None = None
         self.first_read = threading.Event()
         """Set once the loop has taken its first cheap and buffered reads (:meth:`start`)."""
-        self._window_start = 0.0
-        self._prev_step = 0
+        self._window_start, self._prev_step = 0.0, 0
         self._first_end, self._gpm_settled = 0.0, True
         """The first row's end; whether rows' GPM spans no longer reach back before it."""
-        self._last_fast = -math.inf
-        self._last_buffers = -math.inf
-        self._last_gpm = -math.inf
+        self._last_fast = self._last_buffers = self._last_gpm = -math.inf
         self._unix_offset = time.time() - time.monotonic()
         self._late_rows = 0
         self.failed: BaseException | None = None
+        self.notes: deque[Event] = deque()
+        """Notices for the next row (a GPU lost): the engine takes them into its rows."""
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, step: int = 0) -> float:
@@ -299,6 +298,8 @@ class Sampler:
     def _lose(self, gpu: GpuState, exc: GpuLost) -> None:
         gpu.lost = True
         logger.warning("gpulens: %s; its metrics stop (a gap), training goes on", exc)
+        self.notes.append(Event("notice", "gpu_lost", "info", -1, time.time(),
+                                message=f"{exc}; its metrics stop from here (a gap)"))
 
     def _read_fast(self, now: float) -> None:
         for gpu in self.gpus:
