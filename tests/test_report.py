@@ -297,6 +297,34 @@ def test_a_loss_that_goes_nan_or_inf_is_said_not_hidden(tmp_path: Path) -> None:
     assert re.search(r'id="chart-loss".*?data-points="4"', dom)
 
 
+def test_run_sums_that_cover_some_gpus_say_how_many(tmp_path: Path) -> None:
+    """GPU 0 cannot report power or energy: the run's energy and mean power are GPU 1's, and
+    the headline says they cover 1 of 2 GPUs (not "all GPUs")."""
+    import gpulens
+    from gpulens.testing import SimulatedNVML
+
+    path = tmp_path / "run.jsonl"
+    sim = SimulatedNVML(gpus=2, not_supported={0: [
+        "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption",
+        "nvmlDeviceGetSamples"]})
+    with gpulens.Monitor(backend=sim, interval=0.05, sinks=[f"jsonl:{path}"]) as mon:
+        for step in range(1, 11):
+            time.sleep(0.05)
+            mon.log(step, loss=1.0 / step)
+    summary = summarize(load_jsonl(path))
+    by_gpu = {g.gpu: g for g in summary.gpus}
+    assert by_gpu["0"].energy_wh is None and by_gpu["1"].energy_wh is not None
+    assert (summary.energy_gpus, summary.power_gpus) == (1, 1)
+    assert summary.energy_wh == pytest.approx(by_gpu["1"].energy_wh)
+    html, md = tmp_path / "r.html", tmp_path / "r.md"
+    assert main(["report", str(path), "-o", str(html), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert re.search(r"energy: [^·]+ \(1 of 2 GPUs\)", text), text
+    assert re.search(r"mean power: \d+ W \(1 of 2 GPUs\)", text), text
+    page = html.read_text()
+    assert "mean GPU power (1 of 2 GPUs)" in page and "GPU energy (1 of 2 GPUs)" in page
+
+
 def test_report_of_a_gpulens_record_run(tmp_path: Path) -> None:
     """Rows from `gpulens record` are intervals, not training steps: GPU charts only, no
     per-step figures."""

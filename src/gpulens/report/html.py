@@ -38,6 +38,7 @@ from gpulens.report.text import (
     figure,
     gpu_cells,
     mfu_notes,
+    of_gpus,
     sized,
     sparkline,
 )
@@ -373,9 +374,11 @@ def _kpis(summary: RunSummary) -> str:
     if summary.steps is not None:
         items.append((str(summary.steps), "steps"))
     items.append((duration(summary.duration_s), "duration"))
-    items.append((energy_text(summary.energy_wh), "GPU energy"))
+    items.append((energy_text(summary.energy_wh),
+                  "GPU energy" + of_gpus(summary, summary.energy_gpus)))
     if summary.power_mean_w is not None:
-        items.append((f"{summary.power_mean_w:.0f} W", "mean GPU power (all GPUs)"))
+        items.append((f"{summary.power_mean_w:.0f} W", "mean GPU power ("
+                      + (of_gpus(summary, summary.power_gpus).strip(" ()") or "all GPUs") + ")"))
     if summary.energy_per_step_j is not None:
         items.append((f"{summary.energy_per_step_j:.1f} J", "energy per step"))
     if summary.step_time_mean_s is not None:

@@ -196,6 +196,11 @@ class RunSummary:
     power_mean_w: float | None = None
     """All GPUs together over the run's duration (each GPU's mean power times the share of
     the run its rows cover, summed)."""
+    energy_gpus: int = 0
+    """GPUs whose energy :attr:`energy_wh` sums (fewer than :attr:`gpus` where some GPU cannot
+    report it)."""
+    power_gpus: int = 0
+    """GPUs whose power :attr:`power_mean_w` sums."""
     energy_per_step_j: float | None = None
     loss_first: float | None = None
     loss_last: float | None = None
@@ -440,11 +445,13 @@ class SummaryBuilder:
             if g.energy_wh is not None:
                 total_j += g.energy_wh * 3600
                 have_energy = True
+                out.energy_gpus += 1
             if g.power_mean_w is not None:
                 # a GPU's mean over the run's time, not only over its own rows (a GPU lost
                 # mid-run drew nothing gpulens saw after it left)
                 total_power += g.power_mean_w * _share(self._gpu[gpu]["power_w"], out.duration_s)
                 have_power = True
+                out.power_gpus += 1
         if have_energy:
             out.energy_wh = total_j / 3600
             if out.steps:

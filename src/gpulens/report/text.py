@@ -224,6 +224,11 @@ def throughput_pieces(t: Throughput, rate: bool = True) -> list[str]:
     return out
 
 
+def of_gpus(s: RunSummary, n: int) -> str:
+    """`` (1 of 2 GPUs)`` where a run-level sum covers fewer GPUs than the run has."""
+    return f" ({n} of {len(s.gpus)} GPUs)" if 0 < n < len(s.gpus) else ""
+
+
 def headline(s: RunSummary) -> list[str]:
     """Run-level facts as ``"label: value"`` pieces."""
     out = []
@@ -232,9 +237,9 @@ def headline(s: RunSummary) -> list[str]:
     out.append(f"duration: {duration(s.duration_s)}")
     out.append(f"GPUs: {len(s.gpus)}" + (" SIMULATED" if s.backend == "simulated" else ""))
     if s.energy_wh is not None:
-        out.append(f"energy: {energy_text(s.energy_wh)}")
+        out.append(f"energy: {energy_text(s.energy_wh)}{of_gpus(s, s.energy_gpus)}")
     if s.power_mean_w is not None:
-        out.append(f"mean power: {s.power_mean_w:.0f} W")
+        out.append(f"mean power: {s.power_mean_w:.0f} W{of_gpus(s, s.power_gpus)}")
     if s.energy_per_step_j is not None:
         out.append(f"energy/step: {s.energy_per_step_j:.1f} J")
     if s.loss_first is not None and s.loss_last is not None:
