@@ -42,12 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpulens.integrations.session import (
-    GateAction,
-    StepGate,
-    drop_exit_finalizer,
-    exit_finalizer,
-)
+from gpulens.integrations.session import GateAction, StepGate, drop_exit_finalizer, exit_finalizer
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor

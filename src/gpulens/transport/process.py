@@ -26,8 +26,9 @@ Here the training process keeps only this:
 
 The engine process (``python -c "...child.main(...)"``: :mod:`gpulens.transport.child`)
 builds an :class:`~gpulens.engine.engine.Engine` from the
-:class:`~gpulens.engine.spec.EngineSpec` it is sent.  It ignores SIGINT (the training process
-decides when to stop) and stops by itself, writing what it holds, when the training process
+:class:`~gpulens.engine.spec.EngineSpec` it is sent.  It ignores SIGINT and SIGTERM (the
+training process decides when to stop; torchrun's SIGTERM reaches the rank's process group)
+and stops by itself, writing what it holds, when the training process
 goes away (end of file on the pipe).  It polls its pipe every :data:`POLL_S` instead of
 sleeping in ``read``: a write that must wake a sleeping reader costs the writer (the training
 thread) more (``benchmarks/pipe_wake.py``).

@@ -49,10 +49,12 @@ from gpulens.transport.base import SpawnFailed
 if TYPE_CHECKING:
     from gpulens.settings import Settings
 
-CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN); import sys; "
          "from gpulens.transport.child import main; sys.exit(main(sys.argv[1:]))")
-"""The engine process's bootstrap: it ignores SIGINT before anything else (a Ctrl-C at the
-terminal reaches the whole process group; the training process decides when to stop)."""
+"""The engine process's bootstrap: it ignores SIGINT and SIGTERM before anything else (a
+Ctrl-C at the terminal, a launcher's stop, reach the whole process group; the training process
+decides when to stop, and the engine ends when it goes, after writing what it holds)."""
 SPARE_ARG = "spare"
 """The engine process's fourth argument when it is a spare (it waits for its start)."""
 SPARE_IDLE_S = 600.0
