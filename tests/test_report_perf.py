@@ -193,7 +193,7 @@ def test_a_real_monitor_run_throughput_mfu_and_the_engines_alert(tmp_path: Path)
         assert re.search(rf'id="{chart}".*?data-points="(40|120)"', dom), chart
     # the first rows' GPM spans hold the start: no MFU-while-busy figure there, the rest have it
     busy = [r["step"] for r in rows if "perf/mfu_when_tensor_active_pct" in r]
-    assert 30 <= len(busy) < 40 and busy == list(range(41 - len(busy), 41)), busy
+    assert 10 <= len(busy) < 40 and busy == list(range(41 - len(busy), 41)), busy
     assert re.search(rf'id="chart-mfu-tensor".*?data-points="{len(busy)}"', dom)
     assert "989.4 TFLOP/s, the dense bf16 peak of one H100 SXM5 80GB" in dom
     # the engine's alert, with what it saw and what to try, in both reports
