@@ -294,11 +294,10 @@ def test_mlflow_written_by_the_engine_process_into_the_active_run(
     assert len(mlflow_tracking.runs()) == 1  # no run of the engine process's own
 
 
-def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None:
-    """A training process that ends without ``stop()`` (``os._exit``: no finalizers): the
-    engine process sees the pipe close, finishes the windows it holds and writes them."""
-    path = tmp_path / "gpu.jsonl"
-    script = textwrap.dedent(f"""
+def _five_steps_then(path: Path, end: str) -> str:
+    """A training script: a monitor into JSONL logs steps 1-5, prints its engine's pid, then
+    runs ``end`` (how the training process goes away)."""
+    return textwrap.dedent(f"""
         import os, time, gpulens
         mon = gpulens.Monitor(interval=0.05, sinks=["jsonl:{path}"], backend="simulated")
         mon.start()
@@ -306,17 +305,26 @@ def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None
             time.sleep(0.03)
             mon.log(step)
         print(mon._transport.pid, flush=True)
-        os._exit(3)
+        {end}
     """)
+
+
+def _engine_ends(pid: int) -> None:
+    """The engine process (no child of this one) ends by itself once its training process
+    went."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        _wait_gone([psutil.Process(pid)], timeout=15.0)
+
+
+def test_training_process_killed_leaves_its_rows_written(tmp_path: Path) -> None:
+    """A training process that ends without ``stop()`` (``os._exit``: no finalizers): the
+    engine process sees the pipe close, finishes the windows it holds and writes them."""
+    path = tmp_path / "gpu.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", _five_steps_then(path, "os._exit(3)")],
+                          env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 3, done.stderr
-    child = int(done.stdout.split()[0])
-    deadline = time.monotonic() + 15
-    while psutil.pid_exists(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    _engine_ends(int(done.stdout.split()[0]))
     rows = read_rows(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert all("gpu/0/power_w" in r for r in rows)
@@ -328,28 +336,15 @@ def test_sigterm_to_the_process_group_leaves_the_rows_written(tmp_path: Path) ->
     outlives the signal, sees the pipe close and writes the rows it holds and ``run_end``
     (it died with the training process: the last rows and the run's end were lost)."""
     path = tmp_path / "gpu.jsonl"
-    script = textwrap.dedent(f"""
-        import time, gpulens
-        mon = gpulens.Monitor(interval=0.05, sinks=["jsonl:{path}"], backend="simulated")
-        mon.start()
-        for step in range(1, 6):
-            time.sleep(0.03)
-            mon.log(step)
-        print(mon._transport.pid, flush=True)
-        time.sleep(60)
-    """)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", _five_steps_then(path, "time.sleep(60)")],
+                            env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout is not None
         child = int(proc.stdout.readline())
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == -signal.SIGTERM
-        deadline = time.monotonic() + 15
-        while psutil.pid_exists(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+        _engine_ends(child)
     finally:
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
