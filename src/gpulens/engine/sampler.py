@@ -179,8 +179,7 @@ class Sampler:
         self.first_read = threading.Event()
         """Set once the loop has taken its first cheap and buffered reads (:meth:`start`)."""
         self._window_start, self._prev_step = 0.0, 0
-        self._first_end, self._gpm_settled = 0.0, True
-        """The first row's end; whether rows' GPM spans no longer reach back before it."""
+        self._first_end, self._gpm_settled = 0.0, True  # GPM spans past the first row's end?
         self._last_fast = self._last_buffers = self._last_gpm = -math.inf
         self._unix_offset = time.time() - time.monotonic()
         self._late_rows = 0
@@ -589,7 +588,8 @@ class Sampler:
         values["train/global_step"] = float(mark.step)
         if not self._gpm_settled:  # do its GPM spans reach back into the start?
             first = self._first_end = self._first_end or t1
-            share = max((g.gpm.share_from_before(t0, t1, first) for g in self.gpus), default=0)
+            share = max((g.gpm.share_from_before(t0, t1, first, stale) for g in self.gpus),
+                        default=0.0)
             if share > GPM_START_SHARE:
                 values[GPM_FROM_START] = share
             self._gpm_settled = share == 0.0

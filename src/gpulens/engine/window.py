@@ -244,52 +244,45 @@ class IntervalSeries:
     def last_time(self) -> float | None:
         return self.spans[-1][1] if self.spans else None
 
+    def _weights(self, t0: float, t1: float, stale: float
+                 ) -> list[tuple[float, float, dict[str, float]]]:
+        """``(start, weight, values)`` of the spans a window ``[t0, t1]`` takes: each span that
+        overlaps it, weighed by the overlap; failing that the nearest span (weight 1), if it
+        is within ``stale`` of the window."""
+        out = []
+        for start, end, values in reversed(self.spans):
+            if end < t0:
+                break
+            overlap = min(end, t1) - max(start, t0)
+            if overlap > 0:
+                out.append((start, overlap, values))
+        if out or not self.spans:
+            return out
+        nearest = min(self.spans, key=lambda s: min(abs(s[0] - t1), abs(s[1] - t0)))
+        if min(abs(nearest[0] - t1), abs(nearest[1] - t0)) > stale:
+            return []
+        return [(nearest[0], 1.0, nearest[2])]
+
     def means(self, t0: float, t1: float, stale: float = 2.0) -> dict[str, float]:
         """Overlap-weighted mean of each key over ``[t0, t1]``.
 
         A window shorter than the spans (or between them) takes the values of the span(s) it
         overlaps or, failing that, of the nearest span.
         """
-        if not self.spans:
-            return {}
         acc: dict[str, float] = {}
         weight: dict[str, float] = {}
-        for start, end, values in reversed(self.spans):
-            if end < t0:
-                break
-            overlap = min(end, t1) - max(start, t0)
-            if overlap <= 0:
-                continue
+        for _, w, values in self._weights(t0, t1, stale):
             for key, value in values.items():
-                acc[key] = acc.get(key, 0.0) + value * overlap
-                weight[key] = weight.get(key, 0.0) + overlap
-        if not acc:
-            nearest = min(self.spans, key=lambda s: min(abs(s[0] - t1), abs(s[1] - t0)))
-            if min(abs(nearest[0] - t1), abs(nearest[1] - t0)) > stale:
-                return {}
-            return dict(nearest[2])
+                acc[key] = acc.get(key, 0.0) + value * w
+                weight[key] = weight.get(key, 0.0) + w
         return {key: acc[key] / weight[key] for key in acc}
 
-    def share_from_before(self, t0: float, t1: float, t: float) -> float:
+    def share_from_before(self, t0: float, t1: float, t: float, stale: float = 2.0) -> float:
         """Of the weight :meth:`means` gives the spans over ``[t0, t1]``, the share held by
-        spans that began before ``t`` (0.0: none did; 1.0 where the window takes a nearest
-        span that did)."""
-        before = total = 0.0
-        for start, end, _ in reversed(self.spans):
-            if end < t0:
-                break
-            overlap = min(end, t1) - max(start, t0)
-            if overlap <= 0:
-                continue
-            total += overlap
-            if start < t:
-                before += overlap
-        if total > 0:
-            return before / total
-        if not self.spans:
-            return 0.0
-        nearest = min(self.spans, key=lambda s: min(abs(s[0] - t1), abs(s[1] - t0)))
-        return 1.0 if nearest[0] < t else 0.0
+        spans that began before ``t`` (0.0 where none did, or no span is taken)."""
+        taken = self._weights(t0, t1, stale)
+        total = sum(w for _, w, _ in taken)
+        return sum(w for start, w, _ in taken if start < t) / total if total > 0 else 0.0
 
 
 class CalibratedEnergy:
