@@ -55,13 +55,13 @@ if TYPE_CHECKING:
     from gpulens.distributed.rows import RowGather
 
 ENERGY_PROBE_S = 0.35
+"""How long the engine reads each GPU's energy counter back to back, once sampling has begun,
+to learn how often it changes (all GPUs at once, in threads; until then 0.1 s, an H200's)."""
 LAST_ROWS_AFTER_A_FAULT_S = 2.0
 """At a stop that is no collective (this rank raised), how long rank 0 or a node's leader
 still waits for the other ranks' rows of the steps it logged: those ranks are alive and their
 engines send those rows within a window or two, while their training may soon hang in a
 collective (it does not hold their engines up)."""
-"""How long the engine reads each GPU's energy counter back to back, once sampling has begun,
-to learn how often it changes (all GPUs at once, in threads; until then 0.1 s, an H200's)."""
 
 
 RowBack = Callable[[Row, bool], None]
