@@ -15,6 +15,7 @@ Each ``log`` call ends a window and writes one row (see :mod:`gpulens.schema` fo
 
 from __future__ import annotations
 
+import atexit
 import math
 import threading
 import time
@@ -316,7 +317,8 @@ class Monitor:
             self._dropped_marks = 0
             self._started, self._stopped = True, False
             # nothing these hold refers to this monitor: dropped, it is collected and stopped
-            self._finalizer = weakref.finalize(self, _stop_dropped, link, relay)
+            # exit hook after wandb.init's: at an exit without stop() W&B still takes rows
+            self._finalizer = exit_finalizer(self, _stop_dropped, link, relay)
             logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (engine in a %s)",
                         len(context.gpus), context.backend, settings.interval, self.isolation)
             laps.say()
@@ -483,7 +485,7 @@ class Monitor:
             transport, relay, steplogger = self._transport, self._relay, self._steplogger
             assert transport is not None and relay is not None and steplogger is not None
             if self._finalizer is not None:
-                self._finalizer.detach()
+                drop_exit_finalizer(self._finalizer)
             if transport.forked:
                 # a forked child: the engine and the sinks are the parent's
                 transport.forget()
@@ -544,6 +546,24 @@ def _prepare(sinks: Sequence[SinkSpec | Sink]) -> list[tuple[str, SinkSpec | Sin
     """Each sink with its name in the run (:func:`~gpulens.sinks.unique_names`), prepared
     (:func:`~gpulens.sinks.prepare_sinks`): every cheap check made before anything is made."""
     return list(zip(unique_names(sinks), prepare_sinks(sinks), strict=True))
+
+
+def exit_finalizer(owner: object, func: Any, *args: Any) -> weakref.finalize[Any, Any]:
+    """``weakref.finalize(owner, func, *args)`` whose exit hook is registered with ``atexit``
+    now, not when the process made its first finalizer (importing torch does): ``atexit``
+    runs the newest hook first, so one made after a tracker's run began (``wandb.init``
+    registers W&B's own hook) runs while that tracker's service still lives. Undo with
+    :func:`drop_exit_finalizer`."""
+    finalizer = weakref.finalize(owner, func, *args)
+    finalizer.atexit = False
+    atexit.register(finalizer)
+    return finalizer
+
+
+def drop_exit_finalizer(finalizer: weakref.finalize[Any, Any]) -> bool:
+    """Detach ``finalizer`` and take its exit hook back; True if it had not run."""
+    atexit.unregister(finalizer)
+    return finalizer.detach() is not None
 
 
 def _stop_dropped(link: _Link, relay: MarkRelay) -> None:

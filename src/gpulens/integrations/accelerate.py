@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpulens.integrations.session import GateAction, StepGate, drop_exit_finalizer, exit_finalizer
+from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
 from gpulens.monitor import Monitor
@@ -111,13 +111,12 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
         self.monitor = monitor
         self._gate = StepGate()
         self._calls = 0
-        self._finalizer: Any = None
         self.finished = False
         """``finish()`` ran (``end_training``): a later ``attach`` replaces this tracker."""
         self.covers: list[Any] = []
         """The trackers of the run this one writes into (set by :func:`attach`)."""
         if start_step is not None:
-            self._start(start_step)
+            monitor.start(step=start_step)
         elif not monitor.running:  # it starts at the first log(): spawn its engine now
             prepare_engine(monitor.settings)
 
@@ -140,36 +139,15 @@ class GPUTracker(GeneralTracker):  # type: ignore[misc,unused-ignore]
         monitor = self.monitor
         action = self._gate.at(step, started=monitor.running)
         if action is GateAction.START:
-            self._start(step)
+            monitor.start(step=step)
         elif action is GateAction.ROW:
             monitor.log(step, **_train_scalars(values))
-
-    def _start(self, step: int) -> None:
-        self.monitor.start(step=step)
-        # registered after init_trackers' wandb.init: at an exit without end_training (the
-        # script raised) the rows go out while W&B's service still runs (atexit: newest first)
-        if self._finalizer is not None:
-            drop_exit_finalizer(self._finalizer)
-        self._finalizer = exit_finalizer(self, _stop_quietly, self.monitor)
 
     def finish(self) -> None:
         """Write every row still waiting into the trackers' runs (before they are ended)."""
         self.finished = True
-        if self._finalizer is not None:
-            drop_exit_finalizer(self._finalizer)
-            self._finalizer = None
         if self.monitor.running:
             self.monitor.stop()
-
-
-def _stop_quietly(monitor: Monitor) -> None:
-    """At garbage collection or interpreter exit without ``end_training``: write what waits."""
-    try:
-        if monitor.running:
-            monitor.stop(collective=False)
-    except Exception as exc:
-        _log.warning("gpulens: writing the last GPU rows to Accelerate's trackers failed: %r",
-                     exc)
 
 
 def attach(accelerator: Any, *, sinks: Sequence[str | Sink] = (), interval: float = 0.5,

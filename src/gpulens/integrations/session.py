@@ -58,7 +58,6 @@ at the loop's own steps (Accelerate's tracker, verl's logger).
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
 import weakref
@@ -69,7 +68,7 @@ from typing import Any, Protocol
 
 from gpulens.integrations.phases import StepPhases
 from gpulens.log import warn_once
-from gpulens.monitor import Monitor
+from gpulens.monitor import Monitor, drop_exit_finalizer, exit_finalizer
 from gpulens.settings import Settings, normalize_run_dtype
 from gpulens.sinks import SinkSpec, as_sink
 from gpulens.sinks.base import Sink
@@ -131,24 +130,6 @@ def _write(monitor: Monitor, held: _Held, phases: StepPhases | None) -> None:
     if held.work is not None:
         values.update(held.work.take_deferred())
     monitor.log_at(held.at, held.step, **values)
-
-
-def exit_finalizer(owner: object, func: Any, *args: Any) -> weakref.finalize[Any, Any]:
-    """``weakref.finalize(owner, func, *args)`` whose exit hook is registered with ``atexit``
-    now, not when the process made its first finalizer (importing torch does): ``atexit``
-    runs the newest hook first, so one made after a tracker's run began (``wandb.init``
-    registers W&B's own hook) runs while that tracker's service still lives. Undo with
-    :func:`drop_exit_finalizer`."""
-    finalizer = weakref.finalize(owner, func, *args)
-    finalizer.atexit = False
-    atexit.register(finalizer)
-    return finalizer
-
-
-def drop_exit_finalizer(finalizer: weakref.finalize[Any, Any]) -> bool:
-    """Detach ``finalizer`` and take its exit hook back; True if it had not run."""
-    atexit.unregister(finalizer)
-    return finalizer.detach() is not None
 
 
 def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held], hook: Any) -> None:
