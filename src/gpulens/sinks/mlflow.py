@@ -217,9 +217,11 @@ class MlflowSink:
         """One ``log_batch`` call per row (per 1000 metrics), then the GIL is yielded.
 
         MLflow's client is Python through and through (about 20 ms of CPU a 100-metric row
-        into a local SQLite store, measured here): a burst written in one go would hold the
-        GIL long enough to slow the training thread, so rows go one call at a time with a
-        yield between them (a backlog: :meth:`write_rows`).
+        into a local SQLite store, measured here). Rows that wait go out through
+        :meth:`write_rows`, up to 1000 metrics a call: from the engine process (the
+        ``"mlflow"`` sink) that holds no GIL of the training process; a sink object passed
+        to the monitor, or ``isolation="thread"``, writes in the training process, where
+        such a call holds the GIL longer than a row's (not measured).
         """
         from mlflow.entities import RunTag
 
