@@ -31,7 +31,9 @@ out)
     now=$(used "$@")
     echo "tree and carried paths: ${now} bytes (limit ${LIMIT})"
     while [ "$now" -gt "$LIMIT" ]; do
-        biggest=$(du -sb benchmarks/results/*/ 2>/dev/null | sort -rn | head -1 | cut -f2)
+        # awk reads all of sort's output: `head -1` could end the pipe early, and with pipefail
+        # sort's SIGPIPE ended the script after the first folder.
+        biggest=$(du -sb benchmarks/results/*/ 2>/dev/null | sort -rn | awk 'NR == 1' | cut -f2)
         [ -n "$biggest" ] || { echo "nothing left to move" >&2; exit 1; }
         name=$(basename "$biggest")
         mv "benchmarks/results/$name" "$HOLD/$name"
