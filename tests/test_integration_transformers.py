@@ -298,6 +298,30 @@ def test_tail_after_last_log_gets_a_row_at_the_final_summary(tmp_path: Path) -> 
     assert "train/loss" not in rows[-1] and "train/train_loss" in rows[-1]
 
 
+
+def test_the_last_rows_window_ends_at_the_end_of_training_summary(tmp_path: Path) -> None:
+    """Steps after the last training log get a row at on_train_end; its window ends at
+    Hugging Face's end-of-training summary log, not at our on_train_end: the callbacks whose
+    on_train_end runs before ours (MLflowCallback's end_run, which flushes MLflow's async
+    queue: 0.25 s a step of the last row where a step took 0.01 s) and the loading of the best
+    model are no training step."""
+
+    class SlowEnd(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(0.6)
+
+    sink = tmp_path / "gpu.jsonl"
+    trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
+                           max_steps=6, logging_steps=4)
+    trainer.callback_handler.callbacks.insert(0, SlowEnd())  # before ours, as report_to's
+    trainer.train()
+    rows = read_jsonl(sink)
+    assert [r["step"] for r in rows] == [4, 6]
+    last = rows[-1]
+    assert last["perf/steps"] == 2 and "train/train_loss" in last
+    assert last["perf/step_time_s"] * 2 < 0.3, last["perf/step_time_s"]
+
+
 def test_evaluation_logs_make_no_row(tmp_path: Path) -> None:
     sink = tmp_path / "gpu.jsonl"
     trainer = make_trainer(tmp_path, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05),
@@ -402,6 +426,33 @@ def test_exception_in_training_stops_monitor_when_callback_is_collected(tmp_path
     assert [r["step"] for r in read_jsonl(sink)] == [2, 4, 6]
 
 
+
+def test_a_forward_that_raises_hands_the_row_held_since_the_log_to_the_monitor(
+        tmp_path: Path) -> None:
+    """The forward after a log raises (logging every 2 steps, the seventh forward fails): the
+    row of step 6, held since that log for the next forward, reaches the sinks while the
+    failed train()'s monitor still runs (Hugging Face has no exception hook; in a notebook
+    the Trainer lives on), not only when the callback is collected. Held, it missed a W&B
+    run the user finished first (wandb.finish() after the crash)."""
+    from gpulens.testing import MemorySink
+    from tests.support.wait import wait_until
+
+    sink = MemorySink()
+    callback = GPUMonitorCallback(sinks=[sink], interval=0.05)
+    model = Regression(fail_at=7)
+    trainer = make_trainer(tmp_path, callback, model=model, max_steps=12, logging_steps=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    monitor = callback.monitor
+    assert monitor is not None and monitor.running  # as before: stopped when collected
+    steps = wait_until(lambda: [r.step for r in sink.rows] if len(sink.rows) >= 3 else None,
+                       timeout=20, what="the rows of steps 2, 4, 6")
+    assert steps == [2, 4, 6]
+    assert monitor.running
+    callback._stop(collective=False)
+    assert [r.step for r in sink.rows] == [2, 4, 6]  # and no row twice
+
+
 CRASH_SCRIPT = """
 import sys, torch
 sys.path[:0] = [{root!r}, {src!r}]
@@ -456,6 +507,33 @@ def test_second_train_call_restarts_after_a_failed_one(tmp_path: Path) -> None:
     assert first is not None and not first.running
     assert callback.monitor is None  # stopped at the end
     assert not model._forward_hooks  # neither train() left its hook behind
+
+
+
+def test_a_tracker_named_in_sinks_and_in_report_to_gets_one_sink(tmp_path: Path) -> None:
+    """sinks=["wandb:all", "mlflow"] beside report_to=["wandb", "mlflow"] (the README's sink
+    names): both name the runs Hugging Face writes to. One sink each, with the user's options
+    and without train/* (HF logs those): two W&B sinks of one run failed to open the second
+    ("Trying to attach `settings` while in the middle of attaching `settings`", its rows
+    dropped), two MLflow sinks wrote every figure twice (train/loss beside HF's loss)."""
+    from types import SimpleNamespace
+
+    from gpulens.sinks import SinkSpec
+
+    callback = GPUMonitorCallback(sinks=["wandb:all", "mlflow", "mlflow:abc123",
+                                         f"jsonl:{tmp_path / 'g.jsonl'}"])
+    args = SimpleNamespace(report_to=["wandb", "mlflow"], output_dir=str(tmp_path))
+    sinks = [s for s in callback._sinks_for(args) if isinstance(s, SinkSpec)]
+    wandb = [s for s in sinks if s.kind == "wandb"]
+    mlflow = [s for s in sinks if s.kind == "mlflow"]
+    assert len(wandb) == 1 and wandb[0].options["include_train"] is False
+    assert wandb[0].options["keys"] == "all"  # the user's option kept
+    # the active run once; a run named by id is another run, kept as given
+    assert [(s.options.get("run_id"), s.options.get("include_train")) for s in mlflow] == \
+        [(None, False), ("abc123", None)]
+    assert [s.kind for s in sinks].count("jsonl") == 1
+    args.report_to = []  # not followed: the user's sinks as they are
+    assert [s.name for s in callback._sinks_for(args)] == [s.name for s in callback.settings.sinks]
 
 
 def test_bad_arguments_fail_at_construction() -> None:

@@ -58,6 +58,7 @@ at the loop's own steps (Accelerate's tracker, verl's logger).
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -266,13 +267,16 @@ class TrainingSession:
         return int(steps_done) - self.steps_done
 
     def row(self, step: int, steps_done: int, scalars: Mapping[str, Any], *,
-            later: bool = False) -> None:
+            later: bool = False, at: tuple[float, float] | None = None) -> None:
         """End the window at ``step`` and write one row: ``scalars``, the phase figures of the
         window's optimizer steps and its work. ``steps_done``: optimizer steps done by now.
 
         ``later``: the framework calls this just after it synchronised the device (see the
         module doc): note where the window ends now, write the row at the next
-        ``before_optimizer`` / ``step_end`` mark (or at :meth:`stop`, or :meth:`flush`)."""
+        ``before_optimizer`` / ``step_end`` mark (or at :meth:`stop`, or :meth:`flush`).
+        ``at``: the window ended earlier, at these clocks (``time.monotonic(), time.time()``),
+        with no step, forward or mark since (Hugging Face's end-of-training summary log, the
+        row written at ``on_train_end``)."""
         self._write_held()  # a row still held (no mark came between two logs) goes first
         steps = self.steps_since_row(steps_done)
         self.steps_done = int(steps_done)
@@ -288,7 +292,7 @@ class TrainingSession:
             values.update(self.phases.collect(steps))
         if self.work is not None:
             values.update(self.work.take_deferred())
-        self.monitor.log(step, **values)
+        self.monitor.log_at(at, step, **values)
 
     def flush(self) -> None:
         """Write a row still held for later now (Hugging Face: an evaluation's first batch, a
@@ -319,7 +323,14 @@ def _after_forwards(model: Any, session: TrainingSession) -> Any:
     Only forwards on the thread that started the session count: ``nn.DataParallel`` (what
     Hugging Face wraps a model in on several GPUs without a launcher) runs its replicas'
     forwards, hooks included, on threads of its own at once; the session is not thread-safe,
-    so there the marks do the work."""
+    so there the marks do the work.
+
+    The hook is also called when the forward raises (``always_call``): the row held since the
+    previous log (its window ended there) is handed to the monitor then, not left in the
+    session until it is stopped. Hugging Face has no exception hook, so a failed ``train()``
+    in a notebook leaves the session running until the callback is collected; a user who
+    ends the W&B run first (``wandb.finish()``) lost that row in W&B. The failed forward's
+    masks are not counted."""
     ref = weakref.ref(session)
     owner = threading.get_ident()
 
@@ -327,12 +338,18 @@ def _after_forwards(model: Any, session: TrainingSession) -> Any:
         live = ref()
         if live is not None and module.training and threading.get_ident() == owner:
             try:
-                live._busy_device()
+                if output is None and sys.exc_info()[0] is not None:
+                    live.flush()  # the forward raised (torch calls this in its except)
+                else:
+                    live._busy_device()
             except Exception as exc:  # never into training
                 warn_once("session:forward", "gpulens: %r after a forward; its counts and "
                           "rows are written at the step's marks instead", exc)
 
-    return model.register_forward_hook(after_forward)
+    try:
+        return model.register_forward_hook(after_forward, always_call=True)
+    except TypeError:  # a torch before always_call (2.0): not on a raising forward
+        return model.register_forward_hook(after_forward)
 
 
 class SessionCallback:

@@ -38,12 +38,17 @@ What it does, hook by hook:
 * ``on_train_end``, Hugging Face's own end-of-training signal (not a key of the logs: other
   options add ``train_runtime`` to every log): writes a last row if optimizer steps ran since
   the previous training log (with the numbers of the end-of-training summary, ``train_loss``
-  ...), then stops the monitor, which writes every row still waiting. ``MLflowCallback`` has
-  ended its run by then (it runs first); MLflow still takes metrics into an ended run, so the
-  rows land there. Hugging Face has no exception hook: if ``train()`` raises, the monitor is
-  stopped (rows flushed, threads ended) when the callback is garbage-collected or, at the
-  latest, at interpreter exit (``weakref.finalize``); a new ``train()`` call stops a monitor
-  left running by a failed one before starting afresh.
+  ..., its window ending at that summary's ``on_log``: what Hugging Face does after it,
+  loading the best model, ``MLflowCallback`` ending its run and flushing MLflow's queue, is
+  no training step), then stops the monitor, which writes every row still waiting.
+  ``MLflowCallback`` has ended its run by then (it runs first); MLflow still takes metrics
+  into an ended run, so the rows land there. Hugging Face has no exception hook: if
+  ``train()`` raises, the monitor is stopped (rows flushed, threads ended) when the callback
+  is garbage-collected or, at the latest, at interpreter exit (``weakref.finalize``); a new
+  ``train()`` call stops a monitor left running by a failed one before starting afresh. A
+  training forward that raises hands the row held since the previous log to the monitor at
+  once (the forward hook is ``always_call``), so it reaches a W&B run the user finishes
+  before the callback is collected.
 
 Every ``train()`` call gets its own monitor, and its rows go into the runs Hugging Face writes
 that call's loss to: a second ``train()`` on the same Trainer, a resume from a checkpoint
@@ -90,6 +95,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -99,7 +105,7 @@ from gpulens.integrations.session import (
     WorkSource,
     monitor_for_run,
 )
-from gpulens.sinks import SinkSpec, check_sinks, sink_spec
+from gpulens.sinks import SinkSpec, check_sinks, sink_spec, with_options
 from gpulens.sinks.base import Sink
 from gpulens.transport.spawn import prepare_engine
 
@@ -169,7 +175,7 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
     ) -> None:
         super().__init__(sinks, interval, gpus, backend, tracker_keys, phases, work, gpm)
         self.follow_report_to = follow_report_to
-        self._tail: tuple[int, dict[str, float]] | None = None
+        self._tail: tuple[int, dict[str, float], tuple[float, float]] | None = None
         self._mlflow_run: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -199,9 +205,13 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         step = int(state.global_step)
         if session is not None and session.steps_since_row(step) > 0:
             # the steps since the last training log (or every step, with logging_strategy
-            # "no"): a last row, with the end-of-training summary's numbers if it came now
-            tail = self._tail[1] if self._tail is not None and self._tail[0] == step else {}
-            session.row(step, step, tail)
+            # "no"): a last row, with the end-of-training summary's numbers if it came now;
+            # its window ends at that log, not here: what Hugging Face does between the two
+            # (loading the best model, MLflowCallback's end_run flushing its queue) is no step
+            if self._tail is not None and self._tail[0] == step:
+                session.row(step, step, self._tail[1], at=self._tail[2])
+            else:
+                session.row(step, step, {})
         self._stop()
         run, self._mlflow_run = self._mlflow_run, None
         if run is not None:
@@ -273,8 +283,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
             self._tail = None
         elif session.steps_since_row(step) > 0 and not any(k.startswith("eval_") for k in logs):
             # another log between training logs, e.g. the end-of-training summary: its numbers
-            # go into the row that on_train_end writes for the steps since the last one
-            self._tail = (step, scalars)
+            # go into the row that on_train_end writes for the steps since the last one, whose
+            # window ends here if no step comes before on_train_end
+            self._tail = (step, scalars, (time.monotonic(), time.time()))
         session.resume()
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -283,20 +294,42 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
 
     def _sinks_for(self, args: Any) -> list[str | SinkSpec | Sink]:
         sinks: list[str | SinkSpec | Sink] = []
+        user: list[SinkSpec | Sink] = list(self.settings.sinks)
         # the runs HF's WandbCallback / MLflowCallback started in on_train_begin (called
-        # before ours); they log HF's loss etc. themselves, so rows skip train/*
-        if self._follows(args, "wandb"):
-            # a spec too: written from the engine process, attached to that run
-            sinks.append(sink_spec("wandb", include_train=False, keys=self.tracker_keys))
-        if self._follows(args, "mlflow"):
-            # a spec: built and written in the engine process, off the training process
-            sinks.append(sink_spec("mlflow", include_train=False, keys=self.tracker_keys))
-        sinks.extend(self.settings.sinks)
+        # before ours); they log HF's loss etc. themselves, so rows skip train/*. Specs: built
+        # and written in the engine process (W&B's attached to that run), off training
+        for tracker in ("wandb", "mlflow"):
+            if not self._follows(args, tracker):
+                continue
+            spec = sink_spec(tracker, include_train=False, keys=self.tracker_keys)
+            same = [s for s in user
+                    if isinstance(s, SinkSpec) and _writes_active_run(s, tracker)]
+            if same:
+                # sinks=["wandb"] (or "mlflow") names the very run report_to writes to: one
+                # sink for it, with the user's options. Two W&B sinks of one run failed to
+                # open ("attaching settings"), two MLflow sinks wrote every figure twice
+                spec = with_options(same[0], include_train=False,
+                                    keys=same[0].options.get("keys", self.tracker_keys))
+                user = [s for s in user if s not in same]
+                log.info("gpulens: sink %r writes into Hugging Face's %s run (report_to), "
+                         "once, without train/* (Hugging Face logs those itself)",
+                         same[0].name, tracker)
+            sinks.append(spec)
+        sinks.extend(user)
         if not sinks:
             path = os.path.join(str(args.output_dir), "gpulens.jsonl")
             log.info("gpulens: no W&B/MLflow in report_to and no sinks given; rows go to %s", path)
             sinks.append(f"jsonl:{path}")
         return sinks
+
+
+def _writes_active_run(sink: SinkSpec, tracker: str) -> bool:
+    """``sink`` is a ``tracker`` sink by name that writes into the active run (no run of its
+    own, no other MLflow server): the run that Hugging Face's ``report_to`` writes to."""
+    if sink.kind != tracker:
+        return False
+    own = ("run",) if tracker == "wandb" else ("run_id", "tracking_uri")
+    return not any(sink.options.get(k) for k in own)
 
 
 def _ensure_mlflow_run(args: Any) -> Any:
