@@ -365,6 +365,78 @@ def test_resumed_fit_counts_only_its_own_steps(tmp_path: Path) -> None:
     assert [(r["step"], r["perf/steps"]) for r in lines] == [(7, 2), (11, 4), (15, 4)]
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning",
+                            "ignore:You're resuming from a checkpoint that ended before")
+@pytest.mark.parametrize("saved", ["every-n-train-steps", "after-validation"])
+def test_a_fit_resumed_inside_an_epoch_counts_only_its_own_steps(saved: str,
+                                                                  tmp_path: Path) -> None:
+    """``ModelCheckpoint`` saves inside an epoch (every N training steps; after a validation
+    inside the epoch) before Lightning counts the batch's step; a resumed fit's step count is
+    corrected after ``on_train_start``. The first row counts only the steps it covers."""
+    import lightning.pytorch as pl
+
+    from gpulens.integrations.lightning import GPUMonitorCallback
+
+    module_cls, data_cls = classes(pl)
+    common: dict[str, Any] = {
+        "log_every_n_steps": 2, "num_sanity_val_steps": 0, "accelerator": "cpu",
+        "devices": 1, "enable_progress_bar": False, "enable_model_summary": False,
+        "default_root_dir": str(tmp_path), "logger": False,
+    }
+    if saved == "every-n-train-steps":
+        every: dict[str, Any] = {"every_n_train_steps": 4}
+        common["limit_val_batches"] = 0
+    else:
+        every = {"monitor": None}
+        common.update(val_check_interval=4, limit_val_batches=1)
+    saves = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{step}",
+                                         save_top_k=-1, **every)
+    first = pl.Trainer(max_steps=5, callbacks=[saves], **common)
+    first.fit(module_cls(), datamodule=data_cls(n=80))  # 10 batches an epoch
+    sink = tmp_path / "gpu.jsonl"
+    resumed = pl.Trainer(max_steps=10, enable_checkpointing=False,
+                         callbacks=[GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05)],
+                         **common)
+    resumed.fit(module_cls(), datamodule=data_cls(n=80),
+                ckpt_path=str(tmp_path / "ckpt" / "step=4.ckpt"))
+    # steps 5-6 (Lightning's 4-5), 7-8, 9-10
+    assert [(r["step"], r["perf/steps"]) for r in read_rows(sink)] == [(5, 2), (7, 2), (9, 2)]
+
+
+def test_jsonl_rows_hold_the_training_step_metrics_only(tmp_path: Path) -> None:
+    """``train/*`` of a row are the metrics Lightning logs at that training step: not a
+    validation's ``val_loss`` logged steps before (``trainer.logged_metrics`` keeps it)."""
+    import lightning.pytorch as pl
+
+    from gpulens.integrations.lightning import GPUMonitorCallback
+
+    sink = tmp_path / "gpu.jsonl"
+    logger = pl.loggers.CSVLogger(str(tmp_path), name="csv")
+    fit(pl, GPUMonitorCallback(sinks=[f"jsonl:{sink}"], interval=0.05), [logger], tmp_path,
+        max_steps=12, log_every=2, val_every=5)
+    rows = csv_rows(logger)
+    assert steps_with(rows, "val_loss") == [4, 9]
+    lines = read_rows(sink)
+    assert [r["step"] for r in lines] == [1, 3, 5, 7, 9, 11]
+    assert all("train/train_loss" in r for r in lines)
+    assert [r["step"] for r in lines if "train/val_loss" in r] == []
+
+
+def test_no_logger_and_no_sinks_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                        ) -> None:
+    """A Trainer without a logger and a callback without sinks: the rows go nowhere, and the
+    user is told so (once), not left to find an empty run."""
+    import lightning.pytorch as pl
+
+    from gpulens.integrations.lightning import GPUMonitorCallback
+    from gpulens.log import reset_warnings
+
+    reset_warnings()
+    with caplog.at_level("WARNING", logger="gpulens"):
+        fit(pl, GPUMonitorCallback(interval=0.05), [], tmp_path, max_steps=4, log_every=2)
+    assert [r for r in caplog.records if "written nowhere" in r.getMessage()]
+
+
 def test_the_monitor_starts_on_the_engine_process_spawned_when_fit_began(
     pkg: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -50,8 +50,9 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
     callback's later rows once it is summarised (the engine waits about 0.2 s for the GPU's
     samples of its window: with fast steps that is several rows later) and at the latest
     when training ends. The first window starts when training starts (at a resumed fit, at
-    the restored step), so the first row's ``perf/steps`` counts exactly the optimizer steps
-    it covers.
+    the restored step; for a checkpoint saved inside an epoch, when the first batch starts:
+    Lightning corrects its restored step count after ``on_train_start`` there), so the first
+    row's ``perf/steps`` counts exactly the optimizer steps it covers.
     Only global rank 0 writes; every rank samples its own GPU and takes part in the row
     (``Monitor.log`` is then a collective, called on every rank by this callback); the row holds
     every rank's GPU, the ``perf/*`` phase keys are rank 0's.
@@ -60,7 +61,9 @@ DOC = """Writes GPU telemetry to every logger of the Lightning ``Trainer``, on t
     ``perf/step_time_s`` / ``perf/energy_per_step_j``:
 
     * ``train/<name>`` for each metric Lightning logs to its loggers at that step
-      (``trainer.logged_metrics``: what the module's ``self.log(..., on_step=True)`` gave, e.g.
+      (the training-step metrics Lightning hands ``log_metrics`` there, not
+      ``trainer.logged_metrics``, which keeps a validation's or an epoch's values for every
+      later step: what the module's ``self.log(..., on_step=True)`` gave, e.g.
       ``train/loss`` for ``self.log("loss", ...)``; names that hold a ``/`` are kept as they
       are) and ``train/epoch``, for the extra ``sinks`` (a JSONL record then has the loss, the
       step count and the step time). The loggers get them from Lightning itself, so rows sent
@@ -293,10 +296,14 @@ class GPUMonitorHooks(SessionCallback):
         self.to_loggers = to_loggers
         self._train_keys = False
         """Rows carry the module's logged metrics as ``train/*`` (an extra sink wants them)."""
+        self._step_names: frozenset[str] | None = None
+        """The names of the training-step metrics of the previous row (for a late row)."""
         self._late: int | None = None
         """The logging step of the last batch, which had no row: see :meth:`_late_stop`."""
         self._saves: _SavesResume | None = None
         """While a session runs: the trainer's checkpoint saves resume the data-wait clock."""
+        self._begin: tuple[list[SinkSpec | Sink], Any] | None = None
+        """A session to start (its sinks and module) at the first batch (:meth:`_start`)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -309,12 +316,29 @@ class GPUMonitorHooks(SessionCallback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._stop()
         self._late = None
+        self._step_names = None
         sinks: list[SinkSpec | Sink] = []
         if trainer.is_global_zero:
             if self.to_loggers and trainer.loggers:
                 sinks.append(LoggersSink(trainer.loggers, self.tracker_keys))
             sinks.extend(self.settings.sinks)
+            if not sinks:
+                warn_once("lightning-no-sinks", "gpulens: no logger takes the GPU rows (the "
+                          "Trainer has none, or to_loggers=False) and no sinks were given: they "
+                          "are written nowhere; give the Trainer a logger or the callback "
+                          "sinks=[\"jsonl:PATH\"]")
         self._train_keys = bool(trainer.is_global_zero and self.settings.sinks)
+        self._begin = (sinks, pl_module)
+        # a fit resumed inside an epoch: Lightning corrects its step count after this hook
+        # (internals.resuming_mid_epoch); its first window starts at the first batch instead
+        if not internals.resuming_mid_epoch(trainer):
+            self._start(trainer)
+
+    def _start(self, trainer: Any) -> None:
+        begin, self._begin = self._begin, None
+        if begin is None:
+            return
+        sinks, pl_module = begin
         dtype = work = None
         if self.count_work:
             from gpulens.work.precision import dtype_from_lightning_precision
@@ -335,6 +359,7 @@ class GPUMonitorHooks(SessionCallback):
         self._stop()
 
     def _stop(self, collective: bool = True) -> None:
+        self._begin = None
         saves, self._saves = self._saves, None
         if saves is not None:
             saves.undo()
@@ -356,7 +381,8 @@ class GPUMonitorHooks(SessionCallback):
         if (step is None or session is None or not trainer.should_stop
                 or not trainer.log_every_n_steps or session.steps_since_row(step + 1) <= 0):
             return
-        scalars = internals.logged_metrics(trainer) if self._train_keys else {}
+        scalars = (internals.logged_metrics(trainer, self._step_names, late=True)
+                   if self._train_keys else {})
         session.row(step, step + 1, scalars)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -372,6 +398,8 @@ class GPUMonitorHooks(SessionCallback):
     # -- step anatomy ----------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
+        if self._begin is not None:  # a fit resumed inside an epoch: its first batch
+            self._start(trainer)
         if self._late is not None:  # a stop that did not end training yet (min_steps)
             self._late_stop(trainer)
         session = self.session
@@ -413,6 +441,8 @@ class GPUMonitorHooks(SessionCallback):
         if not will_log:
             return
         scalars = internals.logged_metrics(trainer) if self._train_keys else {}
+        if scalars:
+            self._step_names = frozenset(scalars)
         # optimizer steps done: the logging step counts those before this batch's
         session.row(step, step + 1, scalars)
 

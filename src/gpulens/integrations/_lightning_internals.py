@@ -17,13 +17,18 @@ Private attributes read:
 * ``trainer.fit_loop.epoch_loop._batches_that_stepped``: optimizer steps taken, the step
   Lightning logs training-step metrics at (``trainer/global_step``), one less than
   ``trainer.global_step`` once a batch's optimizer step has run;
+* ``trainer.fit_loop.epoch_loop.restarting``: a resumed fit restarting inside an epoch,
+  whose ``_batches_that_stepped`` Lightning may still correct after ``on_train_start``;
 * ``trainer.fit_loop._should_accumulate()``: this batch is a gradient-accumulation micro-batch;
 * ``trainer._logger_connector.should_update_logs``: this batch's step is a logging step
-  (every ``log_every_n_steps``, or the trainer is stopping).
+  (every ``log_every_n_steps``, or the trainer is stopping);
+* ``trainer._logger_connector.metrics["log"]``: the metrics Lightning hands the loggers for
+  this training step (``update_train_step_metrics``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from gpulens.log import warn_once
@@ -39,9 +44,12 @@ def check(trainer: Any) -> None:
         for name, ok in (
             ("fit_loop.epoch_loop._batches_that_stepped",
              hasattr(getattr(fit_loop, "epoch_loop", None), "_batches_that_stepped")),
+            ("fit_loop.epoch_loop.restarting",
+             hasattr(type(getattr(fit_loop, "epoch_loop", None)), "restarting")),
             ("fit_loop._should_accumulate", hasattr(fit_loop, "_should_accumulate")),
-            ("_logger_connector.should_update_logs",
-             hasattr(type(getattr(trainer, "_logger_connector", None)), "should_update_logs")),
+            *((f"_logger_connector.{name}",
+               hasattr(type(getattr(trainer, "_logger_connector", None)), name))
+              for name in ("should_update_logs", "metrics")),
         )
         if not ok
     ]
@@ -53,8 +61,18 @@ def check(trainer: Any) -> None:
 
 
 def steps_done(trainer: Any) -> int:
-    """Optimizer steps taken so far (a resumed fit's restored count at its start)."""
+    """Optimizer steps taken so far; exact from a batch's start on, and at ``on_train_start``
+    unless :func:`resuming_mid_epoch`."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def resuming_mid_epoch(trainer: Any) -> bool:
+    """A resumed fit whose epoch loop restarts inside an epoch. Its checkpoint may have been
+    saved (``ModelCheckpoint`` every N training steps, or after a validation inside the epoch)
+    before its batch's ``_batches_that_stepped`` increment, which Lightning adds back after
+    ``on_train_start``, when its epoch loop resets or skips the validation it restarted on:
+    until the first batch starts, :func:`steps_done` may be one short."""
+    return bool(trainer.fit_loop.epoch_loop.restarting)
 
 
 def log_step(trainer: Any) -> tuple[int, bool | None]:
@@ -73,14 +91,27 @@ def log_step(trainer: Any) -> tuple[int, bool | None]:
     return step, will_log
 
 
-def logged_metrics(trainer: Any) -> dict[str, Any]:
-    """What Lightning's logger connector hands the loggers for this step (the module's
+def logged_metrics(trainer: Any, names: Collection[str] | None = None,
+                   late: bool = False) -> dict[str, Any]:
+    """What Lightning's logger connector hands the loggers for this training step (the module's
     step-level ``self.log`` values, tensors left as they are: the monitor converts them off the
-    training thread) and the epoch, as Lightning adds it. Public API (``trainer.logged_metrics``),
-    but it recomputes Lightning's results each call: read it only when a sink wants ``train/*``."""
+    training thread) and the epoch, as Lightning adds it: ``_logger_connector.metrics["log"]``,
+    what ``update_train_step_metrics`` passes to ``log_metrics``. Not the public
+    ``trainer.logged_metrics``: that keeps every value logged since the fit began (a
+    validation's ``val_loss``, an epoch's means) and would repeat them in every later row, at
+    steps where Lightning never logged them. Either recomputes Lightning's results each call:
+    read it only when a sink wants ``train/*``.
+
+    ``late``: read at a hook after Lightning logged the step (a late stop), where the step's
+    results are gone (the epoch's were reset): ``trainer.logged_metrics`` then, kept to
+    ``names`` (the previous row's training-step names; every name without one)."""
     out: dict[str, Any] = {}
     try:
-        metrics = trainer.logged_metrics
+        if late:
+            metrics = {k: v for k, v in trainer.logged_metrics.items()
+                       if names is None or k in names}
+        else:
+            metrics = trainer._logger_connector.metrics["log"]
     except Exception as exc:
         warn_once("lightning-logged-metrics", "gpulens: Lightning's logged metrics cannot be "
                   "read (%r); rows carry no train/* keys", exc)
