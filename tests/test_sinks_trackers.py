@@ -202,6 +202,31 @@ def test_wandb_without_a_run_starts_and_finishes_one(wandb_offline: Path) -> Non
     assert [h["gpulens/step"] for h in _gpu_rows(history)] == [1, 2, 3]
 
 
+def test_wandb_init_after_start_is_told_the_rows_went_elsewhere(
+        wandb_offline: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``Monitor.start()`` before ``wandb.init()``: the engine logs into a run of its own
+    (as documented), and the user's run gets no GPU row.  That used to go unsaid (two runs,
+    the user's without GPU charts); now start() says it at INFO and stop() with a WARNING
+    naming the user's run."""
+    import wandb
+
+    with caplog.at_level("INFO", logger="gpulens"):
+        mon = gpulens.Monitor(interval=0.05, sinks=["wandb"],
+                              backend=SimulatedNVML(gpus=1)).start()
+        run = wandb.init(project="gpulens-test")
+        for step in range(1, 4):
+            time.sleep(0.05)
+            run.log({"loss": 1.0 / step}, step=step)
+            mon.log(step, loss=1.0 / step)
+        mon.stop()
+    run_id = run.id
+    wandb.finish()
+    assert not _gpu_rows(_history_of(wandb_offline, run_id))
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert any(level == "INFO" and "no W&B run is active at start()" in m for level, m in said)
+    assert any(level == "WARNING" and f"not to your run {run_id}" in m for level, m in said)
+
+
 def test_wandb_run_of_a_thread_engine_is_this_process(wandb_offline: Path) -> None:
     """``isolation="thread"``: the sink runs in this process, so the run it starts is
     ``wandb.run`` here, and the user's own run is written as it is (never pickled)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import sys
 import threading
+import time
 import types
 from typing import Any
 
@@ -344,3 +345,109 @@ def test_a_run_that_keeps_refusing_rows_holds_a_bounded_queue(
         sink.write(Row(step=step, time=float(step), values={"gpu/0/util_pct": 50.0}))
     assert [d["gpulens/step"] for d in sink._queue] == [5.0, 6.0]
     assert sink.rows_lost == 3  # rows 2-4
+
+
+def test_rows_overwritten_in_a_full_queue_are_counted_lost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows come while the user's records stay taken (W&B's step 100 ahead of them): beyond
+    ``MAX_QUEUE`` (3 here) each row is logged over the one waiting in the pending record.
+    Those overwritten are lost, counted in ``rows_lost`` (stop() then counts them dropped, not
+    written: a run with 1507 of 2000 rows overwritten said "2000 written, 0 dropped"); a row
+    the overflow puts into a record the user freed meanwhile is not."""
+    from gpulens.model import Row
+    from gpulens.sinks import wandb as wandb_sink
+
+    monkeypatch.setattr(wandb_sink, "MAX_QUEUE", 3)
+    run = UserLoggingRun()
+    run.step_now = 100
+    sink = _attached_sink(run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    for step in range(1, 7):  # row 1 joins record 100; 2-4 wait; 5 and 6 overwrite
+        sink.write(Row(step=step, time=0.01 * step, values={"gpu/0/util_pct": 50.0}))
+    assert run.joined == [(1.0, 100), (2.0, 100), (3.0, 100)]
+    assert sink.rows_overwritten == 2 and sink.rows_lost == 2
+    assert sink.lost_why is not None and "overwritten" in sink.lost_why
+    run.commit()  # the user logs: record 101 is free, and the next overflow row takes it
+    sink.write(Row(step=7, time=0.07, values={"gpu/0/util_pct": 50.0}))
+    assert run.joined[-1] == (4.0, 101)
+    assert sink.rows_lost == 2
+
+
+class HangingRun(UserLoggingRun):
+    """An attached run that stops answering once ``finished`` is set (the user's
+    ``wandb.finish()``): a question then waits its timeout (W&B gives no answer) or until
+    ``release`` is set (the test's end); ``hung`` is set once one waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished = threading.Event()
+        self.release = threading.Event()
+        self.hung = threading.Event()
+
+    def deliver_history_step(self) -> Answer:
+        if not self.finished.is_set():
+            return super().deliver_history_step()
+        release, hung = self.release, self.hung
+
+        class Hanging(Answer):
+            def wait_or(self, timeout: float) -> Any:
+                hung.set()
+                release.wait(timeout)
+                raise TimeoutError("no answer")
+
+        return Hanging(None)
+
+
+def test_rows_waiting_in_a_wandb_sink_given_up_at_stop_are_counted_dropped() -> None:
+    """The user finished the run and the monitor stops with a short budget (the exit path
+    without stop(): 2 s, below the 5 s the sink waits for W&B's answer): the sink is given
+    up while its placer waits for that answer, and the rows waiting in it for a record never
+    reach W&B.  They are counted dropped, with why; they used to count as written ("33
+    written, 7 dropped (its time was up at stop)" with 23 rows in the run file)."""
+    from gpulens.model import Row, RunContext
+    from gpulens.sinks.writer import StepLogger
+
+    run = HangingRun()
+    run.step_now = 100
+    sink = _attached_sink(run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    sink.open = lambda context: sink._start_placer()  # type: ignore[method-assign]
+    writer = StepLogger([sink], names=["wandb"])
+    writer.open(RunContext(gpus=(), hostname="h", backend="simulated", interval=0.05))
+    try:
+        for step in range(1, 6):  # row 1 joins record 100, rows 2-5 wait for records
+            writer.submit(Row(step=step, time=0.01 * step, values={"gpu/0/util_pct": 50.0}))
+        assert run.wait_joined(1, timeout=10)
+        deadline = time.monotonic() + 10
+        while len(sink._queue) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        run.finished.set()  # wandb.finish(): from now on W&B does not answer
+        assert run.hung.wait(10)  # the placer waits for W&B's answer, holding the sink
+        writer.submit(Row(step=6, time=0.06, values={"gpu/0/util_pct": 50.0}))
+        stats = writer.close(timeout=1.0, stall=0.5)["wandb"]
+    finally:
+        run.release.set()
+    assert len(run.joined) == 1
+    assert (stats.written, stats.dropped) == (1, 5), stats
+
+
+def test_rows_falling_behind_the_users_records_are_said_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A loop that logs to W&B every step as fast as rows come: the rows waiting for records
+    grow (2,408 rows behind at the end of a 3,000-step run of 6 ms steps, unsaid until an
+    INFO at stop).  Past ``BEHIND_ROWS`` (3 here) it is a WARNING, once."""
+    from gpulens.log import reset_warnings
+    from gpulens.model import Row
+    from gpulens.sinks import wandb as wandb_sink
+
+    reset_warnings()
+    monkeypatch.setattr(wandb_sink, "BEHIND_ROWS", 3)
+    run = UserLoggingRun()
+    run.step_now = 100
+    sink = _attached_sink(run)
+    sink._define = lambda data: None  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="gpulens"):
+        for step in range(1, 8):
+            sink.write(Row(step=step, time=0.01 * step, values={"gpu/0/util_pct": 50.0}))
+    told = [r.getMessage() for r in caplog.records if "behind" in r.getMessage()]
+    assert len(told) == 1 and "3 rows behind" in told[0] and "Monitor.log" in told[0], told

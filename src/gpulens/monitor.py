@@ -15,7 +15,6 @@ Each ``log`` call ends a window and writes one row (see :mod:`gpulens.schema` fo
 
 from __future__ import annotations
 
-import atexit
 import math
 import threading
 import time
@@ -25,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS, EngineSpec
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer
 from gpulens.log import Laps, effective_level, logger, warn_once
 from gpulens.model import Row, RunContext, SinkStats
 from gpulens.settings import (
@@ -36,6 +36,7 @@ from gpulens.settings import (
 )
 from gpulens.sinks import ENGINE, SinkSpec, as_sink, prepare_sinks, unique_names
 from gpulens.sinks.base import Sink
+from gpulens.sinks.wandb_run import tell_wandb_run_missed, wandb_starts_own_run
 from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, StepLogger
 from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
@@ -200,6 +201,8 @@ class Monitor:
         self._dropped_marks = 0
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._wandb_alone = False
+        """A "wandb" sink started with no W&B run here: the engine starts a run of its own."""
 
     @property
     def settings(self) -> Settings:
@@ -282,6 +285,7 @@ class Monitor:
                 # Prometheus)
                 sinks = settings.sinks if gather is None else gather.sinks_for(settings.sinks)
                 named = _prepare(sinks)  # a one-line error before any sink opens or run is made
+                self._wandb_alone = wandb_starts_own_run(named)
                 transport = self._choose_transport(backend)
                 try:
                     context, torch_indices = self._start_engine(transport, link, named, backend,
@@ -513,6 +517,8 @@ class Monitor:
                 logger.warning("gpulens: %d step mark(s) were dropped on their way to the "
                                "engine (it did not keep up); their steps have no rows of "
                                "their own", client_dropped)
+            if self._wandb_alone:
+                tell_wandb_run_missed()
             self._transport = self._relay = self._steplogger = self._link = None
             self._gather = None
             return self.sink_stats
@@ -546,24 +552,6 @@ def _prepare(sinks: Sequence[SinkSpec | Sink]) -> list[tuple[str, SinkSpec | Sin
     """Each sink with its name in the run (:func:`~gpulens.sinks.unique_names`), prepared
     (:func:`~gpulens.sinks.prepare_sinks`): every cheap check made before anything is made."""
     return list(zip(unique_names(sinks), prepare_sinks(sinks), strict=True))
-
-
-def exit_finalizer(owner: object, func: Any, *args: Any) -> weakref.finalize[Any, Any]:
-    """``weakref.finalize(owner, func, *args)`` whose exit hook is registered with ``atexit``
-    now, not when the process made its first finalizer (importing torch does): ``atexit``
-    runs the newest hook first, so one made after a tracker's run began (``wandb.init``
-    registers W&B's own hook) runs while that tracker's service still lives. Undo with
-    :func:`drop_exit_finalizer`."""
-    finalizer = weakref.finalize(owner, func, *args)
-    finalizer.atexit = False
-    atexit.register(finalizer)
-    return finalizer
-
-
-def drop_exit_finalizer(finalizer: weakref.finalize[Any, Any]) -> bool:
-    """Detach ``finalizer`` and take its exit hook back; True if it had not run."""
-    atexit.unregister(finalizer)
-    return finalizer.detach() is not None
 
 
 def _stop_dropped(link: _Link, relay: MarkRelay) -> None:

@@ -67,9 +67,10 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer
 from gpulens.integrations.phases import StepPhases
 from gpulens.log import warn_once
-from gpulens.monitor import Monitor, drop_exit_finalizer, exit_finalizer
+from gpulens.monitor import Monitor
 from gpulens.settings import Settings, normalize_run_dtype
 from gpulens.sinks import SinkSpec, as_sink
 from gpulens.sinks.base import Sink

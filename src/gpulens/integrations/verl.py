@@ -56,10 +56,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer
 from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
 from gpulens.model import Row, RunContext
-from gpulens.monitor import drop_exit_finalizer, exit_finalizer
 from gpulens.schema import STEP_KEY
 from gpulens.sinks import check_sinks
 from gpulens.sinks.base import Sink

@@ -43,8 +43,9 @@ current step 12").  This sink never does that while training runs:
 Limits.  Rows that wait in the queue reach W&B later (not on a wrong step: ``gpulens/step``
 says where they belong); the queue holds at most ``MAX_QUEUE`` rows, beyond which the oldest
 waiting row is overwritten by the next one in the same record (counted in
-:attr:`WandbSink.rows_overwritten`, with a warning).  That takes rows coming faster than
-the user logs for a long time (an engine starved of CPU that finishes rows in bursts).  After
+:attr:`WandbSink.rows_overwritten` and as dropped at stop, with a warning; a warning says so
+once :data:`BEHIND_ROWS` wait).  That takes rows coming faster than the user logs for a long
+time (a loop logging every few ms; an engine starved of CPU that finishes rows in bursts).  After
 ``stop()`` W&B's step can be a few steps past the last training step (the rows still
 queued): a later ``wandb.log(..., step=s)`` lands if ``s`` is above it, or if it passes no
 ``step=`` (the step it reached is logged at INFO).  A user who passes ``step=`` in a unit
@@ -101,12 +102,9 @@ its rows are counted as dropped, with a warning.
 
 from __future__ import annotations
 
-import math
-import os
 import sys
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Any
 
@@ -117,56 +115,22 @@ from gpulens.schema import STEP_KEY
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys
 from gpulens.sinks.wandb_run import (
     CONFIG_FROM_RUN,
+    DETAIL_ENV,  # noqa: F401  (re-exported: gpulens.sinks.wandb.DETAIL_ENV)
+    DETAIL_INTERVAL_S,  # noqa: F401
     RunGone,
     RunHandle,
     ask_step,
     check_wandb_login,
     check_wandb_ready,
+    definitions,
     import_wandb,
+    resolve_detail_interval,
     send_alert,
     write_run_metadata,
 )
 
 AXIS_KEY = "gpulens/step"
 """The hidden x-axis of every key this sink writes: the row's training step."""
-
-DETAIL_INTERVAL_S = 1.0
-"""Default for :class:`WandbSink`'s ``detail_interval``: seconds (of the rows' own times)
-between two rows that carry the hidden detail (see the module doc)."""
-DETAIL_ENV = "GPULENS_WANDB_DETAIL_S"
-"""Environment variable giving ``detail_interval`` to W&B sinks made without it."""
-
-_DEFINED: weakref.WeakKeyDictionary[Any, dict[str, tuple[bool, str]]] = (
-    weakref.WeakKeyDictionary())
-"""Per W&B run object: the keys defined on it so far, each with (hidden, step metric)."""
-
-
-def resolve_detail_interval(seconds: float | None) -> float:
-    """``seconds`` checked (a number >= 0, else a one-line ``ValueError``), or
-    :data:`DETAIL_ENV`'s value, or :data:`DETAIL_INTERVAL_S`."""
-    where = "detail_interval"
-    value: Any = seconds
-    if value is None:
-        value = os.environ.get(DETAIL_ENV, "").strip() or DETAIL_INTERVAL_S
-        where = DETAIL_ENV
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = math.nan
-    if not number >= 0 or math.isinf(number):
-        raise ValueError(f"{where}={value!r}: expected seconds >= 0 between the W&B rows that "
-                         "carry the per-GPU detail (0: every row)")
-    return number
-
-
-def _definitions(run: Any) -> dict[str, tuple[bool, str]]:
-    """The keys defined on ``run`` so far (shared by every sink writing to it), or a fresh
-    dict for a run object that cannot be weakly referenced."""
-    try:
-        return _DEFINED.setdefault(run, {})
-    except TypeError:
-        return {}
-
 
 PLACE_POLL_S = 0.02
 PLACE_POLL_MAX_S = 0.2
@@ -179,6 +143,9 @@ twice a step, not every 20 ms."""
 
 MAX_QUEUE = 10_000
 """Rows :class:`WandbSink` keeps waiting for a record of their own."""
+
+BEHIND_ROWS = 200
+"""Rows waiting for a W&B record at which the sink says, once, that its rows fall behind."""
 
 
 class WandbSink:
@@ -250,7 +217,8 @@ class WandbSink:
         self.keys = resolve_keys(keys)
         self.section = check_section(section)
         self.rows_overwritten = 0
-        """Rows overwritten in W&B by a later one (the queue was full)."""
+        """Rows overwritten in W&B by a later one (the queue was full; also in rows_lost)."""
+        self._in_write = False
         self.alerts_sent = 0
         """``run.alert`` calls made for firing alerts."""
         self._reset()
@@ -258,6 +226,8 @@ class WandbSink:
     def _reset(self) -> None:
         self.rows_lost = 0
         """This run's rows taken that never reached W&B (counted dropped at stop)."""
+        self.lost_why: str | None = None
+        """Why rows were lost, for stop()'s WARNING (``None``: the run stopped answering)."""
         self._defined: dict[str, tuple[bool, str]] = {}
         self._detail_at: float | None = None
         """The time of the newest row written with the hidden keys."""
@@ -353,7 +323,7 @@ class WandbSink:
                                  f"{one_line(exc)}") from None
             self._owned = True
         self._reset()
-        self._defined = _definitions(self._run)
+        self._defined = definitions(self._run)
         self._shared = getattr(getattr(self._run, "settings", None), "mode", None) == "shared"
         if self.step_metric == AXIS_KEY and AXIS_KEY not in self._defined:
             self._run.define_metric(AXIS_KEY, hidden=True)
@@ -511,16 +481,36 @@ class WandbSink:
             else:
                 break
         while len(queue) > MAX_QUEUE:
-            run.log(queue[0], commit=False)  # over the row waiting in the record
+            step = self._core_step()  # the row takes a free record, else ours in it
+            run.log(queue[0], commit=False)
             queue.popleft()
+            if step is not None and (self._attached_at is None or self._attached_at < step):
+                self._attached_at = self._held_by(step)
+                continue
             self.rows_overwritten += 1
+            self.rows_lost += 1  # counted dropped at stop, not written
+            self.lost_why = "W&B records did not free up for them: overwritten by later rows"
             warn_once("wandb-overwritten", "gpulens: GPU rows come faster than W&B records "
                       "free up for them (%d waiting); some are overwritten in W&B by later "
                       "ones (the other sinks have them all)", MAX_QUEUE)
+        if len(queue) >= BEHIND_ROWS and not final:
+            warn_once("wandb-behind", "gpulens: GPU rows reach W&B %d rows behind training "
+                      "(newest: step %s): W&B records free up for them slower than they come "
+                      "(one row a record of yours); those waiting are written at stop(), a W&B "
+                      "step each past your last one (%d at most): call Monitor.log less often "
+                      "to keep up", len(queue), self._newest_step, MAX_QUEUE)
 
     def _may_commit(self, step: int) -> bool:
         """Whether a record of our own at ``step + 1`` stays at or below the user's next step."""
         return self._newest_step is not None and step + 1 <= self._newest_step + 1
+
+    @property
+    def rows_waiting(self) -> int:
+        """Rows taken (written, to the writer) that wait in the queue for a W&B record: lost
+        if the sink is given up before it closes (read without the lock, which a write stuck
+        on a run that no longer answers holds; the row of that write is the writer's)."""
+        waiting = len(self._queue)
+        return max(0, waiting - 1) if self._in_write else waiting
 
     def write(self, row: Row) -> None:
         if self._disabled:
@@ -532,27 +522,35 @@ class WandbSink:
         with self._lock:
             if self._gone is not None:
                 raise self._gone
-            data = self._data(row)
-            self._define(data)
-            if self._newest_step is None or row.step > self._newest_step:
-                self._newest_step = row.step
-            was_empty = not self._queue
-            self._queue.append(data)
+            self._in_write = True
             try:
-                if self._attached and was_empty:
-                    self._core_step()  # the newest S: the row may have a record at once
-                self._place()
-            except RunGone as exc:
-                self._run_gone(exc, holding=1)  # this row stays the writer's (raised)
-                raise
-            except Exception as exc:  # the row is queued: placed later, never queued twice
-                warn_once("wandb-place", "gpulens: could not give a GPU row a W&B record: "
-                          "%s", one_line(exc))
-                while len(self._queue) > MAX_QUEUE:  # a run that keeps refusing: bounded
-                    self._queue.popleft()
-                    self.rows_lost += 1
-            if self._queue and was_empty:
-                self._lock.notify()  # the placer looks for free records while rows wait
+                self._write(row)
+            finally:
+                self._in_write = False
+
+    def _write(self, row: Row) -> None:
+        """:meth:`write`'s part under the lock: queue the row's record, and place what can be."""
+        data = self._data(row)
+        self._define(data)
+        if self._newest_step is None or row.step > self._newest_step:
+            self._newest_step = row.step
+        was_empty = not self._queue
+        self._queue.append(data)
+        try:
+            if self._attached and was_empty:
+                self._core_step()  # the newest S: the row may have a record at once
+            self._place()
+        except RunGone as exc:
+            self._run_gone(exc, holding=1)  # this row stays the writer's (raised)
+            raise
+        except Exception as exc:  # the row is queued: placed later, never queued twice
+            warn_once("wandb-place", "gpulens: could not give a GPU row a W&B record: "
+                      "%s", one_line(exc))
+            while len(self._queue) > MAX_QUEUE:  # a run that keeps refusing: bounded
+                self._queue.popleft()
+                self.rows_lost += 1
+        if self._queue and was_empty:
+            self._lock.notify()  # the placer looks for free records while rows wait
 
     def _run_gone(self, exc: RunGone, holding: int = 0) -> None:
         """The run stopped answering: said once, the rows lost counted (not ``holding``)."""

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import os
 import pickle
 import sys
+import weakref
 from typing import Any
 
 from gpulens.log import logger, one_line, warn_once
@@ -38,6 +40,45 @@ SERVICE_ENV = "WANDB_SERVICE"
 ANSWER_TIMEOUT_S = 5.0
 """How long the sink waits for ``wandb-core``'s answer (W&B's step) before it takes the run
 as finished (or its service as gone): rows are then no longer written to W&B (counted)."""
+
+
+DETAIL_INTERVAL_S = 1.0
+"""Default for :class:`WandbSink`'s ``detail_interval``: seconds (of the rows' own times)
+between two rows that carry the hidden detail (see the module doc)."""
+DETAIL_ENV = "GPULENS_WANDB_DETAIL_S"
+"""Environment variable giving ``detail_interval`` to W&B sinks made without it."""
+
+
+def resolve_detail_interval(seconds: float | None) -> float:
+    """``seconds`` checked (a number >= 0, else a one-line ``ValueError``), or
+    :data:`DETAIL_ENV`'s value, or :data:`DETAIL_INTERVAL_S`."""
+    where = "detail_interval"
+    value: Any = seconds
+    if value is None:
+        value = os.environ.get(DETAIL_ENV, "").strip() or DETAIL_INTERVAL_S
+        where = DETAIL_ENV
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not number >= 0 or math.isinf(number):
+        raise ValueError(f"{where}={value!r}: expected seconds >= 0 between the W&B rows that "
+                         "carry the per-GPU detail (0: every row)")
+    return number
+
+
+_DEFINED: weakref.WeakKeyDictionary[Any, dict[str, tuple[bool, str]]] = (
+    weakref.WeakKeyDictionary())
+"""Per W&B run object: the keys defined on it so far, each with (hidden, step metric)."""
+
+
+def definitions(run: Any) -> dict[str, tuple[bool, str]]:
+    """The keys defined on ``run`` so far (shared by every sink writing to it), or a fresh
+    dict for a run object that cannot be weakly referenced."""
+    try:
+        return _DEFINED.setdefault(run, {})
+    except TypeError:
+        return {}
 
 
 class RunGone(RuntimeError):
@@ -229,3 +270,27 @@ def send_alert(run: Any, event: Event) -> bool:
                   "alerts/%s key and the other sinks still have it)", event.name,
                   one_line(exc), event.name)
         return False
+
+
+def wandb_starts_own_run(sinks: Any) -> bool:
+    """At start, in the training process: whether a prepared ``"wandb"`` spec among ``sinks``
+    (``(name, sink)`` pairs) has no run to attach to, so that the engine starts a run of its
+    own (said at INFO: a ``wandb.init()`` after ``Monitor.start()`` makes a second run)."""
+    alone = any(getattr(sink, "kind", None) == "wandb" and sink.options.get("run") is None
+                for _, sink in sinks)
+    if alone:
+        logger.info("gpulens: no W&B run is active at start(): the wandb sink starts a run of "
+                    "its own for the GPU rows (call wandb.init() before Monitor.start() to "
+                    "get them into your run)")
+    return alone
+
+
+def tell_wandb_run_missed() -> None:
+    """At stop, where the engine wrote a run of its own: a WARNING if this process has a W&B
+    run now (a ``wandb.init()`` after ``Monitor.start()``), whose charts have no GPU rows."""
+    run = getattr(sys.modules.get("wandb"), "run", None)
+    if run is not None and getattr(run, "disabled", False) is not True:
+        logger.warning("gpulens: the GPU rows went to a W&B run of gpulens's own, not to your "
+                       "run %s: it began after Monitor.start() (start the monitor after "
+                       "wandb.init(), or pass the run: sink_spec('wandb', run=run))",
+                       getattr(run, "id", "?"))

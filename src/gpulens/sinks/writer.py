@@ -226,17 +226,25 @@ class _Delivery:
         return lost
 
     def count_lost(self) -> None:
-        """Rows the sink took but says it lost (its ``rows_lost``: a W&B run that stopped
-        answering while rows waited in the sink for a record) move from written to dropped."""
+        """Rows the sink took but says it lost move from written to dropped: its ``rows_lost``
+        (a W&B run that stopped answering, rows overwritten in W&B) and its ``rows_waiting``,
+        rows still waiting in it for a W&B record when it was given up before it closed."""
         lost = getattr(self.sink, "rows_lost", 0)
-        if not isinstance(lost, int) or lost <= 0:
+        waiting = getattr(self.sink, "rows_waiting", 0)
+        lost = lost if isinstance(lost, int) and lost > 0 else 0
+        waiting = waiting if isinstance(waiting, int) and waiting > 0 else 0
+        if not lost + waiting:
             return
         with self._lock:
-            moved = min(lost, self.stats.written)
+            moved = min(lost + waiting, self.stats.written)
             self.stats.written -= moved
             self.stats.dropped += moved
-        if self.why is None:
-            self.why = "they waited in the sink when its run stopped answering"
+        because = (getattr(self.sink, "lost_why", None) if lost else None) or \
+            "they waited in the sink when its run stopped answering"
+        if waiting:
+            because = ("they waited in the sink for a W&B record when it was given up (a run "
+                       "finished before the monitor stopped gives none)")
+        self.why = because if self.why is None else f"{self.why}; {moved} because {because}"
 
     def close_sink(self) -> None:
         sink = self.sink
