@@ -91,6 +91,7 @@ def torchrun(args: list[str], cwd: Path, **extra: str) -> None:
                              f"{done.stderr[-5500:]}")
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-6000:])
     assert not done.leftovers, f"processes of the job outlived torchrun: {done.leftovers}"
+    (cwd / "torchrun.stderr").write_text(done.stderr)  # what gpulens said, for the tests
 
 
 def test_a_hung_job_writes_every_ranks_stacks_before_it_is_killed(tmp_path: Path) -> None:
@@ -194,6 +195,23 @@ dist.destroy_process_group()
 """
 
 
+SHARED_GPU = """
+import sys, time
+import torch.distributed as dist
+import gpulens
+from gpulens.testing import SimulatedNVML
+
+dist.init_process_group("gloo")
+# gpus=[0] on every rank of one node: both ranks watch the node's GPU 0
+with gpulens.Monitor(interval=0.05, backend=SimulatedNVML(gpus=2), gpus=[0],
+                     sinks=[f"jsonl:{sys.argv[1]}"]) as mon:
+    for step in range(1, 4):
+        time.sleep(0.1)
+        mon.log(step)
+dist.destroy_process_group()
+"""
+
+
 @pytest.fixture(scope="module")
 def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One ``torchrun --nproc_per_node 2`` launch that runs, one after another in the same two
@@ -212,6 +230,7 @@ def ddp_examples(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _launch_ddp_examples(out: Path) -> None:
     (out / "late.py").write_text(LATE_RANK)
     (out / "slow_gpu.py").write_text(SLOW_GPU)
+    (out / "shared_gpu.py").write_text(SHARED_GPU)
     (out / "tune").mkdir()
     # the scripts that time CPU (slow_rank's evidence) or fork loader workers (tune) first,
     # before Lightning and Transformers start threads of their own in the ranks
@@ -232,6 +251,7 @@ def _launch_ddp_examples(out: Path) -> None:
                          "--max-steps", "12", "--logging-steps", "4"]
     scripts["late"] = [str(out / "late.py"), str(out / "late.jsonl"), str(out / "result")]
     scripts["slow-gpu"] = [str(out / "slow_gpu.py"), str(out / "slow-gpu.jsonl")]
+    scripts["shared-gpu"] = [str(out / "shared_gpu.py"), str(out / "shared-gpu.jsonl")]
     if installed("transformers") and installed("wandb"):
         # last: rank 0's W&B run (offline, under out/wandb: WANDB_DIR below) stays open until
         # the rank exits
@@ -329,6 +349,15 @@ def test_a_one_node_job_is_gathered_by_the_engines(ddp_examples: Path) -> None:
     assert not any(name.startswith("gpulens-gather") for name in threads[0] + threads[1]), (
         threads)
     check_rows(jsonl(ddp_examples / "late.jsonl"), [1, 2, 3, 4, 5, 6])
+
+
+@pytest.mark.xdist_group("ddp-examples")
+def test_two_ranks_watching_one_gpu_are_told_by_rank_0s_engine(ddp_examples: Path) -> None:
+    """``gpus=[0]`` on both ranks of a node: one GPU under two ranks, counted twice in the
+    job's sums; rank 0's engine says so once (``JobShape.shared_gpus``)."""
+    check_rows(jsonl(ddp_examples / "shared-gpu.jsonl"), [1, 2, 3])
+    said = (ddp_examples / "torchrun.stderr").read_text()
+    assert said.count("ranks 0, 1 watch one GPU") == 1, said[-3000:]
 
 
 @pytest.mark.xdist_group("ddp-examples")

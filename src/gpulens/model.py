@@ -107,6 +107,20 @@ class JobShape:
                       if r.rank == rank and not r.gpus else r for r in self.ranks)
         return JobShape(self.world, self.nodes, self.launcher, ranks, self.view, self.missing)
 
+    def shared_gpus(self) -> list[tuple[int, ...]]:
+        """Rank 0's job view: groups of ranks of one node that watch one GPU (its UUID). Each
+        rank's figures are keyed by its global rank, so such a GPU (``gpus=[0]`` on every
+        rank, more ranks than GPUs) shows under each, and the job's sums
+        (``gpu/all/power_w_sum``, energy per step) and ``job/gpus`` count it once a rank."""
+        if self.view != "job":
+            return []
+        by_gpu: dict[tuple[int, str], set[int]] = {}
+        for info in self.ranks:
+            for gpu in info.gpus:
+                if gpu.uuid:
+                    by_gpu.setdefault((info.node, gpu.uuid), set()).add(info.rank)
+        return [tuple(sorted(ranks)) for ranks in by_gpu.values() if len(ranks) > 1]
+
 
 @dataclass(frozen=True)
 class Event:

@@ -383,7 +383,7 @@ class Monitor:
             return None
         from gpulens.distributed.gather import JobGather
 
-        return JobGather(submit=link.finish_merged)
+        return JobGather(submit=link.finish_merged, gpus=self._settings.gpus)
 
     # -- the training thread -------------------------------------------------------------------
     def log(self, step: int, *, tokens: Any = None, samples: Any = None, flops: Any = None,

@@ -56,7 +56,8 @@ def worker(out: str, steps: int) -> None:
     model = nn.parallel.DistributedDataParallel(
         nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    sim = SimulatedNVML(gpus=1, gpm=False, load=Constant(0.6))
+    # the node's two GPUs, one a rank (one GPU on both would be one GPU watched twice)
+    sim = SimulatedNVML(gpus=2, gpm=False, load=Constant(0.6))
     with gpulens.Monitor(interval=0.05, sinks=[f"jsonl:{out}"], backend=sim) as mon:
         for step in range(1, steps + 1):
             slow["on"] = step > SLOW_RANK_AFTER

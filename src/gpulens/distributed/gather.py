@@ -84,7 +84,19 @@ from gpulens.model import Row, RunContext
 from gpulens.schema import full_gpus
 from gpulens.sinks import SinkSpec
 
-__all__ = ["JOB_WAIT_S", "NODE_WAIT_S", "PASS_S", "RING", "JobGather"]
+__all__ = ["JOB_WAIT_S", "NODE_WAIT_S", "PASS_S", "RING", "JobGather", "check_rank_gpus"]
+
+
+def check_rank_gpus(gpus: Sequence[int] | None) -> None:
+    """A ``ValueError`` (one line, on every rank alike, before the start exchange) for a rank
+    that names more than one GPU: a rank's row carries one GPU, keyed by its global rank, so
+    the others were dropped without a word and every rank's GPU went under its local number
+    (``gpus=[0, 1]`` on two ranks gave rows with ``gpu/0`` alone)."""
+    if gpus is not None and len(gpus) > 1:
+        raise ValueError(
+            f"gpus={list(gpus)}: in a distributed job each rank watches one GPU, the one it "
+            "trains on (its row's GPU is keyed by the global rank); give each rank one device "
+            "number, or gpus=None for its LOCAL_RANK's GPU")
 
 
 class JobGather:
@@ -93,10 +105,12 @@ class JobGather:
 
     def __init__(self, submit: Callable[[Row], None], *, store: Any = None,
                  placement: Placement | None = None, timeout: float = START_TIMEOUT_S,
-                 generation: int | None = None) -> None:
+                 generation: int | None = None, gpus: Sequence[int] | None = None) -> None:
         """``store`` and ``placement``: the job's store and this rank's place (default:
         torch.distributed's default store, and :func:`placement_from_env`); ``generation``:
-        which gather of the job this is (default: counted in this process)."""
+        which gather of the job this is (default: counted in this process); ``gpus``: the
+        monitor's ``gpus`` (:func:`check_rank_gpus`, before any exchange)."""
+        check_rank_gpus(gpus)
         if placement is None or store is None:
             import torch.distributed as dist
 

@@ -40,6 +40,11 @@ from gpulens.schema import full_gpus
 
 START_TIMEOUT_S = 120.0
 """How long a rank waits at ``start()`` for the others to join the exchange."""
+START_NOTE_S = 10.0
+"""A rank that has waited this long at ``start()`` for the others says so once (who is
+missing, and that every rank must start a monitor), then waits on up to
+:data:`START_TIMEOUT_S`: a monitor made on rank 0 alone stalled its training 120 s in
+silence."""
 
 _generation = 0
 _gen_lock = threading.Lock()
@@ -139,7 +144,15 @@ def join(store: Any, place: Placement, generation: int,
         store.append(p + "nodes", key + "\n")
     if store.add(p + "arrived", 1) >= place.world:
         store.set(p + "all", "1")
-    if _wait(store, [p + "all", p + "token"], timeout):
+    missing = _wait(store, [p + "all", p + "token"], min(START_NOTE_S, timeout))
+    if missing and timeout > START_NOTE_S:
+        logger.warning("gpulens: rank %d has waited %.0f s at start for the other ranks to "
+                       "start their monitors (%d of %d have); every rank must start one (a "
+                       "Monitor made on some ranks only waits here up to %.0f s, then goes "
+                       "on without the others)", place.rank, START_NOTE_S,
+                       int(store.add(p + "arrived", 0)), place.world, timeout)
+        missing = _wait(store, missing, timeout - START_NOTE_S)
+    if missing:
         logger.warning("gpulens: rank %d waited %.0f s at start for the other ranks to start "
                        "their monitors; going on with those that came (the rows of the others "
                        "are not gathered)", place.rank, timeout)

@@ -131,6 +131,8 @@ class Engine:
                 job=(spec.job.with_gpus(spec.rank[0], infos)
                      if spec.job is not None and spec.rank is not None else spec.job),
             )
+            if context.job is not None:
+                _say_shared_gpus(context.job)
             # built by their writer threads: their modules are imported off the way to "ready"
             steplogger = StepLogger(list(spec.sinks), names=[s.name for s in spec.sinks],
                                     buffer_rows=spec.buffer_rows)
@@ -411,3 +413,11 @@ def _probe_energy_updates(devices: list[NvmlDevice]) -> dict[int, float]:
     return out
 
 
+def _say_shared_gpus(job: JobShape) -> None:
+    """One WARNING for each group of ranks that watch one GPU (:meth:`JobShape.shared_gpus`)."""
+    for ranks in job.shared_gpus():
+        logger.warning("gpulens: ranks %s watch one GPU (on one node): its figures show under "
+                       "each of them, and the job's sums (power, energy) and job/gpus count it "
+                       "%d times (more ranks than GPUs, or gpus= naming one device on every "
+                       "rank: leave gpus=None for each rank's LOCAL_RANK GPU)",
+                       ", ".join(map(str, ranks)), len(ranks))
