@@ -586,6 +586,33 @@ def test_ranks_that_log_different_steps_are_told_once_as_such_and_not_waited_for
     assert "rank 1" in warnings[0] and "different steps" in warnings[0], warnings
 
 
+def test_a_rank_that_stopped_its_monitor_is_told_as_stopped(
+        fast_waits: None, caplog: pytest.LogCaptureFixture) -> None:
+    """Uneven ranks: rank 1 logs 3 steps and stops its monitor, rank 0 goes on to 6. The
+    rows after it are partial, and the WARNING says the rank's monitor was stopped (its slot
+    done, every entry read), not that its process "has exited, or it stalls"."""
+    job = Job(world=2, nodes=1)
+    with caplog.at_level(logging.INFO, logger="gpulens"):
+        for step in (1, 2, 3):
+            job.log(step)
+        job.wait_rows(0, 3)
+
+        def stop_rank_1(r: int) -> None:
+            if r == 1:
+                job.w[1].flush(WAIT_S)
+                job.g[1].flush(WAIT_S)
+
+        job._parallel(stop_rank_1)
+        for step in (4, 5, 6):
+            job.log(step, ranks=[0])
+        rows = job.wait_rows(0, 6)
+        job.stop()
+    assert [r.values["job/ranks"] for r in rows] == [2, 2, 2, 1, 1, 1]
+    told = [r.getMessage() for r in caplog.records
+            if r.levelno == logging.WARNING and "rank 1" in r.getMessage()]
+    assert len(told) == 1 and "its monitor was stopped" in told[0], told
+
+
 @pytest.mark.parametrize(("tcp", "who"), [(False, 2), (True, 0)],
                          ids=["training-processes-rank-2", "engines-rank-0"])
 def test_a_rank_that_cannot_open_its_node_file_trains_on_and_is_told(

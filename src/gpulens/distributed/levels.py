@@ -131,10 +131,11 @@ class _Teller:
             if r in self.ranks or r in g.misstepped:  # said already, as what it is
                 continue
             self.ranks.add(r)
-            say("gpulens: rank %d%s sent no row for step %d (its process has exited, or it "
-                "stalls); rows from here on are written without it, marked partial "
-                "(job/partial = 1, job/ranks counts the ranks present)", r, self._where(r),
-                step)
+            why = ("its monitor was stopped" if r in g.stopped
+                   else "its process has exited, or it stalls")
+            say("gpulens: rank %d%s sent no row for step %d (%s); rows from here on are "
+                "written without it, marked partial (job/partial = 1, job/ranks counts the "
+                "ranks present)", r, self._where(r), step, why)
 
     def _where(self, rank: int) -> str:
         shape = self.g.shape
@@ -240,6 +241,8 @@ class NodeLevel:
                         self.g.rank)
                 continue
             state, _, pid, written, final = ring.state(slot)
+            if self.next_seq[slot] >= written and final is not None:
+                self.g.stopped.add(rank)
             if rank in self.missing or (self.next_seq[slot] >= written and (
                     final is not None or (state != 0 and not _alive(pid)))):
                 continue

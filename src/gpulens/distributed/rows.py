@@ -178,6 +178,9 @@ class RowGather:
         self._finishing = False
         self.misstepped: set[int] = set()
         """Ranks seen logging other steps than their leader (told once, by the node level)."""
+        self.stopped: set[int] = set()
+        """Ranks of this node whose monitor stopped (its slot done, every entry read): a row
+        without them is told as that, not as a rank that exited or stalls."""
         self._levels: tuple[NodeLevel | None, JobLevel | None] = (None, None)
         """The gather thread's node and job levels (for the count of rows left at stop)."""
         self._finish_began: float | None = None
