@@ -254,17 +254,25 @@ def test_wandb_run_of_a_thread_engine_is_this_process(wandb_offline: Path) -> No
     assert [h["gpulens/step"] for h in _gpu_rows(history)] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("how", ["init", "env"])
 def test_wandb_disabled_writes_nothing_and_says_nothing_wrong(
-        wandb_offline: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """``wandb.init(mode="disabled")`` (W&B switched off, a no-op run): the engine's sink has
-    nothing to attach to and writes nothing, without a warning, as W&B itself does."""
+        how: str, wandb_offline: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``wandb.init(mode="disabled")`` (W&B switched off, a no-op run), or ``WANDB_MODE=
+    disabled`` and no run (the engine's ``wandb.init()`` gets the no-op run): the sink writes
+    nothing, without a warning, as W&B itself does, and says so at INFO once."""
     import wandb
 
-    run = wandb.init(mode="disabled")
+    run = None
+    if how == "init":
+        run = wandb.init(mode="disabled")
+    else:
+        monkeypatch.setenv("WANDB_MODE", "disabled")
     with caplog.at_level("INFO", logger="gpulens"), gpulens.Monitor(
             interval=0.05, sinks=["wandb"], backend=SimulatedNVML(gpus=1)) as mon:
         _train(mon, 4)
-        run.log({"user/loss": 1.0})
+        if run is not None:
+            run.log({"user/loss": 1.0})
     wandb.finish()
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned == []

@@ -304,12 +304,7 @@ class WandbSink:
         wandb = import_wandb()
         self._attached, self._gone, self._disabled, self.rows_lost = False, None, False, 0
         self._steps_seen.clear()
-        if isinstance(self._run, RunHandle):
-            if self._run.disabled:  # W&B's no-op run: nothing to write, nothing to attach
-                self._disabled = True
-                _log.info("gpulens: the W&B run is disabled (mode='disabled'): no GPU rows "
-                          "go to W&B")
-                return
+        if isinstance(self._run, RunHandle) and not self._run.disabled:
             self._config_seen = self._run.config_entry
             self._run, self._attached = self._run.resolve()
         if self._run is None:
@@ -322,6 +317,11 @@ class WandbSink:
                 raise ValueError(f"the wandb sink could not start a W&B run: "
                                  f"{one_line(exc)}") from None
             self._owned = True
+        if getattr(self._run, "disabled", False) is True:  # W&B's no-op run: nothing to do
+            self._disabled = True  # (mode="disabled": handed over, or WANDB_MODE at init)
+            _log.info("gpulens: the W&B run is disabled (mode='disabled'): no GPU rows "
+                      "go to W&B")
+            return
         self._reset()
         self._defined = definitions(self._run)
         self._shared = getattr(getattr(self._run, "settings", None), "mode", None) == "shared"
