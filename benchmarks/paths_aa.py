@@ -362,8 +362,11 @@ def run_interleaved(run: PathRun, path: Any, args: argparse.Namespace, budget_en
             target = paired.whole_designs(wanted, cap, len(run.arms))
             target = agree(max(done, target))
             remaining = target - done
+            whole = (f" (whole designs of {len(paired.williams(len(run.arms)))} rounds)"
+                     if target < wanted else "")
             og.log(f"{run.name} pilot: per-round SD {sd0:.3f} pp -> {needed} rounds for "
-                   f"+-{args.bound_pp} pp; {cap_by} allows {cap}; running {remaining} more")
+                   f"+-{args.bound_pp} pp; {cap_by} allows {cap}; running {remaining} more"
+                   f"{whole}")
         final = pilot_sd(run.values, run.name)
         if args.rounds is None:
             run.plan = paired.Plan(first, sd0, needed, cap, done, final, args.bound_pp, cap_by)
