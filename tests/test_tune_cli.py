@@ -46,6 +46,15 @@ def test_a_bad_job_is_one_line(spec: str, message: str,
     assert len(err) == 1 and err[0].startswith("gpulens tune: error: ") and message in err[0]
 
 
+def test_a_value_error_of_the_users_code_keeps_its_traceback(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Only gpulens's own errors are one line: the user's setup (or step) raising ValueError is
+    the user's bug, not a bad argument (no exit code 2 and a line that looks like gpulens's)."""
+    with pytest.raises(ValueError, match="learning rate must be positive"):
+        main(["tune", "tests.support.tune_load:setup_raises_value_error", "--quiet"])
+    assert "gpulens tune: error" not in capsys.readouterr().err
+
+
 def test_bad_settings_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tune", JOB, "--min-batch", "64", "--max-batch", "8", "--quiet"]) == 2
     assert "max_batch (8) is below min_batch (64)" in capsys.readouterr().err

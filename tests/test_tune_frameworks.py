@@ -301,3 +301,65 @@ def test_lightning_with_a_dataloader_is_rebuilt() -> None:
                             workers=(0,), **FAST)
     assert result.chosen is not None and result.chosen.config.batch_size == 16
     assert any("no batch_size / num_workers attribute" in n for n in result.notes)
+
+
+class RunsOutAbove8(Regression):
+    """Out of memory above 8 samples, with CUDA's message (what accelerate's batch search
+    catches)."""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        if x.shape[0] > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return super().forward(x, labels)
+
+
+def test_hf_auto_find_batch_size_does_not_shrink_a_trial(tmp_path: Path) -> None:
+    """``auto_find_batch_size=True`` (the user's): a trial that runs out of memory is an
+    ``oom`` trial, not a train() that goes on at 0.9x the batch under the trial's label and
+    sample count; the user's setting stays."""
+    trainer = hf_trainer(tmp_path, RunsOutAbove8(), Samples(), batch=4,
+                         auto_find_batch_size=True)
+    result = tune_trainer(trainer, batch_sizes=(4, 8, 16, 32), workers=(0,), **FAST)
+    seen = [(t.config.batch_size, t.status, t.samples_per_s) for t in result.trials]
+    assert [t.status for t in result.trials if t.config.batch_size == 16] == ["oom"], seen
+    assert result.oom_batch == 16 and result.chosen is not None, seen
+    assert result.chosen.config.batch_size == 8, seen
+    assert trainer.args.auto_find_batch_size and trainer.args.per_device_train_batch_size == 8
+
+
+def test_hf_keeps_the_users_accumulation_and_state(tmp_path: Path) -> None:
+    """Without ``global_batch`` the sweep chooses the micro-batch: the user's
+    ``gradient_accumulation_steps`` stays in ``trainer.args``; the Trainer's state (its
+    ``global_step``, ``log_history``) is not the last trial's."""
+    trainer = hf_trainer(tmp_path, Regression(), Samples(), batch=4,
+                         gradient_accumulation_steps=2)
+    state = trainer.state
+    result = tune_trainer(trainer, batch_sizes=(4, 8), workers=(0,), **FAST)
+    assert result.chosen is not None and result.chosen.config.accumulation == 1
+    assert trainer.args.gradient_accumulation_steps == 2
+    assert any("yours (2) is kept" in n for n in result.notes)
+    assert trainer.state is state and trainer.state.global_step == 0
+
+
+class WithCallbacks(Module):
+    """A module that brings its own callbacks: a checkpoint every step, a learning-rate
+    monitor (which raises in a Trainer without a logger)."""
+
+    def __init__(self, ckpt_dir: Path) -> None:
+        super().__init__()
+        self.ckpt_dir = ckpt_dir
+
+    def configure_callbacks(self) -> list[Any]:
+        from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+        return [ModelCheckpoint(dirpath=self.ckpt_dir, every_n_train_steps=1, save_top_k=-1),
+                LearningRateMonitor()]
+
+
+def test_lightning_trials_leave_the_modules_callbacks_out(tmp_path: Path) -> None:
+    model, dm, trainer = WithCallbacks(tmp_path / "ckpt"), Data(), pl_trainer()
+    result = tune_lightning(trainer, model, datamodule=dm, batch_sizes=(4, 8), workers=(0,),
+                            **FAST)
+    assert result.chosen is not None
+    assert not list(tmp_path.rglob("*.ckpt"))  # no checkpoint from a trial
+    assert "configure_callbacks" not in vars(model) and len(model.configure_callbacks()) == 2

@@ -126,3 +126,34 @@ def test_an_error_that_is_not_out_of_memory_propagates() -> None:
 
     with pytest.raises(KeyError, match="labels"):
         tune(make_loader_factory(SlowSamples(n=64)), broken, workers=(0,), progress=False)
+
+
+def test_the_random_generators_are_put_back() -> None:
+    """The trials' loaders share the user's loader's generator (and draw worker seeds and
+    shuffles from torch's global one): a seeded training tuned first must see the data order
+    it would have seen untuned."""
+    import random
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    generator = torch.Generator().manual_seed(7)
+    loader = DataLoader(data, batch_size=8, shuffle=True, generator=generator)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        torch.nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    torch.manual_seed(3)
+    random.seed(3)
+    before = (generator.get_state(), torch.get_rng_state(), random.getstate())
+    order = [b[0] for b in DataLoader(data, batch_size=8, shuffle=True,
+                                      generator=torch.Generator().manual_seed(7))]
+    tune(loader, step, model=model, optimizer=optimizer, batch_sizes=(8, 16), workers=(0,),
+         warmup_steps=1, steps=2, loader_options=False, confirm=False, progress=False)
+    assert torch.equal(generator.get_state(), before[0])
+    assert torch.equal(torch.get_rng_state(), before[1]) and random.getstate() == before[2]
+    assert all(torch.equal(a, b[0]) for a, b in zip(order, loader, strict=True))

@@ -34,6 +34,23 @@ def test_wandb_run_gets_the_choice_and_the_trials(wandb_offline: Path) -> None:
     assert row["tune/trials._type"] == "table-file" and row["tune/report._type"] == "html-file"
 
 
+def test_wandb_training_logged_from_step_0_after_the_result_keeps_its_rows(
+        wandb_offline: Path) -> None:
+    """The result goes into the run's pending row: a training that then logs with
+    ``step=global_step`` from 0 (into the same run) loses no row to a step the result took."""
+    import wandb
+
+    run_ = wandb.init(project="gpulens-tune-test")
+    log_to_tracker(result_with_oom(), run_)
+    for step in range(3):
+        run_.log({"loss": 1.0 / (step + 1)}, step=step)
+    run_id = run_.id
+    run_.finish()
+    history = read_history(wait_for_finished_run(wandb_offline, run_id))
+    assert [r["_step"] for r in history if "loss" in r] == [0, 1, 2]
+    assert [r["_step"] for r in history if "tune/trials._type" in r] == [0]
+
+
 def test_mlflow_run_gets_params_metrics_and_artifacts(mlflow_tracking: MlflowTracking) -> None:
     import mlflow
 

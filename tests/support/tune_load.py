@@ -151,3 +151,8 @@ def cli_job_one_worker() -> Any:
 
 def not_a_job() -> int:
     return 3
+
+
+def setup_raises_value_error() -> Any:
+    """A setup whose own code raises ``ValueError`` (the user's bug, with its traceback)."""
+    raise ValueError("learning rate must be positive")

@@ -89,7 +89,7 @@ def run_tune(args: argparse.Namespace) -> int:
     """Run the sweep; print and write the report (rank 0)."""
     from gpulens.tune import TuneSettings, print_report, render_html, render_markdown
     from gpulens.tune.dist import world
-    from gpulens.tune.isolate import load_job, tune_isolated
+    from gpulens.tune.isolate import JobError, load_job, tune_isolated
     from gpulens.tune.plain import tune_job
 
     if "" not in sys.path and os.getcwd() not in sys.path:
@@ -104,12 +104,16 @@ def run_tune(args: argparse.Namespace) -> int:
             confirm=not args.no_confirm).check()
         if args.isolate:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                raise ValueError("--isolate runs trials in processes of its own: not under "
-                                 "torchrun")
+                raise JobError("--isolate runs trials in processes of its own: not under "
+                               "torchrun")
             result = tune_isolated(args.job, settings, progress=not args.quiet)
         else:
             result = tune_job(load_job(args.job), settings, progress=not args.quiet)
     except ValueError as e:
+        # gpulens's own one-line errors (the spec, the settings, the loader); a ValueError of
+        # the user's setup or step (a shape mismatch...) keeps its traceback
+        if not isinstance(e, JobError) and not str(e).startswith("gpulens tune: "):
+            raise
         raise CliError(str(e).removeprefix("gpulens tune: ")) from None
     if world()[0] != 0:
         return 0 if result.chosen is not None else 1

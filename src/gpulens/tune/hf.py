@@ -25,7 +25,9 @@ batches queued during the warm-up) takes its data wait from that pace instead
 
 Afterwards the model's weights (and an optimizer or scheduler you passed to the Trainer) are
 put back, the Trainer's callbacks and arguments restored, and, with ``apply=True`` (default),
-the chosen batch size, accumulation and loader settings written into ``trainer.args``.
+the chosen batch size, accumulation (with ``global_batch``; without, yours stays) and loader
+settings written into ``trainer.args``. ``auto_find_batch_size`` is off during the trials (a
+trial that runs out of memory is a result, not a cue to shrink the batch under its label).
 
 Tokens and model FLOPs are counted from the model's inputs (MFU on a GPU with a known peak, in
 the dtype ``TrainingArguments`` says). The Trainer keeps its effective batch size in the private
@@ -46,11 +48,12 @@ from gpulens.log import logger
 from gpulens.tune.model import Config, TuneResult, TuneSettings
 from gpulens.tune.pace import LoaderPace
 from gpulens.tune.plain import settings_from
-from gpulens.tune.runner import make_context, restored, sweep
+from gpulens.tune.runner import make_context, restored, rng_kept, sweep
 from gpulens.tune.trial import Recorder
 
 _ARGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "dataloader_num_workers",
-         "dataloader_pin_memory", "dataloader_prefetch_factor", "max_steps")
+         "dataloader_pin_memory", "dataloader_prefetch_factor", "max_steps",
+         "auto_find_batch_size")
 
 
 class _TrialCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
@@ -97,6 +100,9 @@ class HfWorkload:
         prefetch = config.prefetch_factor or self.prefetch
         args.dataloader_prefetch_factor = prefetch if config.num_workers > 0 else None
         args.max_steps = self.settings.warmup_steps + self.settings.steps + 1
+        # the trial's batch size, as set: accelerate's search would catch an out-of-memory
+        # error and go on at 0.9x the batch, under this trial's label and sample count
+        args.auto_find_batch_size = False
         t.callback_handler.callbacks = [_TrialCallback(rec, config.batch_size
                                                        * config.accumulation)]
         t.optimizer, t.lr_scheduler = self.optimizer, self.scheduler
@@ -139,11 +145,13 @@ def _end_workers(trainer: Any) -> None:
 
 @contextmanager
 def _set_aside(trainer: Any) -> Iterator[None]:
-    """Restore the Trainer's arguments, batch size and callbacks after the block."""
+    """Restore the Trainer's arguments, batch size, callbacks and state (its ``global_step``
+    and ``log_history``: each trial's ``train()`` makes its own) after the block."""
     args = trainer.args
     saved = {name: getattr(args, name) for name in _ARGS}
     batch = trainer._train_batch_size
     callbacks = list(trainer.callback_handler.callbacks)
+    state = trainer.state
     try:
         yield
     finally:
@@ -151,6 +159,7 @@ def _set_aside(trainer: Any) -> Iterator[None]:
             setattr(args, name, value)
         trainer._train_batch_size = batch
         trainer.callback_handler.callbacks = callbacks
+        trainer.state = state
 
 
 def apply(trainer: Any, config: Config) -> None:
@@ -175,7 +184,8 @@ def tune_trainer(trainer: Any, settings: TuneSettings | None = None, *, apply_ch
     Args:
         settings / overrides: :class:`~gpulens.tune.TuneSettings` or its fields as keywords
             (``budget_s=600``, ``global_batch=256`` keeps batch x accumulation x ranks).
-        apply_choice: write the choice into ``trainer.args``.
+        apply_choice: write the choice into ``trainer.args`` (your
+            ``gradient_accumulation_steps`` stays unless ``global_batch`` is given).
         progress: show the progress on stderr (rank 0).
     """
     from gpulens.work.hf import dtype_from_training_args
@@ -194,16 +204,19 @@ def tune_trainer(trainer: Any, settings: TuneSettings | None = None, *, apply_ch
     workload = HfWorkload(trainer, settings)
     try:
         with restored(trainer.model, trainer.optimizer, trainer.lr_scheduler), \
-                _set_aside(trainer):
+                _set_aside(trainer), rng_kept():
             result = sweep(workload, ctx, settings, current=current, loader_defaults=defaults,
                            progress=progress)
     finally:
         if ctx.token_counter is not None:
             ctx.token_counter.detach()
-    if current.accumulation > 1 and settings.global_batch is None:
-        result.notes.append(f"the sweep ran without gradient accumulation (yours is "
-                            f"{current.accumulation}); pass global_batch= to keep the global "
-                            "batch")
+    keep = current.accumulation > 1 and settings.global_batch is None
+    if keep:
+        result.notes.append(f"the sweep ran without gradient accumulation; yours "
+                            f"({current.accumulation}) is kept; pass global_batch= to keep the "
+                            "global batch")
     if apply_choice and result.chosen is not None:
-        apply(trainer, dataclasses.replace(result.chosen.config))
+        # without a global batch the sweep chose the micro-batch, not the accumulation
+        apply(trainer, dataclasses.replace(result.chosen.config, accumulation=(
+            current.accumulation if keep else result.chosen.config.accumulation)))
     return result

@@ -32,25 +32,30 @@ from gpulens.tune.sweep import Sweep
 from gpulens.tune.trial import run_trial
 
 
+class JobError(ValueError):
+    """A ``MODULE:FUNCTION`` that gives no job (one line, for the command line); what the
+    function itself raises is the user's, and propagates as it is."""
+
+
 def load_job(spec: str) -> TuneJob:
     """Call ``module:function`` and return its :class:`TuneJob` (a dict of its fields is
-    accepted too). ``ValueError`` with one line for a spec that does not give one."""
+    accepted too). :class:`JobError` with one line for a spec that does not give one."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"expected MODULE:FUNCTION, got {spec!r}")
+        raise JobError(f"expected MODULE:FUNCTION, got {spec!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"cannot import {module_name!r}: {e}") from None
+        raise JobError(f"cannot import {module_name!r}: {e}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"{module_name!r} has no function {attr!r}")
+        raise JobError(f"{module_name!r} has no function {attr!r}")
     job = fn()
     if isinstance(job, dict):
         job = TuneJob(**job)
     if not isinstance(job, TuneJob):
-        raise ValueError(f"{spec}() returned a {type(job).__name__}, not a "
-                         "gpulens.tune.TuneJob")
+        raise JobError(f"{spec}() returned a {type(job).__name__}, not a "
+                       "gpulens.tune.TuneJob")
     return job
 
 
@@ -109,7 +114,7 @@ def tune_isolated(spec: str, settings: TuneSettings, *, progress: bool = True) -
     """The sweep of :func:`gpulens.tune.tune_job`, each trial in a fresh process."""
     info = _ask(spec, None, settings)
     if "error" in info or "died" in info:
-        raise ValueError(f"{spec}: {info.get('error') or info.get('died')}")
+        raise JobError(f"{spec}: {info.get('error') or info.get('died')}")
     settings, notes = worker_settings(settings, sweeps_workers=info["sweeps_workers"],
                                       current=info["current"], cpus=cpus_per_rank())
 

@@ -12,8 +12,9 @@
 Each trial is a real ``fit`` of warm-up + timed steps in a short-lived ``Trainer`` with the
 accelerator, devices, nodes, strategy, precision and gradient clipping of yours (overridable
 with ``trainer_kwargs``), the trial's ``accumulate_grad_batches``, and no logger, checkpoint,
-progress bar or validation. Your trainer is not fitted (a fitted Trainer does not fit again
-from step 0); your module's ``configure_optimizers`` makes a fresh optimizer for each trial.
+progress bar or validation (nor the callbacks of your module's ``configure_callbacks()``).
+Your trainer is not fitted (a fitted Trainer does not fit again from step 0); your module's
+``configure_optimizers`` makes a fresh optimizer for each trial.
 
 The batch size is changed as Lightning's own ``Tuner`` changes it: the ``batch_size``
 attribute of the datamodule, the module or the module's ``hparams``, which your
@@ -42,7 +43,7 @@ from gpulens.tune import loader as loaders
 from gpulens.tune.model import Config, TuneResult, TuneSettings
 from gpulens.tune.pace import TimedCollate
 from gpulens.tune.plain import settings_from
-from gpulens.tune.runner import make_context, restored, sweep
+from gpulens.tune.runner import make_context, restored, rng_kept, sweep
 from gpulens.tune.trial import Recorder
 
 
@@ -132,7 +133,7 @@ class LightningWorkload:
                           enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0,
                           limit_val_batches=0)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _without_module_callbacks(self.model):
             # Lightning's advice to add loader workers: the sweep is measuring exactly that
             warnings.filterwarnings("ignore", message=r".*does not have many workers",
                                     category=UserWarning)
@@ -170,6 +171,23 @@ class LightningWorkload:
 
 
 _MISSING = object()
+
+
+@contextmanager
+def _without_module_callbacks(model: Any) -> Iterator[None]:
+    """During the block, the module's ``configure_callbacks()`` gives none: Lightning adds what
+    it returns to every Trainer that fits the module, the trials' too, where a
+    ``ModelCheckpoint`` would write checkpoints and a ``LearningRateMonitor`` raise (the
+    trials have no logger). An attribute of the instance, removed after."""
+    own = model.__dict__.get("configure_callbacks", _MISSING)
+    model.__dict__["configure_callbacks"] = lambda: []
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            model.__dict__.pop("configure_callbacks", None)
+        else:
+            model.__dict__["configure_callbacks"] = own
 
 
 @contextmanager
@@ -262,7 +280,7 @@ def tune_lightning(trainer: Any, model: Any, datamodule: Any = None, *,
     saved = {(id(h), name): (h, name, _get(h, name)) for h, name in
              ((batch_holder, "batch_size"), (workers_holder, "num_workers")) if h is not None}
     try:
-        with restored(model):
+        with restored(model), rng_kept(*loaders.generators(source)):
             result = sweep(workload, ctx, settings, current=current, progress=progress,
                            loader_defaults=dataclasses.replace(current, pin_memory=(
                                defaults.pin_memory if defaults else None)))

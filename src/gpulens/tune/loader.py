@@ -74,6 +74,17 @@ def defaults(source: object) -> Config | None:
                   pin_memory=bool(loader.pin_memory), prefetch_factor=loader.prefetch_factor)
 
 
+def generators(source: object) -> list[Any]:
+    """The ``torch.Generator`` objects a loader rebuilt from ``source`` shares with it (its own,
+    its sampler's, its batch sampler's sampler's): the trials advance them."""
+    if not _is_dataloader(source):
+        return []
+    loader: Any = source
+    samplers = [loader.sampler, getattr(loader.batch_sampler, "sampler", None)]
+    found = [loader.generator, *(getattr(s, "generator", None) for s in samplers)]
+    return [g for g in found if g is not None]
+
+
 def pace_for(source: object, config: Config) -> LoaderPace | None:
     """What times the workers of the loader a trial with ``config`` rebuilds from ``source``
     (:mod:`gpulens.tune.pace`); ``None`` without workers, or for a factory (the loader is of

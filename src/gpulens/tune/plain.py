@@ -18,7 +18,8 @@ With ``global_batch=`` the sweep keeps ``batch x accumulation x world size`` fix
 the gradients; the tuner calls ``step`` ``accumulation`` times per ``optimizer_step``.
 
 ``model`` and ``optimizer`` are optional but recommended: their ``state_dict`` is put back
-after the sweep (tuning runs real steps), their gradients are dropped after an out-of-memory
+after the sweep (tuning runs real steps; the random number generators, torch's, Python's,
+NumPy's and the loader's, are put back too), their gradients are dropped after an out-of-memory
 trial, and a Hugging Face model gives tokens/s and model FLOPs (MFU with ``dtype``).
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 
 from gpulens.tune import loader as loaders
 from gpulens.tune.model import Config, TuneResult, TuneSettings
-from gpulens.tune.runner import make_context, restored, sweep
+from gpulens.tune.runner import make_context, restored, rng_kept, sweep
 from gpulens.tune.trial import Recorder, TrialFailed
 
 
@@ -141,7 +142,8 @@ def tune_job(job: TuneJob, settings: TuneSettings | None = None, *, progress: bo
                        tokens_per_sample=job.tokens_per_sample,
                        flops_per_sample=job.flops_per_sample)
     try:
-        with restored(*(job.model, job.optimizer, job.scheduler) if restore else ()):
+        with restored(*(job.model, job.optimizer, job.scheduler) if restore else ()), \
+                rng_kept(*loaders.generators(job.loader)):
             return sweep(PlainWorkload(job), ctx, settings, current=current,
                          loader_defaults=defaults, progress=progress,
                          sweeps_workers=loaders.sweeps_workers(job.loader))

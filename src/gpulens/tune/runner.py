@@ -201,3 +201,36 @@ def restored(*objects: Any) -> Iterator[None]:
     finally:
         for obj, state in saved:
             obj.load_state_dict(state)
+
+
+@contextmanager
+def rng_kept(*generators: Any) -> Iterator[None]:
+    """Put the random number generators back after the block: torch's global ones (CPU, and
+    CUDA where it started), Python's and NumPy's, and each ``torch.Generator`` given (a
+    loader's or its sampler's, which the trials' loaders share). Trials draw from them
+    (shuffling, dropout, worker seeds): without this, a seeded training tuned first would
+    see other data orders and masks than the same training untuned."""
+    import random
+    import sys
+
+    import torch
+
+    gens = [g for g in dict.fromkeys(generators) if isinstance(g, torch.Generator)]
+    states = [(g, g.get_state()) for g in gens]
+    cpu = torch.get_rng_state()
+    started = torch.cuda.is_initialized()  # type: ignore[no-untyped-call,unused-ignore]
+    cuda = torch.cuda.get_rng_state_all() if started else None
+    py = random.getstate()
+    numpy = sys.modules.get("numpy")
+    np_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        for g, state in states:
+            g.set_state(state)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(py)
+        if numpy is not None and np_state is not None:
+            numpy.random.set_state(np_state)

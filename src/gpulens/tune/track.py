@@ -5,8 +5,8 @@
 * a W&B run (``wandb.init()``'s): summary keys ``tune/batch_size``, ``tune/num_workers``,
   ``tune/accumulation``, ``tune/samples_per_s``, ``tune/tokens_per_s``, ``tune/mfu_pct``,
   ``tune/speedup_pct``, ``tune/oom_batch``, ``tune/peak_reserved_gb``, ``tune/headroom_gb``
-  (those that were measured), and one ``run.log`` of ``tune/trials`` (a table of every trial)
-  and ``tune/report`` (the HTML report);
+  (those that were measured), and ``tune/trials`` (a table of every trial) and ``tune/report``
+  (the HTML report) in the run's pending row (``commit=False``: it takes no step of its own);
 * an MLflow run (``mlflow.start_run()``'s, or ``mlflow.active_run()``): the same figures as
   params ``tune.<name>`` (the choice) and metrics ``tune_<name>``, and the artifacts
   ``gpulens_tune.json`` (every trial), ``gpulens_tune.html`` and ``gpulens_tune.md``.
@@ -58,7 +58,10 @@ def _wandb(result: TuneResult, run: Any) -> None:
     for key, value in summary(result).items():
         run.summary[f"tune/{key}"] = value
     table = wandb.Table(columns=list(COLUMNS), data=[list(r) for r in rows(result)])
-    run.log({"tune/trials": table, "tune/report": wandb.Html(render_html(result))})
+    # into the run's pending row, not a row of its own: a committed row would take the step a
+    # training logging with step=global_step from 0 then logs to, and W&B would drop its row
+    run.log({"tune/trials": table, "tune/report": wandb.Html(render_html(result))},
+            commit=False)
 
 
 def _mlflow(result: TuneResult, run: Any) -> None:
