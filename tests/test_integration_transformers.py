@@ -306,8 +306,11 @@ def test_the_last_rows_window_ends_at_the_end_of_training_summary(tmp_path: Path
     queue: 0.25 s a step of the last row where a step took 0.01 s) and the loading of the best
     model are no training step."""
 
+    ended: list[float] = []
+
     class SlowEnd(transformers.TrainerCallback):  # type: ignore[misc]
         def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+            ended.append(time.time())
             time.sleep(0.6)
 
     sink = tmp_path / "gpu.jsonl"
@@ -319,7 +322,7 @@ def test_the_last_rows_window_ends_at_the_end_of_training_summary(tmp_path: Path
     assert [r["step"] for r in rows] == [4, 6]
     last = rows[-1]
     assert last["perf/steps"] == 2 and "train/train_loss" in last
-    assert last["perf/step_time_s"] * 2 < 0.3, last["perf/step_time_s"]
+    assert last["time"] < ended[0], (last["time"], ended)  # the window ended before that work
 
 
 def test_evaluation_logs_make_no_row(tmp_path: Path) -> None:
