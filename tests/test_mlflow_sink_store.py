@@ -89,3 +89,31 @@ def test_mlflow_sink_writes_a_backlog_in_few_calls(tmp_path: Path,
                                                                           "train/loss"))
     assert history == [(s, 1.0 / s) for s in range(1, 301)]
     assert len([n for n in calls if n]) <= 10, calls
+
+
+def test_mlflow_sink_writes_into_the_run_of_mlflow_run_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MLFLOW_RUN_ID`` (set by ``mlflow run``, or by hand) names the run MLflow's own fluent
+    calls log into when no run is started: the sink writes there too, and neither makes a
+    second run nor ends that one."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    made = client.create_run("0").info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", made)
+    sink = MlflowSink(tracking_uri=uri)
+    sink.prepare()  # the training process, at start()
+    assert sink.run_id == made
+    engine = MlflowSink(tracking_uri=uri)  # an engine that was handed no run id
+    for s in (sink, engine):
+        s.open(CONTEXT)
+    sink.write(_row(1))
+    engine.write(_row(2))
+    for s in (sink, engine):
+        s.close()
+    assert [r.info.run_id for r in client.search_runs(["0"])] == [made]
+    assert [m.step for m in client.get_metric_history(made, "train/loss")] == [1, 2]
+    assert client.get_run(made).info.status == "RUNNING"  # the user's run: theirs to end
+

@@ -59,7 +59,8 @@ class MlflowSink:
     """Logs rows to an MLflow run.
 
     Args:
-        run_id: the run to log to.  Default: the run active at ``open()``, else a new run in
+        run_id: the run to log to.  Default: the run active at ``open()``, else the run of
+            ``MLFLOW_RUN_ID`` (as MLflow's own fluent calls do), else a new run in
             the experiment of ``MLFLOW_EXPERIMENT_NAME``/``MLFLOW_EXPERIMENT_ID`` (MLflow's
             default experiment otherwise), ended at close.
         tracking_uri: default: MLflow's own setting (``MLFLOW_TRACKING_URI``, ...).
@@ -140,6 +141,8 @@ class MlflowSink:
                     run_id = active.info.run_id
         elif uri is None:
             uri = os.environ.get("MLFLOW_TRACKING_URI") or None
+        if run_id is None:
+            run_id = env_run_id()
         check_tracking_store(uri)
         return {**options, "tracking_uri": uri, "run_id": run_id}
 
@@ -180,12 +183,17 @@ class MlflowSink:
                     active = mlflow.active_run()
                     if active is not None:
                         self.run_id = active.info.run_id
+                    elif env_run_id() is not None:
+                        self.run_id = env_run_id()
                     else:
                         check_tracking_store(uri)  # a one-line error, not MLflow's retries
                         run = self._client.create_run(self._experiment_id(), tags={
                             "mlflow.source.name": "gpulens", "gpulens.host": context.hostname})
                         self.run_id = run.info.run_id
                         self._owned = True
+                        _log.info("gpulens: no MLflow run was active at start(); rows go to "
+                                  "a run of gpulens's own, %s (experiment %s), ended at stop",
+                                  self.run_id, run.info.experiment_id)
                 break
             except ValueError:
                 raise
@@ -342,6 +350,13 @@ _RUN_ID = re.compile(r"^[a-zA-Z0-9][\w\-]{0,255}$")
 FILE_STORE_REFUSED = (3, 13)
 """The first MLflow that refuses a file store (``file:``, ``./mlruns``) unless
 ``MLFLOW_ALLOW_FILE_STORE`` is set."""
+
+
+def env_run_id() -> str | None:
+    """The run ``MLFLOW_RUN_ID`` names (set by ``mlflow run`` and by users: MLflow's fluent
+    calls log into it with no ``start_run``), when it is a valid run id; else ``None``."""
+    run_id = os.environ.get("MLFLOW_RUN_ID", "").strip()
+    return run_id if _RUN_ID.match(run_id) else None
 
 
 def check_run_id(run_id: object) -> None:
