@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
@@ -174,20 +174,26 @@ _MISSING = object()
 
 
 @contextmanager
-def _without_module_callbacks(model: Any) -> Iterator[None]:
-    """During the block, the module's ``configure_callbacks()`` gives none: Lightning adds what
-    it returns to every Trainer that fits the module, the trials' too, where a
-    ``ModelCheckpoint`` would write checkpoints and a ``LearningRateMonitor`` raise (the
-    trials have no logger). An attribute of the instance, removed after."""
-    own = model.__dict__.get("configure_callbacks", _MISSING)
-    model.__dict__["configure_callbacks"] = lambda: []
+def _instance_attr(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """During the block, ``owner.name`` is ``value``: an attribute of the instance (it shadows
+    the class's method), removed after, or the instance's own put back."""
+    own = owner.__dict__.get(name, _MISSING)
+    owner.__dict__[name] = value
     try:
         yield
     finally:
         if own is _MISSING:
-            model.__dict__.pop("configure_callbacks", None)
+            owner.__dict__.pop(name, None)
         else:
-            model.__dict__["configure_callbacks"] = own
+            owner.__dict__[name] = own
+
+
+def _without_module_callbacks(model: Any) -> AbstractContextManager[None]:
+    """During the block, the module's ``configure_callbacks()`` gives none: Lightning adds what
+    it returns to every Trainer that fits the module, the trials' too, where a
+    ``ModelCheckpoint`` would write checkpoints and a ``LearningRateMonitor`` raise (the
+    trials have no logger)."""
+    return _instance_attr(model, "configure_callbacks", lambda: [])
 
 
 @contextmanager
@@ -201,7 +207,6 @@ def _watched(owner: Any, config: Config, rec: Recorder) -> Iterator[None]:
         yield
         return
     made = owner.train_dataloader
-    own = owner.__dict__.get("train_dataloader", _MISSING)
     handed: list[tuple[Any, Any]] = []
 
     def train_dataloader() -> Any:
@@ -216,14 +221,10 @@ def _watched(owner: Any, config: Config, rec: Recorder) -> Iterator[None]:
             rec.watch(pace)
         return loader
 
-    owner.__dict__["train_dataloader"] = train_dataloader
     try:
-        yield
+        with _instance_attr(owner, "train_dataloader", train_dataloader):
+            yield
     finally:
-        if own is _MISSING:
-            owner.__dict__.pop("train_dataloader", None)
-        else:
-            owner.__dict__["train_dataloader"] = own
         for loader, collate in handed:
             loader.collate_fn = collate
             # what Lightning recorded to replay on a re-created loader, less the trial's wrapper
