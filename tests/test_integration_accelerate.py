@@ -14,7 +14,12 @@ import pytest
 from tests.support.mlflow_server import MlflowTracking
 from tests.support.wait import wait_until
 from tests.support.wandb_offline import reset_wandb
-from tests.support.wandb_reader import find_run_file, read_history, read_metric_definitions
+from tests.support.wandb_reader import (
+    find_run_file,
+    read_history,
+    read_metric_definitions,
+    run_script_that_raises,
+)
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -177,18 +182,10 @@ def test_rows_reach_wandb_when_the_script_raises_without_end_training(
         tmp_path: Path, wandb_offline: Path) -> None:
     """No ``end_training()``: the rows still waiting go into the W&B run at exit, before
     W&B's own exit hook ends its service (the tracker's exit hook is the newer)."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "train.py"
-    script.write_text(ACCELERATE_SCRIPT_THAT_RAISES)
-    env = {**os.environ, "GPULENS_BACKEND": "simulated", "GPULENS_SIMULATED_GPUS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=180, env=env, cwd=tmp_path)
-    assert proc.returncode == 1 and "boom at step 20" in proc.stderr
-    assert "rows are lost" not in proc.stderr and "dropped" not in proc.stderr, proc.stderr
-    history = read_history(find_run_file(wandb_offline))
+    stderr, history = run_script_that_raises(
+        tmp_path, ACCELERATE_SCRIPT_THAT_RAISES, wandb_offline, "boom at step 20",
+        env={"GPULENS_BACKEND": "simulated", "GPULENS_SIMULATED_GPUS": "1"})
+    assert "rows are lost" not in stderr and "dropped" not in stderr, stderr
     assert [h["_step"] for h in history if "loss" in h] == list(range(1, 20))
     assert sorted(h["gpulens/step"] for h in history if "gpulens/step" in h) == list(
         range(2, 20))

@@ -74,19 +74,11 @@ def test_a_plain_loop_that_raises_still_gets_its_rows_into_wandb(
     """The monitor's own exit hook is registered at ``start()``, after ``wandb.init``'s, so it
     runs first (``atexit``: newest first) while W&B's service still takes rows (registered
     when the process made its first finalizer, it ran after W&B's: 12 of 20 rows lost)."""
-    import os
-    import subprocess
-    import sys
+    from tests.support.wandb_reader import run_script_that_raises
 
-    from tests.support.wandb_reader import find_run_file, read_history
-
-    script = tmp_path / "train.py"
-    script.write_text(PLAIN_LOOP_THAT_RAISES)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=180, env=dict(os.environ), cwd=tmp_path)
-    assert proc.returncode == 1 and "boom at step 20" in proc.stderr
-    assert "dropped" not in proc.stderr and "lost" not in proc.stderr, proc.stderr
-    history = read_history(find_run_file(wandb_offline))
+    stderr, history = run_script_that_raises(tmp_path, PLAIN_LOOP_THAT_RAISES, wandb_offline,
+                                             "boom at step 20")
+    assert "dropped" not in stderr and "lost" not in stderr, stderr
     assert [h["_step"] for h in history if "loss" in h] == list(range(1, 21))
     assert sorted(h["gpulens/step"] for h in history if "gpulens/step" in h) == list(
         range(1, 21))

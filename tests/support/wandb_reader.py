@@ -326,3 +326,21 @@ def wait_for_finished_run(
         if time.monotonic() > deadline:
             raise TimeoutError(f"run not finished after {timeout_s} s: {problem}")
         time.sleep(0.02)
+
+
+def run_script_that_raises(folder: Path, text: str, wandb_dir: Path, raised: str,
+                           env: dict[str, str] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """``text`` as ``folder/train.py`` in a fresh interpreter (this process's environment, and
+    ``env``), which must end with exit code 1 and ``raised`` in its stderr (an uncaught
+    exception); returns its stderr and the history of the one W&B run file under
+    ``wandb_dir``."""
+    import os
+    import subprocess
+    import sys
+
+    script = folder / "train.py"
+    script.write_text(text)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, **(env or {})}, cwd=folder)
+    assert proc.returncode == 1 and raised in proc.stderr, proc.stderr
+    return proc.stderr, read_history(find_run_file(wandb_dir))
