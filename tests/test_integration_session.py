@@ -19,6 +19,7 @@ import gpulens
 from gpulens.integrations.phases import StepPhases
 from gpulens.integrations.session import GateAction, StepGate, TrainingSession
 from gpulens.log import reset_warnings
+from gpulens.model import Outcome
 from gpulens.testing import MemorySink, SimulatedNVML
 from tests.support.jsonl import read_rows
 
@@ -45,15 +46,16 @@ class Work:
 
 
 class StopSpy:
-    """Records every ``Monitor.stop`` call's ``collective``."""
+    """Records every ``Monitor.stop`` call's ``collective`` and ``outcome``."""
 
     def __init__(self, monitor: gpulens.Monitor) -> None:
-        self.calls: list[bool] = []
+        self.calls: list[tuple[bool, str]] = []
         real = monitor.stop
 
-        def stop(timeout: float | None = None, *, collective: bool = True) -> Any:
-            self.calls.append(collective)
-            return real(timeout, collective=collective)
+        def stop(timeout: float | None = None, *, collective: bool = True,
+                 outcome: Outcome = "finished") -> Any:
+            self.calls.append((collective, outcome))
+            return real(timeout, collective=collective, outcome=outcome)
 
         monitor.stop = stop  # type: ignore[method-assign]
 
@@ -104,7 +106,7 @@ def test_a_row_per_log_with_phases_and_work_then_one_stop() -> None:
     session.resume()
     session.stop()
     session.stop()  # idempotent
-    assert spy.calls == [True] and work.closed == 1 and not session.running
+    assert spy.calls == [(True, "finished")] and work.closed == 1 and not session.running
     (row,) = sink.rows
     assert row.step == 5 and row.values["train/loss"] == 0.5
     assert row.values["perf/steps"] == 2  # the window began at the start step, 3
@@ -125,7 +127,8 @@ def test_a_dropped_session_stops_its_monitor_alone_without_a_cycle(no_gc: None) 
     alive = weakref.ref(owner)
     del owner
     assert alive() is None  # freed by its reference count: nothing points back at it
-    assert spy.calls == [False] and not mon.running  # this rank alone: no gather
+    # this rank alone: no gather; its training never reached the framework's end hook
+    assert spy.calls == [(False, "failed")] and not mon.running
     assert work.closed == 1
     assert [r.step for r in sink.rows] == [1]
 

@@ -5,8 +5,12 @@ trackers whose runs began earlier."""
 from __future__ import annotations
 
 import atexit
+import builtins
+import sys
 import weakref
 from typing import Any
+
+from gpulens.model import Outcome, outcome_of
 
 
 def exit_finalizer(owner: object, func: Any, *args: Any) -> weakref.finalize[Any, Any]:
@@ -25,3 +29,15 @@ def drop_exit_finalizer(finalizer: weakref.finalize[Any, Any]) -> bool:
     """Detach ``finalizer`` and take its exit hook back; True if it had not run."""
     atexit.unregister(finalizer)
     return finalizer.detach() is not None
+
+
+def exit_outcome() -> Outcome:
+    """How training ended, seen from an exit hook or a finalizer: ``"failed"`` (``"killed"``
+    for a ``KeyboardInterrupt``) where the script is ending on an exception nobody caught
+    (Python sets ``sys.last_value`` before it runs the exit hooks), else ``"finished"``.  In
+    an interactive session (``python -i``, IPython, Jupyter) ``sys.last_value`` is any earlier
+    error shown, so there it is always ``"finished"``."""
+    if sys.flags.interactive or hasattr(sys, "ps1") or hasattr(builtins, "__IPYTHON__"):
+        return "finished"
+    exc = getattr(sys, "last_value", None)
+    return outcome_of(exc) if isinstance(exc, BaseException) else "finished"

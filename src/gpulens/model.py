@@ -18,12 +18,25 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 ENGINE = "engine"
 """A sink built and written in the engine (its own process, or its thread)."""
 CLIENT = "client"
 """A sink built and written in the training process."""
+
+Outcome = Literal["finished", "failed", "killed"]
+"""How training ended, as a monitor's stop tells its sinks: ``"failed"`` (it raised),
+``"killed"`` (interrupted: Ctrl-C, or its process vanished without stopping the monitor), else
+``"finished"``.  A sink that ends a run of its own ends it so (MLflow's run status, W&B's exit
+code)."""
+
+
+def outcome_of(exc: BaseException | None) -> Outcome:
+    """The :data:`Outcome` of training that ended with ``exc`` (``None``: no exception)."""
+    if exc is None:
+        return "finished"
+    return "killed" if isinstance(exc, KeyboardInterrupt) else "failed"
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ from dataclasses import replace
 from typing import Any
 
 from gpulens.engine.spec import WORK_CPU, WORK_FLOPS, WORK_SAMPLES, WORK_TOKENS, EngineSpec
-from gpulens.finalizers import drop_exit_finalizer, exit_finalizer
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer, exit_outcome
 from gpulens.log import Laps, effective_level, logger, warn_once
-from gpulens.model import Row, RunContext, SinkStats
+from gpulens.model import Outcome, Row, RunContext, SinkStats, outcome_of
 from gpulens.settings import (
     Settings,
     backend_for,
@@ -242,9 +242,9 @@ class Monitor:
         self.start()
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, *tb: object) -> None:
         # an exception: the other ranks may be stuck in training's collectives, so no gather
-        self.stop(collective=exc_type is None)
+        self.stop(collective=exc is None, outcome=outcome_of(exc))
 
     @property
     def running(self) -> bool:
@@ -463,14 +463,18 @@ class Monitor:
         return out or None
 
     # -- stop ------------------------------------------------------------------------------------
-    def stop(self, timeout: float | None = None, *, collective: bool = True
-             ) -> dict[str, SinkStats]:
+    def stop(self, timeout: float | None = None, *, collective: bool = True,
+             outcome: Outcome = "finished") -> dict[str, SinkStats]:
         """Close the last windows, write what every sink holds, and stop.  Idempotent.
 
         In a distributed job every rank calls ``stop()`` (the ranks' last rows meet; nothing
         waits for a rank that does not come longer than the gather's bounded wait).
         ``collective=False`` (an error on the way out of one rank) skips this rank's last
-        exchange: its last windows not yet gathered are not written (said).
+        exchange: its last windows not yet gathered are not written (said).  ``outcome``:
+        how training ended, ``"finished"``, ``"failed"`` (it raised) or ``"killed"``
+        (interrupted); a tracker run that gpulens began itself (none was active at start) ends
+        with that status (MLflow's ``FAILED``/``KILLED``, W&B's exit code 1), the user's own
+        runs are left alone.  ``with Monitor(...)`` passes it.
 
         Waits while the sinks make progress: at most ``timeout`` seconds (default
         :data:`~gpulens.sinks.writer.STOP_TIMEOUT_S`, 120 s) for the engine's sinks and
@@ -503,12 +507,12 @@ class Monitor:
                     gather.flush(total)
                 gather.close()
             # gathered by the engines: they meet the other ranks' last rows as they stop
-            engine_stats = transport.stop(total, stall, collective)
+            engine_stats = transport.stop(total, stall, collective, outcome)
             if gather is not None:
                 gather.close()
             client_dropped = relay.dropped + transport.dropped_marks
             self._dropped_marks = client_dropped + transport.engine_dropped_marks
-            local_stats = steplogger.close(total, stall)
+            local_stats = steplogger.close(total, stall, outcome)
             stats = {**engine_stats, **local_stats}
             names = unique_names(self._settings.sinks)
             self.sink_stats = {n: stats[n] for n in names if n in stats}
@@ -579,10 +583,11 @@ def _stop_quietly(link: _Link, relay: MarkRelay) -> None:
         relay.close(1.0)
         if gather is not None and not gather.in_engine:
             gather.close()  # before the engine: no row comes back to it once it closes
-        transport.stop(2.0, 2.0, collective=False)
+        outcome = exit_outcome()  # a script's uncaught exception, at exit
+        transport.stop(2.0, 2.0, False, outcome)
         if gather is not None:
             gather.close()
-        writer.close(2.0, 2.0)
+        writer.close(2.0, 2.0, outcome)
     except Exception as exc:
         logger.warning("gpulens: stopping a monitor that was dropped without stop() failed: "
                        "%r", exc)

@@ -45,7 +45,7 @@ from gpulens.engine.sampler import MAX_MARKS, GpuState, Sampler
 from gpulens.engine.spec import EngineSpec
 from gpulens.errors import NvmlUnavailable
 from gpulens.log import Laps, logger, warn_once
-from gpulens.model import Event, GpuInfo, JobShape, Mark, Row, RunContext, SinkStats
+from gpulens.model import Event, GpuInfo, JobShape, Mark, Outcome, Row, RunContext, SinkStats
 from gpulens.sinks.writer import STALL_S, StepLogger
 from gpulens.sources.host import HostReader
 from gpulens.sources.nvml import NvmlDevice, NvmlSource, VisibleGpu
@@ -362,13 +362,13 @@ class Engine:
         sampler = self._sampler
         return sampler.dropped_marks if sampler is not None else self._drained_marks
 
-    def stop(self, timeout: float, stall: float = STALL_S, collective: bool = True
-             ) -> dict[str, SinkStats]:
+    def stop(self, timeout: float, stall: float = STALL_S, collective: bool = True,
+             outcome: Outcome = "finished") -> dict[str, SinkStats]:
         """Close the last windows, meet the other ranks' last rows where this engine gathers
         (bounded, :meth:`RowGather.flush`: the time it takes comes out of ``timeout``, down to
         a floor of a second; not ``collective``: at most :data:`LAST_ROWS_AFTER_A_FAULT_S`),
-        finish what is merged, write what the sinks hold (see :meth:`StepLogger.close`),
-        release NVML.  Idempotent."""
+        finish what is merged, write what the sinks hold and close them as ``outcome`` says
+        (see :meth:`StepLogger.close`), release NVML.  Idempotent."""
         self.drain()
         gather, self._gather = self._gather, None
         if gather is not None:
@@ -384,7 +384,7 @@ class Engine:
         stats: dict[str, SinkStats] = {}
         steplogger, self._steplogger = self._steplogger, None
         if steplogger is not None:
-            stats = steplogger.close(timeout, stall)
+            stats = steplogger.close(timeout, stall, outcome)
         source, self._source = self._source, None
         if source is not None:
             source.close()

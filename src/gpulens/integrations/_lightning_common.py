@@ -22,7 +22,7 @@ from gpulens.integrations.session import (
     monitor_for_run,
 )
 from gpulens.log import warn_once
-from gpulens.model import Row, RunContext
+from gpulens.model import Outcome, Row, RunContext, outcome_of
 from gpulens.sinks import SinkSpec
 from gpulens.sinks.base import Sink
 from gpulens.transport.spawn import prepare_engine
@@ -358,12 +358,12 @@ class GPUMonitorHooks(SessionCallback):
         self._late_stop(trainer)
         self._stop()
 
-    def _stop(self, collective: bool = True) -> None:
+    def _stop(self, collective: bool = True, outcome: Outcome = "finished") -> None:
         self._begin = None
         saves, self._saves = self._saves, None
         if saves is not None:
             saves.undo()
-        super()._stop(collective)
+        super()._stop(collective, outcome)
 
     def _late_stop(self, trainer: Any) -> None:
         """At the first of this callback's hooks after Lightning logged a batch's training
@@ -387,7 +387,7 @@ class GPUMonitorHooks(SessionCallback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         # this rank failed; the others may be stuck in training's collectives: no gather
-        self._stop(collective=False)
+        self._stop(collective=False, outcome=outcome_of(exception))
         _drop_spare()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

@@ -15,7 +15,7 @@ calls on a :class:`TrainingSession`::
     session.row(step, steps_done, scalars)   # the framework logged: one row
     session.row(step, steps_done, scalars, later=True)   # ... written after the next forward
     session.stop()                       # training ended: every rank's last rows meet
-    session.stop(collective=False)       # an exception on this rank: no gather
+    session.stop(collective=False, outcome="failed")   # an exception on this rank: no gather
 
 What it guarantees:
 
@@ -67,9 +67,10 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
-from gpulens.finalizers import drop_exit_finalizer, exit_finalizer
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer, exit_outcome
 from gpulens.integrations.phases import StepPhases
 from gpulens.log import warn_once
+from gpulens.model import Outcome
 from gpulens.monitor import Monitor
 from gpulens.settings import Settings, normalize_run_dtype
 from gpulens.sinks import SinkSpec, as_sink
@@ -135,7 +136,9 @@ def _write(monitor: Monitor, held: _Held, phases: StepPhases | None) -> None:
 
 
 def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held], hook: Any) -> None:
-    """The finalizer: the session was dropped without a stop."""
+    """The finalizer: the session was dropped without a stop, so its training never reached
+    the framework's end hook (which stops it): a run of gpulens's own ends ``FAILED``
+    (``KILLED`` where the script ends on a ``KeyboardInterrupt``)."""
     if hook is not None:
         hook.remove()
     try:
@@ -144,7 +147,8 @@ def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held], hook: A
                 _write(monitor, box.pop(), None)
             except Exception as exc:  # the stop below must still run
                 warn_once("session:held", "gpulens: a row could not be written (%r)", exc)
-        monitor.stop(collective=False)
+        monitor.stop(collective=False,
+                     outcome="killed" if exit_outcome() == "killed" else "failed")
     finally:
         if work is not None:
             work.close()
@@ -209,9 +213,10 @@ class TrainingSession:
             self.phases.resume()
         return self
 
-    def stop(self, collective: bool = True) -> None:
+    def stop(self, collective: bool = True, outcome: Outcome = "finished") -> None:
         """Stop the monitor (writing every row it holds) and the work counter. Idempotent.
-        ``collective=False``: this rank alone, no gather (exception paths)."""
+        ``collective=False``: this rank alone, no gather (exception paths); ``outcome``: how
+        training ended (:meth:`gpulens.Monitor.stop`)."""
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is None or not drop_exit_finalizer(finalizer):
             return
@@ -220,7 +225,7 @@ class TrainingSession:
             hook.remove()
         try:
             self._write_held()
-            self.monitor.stop(collective=collective)
+            self.monitor.stop(collective=collective, outcome=outcome)
         finally:
             if self.work is not None:
                 self.work.close()
@@ -390,10 +395,10 @@ class SessionCallback:
             return None
         return StepPhases(cuda=getattr(device, "type", None) == "cuda")
 
-    def _stop(self, collective: bool = True) -> None:
+    def _stop(self, collective: bool = True, outcome: Outcome = "finished") -> None:
         session, self.session = self.session, None
         if session is not None:
-            session.stop(collective=collective)
+            session.stop(collective=collective, outcome=outcome)
 
 
 class GateAction(Enum):

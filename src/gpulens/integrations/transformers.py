@@ -105,6 +105,7 @@ from gpulens.integrations.session import (
     WorkSource,
     monitor_for_run,
 )
+from gpulens.model import Outcome
 from gpulens.sinks import SinkSpec, check_sinks, sink_spec, with_options
 from gpulens.sinks.base import Sink
 from gpulens.transport.spawn import prepare_engine
@@ -184,7 +185,11 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         prepare_engine(self.settings)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._stop(collective=False)  # a previous train() that raised left it running
+        if self.session is not None:  # a previous train() that raised left it running
+            self._stop(collective=False, outcome="failed")
+            run, self._mlflow_run = self._mlflow_run, None
+            if run is not None:
+                _end_mlflow_run(run, "FAILED")
         rank0 = bool(state.is_world_process_zero)
         model = kwargs.get("model")
         dtype, counter = _work_of(args, model) if self.count_work else (None, None)
@@ -220,9 +225,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
             # a search's next trial calls train() again, with no on_init_end before it
             prepare_engine(self.settings)
 
-    def _stop(self, collective: bool = True) -> None:
+    def _stop(self, collective: bool = True, outcome: Outcome = "finished") -> None:
         self._tail = None
-        super()._stop(collective)
+        super()._stop(collective, outcome)
 
     # -- step anatomy ----------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -345,12 +350,12 @@ def _ensure_mlflow_run(args: Any) -> Any:
     return run
 
 
-def _end_mlflow_run(run: Any) -> None:
+def _end_mlflow_run(run: Any, status: str = "FINISHED") -> None:
     import mlflow
 
     active = mlflow.active_run()
     if active is not None and active.info.run_id == run.info.run_id:
-        mlflow.end_run()
+        mlflow.end_run(status)
 
 
 def _work_of(args: Any, model: Any) -> tuple[str | None, Any]:

@@ -56,10 +56,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gpulens.finalizers import drop_exit_finalizer, exit_finalizer
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer, exit_outcome
 from gpulens.integrations.session import GateAction, StepGate
 from gpulens.log import logger as _log
-from gpulens.model import Row, RunContext
+from gpulens.model import Outcome, Row, RunContext
 from gpulens.schema import STEP_KEY
 from gpulens.sinks import check_sinks
 from gpulens.sinks.base import Sink
@@ -172,20 +172,20 @@ class _State:
             if handoff is not None:
                 handoff.discard_through(head.step)
 
-    def finish(self) -> None:
+    def finish(self, outcome: Outcome = "finished") -> None:
         """Stop the monitor (every row is finished) and forward everything still waiting."""
         if self.closed:
             return
         self.closed = True
         if self.monitor is not None and self.monitor.running:
-            self.monitor.stop()
+            self.monitor.stop(outcome=outcome)
         self.pump(final=True)
 
 
 def _finish_quietly(state: _State) -> None:
     """At garbage collection or interpreter exit: write what waits, never raise."""
     try:
-        state.finish()
+        state.finish(exit_outcome())
     except Exception as exc:
         _log.warning("gpulens: writing the last GPU rows to the tracking logger failed: %r", exc)
 

@@ -19,13 +19,17 @@ before anything is opened or made:
   Both must be cheap (no tracker import, no request): ``start()`` returns in a fraction of a
   second.  What they cannot tell, ``open`` finds: a WARNING then, and the sink's rows are
   counted as dropped.
+
+A sink that ends a run of its own at ``close`` (MLflow's and W&B's, where no run was active at
+start) also has ``end_run_as(outcome)`` (:class:`EndsRun`): the monitor calls it just before
+``close`` with how training ended, so a run whose training raised is not marked a success.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from gpulens.model import Row, RunContext
+from gpulens.model import Outcome, Row, RunContext
 
 
 @runtime_checkable
@@ -40,3 +44,12 @@ class Sink(Protocol):
 
     def close(self) -> None:
         """Flush and release resources. Called once, also after failures."""
+
+
+@runtime_checkable
+class EndsRun(Protocol):
+    """A sink that ends a tracker run of its own at ``close``."""
+
+    def end_run_as(self, outcome: Outcome) -> None:
+        """Training ended so (:data:`~gpulens.model.Outcome`): ``close``, called next, ends
+        the sink's own run with the matching status; a run it did not start is left alone."""

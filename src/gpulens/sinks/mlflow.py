@@ -33,7 +33,7 @@ from typing import Any
 
 from gpulens.log import logger as _log
 from gpulens.log import one_line, warn_once
-from gpulens.model import Event, Row, RunContext
+from gpulens.model import Event, Outcome, Row, RunContext
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys, run_metadata
 
 _INVALID = re.compile(r"[^A-Za-z0-9_\-. /]")
@@ -84,6 +84,7 @@ class MlflowSink:
         self.section = check_section(section)
         self._client: Any = None
         self._owned = False
+        self._outcome: Outcome = "finished"
         self._layout = TrackerLayout(self.keys, section=self._section(),
                                      include_train=include_train)
         self._fired: dict[str, str] = {}
@@ -276,9 +277,16 @@ class MlflowSink:
         shown, _ = self._layout.split(row.values)
         return [Metric(mlflow_key(key), value, ms, row.step) for key, value in shown.items()]
 
+    def end_run_as(self, outcome: Outcome) -> None:
+        self._outcome = outcome
+
     def close(self) -> None:
+        """Ends the run of gpulens's own (none was active at start) as training ended:
+        ``FINISHED``, ``FAILED`` (it raised) or ``KILLED`` (interrupted); a user's run is left
+        to the user."""
         if self._owned and self._client is not None and self.run_id is not None:
-            self._client.set_terminated(self.run_id)
+            # MLflow's RunStatus names: FINISHED, FAILED, KILLED
+            self._client.set_terminated(self.run_id, status=self._outcome.upper())
         self._client = None
 
 

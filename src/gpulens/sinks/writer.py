@@ -29,9 +29,9 @@ from collections import deque
 from dataclasses import replace
 
 from gpulens.log import logger, one_line, warn_once
-from gpulens.model import Row, RunContext, SinkStats
+from gpulens.model import Outcome, Row, RunContext, SinkStats
 from gpulens.sinks import SinkSpec, unique_names
-from gpulens.sinks.base import Sink
+from gpulens.sinks.base import EndsRun, Sink
 
 TRAINING_THREAD_ROWS_PER_LOG = 2
 STOP_TIMEOUT_S = 120.0
@@ -246,12 +246,14 @@ class _Delivery:
                        "finished before the monitor stopped gives none)")
         self.why = because if self.why is None else f"{self.why}; {moved} because {because}"
 
-    def close_sink(self) -> None:
+    def close_sink(self, outcome: Outcome = "finished") -> None:
         sink = self.sink
         if sink is None or not self.opened or (self._thread is not None and
                                                self._thread.is_alive()):
             return  # never opened; or still inside a write: never close a sink under it
         try:
+            if isinstance(sink, EndsRun):
+                sink.end_run_as(outcome)
             sink.close()
         except Exception as exc:
             if self.stats.failures:
@@ -329,9 +331,10 @@ class StepLogger:
         """Rows each sink still holds."""
         return {d.name: d.pending for d in self._deliveries}
 
-    def close(self, timeout: float = STOP_TIMEOUT_S, stall: float = STALL_S
-              ) -> dict[str, SinkStats]:
-        """Write what the sinks hold, close them, report what was dropped.
+    def close(self, timeout: float = STOP_TIMEOUT_S, stall: float = STALL_S,
+              outcome: Outcome = "finished") -> dict[str, SinkStats]:
+        """Write what the sinks hold, close them, report what was dropped.  A sink that ends a
+        run of its own (:class:`~gpulens.sinks.base.EndsRun`) is told ``outcome`` first.
 
         Waits while sinks make progress: at most ``timeout`` seconds in all, and gives up on a
         sink that wrote nothing for ``stall`` seconds.  After :data:`TELL_AFTER_S` it says what
@@ -374,7 +377,7 @@ class StepLogger:
                 tell_at = now + 10.0
             time.sleep(0.01)
         for d in self._deliveries:
-            d.close_sink()
+            d.close_sink(outcome)
             d.count_lost()
         stats = self.stats()
         for d in self._deliveries:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gpulens.engine.spec import EngineSpec
-from gpulens.model import JobShape, MarkFields, Row, RunContext, SinkStats
+from gpulens.model import JobShape, MarkFields, Outcome, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
 
@@ -49,10 +49,11 @@ class Transport(Protocol):
     def processes(self, timeout: float) -> list[GpuProcess]:
         """The processes on the engine's GPUs (``[]`` if it cannot answer)."""
 
-    def stop(self, timeout: float, stall: float, collective: bool = True
-             ) -> dict[str, SinkStats]:
+    def stop(self, timeout: float, stall: float, collective: bool = True,
+             outcome: Outcome = "finished") -> dict[str, SinkStats]:
         """Stop the engine; the figures of the sinks it wrote.  ``collective``: where the
-        engine gathers, its last rows meet the other ranks' (False: no wait for them)."""
+        engine gathers, its last rows meet the other ranks' (False: no wait for them);
+        ``outcome``: how training ended, for the sinks that end runs of their own."""
 
     @property
     def dropped_marks(self) -> int:

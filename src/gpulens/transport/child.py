@@ -18,7 +18,7 @@ import sys
 import time
 
 from gpulens.log import forward_records
-from gpulens.model import JobShape, Mark, Row
+from gpulens.model import JobShape, Mark, Outcome, Row
 from gpulens.transport import messages as msgs
 from gpulens.transport.pipe import LinkClosed, Receiver, Sender
 from gpulens.transport.process import POLL_S, STATS_EVERY_S, STOP_GRACE_S
@@ -95,6 +95,7 @@ def main(argv: list[str]) -> int:
         return 1
     tx.send(msgs.Ready(context, torch_indices))
     timeout, stall, collective = 120.0, 20.0, True
+    outcome: Outcome = "finished"
     next_stats = time.monotonic() + STATS_EVERY_S
     stopping = False
     while not stopping:
@@ -116,16 +117,19 @@ def main(argv: list[str]) -> int:
                 tx.send(msgs.Drained())
             elif isinstance(msg, msgs.Stop):
                 timeout, stall, collective = msg.timeout, msg.stall, msg.collective
+                outcome = msg.outcome
                 stopping = True
                 break
         if rx.eof:
-            collective = False  # the training process is gone: write what we hold and end
+            # the training process is gone without a stop (killed, or it crashed in C):
+            # write what we hold and end
+            collective, outcome = False, "killed"
             break
         if time.monotonic() >= next_stats:
             next_stats = time.monotonic() + STATS_EVERY_S
             tx.send(msgs.StatsOut(engine.stats(), engine.dropped_marks))
     dropped = engine.dropped_marks
-    stats = engine.stop(timeout, stall, collective)
+    stats = engine.stop(timeout, stall, collective, outcome)
     rows_out(STOP_GRACE_S)
     tx.send(msgs.Stopped(stats, dropped))
     # Everything is written and closed: end now.  A normal exit would wait for what tracker

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from gpulens.engine.engine import Engine
 from gpulens.engine.spec import EngineSpec
-from gpulens.model import JobShape, Mark, MarkFields, Row, RunContext, SinkStats
+from gpulens.model import JobShape, Mark, MarkFields, Outcome, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
 
@@ -63,13 +63,13 @@ class InprocTransport:
         engine = self._engine
         return engine.processes() if engine is not None else []
 
-    def stop(self, timeout: float, stall: float, collective: bool = True
-             ) -> dict[str, SinkStats]:
+    def stop(self, timeout: float, stall: float, collective: bool = True,
+             outcome: Outcome = "finished") -> dict[str, SinkStats]:
         engine, self._engine = self._engine, None
         if engine is None:
             return {}
         self._engine_dropped = engine.dropped_marks
-        return engine.stop(timeout, stall, collective)
+        return engine.stop(timeout, stall, collective, outcome)
 
     dropped_marks = 0
     """Nothing is dropped on the way: a mark is appended to the engine's queue."""

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from gpulens.engine.spec import EngineSpec
 from gpulens.log import LogPayload
-from gpulens.model import JobShape, Mark, Row, RunContext, SinkStats
+from gpulens.model import JobShape, Mark, Outcome, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 
 __all__ = ["Drain", "Drained", "Failed", "Finish", "Job", "LatestAsk", "LatestReply", "LogOut",
@@ -78,6 +78,8 @@ class Stop(NamedTuple):
     collective: bool = True
     """Where the engine gathers: its last rows meet the other ranks' (False: an exception
     path, no wait for them)."""
+    outcome: Outcome = "finished"
+    """How training ended (:data:`~gpulens.model.Outcome`), for sinks that end runs."""
 
 
 class Ready(NamedTuple):

@@ -52,7 +52,7 @@ from typing import Any
 
 from gpulens.engine.spec import EngineSpec
 from gpulens.log import Laps, logger, reemit, warn_once
-from gpulens.model import JobShape, MarkFields, Row, RunContext, SinkStats
+from gpulens.model import JobShape, MarkFields, Outcome, Row, RunContext, SinkStats
 from gpulens.sources.processes import GpuProcess
 from gpulens.transport import spawn
 from gpulens.transport.base import SpawnFailed
@@ -455,8 +455,8 @@ class ProcessTransport:
                 self._replies.pop(seq, None)
 
     # -- stop ----------------------------------------------------------------------------------
-    def stop(self, timeout: float, stall: float, collective: bool = True
-             ) -> dict[str, SinkStats]:
+    def stop(self, timeout: float, stall: float, collective: bool = True,
+             outcome: Outcome = "finished") -> dict[str, SinkStats]:
         """Send what is queued and :class:`Stop`; wait for the last rows and the sinks'
         figures.  If the engine died, the figures it last sent, with every row it had not
         written counted as dropped."""
@@ -471,7 +471,7 @@ class ProcessTransport:
         deadline = time.monotonic() + timeout + STOP_GRACE_S
         tx = self._tx
         if tx is not None and not tx.closed:
-            tx.send(Stop(timeout, stall, collective), force=True)
+            tx.send(Stop(timeout, stall, collective, outcome), force=True)
             while tx.pending_bytes and not tx.closed and time.monotonic() < deadline:
                 time.sleep(0.002)
                 tx.flush()
