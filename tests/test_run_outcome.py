@@ -22,6 +22,7 @@ from gpulens.model import outcome_of
 from gpulens.testing import SimulatedNVML
 from tests.support.mlflow_server import MlflowTracking
 from tests.support.wait import wait_until
+from tests.support.wandb_reader import read_exit_code, read_history, wait_for_finished_run
 
 
 def _train(mon: gpulens.Monitor, steps: int) -> None:
@@ -52,6 +53,24 @@ def test_a_with_block_ends_gpulens_own_mlflow_run_as_training_ended(
     (run,) = mlflow_tracking.runs()
     assert run.info.status == status
     assert _steps(mlflow_tracking, run.info.run_id) == [1, 2]  # the rows, as before
+
+
+@pytest.mark.parametrize(("raised", "code"), [(None, 0), (RuntimeError("boom"), 1)])
+def test_a_with_block_ends_gpulens_own_wandb_run_with_an_exit_code(
+        wandb_offline: Path, raised: BaseException | None, code: int) -> None:
+    """No W&B run at start: the engine's own, finished at stop with exit code 1 where
+    training raised (W&B shows it failed), 0 else."""
+    try:
+        with gpulens.Monitor(interval=0.05, sinks=["wandb"],
+                             backend=SimulatedNVML(gpus=1)) as mon:
+            _train(mon, 2)
+            if raised is not None:
+                raise raised
+    except RuntimeError as exc:
+        assert exc is raised
+    path = wait_for_finished_run(wandb_offline)
+    assert read_exit_code(path) == code
+    assert [h["gpulens/step"] for h in read_history(path) if "gpulens/step" in h] == [1, 2]
 
 
 def test_a_users_own_mlflow_run_is_left_to_the_user(mlflow_tracking: MlflowTracking) -> None:

@@ -466,3 +466,64 @@ def test_mlflow_check_unreachable_server_is_one_line(mlflow_tracking: MlflowTrac
     assert time.monotonic() - t0 < 60  # bounds a hang: not MLflow's minutes of retries
     assert "\n" not in str(err.value)
     assert mlflow_tracking.runs() == []
+
+
+@pytest.mark.parametrize("how", ["finally", "with"])
+def test_wandb_finish_in_a_crash_before_the_sink_attached_keeps_the_rows(
+        wandb_offline: Path, caplog: pytest.LogCaptureFixture, how: str) -> None:
+    """Training raises in its first steps, before the engine's W&B sink has
+    attached (its open takes ~0.7 s), and the user's ``finally: wandb.finish()`` (or ``with
+    wandb.init():``) finishes the run before the monitor's exit hook: the monitor stops first
+    (W&B's early teardown hook), so its rows reach the run."""
+    import wandb
+
+    jsonl = wandb_offline / "rows.jsonl"
+    run = wandb.init(project="gpulens-test")
+    run_id = run.id
+    mon = gpulens.Monitor(interval=0.05, sinks=["wandb", f"jsonl:{jsonl}"],
+                          backend=SimulatedNVML(gpus=1))
+
+    def train() -> None:
+        mon.start()
+        for step in range(1, 4):
+            time.sleep(0.02)
+            run.log({"user/loss": 1.0 / step}, step=step)
+            mon.log(step, loss=1.0 / step)
+        raise RuntimeError("crash at step 3")
+
+    with caplog.at_level("INFO", logger="gpulens"), pytest.raises(RuntimeError):
+        if how == "with":
+            with run:
+                train()
+        else:
+            try:
+                train()
+            finally:
+                wandb.finish()
+    history = _history_of(wandb_offline, run_id)
+    assert sorted(h["gpulens/step"] for h in _gpu_rows(history)) == [1, 2, 3]
+    assert [h["user/loss"] for h in history if "user/loss" in h] == [1.0, 0.5, 1 / 3]
+    assert not mon.running, "the monitor is stopped inside wandb.finish()"
+    told = " ".join(r.getMessage() for r in caplog.records)
+    assert "the monitor stops first" in told, told
+    assert mon.sink_stats["wandb"].written == 3 and mon.sink_stats["wandb"].dropped == 0
+    assert len(jsonl.read_text().splitlines()) >= 3
+
+
+def test_wandb_finish_without_a_crash_leaves_the_monitor_running(wandb_offline: Path) -> None:
+    """The hook stops the monitor only while an exception propagates: a run finished in the
+    middle of training leaves the monitor (and its other sinks) running."""
+    import wandb
+
+    wandb.init(project="gpulens-test")
+    with gpulens.Monitor(interval=0.05, sinks=["jsonl:" + str(wandb_offline / "r.jsonl"),
+                                               "wandb"],
+                         backend=SimulatedNVML(gpus=1)) as mon:
+        mon.log(1, loss=1.0)
+        try:
+            raise KeyError("handled before the finish")
+        except KeyError:
+            pass
+        wandb.finish()
+        assert mon.running
+    assert mon.sink_stats["jsonl:" + str(wandb_offline / "r.jsonl")].written == 1

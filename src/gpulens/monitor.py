@@ -36,7 +36,7 @@ from gpulens.settings import (
 )
 from gpulens.sinks import ENGINE, SinkSpec, as_sink, prepare_sinks, unique_names
 from gpulens.sinks.base import Sink
-from gpulens.sinks.wandb_run import tell_wandb_run_missed, wandb_starts_own_run
+from gpulens.sinks.wandb_run import stop_before_finish, tell_wandb_run_missed, wandb_starts_own_run
 from gpulens.sinks.writer import STALL_S, STOP_TIMEOUT_S, StepLogger
 from gpulens.sources.processes import GpuProcess
 from gpulens.sources.torch_alloc import TorchAllocator
@@ -201,6 +201,8 @@ class Monitor:
         self._dropped_marks = 0
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._unhook: Any = None
+        """Takes back :func:`stop_before_finish`'s hook on the user's W&B run."""
         self._wandb_alone = False
         """A "wandb" sink started with no W&B run here: the engine starts a run of its own."""
 
@@ -323,6 +325,7 @@ class Monitor:
             # nothing these hold refers to this monitor: dropped, it is collected and stopped
             # exit hook after wandb.init's: at an exit without stop() W&B still takes rows
             self._finalizer = exit_finalizer(self, _stop_dropped, link, relay)
+            self._unhook = stop_before_finish(named, self)  # a crash, then wandb.finish()
             logger.info("gpulens: monitoring %d GPU(s) via %s every %.3g s (engine in a %s)",
                         len(context.gpus), context.backend, settings.interval, self.isolation)
             laps.say()
@@ -494,6 +497,8 @@ class Monitor:
             assert transport is not None and relay is not None and steplogger is not None
             if self._finalizer is not None:
                 drop_exit_finalizer(self._finalizer)
+            if self._unhook is not None:
+                self._unhook()
             if transport.forked:
                 # a forked child: the engine and the sinks are the parent's
                 transport.forget()

@@ -287,6 +287,14 @@ def read_metric_definitions(path: str | Path) -> list[MetricDefinition]:
     return definitions
 
 
+def read_exit_code(path: str | Path) -> int:
+    """The run's exit code, from its ``exit`` record (``KeyError`` where it has none)."""
+    for record in read_records(path):
+        if record.WhichOneof("record_type") == "exit":
+            return int(record.exit.exit_code)
+    raise KeyError(f"{path}: no exit record")
+
+
 def find_run_file(wandb_dir: str | Path, run_id: str | None = None) -> Path:
     """Find the ``run-<id>.wandb`` file under ``wandb_dir`` (the ``WANDB_DIR`` of the run).
 

@@ -110,7 +110,7 @@ from typing import Any
 
 from gpulens.log import logger as _log
 from gpulens.log import one_line, warn_once
-from gpulens.model import Event, Row, RunContext
+from gpulens.model import Event, Outcome, Row, RunContext
 from gpulens.schema import STEP_KEY
 from gpulens.sinks.layout import TrackerLayout, check_section, resolve_keys
 from gpulens.sinks.wandb_run import (
@@ -150,8 +150,8 @@ BEHIND_ROWS = 200
 
 class WandbSink:
     """Logs rows to ``run`` (default: the active ``wandb.run``, else ``wandb.init()`` from W&B's
-    own environment settings, finished again at close). See the module docstring for how rows
-    join the user's steps.
+    own environment settings, finished again at close, with exit code 1 where training did not
+    finish: :class:`~gpulens.sinks.base.EndsRun`). The module docstring: how rows join steps.
 
     Keys written (:mod:`gpulens.sinks.layout`): with ``keys="default"`` the tracker view, a
     handful of job-level GPU and throughput figures in the loss's section
@@ -188,6 +188,7 @@ class WandbSink:
     """
 
     on_training_thread = False
+    _exit_code = 0
 
     step_metric: str = AXIS_KEY
     """The x-axis of the keys written: ``"gpulens/step"`` (the row's training step, written
@@ -219,8 +220,7 @@ class WandbSink:
         self.rows_overwritten = 0
         """Rows overwritten in W&B by a later one (the queue was full; also in rows_lost)."""
         self._in_write = False
-        self.alerts_sent = 0
-        """``run.alert`` calls made for firing alerts."""
+        self.alerts_sent = 0  # run.alert calls made for firing alerts
         self._reset()
 
     def _reset(self) -> None:
@@ -561,6 +561,9 @@ class WandbSink:
                   "and later rows are not written to W&B (counted; the other sinks have them)",
                   exc, lost)
 
+    def end_run_as(self, outcome: Outcome) -> None:
+        self._exit_code = 0 if outcome == "finished" else 1
+
     def close(self) -> None:
         placer, self._placer = self._placer, None
         if placer is not None:
@@ -594,4 +597,4 @@ class WandbSink:
                 raise gone from exc
             finally:
                 if self._owned:
-                    run.finish()
+                    run.finish(exit_code=self._exit_code)

@@ -31,7 +31,7 @@ import weakref
 from typing import Any
 
 from gpulens.log import logger, one_line, warn_once
-from gpulens.model import Event, RunContext
+from gpulens.model import Event, RunContext, outcome_of
 from gpulens.sinks.layout import run_metadata
 
 SERVICE_ENV = "WANDB_SERVICE"
@@ -125,6 +125,11 @@ class RunHandle:
         self.service = state["service"]
         self.config_entry = state["config"]
         self.disabled = state["disabled"]
+
+    @property
+    def here(self) -> Any:
+        """The run, in the process that made the handle; ``None`` where it crossed."""
+        return self._run if not self.disabled else None
 
     def __repr__(self) -> str:
         return "RunHandle(here)" if self._run is not None else "RunHandle(to attach)"
@@ -294,3 +299,84 @@ def tell_wandb_run_missed() -> None:
                        "run %s: it began after Monitor.start() (start the monitor after "
                        "wandb.init(), or pass the run: sink_spec('wandb', run=run))",
                        getattr(run, "id", "?"))
+
+
+def _no_hook() -> None:
+    """Nothing to undo (:func:`stop_before_finish` hooked no run)."""
+
+
+def _runs_written(sinks: Any) -> list[Any]:
+    """The W&B runs of this process that ``sinks`` (``(name, sink)`` pairs, prepared) write
+    to: a ``"wandb"`` spec's handle made here, a :class:`WandbSink`'s own run, else the active
+    ``wandb.run`` for a sink that takes it at open."""
+    from gpulens.sinks.wandb import WandbSink
+
+    runs: list[Any] = []
+    for _, sink in sinks:
+        if getattr(sink, "kind", None) == "wandb":
+            handle = sink.options.get("run")
+            run = handle.here if isinstance(handle, RunHandle) else None
+        elif isinstance(sink, WandbSink):
+            run = sink._run
+            if run is None:
+                run = getattr(sys.modules.get("wandb"), "run", None)
+        else:
+            continue
+        if run is not None and all(run is not seen for seen in runs):
+            runs.append(run)
+    return runs
+
+
+def stop_before_finish(sinks: Any, monitor: Any) -> Any:
+    """At start, in the training process: an early teardown hook on each W&B run that
+    ``sinks`` write to, so that a ``wandb.finish()`` made while an exception propagates (a
+    crash, then the user's ``try/finally: wandb.finish()`` or ``with wandb.init():``) first
+    stops ``monitor`` (held weakly), while W&B's service still takes rows: the rows it holds
+    reach the run, those of a sink that had not attached yet too.  Without an exception in
+    flight the hook does nothing (training may go on; rows after the finish are dropped, with
+    a WARNING).  W&B runs the hook before it marks the run finished (``Run._finish``, wandb
+    0.31; a wandb without ``_teardown_hooks`` gets none).  Returns the undo, for ``stop()``."""
+    runs = _runs_written(sinks)
+    if not runs:  # (a run here means wandb is imported: nothing is imported for this)
+        return _no_hook
+    try:
+        from wandb.sdk.wandb_run import TeardownHook, TeardownStage
+    except ImportError:
+        return _no_hook
+    ref = weakref.ref(monitor)
+    inside = [False]
+
+    def before_finish() -> None:
+        mon, raised = ref(), sys.exc_info()[1]
+        if mon is None or raised is None or not getattr(mon, "_started", False):
+            return
+        inside[0] = True
+        try:  # never an exception into W&B's finish
+            logger.info("gpulens: the W&B run is finished while %s propagates: the monitor "
+                        "stops first, so that its GPU rows reach the run",
+                        type(raised).__name__)
+            mon.stop(collective=False, outcome=outcome_of(raised))
+        except Exception as exc:
+            logger.warning("gpulens: stopping the monitor before W&B's finish failed: %s",
+                           one_line(exc))
+        finally:
+            inside[0] = False
+
+    hooked: list[tuple[list[Any], Any]] = []
+    for run in runs:
+        hooks = getattr(run, "_teardown_hooks", None)
+        if isinstance(hooks, list):
+            hook = TeardownHook(before_finish, TeardownStage.EARLY)
+            hooks.append(hook)
+            hooked.append((hooks, hook))
+    if not hooked:
+        return _no_hook
+
+    def undo() -> None:
+        if inside[0]:
+            return  # W&B iterates its hooks now (and drops them all after)
+        for hooks, hook in hooked:
+            with contextlib.suppress(ValueError):
+                hooks.remove(hook)
+
+    return undo
