@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +83,46 @@ def test_isolated_trials_run_in_fresh_processes(tmp_path: Path, capsys: pytest.C
     # training starts them: the platform's default, not spawned again (a fresh interpreter
     # that imports torch: seconds a trial)
     assert starts.read_text().split() == [multiprocessing.get_all_start_methods()[0]] * 2
+
+
+def test_ctrl_c_reports_the_trials_that_finished(tmp_path: Path) -> None:
+    """Ctrl-C once a trial has finished: the running trial stops, one line says so, the report
+    and the files hold the finished trials, marked partial, and the exit code is 130. Sent as a
+    terminal sends it, to the process group (the loader's worker gets it too)."""
+    js, md = tmp_path / "t.json", tmp_path / "t.md"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpulens.cli", "tune", JOB + "_one_worker", "--workers", "1",
+         "--steps", "20", "--json", str(js), "--markdown", str(md)],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stderr is not None
+    seen = []
+    try:
+        for line in proc.stderr:  # the progress lines, one per finished trial
+            seen.append(line)
+            if line.startswith("gpulens tune: trial 1/"):
+                break
+        assert seen and seen[-1].startswith("gpulens tune: trial 1/"), "".join(seen)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err = "".join(seen) + err
+    assert proc.returncode == 130, err
+    lines = [x for x in err.splitlines() if x.startswith("gpulens tune: interrupted")]
+    assert len(lines) == 1, err
+    done = int(lines[0].split(" after ")[1].split()[0])
+    assert lines[0] == (f"gpulens tune: interrupted (Ctrl-C) after {done} finished trial(s); "
+                        "their results follow, marked partial")
+    assert done >= 1 and err.count("gpulens tune: trial ") == done
+    assert "(partial: interrupted)" in out and "stopped early: interrupted" in out
+    result = TuneResult.from_dict(json.loads(js.read_text()))
+    assert result.stopped == "interrupted" and len(result.trials) == done
+    first = result.trials[0]
+    assert (first.role, first.config, first.status) == ("current", Config(4, 1), "ok")
+    assert first.samples_per_s is not None and first.samples_per_s > 0
+    assert result.chosen is not None and result.confirm is None
+    assert "(partial: interrupted)" in md.read_text() and "(chosen)" in md.read_text()

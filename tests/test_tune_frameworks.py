@@ -6,6 +6,7 @@ writes them back, and leaves the training as it found it."""
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -363,3 +364,48 @@ def test_lightning_trials_leave_the_modules_callbacks_out(tmp_path: Path) -> Non
     assert result.chosen is not None
     assert not list(tmp_path.rglob("*.ckpt"))  # no checkpoint from a trial
     assert "configure_callbacks" not in vars(model) and len(model.configure_callbacks()) == 2
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_lightning_trials_print_no_banner_and_levels_come_back() -> None:
+    """Each trial's fit would print Lightning's banner (``GPU available: ...``, the LitLogger
+    tip) between the tuner's progress lines; its warnings still show, and the levels you set
+    come back: INFO as Lightning sets it, and a level you raised is not lowered."""
+    lightning_log, fabric_log = logging.getLogger("lightning.pytorch"), \
+        logging.getLogger("lightning.fabric")
+    levels = (lightning_log.level, fabric_log.level)
+    records = Records()
+    lightning_log.addHandler(records)
+    try:
+        lightning_log.setLevel(logging.INFO)
+        fabric_log.setLevel(logging.ERROR)
+        model, trainer = Module(), pl_trainer()
+        assert any(m.startswith("GPU available") for m in records.messages)  # yours speaks
+        records.messages.clear()
+        seen: list[tuple[int, int]] = []
+
+        class Probe(Data):
+            def train_dataloader(self) -> DataLoader[Any]:
+                seen.append((lightning_log.getEffectiveLevel(), fabric_log.level))
+                return super().train_dataloader()
+
+        result = tune_lightning(trainer, model, datamodule=Probe(), batch_sizes=(4, 8),
+                                workers=(0,), **FAST)
+        assert len(result.trials) == 2 and result.chosen is not None
+        assert records.messages == [], records.messages
+        assert seen and set(seen) == {(logging.WARNING, logging.ERROR)}
+        assert (lightning_log.level, fabric_log.level) == (logging.INFO, logging.ERROR)
+        pl_trainer()  # after the sweep: your Trainer's banner as before
+        assert any(m.startswith("GPU available") for m in records.messages)
+    finally:
+        lightning_log.removeHandler(records)
+        lightning_log.setLevel(levels[0])
+        fabric_log.setLevel(levels[1])

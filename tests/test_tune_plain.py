@@ -157,3 +157,39 @@ def test_the_random_generators_are_put_back() -> None:
     assert torch.equal(generator.get_state(), before[0])
     assert torch.equal(torch.get_rng_state(), before[1]) and random.getstate() == before[2]
     assert all(torch.equal(a, b[0]) for a, b in zip(order, loader, strict=True))
+
+
+def test_cuda_generators_the_trials_started_are_put_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA started in the trials (the model still on the CPU, the step moving the work to the
+    GPU): there was no CUDA state to save before, and the generators must be back where they
+    started, as the training would find them had it started CUDA itself. Without a GPU: CUDA's
+    start is played by the step, with CPU generators as the devices' (seeded as a
+    ``torch.manual_seed`` queued before CUDA starts seeds them)."""
+    seeds = (11, 12)
+    devices: list[torch.Generator] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(devices))
+    monkeypatch.setattr(torch.cuda, "default_generators", ())
+
+    def get_rng_state_all() -> list[torch.Tensor]:
+        raise AssertionError("no CUDA state to read before CUDA started")
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", get_rng_state_all)
+    model = torch.nn.Linear(4, 1)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if not devices:  # the first step starts "CUDA"
+            devices.extend(torch.Generator().manual_seed(s) for s in seeds)
+            monkeypatch.setattr(torch.cuda, "default_generators", tuple(devices))
+        for gen in devices:  # dropout on each device
+            torch.rand(8, generator=gen)
+        torch.nn.functional.mse_loss(model(batch[0]), batch[1]).backward()
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    tune(torch.utils.data.DataLoader(data, batch_size=8), step, model=model,
+         batch_sizes=(8, 16), workers=(0,), warmup_steps=1, steps=2, loader_options=False,
+         confirm=False, progress=False)
+    assert len(devices) == 2
+    for gen, seed in zip(devices, seeds, strict=True):
+        fresh = torch.Generator().manual_seed(seed)
+        assert torch.equal(torch.rand(8, generator=gen), torch.rand(8, generator=fresh))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import unescape
@@ -13,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from gpulens.tune.model import Config, Trial, TuneResult, TuneSettings, workers_grid
+from gpulens.tune.model import (
+    Config,
+    Trial,
+    TuneInterrupted,
+    TuneResult,
+    TuneSettings,
+    workers_grid,
+)
 from gpulens.tune.report import headline, render_html, render_markdown, render_text
 from gpulens.tune.space import BatchSpace
 from gpulens.tune.sweep import Sweep
@@ -121,6 +129,82 @@ def test_the_budget_stops_the_sweep_and_the_choice_stands() -> None:
     assert len(r.trials) == 3 and r.stopped == "budget"
     assert r.chosen is not None and r.chosen.config.batch_size == 4
     assert any("time budget" in n for n in r.notes)
+
+
+class Closed:
+    """A progress display that notes whether it was closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def update(self, trial: Trial, done: int, expected: int, spent_s: float,
+               left_s: float | None) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_ctrl_c_ends_the_sweep_with_the_trials_that_finished() -> None:
+    settings = TuneSettings(workers=(0,), max_batch=64, loader_options=False).check()
+    space = BatchSpace.from_settings(settings, 1)
+    full = Sweep(Formula(), settings, space, current=Config(4)).run()
+    assert full.confirm is not None and full.trials[-1] is full.confirm
+    assert full.chosen is not None
+    # Ctrl-C in the first trial, in the coarse pass, in the confirmation
+    for at in (1, 4, len(full.trials)):
+        f = Formula()
+
+        def measure(c: Config, role: str, f: Formula = f, at: int = at) -> Trial:
+            if len(f.calls) + 1 == at:
+                raise KeyboardInterrupt
+            return f(c, role)
+
+        progress = Closed()
+        with pytest.raises(TuneInterrupted) as caught:
+            Sweep(measure, settings, space, current=Config(4), progress=progress,
+                  device="CPU", notes=["a note of the caller"]).run()
+        assert isinstance(caught.value, KeyboardInterrupt) and progress.closed
+        r = caught.value.result
+        assert [t.config for t in r.trials] == [t.config for t in full.trials[:at - 1]]
+        assert r.stopped == "interrupted" and r.confirm is None and r.device == "CPU"
+        assert r.notes[:2] == [f"interrupted (Ctrl-C) after {at - 1} finished trial(s): a "
+                               "partial sweep, the choice is the best of those trials",
+                               "a note of the caller"]
+        assert (r.chosen is None) == (at == 1)
+        if at == len(full.trials):
+            assert r.chosen is not None and r.chosen.config == full.chosen.config
+        text = headline(r)
+        assert f"{at - 1} trials in" in text[-3] and "stopped early: interrupted" in text[-3]
+        if at == 1:
+            assert text[0] == "No configuration could be timed: interrupted first."
+
+
+def test_a_ctrl_c_that_python_swallowed_still_ends_the_sweep_before_the_next_trial() -> None:
+    """A Ctrl-C landing in a fork's after-fork hooks (a trial's loader workers starting) is
+    printed as "Exception ignored" and its ``KeyboardInterrupt`` dropped: the trial finishes,
+    and the sweep ends before the next one, with what finished (it went on to the end)."""
+    import os
+    import signal
+
+    settings = TuneSettings(workers=(0,), max_batch=64, loader_options=False).check()
+    space = BatchSpace.from_settings(settings, 1)
+    f = Formula()
+
+    def measure(c: Config, role: str) -> Trial:
+        if len(f.calls) == 2:
+            try:  # as Python does with an exception raised in an after-fork hook
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1.0)  # the handler runs here
+            except KeyboardInterrupt:
+                pass
+        return f(c, role)
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TuneInterrupted) as caught:
+        Sweep(measure, settings, space, current=Config(4)).run()
+    assert len(caught.value.result.trials) == 3  # the third trial finished, no fourth began
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_a_fixed_global_batch_varies_the_split() -> None:

@@ -86,14 +86,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    """Run the sweep; print and write the report (rank 0)."""
-    from gpulens.tune import TuneSettings, print_report, render_html, render_markdown
+    """Run the sweep; print and write the report (rank 0). On Ctrl-C: one line, the report of
+    the trials that finished (marked partial) and exit code 130; a second Ctrl-C ends at once."""
+    from gpulens.tune import (
+        TuneInterrupted,
+        TuneSettings,
+        print_report,
+        render_html,
+        render_markdown,
+    )
     from gpulens.tune.dist import world
     from gpulens.tune.isolate import JobError, load_job, tune_isolated
     from gpulens.tune.plain import tune_job
 
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    interrupted = False
     try:
         settings = TuneSettings(
             warmup_steps=args.warmup, steps=args.steps, max_trial_s=args.max_trial_s,
@@ -115,9 +123,16 @@ def run_tune(args: argparse.Namespace) -> int:
         if not isinstance(e, JobError) and not str(e).startswith("gpulens tune: "):
             raise
         raise CliError(str(e).removeprefix("gpulens tune: ")) from None
+    except TuneInterrupted as e:
+        result, interrupted = e.result, True
+    code = 130 if interrupted else 0 if result.chosen is not None else 1
     if world()[0] != 0:
-        return 0 if result.chosen is not None else 1
+        return code
     title = f"gpulens tune: {args.job}"
+    if interrupted:
+        print(f"gpulens tune: interrupted (Ctrl-C) after {len(result.trials)} finished "
+              "trial(s); their results follow, marked partial", file=sys.stderr, flush=True)
+        title += " (partial: interrupted)"
     if not args.quiet:
         print_report(result, title=title)
     renders: list[tuple[str | None, Callable[[], str], str]] = [
@@ -136,4 +151,4 @@ def run_tune(args: argparse.Namespace) -> int:
         except OSError as e:
             raise CliError(f"cannot write {what} to {path}: {e.strerror or e}") from None
         print(f"wrote {what}: {path}", file=sys.stderr)
-    return 0 if result.chosen is not None else 1
+    return code

@@ -22,7 +22,7 @@ torch is imported when a sweep runs, not with this package.
 
 from __future__ import annotations
 
-from gpulens.tune.model import Config, Trial, TuneResult, TuneSettings
+from gpulens.tune.model import Config, Trial, TuneInterrupted, TuneResult, TuneSettings
 from gpulens.tune.plain import TuneJob, tune, tune_job
 from gpulens.tune.report import print_report, render_html, render_markdown, render_text
 from gpulens.tune.track import log_to_tracker
@@ -30,6 +30,7 @@ from gpulens.tune.track import log_to_tracker
 __all__ = [
     "Config",
     "Trial",
+    "TuneInterrupted",
     "TuneJob",
     "TuneResult",
     "TuneSettings",

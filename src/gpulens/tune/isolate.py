@@ -12,7 +12,8 @@ start (it also measures the current setting). Each trial then pays for building 
 Processes are started with ``spawn`` (CUDA cannot be used in a forked child), one at a time;
 a trial's loader workers start by the platform's default method, as the user's training starts
 them. A trial process that dies without an answer (killed, a crash of the driver) is recorded
-as a ``failed`` trial and the sweep goes on. Not for DDP (each rank would need its own group).
+as a ``failed`` trial and the sweep goes on; on Ctrl-C the running trial's process is ended
+with the sweep. Not for DDP (each rank would need its own group).
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def _ask(spec: str, config: Config | None, settings: TuneSettings) -> dict[str, 
         answer: dict[str, Any] = receive.recv()
     except EOFError:
         answer = {}
+    except KeyboardInterrupt:  # Ctrl-C: the trial ends with the sweep (its workers see it go)
+        proc.terminate()
+        proc.join()
+        raise
     proc.join()
     if not answer:
         answer = {"died": f"the trial process ended with exit code {proc.exitcode} and no "
@@ -138,8 +143,6 @@ def tune_isolated(spec: str, settings: TuneSettings, *, progress: bool = True) -
     sweep = Sweep(measure, settings, BatchSpace.from_settings(settings), current=current,
                   cuda=info["cuda"], pin_memory=defaults.pin_memory if defaults else None,
                   prefetch_factor=defaults.prefetch_factor if defaults else None,
-                  progress=make_progress(progress))
-    result = sweep.run()
-    result.device = info["device"]
-    result.notes[:0] = ["each trial ran in a fresh process", *notes]
-    return result
+                  progress=make_progress(progress), device=info["device"],
+                  notes=["each trial ran in a fresh process", *notes])
+    return sweep.run()

@@ -32,6 +32,7 @@ chosen batch size and workers are written to the attributes they came from.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -133,10 +134,7 @@ class LightningWorkload:
                           enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0,
                           limit_val_batches=0)
-        with warnings.catch_warnings(), _without_module_callbacks(self.model):
-            # Lightning's advice to add loader workers: the sweep is measuring exactly that
-            warnings.filterwarnings("ignore", message=r".*does not have many workers",
-                                    category=UserWarning)
+        with _without_module_callbacks(self.model):
             self._fit(trainer, config, rec)
 
     def _fit(self, trainer: Any, config: Config, rec: Recorder) -> None:
@@ -186,6 +184,34 @@ def _instance_attr(owner: Any, name: str, value: Any) -> Iterator[None]:
             owner.__dict__.pop(name, None)
         else:
             owner.__dict__[name] = own
+
+
+LOGGERS = ("lightning.pytorch", "lightning.fabric")
+"""Lightning's loggers: its banner at every ``fit`` (``GPU available: ...``, the LitLogger
+tip, ``LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: ...``) is their INFO."""
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """During the sweep, Lightning says its warnings, not its banner: every trial's ``fit``
+    would print it again between the tuner's own progress lines. Lightning's loggers go to
+    WARNING (not down from a higher level you set) and get their own levels back after; the
+    warning that advises more loader workers is left out (the sweep measures exactly that).
+    Warnings are filtered once for the whole sweep: a filter set and reset in every trial
+    would let Python show each warning of Lightning's once per trial, not once."""
+    loggers = [logging.getLogger(name) for name in LOGGERS]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*does not have many workers",
+                                category=UserWarning)
+        for lg in loggers:
+            if lg.getEffectiveLevel() < logging.WARNING:
+                lg.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
 
 
 def _without_module_callbacks(model: Any) -> AbstractContextManager[None]:
@@ -281,7 +307,7 @@ def tune_lightning(trainer: Any, model: Any, datamodule: Any = None, *,
     saved = {(id(h), name): (h, name, _get(h, name)) for h, name in
              ((batch_holder, "batch_size"), (workers_holder, "num_workers")) if h is not None}
     try:
-        with restored(model), rng_kept(*loaders.generators(source)):
+        with restored(model), rng_kept(*loaders.generators(source)), _quiet():
             result = sweep(workload, ctx, settings, current=current, progress=progress,
                            loader_defaults=dataclasses.replace(current, pin_memory=(
                                defaults.pin_memory if defaults else None)))

@@ -231,7 +231,8 @@ class TuneResult:
     oom_batch: int | None = None
     fits_batch: int | None = None
     stopped: str = "done"
-    """``done``, or why the sweep ended early: ``budget`` (time), ``failed``."""
+    """``done``, or why the sweep ended early: ``budget`` (time), ``failed``, ``interrupted``
+    (Ctrl-C: the trials that finished before it, a partial result)."""
     elapsed_s: float = 0.0
     settings: TuneSettings = field(default_factory=TuneSettings)
     device: str | None = None
@@ -290,6 +291,17 @@ class TuneResult:
                    elapsed_s=float(data.get("elapsed_s", 0.0)),
                    settings=TuneSettings(**settings), device=data.get("device"),
                    world_size=int(data.get("world_size", 1)), notes=list(data.get("notes", [])))
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a sweep: a ``KeyboardInterrupt`` (it ends a program as one does) that
+    carries the partial :class:`TuneResult` of the trials that finished, ``stopped`` set to
+    ``interrupted``. The running trial was abandoned, and the model, optimizer and random
+    generators were put back as after a whole sweep; the choice was not applied."""
+
+    def __init__(self, result: TuneResult) -> None:
+        super().__init__(f"gpulens tune: interrupted after {len(result.trials)} trial(s)")
+        self.result = result
 
 
 def workers_grid(requested: Sequence[int], cpus: int | None) -> tuple[int, ...]:

@@ -89,6 +89,7 @@ def headline(result: TuneResult) -> list[str]:
     if c is None:
         lines.append("No configuration could be timed: " + (
             "every one ran out of memory." if result.oom_batch is not None
+            else "interrupted first." if result.stopped == "interrupted"
             else "see the trials below."))
     else:
         figs = [f"{fmt(c.throughput)} samples/s"]

@@ -169,11 +169,9 @@ def sweep(workload: Workload, ctx: TrialContext, settings: TuneSettings, *,
     runner = Sweep(measure, settings, space, current=current, cuda=ctx.cuda,
                    pin_memory=defaults.pin_memory if loader_defaults else None,
                    prefetch_factor=defaults.prefetch_factor,
-                   progress=make_progress(progress and rank == 0))
-    result = runner.run()
-    result.device = describe_device(ctx)
-    result.notes[:0] = notes
-    return result
+                   progress=make_progress(progress and rank == 0),
+                   device=describe_device(ctx), notes=notes)
+    return runner.run()
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -206,10 +204,15 @@ def restored(*objects: Any) -> Iterator[None]:
 @contextmanager
 def rng_kept(*generators: Any) -> Iterator[None]:
     """Put the random number generators back after the block: torch's global ones (CPU, and
-    CUDA where it started), Python's and NumPy's, and each ``torch.Generator`` given (a
-    loader's or its sampler's, which the trials' loaders share). Trials draw from them
-    (shuffling, dropout, worker seeds): without this, a seeded training tuned first would
-    see other data orders and masks than the same training untuned."""
+    CUDA), Python's and NumPy's, and each ``torch.Generator`` given (a loader's or its
+    sampler's, which the trials' loaders share). Trials draw from them (shuffling, dropout,
+    worker seeds): without this, a seeded training tuned first would see other data orders and
+    masks than the same training untuned.
+
+    Where the trials were what started CUDA (a Lightning module still on the CPU, a step that
+    moves the batch), there was no CUDA state to save: each device's generator is seeded back
+    with the seed it started with (``torch.manual_seed`` before CUDA starts is applied then),
+    at offset 0, the state the training would have found had it started CUDA itself."""
     import random
     import sys
 
@@ -231,6 +234,9 @@ def rng_kept(*generators: Any) -> Iterator[None]:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+        elif torch.cuda.is_initialized():  # type: ignore[no-untyped-call,unused-ignore]
+            for gen in torch.cuda.default_generators:  # started in the block: as it started
+                gen.manual_seed(gen.initial_seed())
         random.setstate(py)
         if numpy is not None and np_state is not None:
             numpy.random.set_state(np_state)

@@ -35,12 +35,15 @@ slowest rank's), so every rank makes the same decision.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
-from gpulens.tune.model import Config, Trial, TuneResult, TuneSettings
+from gpulens.tune.model import Config, Trial, TuneInterrupted, TuneResult, TuneSettings
 from gpulens.tune.space import BatchSpace
 
 Measure = Callable[[Config, str], Trial]
@@ -75,12 +78,15 @@ class Sweep:
         pin_memory: the loader's own ``pin_memory`` (``None``: unknown, not flipped).
         prefetch_factor: the loader's own ``prefetch_factor`` (``None``: torch's default, 2).
         progress: told after each trial.
+        device: what the trials run on, for the result (``None``: unknown).
+        notes: what the caller knows for the reader (the result's first notes).
     """
 
     def __init__(self, measure: Measure, settings: TuneSettings, space: BatchSpace, *,
                  current: Config | None = None, cuda: bool = False,
                  pin_memory: bool | None = None, prefetch_factor: int | None = None,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, device: str | None = None,
+                 notes: list[str] | None = None) -> None:
         self._measure_fn = measure
         self.settings = settings
         self.space = space
@@ -94,23 +100,48 @@ class Sweep:
         self._spent = 0.0
         self._coarse_left = len(space.coarse())
         self.oom_batch: int | None = None
-        self.notes: list[str] = []
+        self.device = device
+        self.notes: list[str] = list(notes or [])
+        self._ctrl_c = _CtrlC()
 
     # -- running ----------------------------------------------------------------------------
     def run(self) -> TuneResult:
         """Measure, choose, return the result (an exception from ``measure`` that is not an
-        out-of-memory error propagates: it is the user's to see)."""
+        out-of-memory error propagates: it is the user's to see). Ctrl-C raises
+        :class:`TuneInterrupted` with the result of the trials that finished."""
         start = time.monotonic()
         stopped = "done"
         current: Trial | None = None
+        confirm: Trial | None = None
         try:
-            if self.current_config is not None:
-                current = self._measure(self.current_config, "current")
-            self._coarse()
-            self._refine()
-            self._loader_options()
-        except _Budget:
-            stopped = "budget"
+            with self._ctrl_c.watching():
+                try:
+                    if self.current_config is not None:
+                        current = self._measure(self.current_config, "current")
+                    self._coarse()
+                    self._refine()
+                    self._loader_options()
+                except _Budget:
+                    stopped = "budget"
+                chosen = self._chosen()
+                if chosen is not None and self.settings.confirm:
+                    try:
+                        confirm = self._measure(chosen.config, "confirm", again=True)
+                    except _Budget:
+                        stopped = "budget"
+        except KeyboardInterrupt as exc:
+            done = len(self.trials)
+            self.notes.insert(0, f"interrupted (Ctrl-C) after {done} finished trial(s): a "
+                              "partial sweep, the choice is the best of those trials")
+            raise TuneInterrupted(self._result(start, current, confirm, "interrupted")) \
+                from exc
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+        return self._result(start, current, confirm, stopped)
+
+    def _chosen(self) -> Trial | None:
+        """:meth:`choose`, with a note on the faster trials it passed over."""
         chosen = self.choose()
         edge = [t for t in self.trials if t.ok and t.alloc_retries and chosen is not None
                 and t.throughput > chosen.throughput]
@@ -119,21 +150,18 @@ class Sweep:
             self.notes.append(f"batch {sizes} ran faster only with the allocator's retries "
                               "(the memory edge, where the next run may run out of memory): "
                               "not chosen")
-        confirm = None
-        if chosen is not None and self.settings.confirm:
-            try:
-                confirm = self._measure(chosen.config, "confirm", again=True)
-            except _Budget:
-                stopped = "budget"
+        return chosen
+
+    def _result(self, start: float, current: Trial | None, confirm: Trial | None,
+                stopped: str) -> TuneResult:
+        chosen = self.choose()
         if chosen is None and stopped == "done":
             stopped = "failed"
-        if self.progress is not None:
-            self.progress.close()
         fits = [t.config.batch_size for t in self.trials if t.ok]
         return TuneResult(trials=self.trials, chosen=chosen, current=current, confirm=confirm,
                           oom_batch=self.oom_batch, fits_batch=max(fits, default=None),
                           stopped=stopped, elapsed_s=time.monotonic() - start,
-                          settings=self.settings, notes=self.notes,
+                          settings=self.settings, device=self.device, notes=self.notes,
                           world_size=self.space.world_size)
 
     def choose(self) -> Trial | None:
@@ -246,6 +274,8 @@ class Sweep:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _measure(self, config: Config, role: str, again: bool = False) -> Trial:
+        if self._ctrl_c.pressed:
+            raise KeyboardInterrupt  # one Python swallowed (:class:`_CtrlC`)
         if not again and config in self._seen:
             return self._seen[config]
         done = len(self.trials)
@@ -300,3 +330,31 @@ class Sweep:
     def _in_space(self, c: Config) -> bool:
         return self.space.allowed(c.batch_size) and c.accumulation == self.space.accumulation(
             c.batch_size)
+
+
+class _CtrlC:
+    """A Ctrl-C during a sweep, kept even where Python loses its ``KeyboardInterrupt``: one
+    that lands in a fork's after-fork hooks (a trial's loader workers starting) is printed as
+    "Exception ignored" and dropped, and the sweep went on.  The handler notes the press, then
+    raises as Python's own does; the sweep looks at the note before each trial."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.pressed = True
+        signal.default_int_handler(signum, frame)
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Python's own SIGINT handler replaced by this one for the block; a handler of the
+        user's own, or a sweep off the main thread, is left alone."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield
+            return
+        signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
