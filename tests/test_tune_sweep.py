@@ -178,6 +178,9 @@ def test_ctrl_c_ends_the_sweep_with_the_trials_that_finished() -> None:
         assert f"{at - 1} trials in" in text[-3] and "stopped early: interrupted" in text[-3]
         if at == 1:
             assert text[0] == "No configuration could be timed: interrupted first."
+        else:  # what ran, not a recommendation ("Use ..."/"Keep ...")
+            assert text[0].startswith(f"Fastest of the {at - 1} trial(s) that finished "
+                                      "before the interrupt: ")
 
 
 def test_a_ctrl_c_that_python_swallowed_still_ends_the_sweep_before_the_next_trial() -> None:

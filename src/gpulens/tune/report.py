@@ -99,7 +99,10 @@ def headline(result: TuneResult) -> list[str]:
             figs.append(f"MFU {c.mfu_pct:.1f} %")
         line = f"Use {c.config.label()}: {', '.join(figs)}"
         cur = result.current
-        if cur is not None and (cur is c or cur.config == c.config):
+        if result.stopped == "interrupted":  # a partial sweep: what ran, not a choice
+            line = (f"Fastest of the {len(result.trials)} trial(s) that finished before the "
+                    f"interrupt: {c.config.label()}: {', '.join(figs)}")
+        elif cur is not None and (cur is c or cur.config == c.config):
             line = (f"Keep the current setting, {c.config.label()}: {', '.join(figs)}, the "
                     "fastest measured")
         elif result.speedup_pct is not None and cur is not None:
