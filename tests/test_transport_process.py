@@ -361,6 +361,19 @@ def _nfd() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _pipes() -> set[str]:
+    """This process's open pipes (``pipe:[inode]``): what a transport opens and must close.
+    Other threads of the test process (a tracker's, from an earlier test in this worker) may
+    open sockets and files meanwhile; counting every fd read those as a leak."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("pipe:"):
+                out.add(f"{fd}:{target}")
+    return out
+
+
 def _spec() -> EngineSpec:
     return EngineSpec(interval=0.05, backend=SimulatedNVML(gpus=2), buffer_rows=100)
 
@@ -423,14 +436,14 @@ def test_child_failing_before_ready_leaks_no_fd(
     """))
     fake.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake))
-    base = _nfd()
+    base = _pipes()
     for _ in range(2):
         with pytest.raises(SpawnFailed, match="RuntimeError: no luck"):
             ProcessTransport().start(_spec(), on_row=lambda row: None)
     deadline = time.monotonic() + 5
-    while _nfd() != base and time.monotonic() < deadline:
+    while _pipes() != base and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _nfd() == base
+    assert _pipes() == base
 
 
 def test_keyboard_interrupt_while_starting_ends_the_engine_process() -> None:
