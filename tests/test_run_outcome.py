@@ -169,6 +169,25 @@ def test_outcome_of_an_exception() -> None:
     assert outcome_of(None) == "finished"
     assert outcome_of(ValueError()) == "failed"
     assert outcome_of(KeyboardInterrupt()) == "killed"
+    # SystemExit is the exit status: 0 (or none) is a success, as the shell and W&B see it
+    assert outcome_of(SystemExit()) == "finished"
+    assert outcome_of(SystemExit(0)) == "finished"
+    assert outcome_of(SystemExit(3)) == "failed"
+    assert outcome_of(SystemExit("a message")) == "failed"
+
+
+@pytest.mark.parametrize(("code", "status"), [(0, "FINISHED"), (3, "FAILED")])
+def test_sys_exit_in_a_with_block_ends_the_run_as_its_exit_status(
+        mlflow_tracking: MlflowTracking, code: int, status: str) -> None:
+    """``sys.exit(0)`` in the loop (done early, on purpose) is no failure: the process exits 0."""
+    with pytest.raises(SystemExit), gpulens.Monitor(
+            interval=0.05, sinks=["mlflow"], backend=SimulatedNVML(gpus=1),
+            isolation="thread") as mon:
+        _train(mon, 2)
+        sys.exit(code)
+    (run,) = mlflow_tracking.runs()
+    assert run.info.status == status
+    assert _steps(mlflow_tracking, run.info.run_id) == [1, 2]
 
 
 def test_exit_outcome_is_finished_where_last_value_is_an_earlier_error_shown(
@@ -236,3 +255,32 @@ def test_hf_train_that_raised_ends_its_run_failed_at_the_next_train_or_collectio
     runs = sorted(mlflow_tracking.runs(), key=lambda r: r.info.start_time)
     assert [r.info.status for r in runs] == ["FAILED", "FINISHED", "FAILED"]
     assert _steps(mlflow_tracking, runs[0].info.run_id) == [2, 4]
+
+
+def test_hf_mlflow_run_gpulens_started_for_a_train_that_raised_ends_failed(
+        tmp_path: Path, mlflow_tracking: MlflowTracking,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``report_to="mlflow"``: Hugging Face starts a run for the first ``train()`` only, the
+    callback one for a later call.  That call raising, and no ``train()`` after it, its run
+    ends ``FAILED`` when the callback is collected (or at exit), not ``FINISHED`` by MLflow's
+    own exit hook, nor left ``RUNNING``."""
+    import gc
+
+    from gpulens.integrations.transformers import GPUMonitorCallback
+    from tests.test_integration_transformers import Regression, make_trainer
+
+    monkeypatch.setenv("GPULENS_BACKEND", "simulated")
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_BUFFERING_SECONDS", "1")  # HF's run ends at once
+    callback = GPUMonitorCallback(sinks=["mlflow"], interval=0.05)
+    model = Regression()
+    trainer = make_trainer(tmp_path, callback, model=model, report_to="mlflow", max_steps=4,
+                           logging_steps=2)
+    trainer.train()
+    model.fail_at = model.calls + 3
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    del trainer, callback
+    gc.collect()
+    runs = sorted(mlflow_tracking.runs(), key=lambda r: r.info.start_time)
+    assert [r.info.status for r in runs] == ["FINISHED", "FAILED"]

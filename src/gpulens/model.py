@@ -33,9 +33,14 @@ code)."""
 
 
 def outcome_of(exc: BaseException | None) -> Outcome:
-    """The :data:`Outcome` of training that ended with ``exc`` (``None``: no exception)."""
+    """The :data:`Outcome` of training that ended with ``exc`` (``None``: no exception).  A
+    ``SystemExit`` is the process's exit status: ``sys.exit()`` or ``sys.exit(0)`` ends it
+    ``"finished"`` (as W&B's exit hook, the shell and a scheduler see it), any other code
+    ``"failed"``."""
     if exc is None:
         return "finished"
+    if isinstance(exc, SystemExit):
+        return "finished" if exc.code is None or exc.code == 0 else "failed"
     return "killed" if isinstance(exc, KeyboardInterrupt) else "failed"
 
 

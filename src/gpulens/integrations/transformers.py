@@ -99,6 +99,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer, exit_outcome
 from gpulens.integrations.session import (
     SessionCallback,
     TrainingSession,
@@ -178,6 +179,8 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         self.follow_report_to = follow_report_to
         self._tail: tuple[int, dict[str, float], tuple[float, float]] | None = None
         self._mlflow_run: Any = None
+        self._mlflow_run_end: Any = None
+        """Ends ``_mlflow_run`` FAILED (KILLED) at exit or collection: its train() raised."""
 
     # -- lifecycle -------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -187,7 +190,7 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.session is not None:  # a previous train() that raised left it running
             self._stop(collective=False, outcome="failed")
-            run, self._mlflow_run = self._mlflow_run, None
+            run = self._take_mlflow_run()
             if run is not None:
                 _end_mlflow_run(run, "FAILED")
         rank0 = bool(state.is_world_process_zero)
@@ -196,7 +199,9 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
         monitor = monitor_for_run(self.settings, self._sinks_for(args) if rank0 else [], dtype)
         check_sinks(monitor.sinks)  # a one-line error before any run or file is made
         if rank0 and self._follows(args, "mlflow"):
-            self._mlflow_run = _ensure_mlflow_run(args)
+            self._mlflow_run = run = _ensure_mlflow_run(args)
+            if run is not None:  # a train() that raises never reaches on_train_end
+                self._mlflow_run_end = exit_finalizer(self, _end_dropped_mlflow_run, run)
         self._tail = None
         step = int(state.global_step)
         # a resumed run starts its windows at the restored step
@@ -218,12 +223,21 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
             else:
                 session.row(step, step, {})
         self._stop()
-        run, self._mlflow_run = self._mlflow_run, None
+        run = self._take_mlflow_run()
         if run is not None:
             _end_mlflow_run(run)
         if getattr(state, "is_hyper_param_search", False):
             # a search's next trial calls train() again, with no on_init_end before it
             prepare_engine(self.settings)
+
+    def _take_mlflow_run(self) -> Any:
+        """The MLflow run this callback started for this train() (``None``: none), its exit
+        hook taken back: the caller ends it."""
+        run, self._mlflow_run = self._mlflow_run, None
+        end, self._mlflow_run_end = self._mlflow_run_end, None
+        if end is not None:
+            drop_exit_finalizer(end)
+        return run
 
     def _stop(self, collective: bool = True, outcome: Outcome = "finished") -> None:
         self._tail = None
@@ -356,6 +370,26 @@ def _end_mlflow_run(run: Any, status: str = "FINISHED") -> None:
     active = mlflow.active_run()
     if active is not None and active.info.run_id == run.info.run_id:
         mlflow.end_run(status)
+
+
+def _end_dropped_mlflow_run(run: Any) -> None:
+    """At exit or the callback's collection: the run started for a train() that raised (it
+    never reached ``on_train_end``) ends ``FAILED``, ``KILLED`` where the script ends on a
+    Ctrl-C; at exit before MLflow's own hook would end it ``FINISHED``.  Collected, Hugging
+    Face's ``MLflowCallback.__del__`` may have ended it ``FINISHED`` first: set again."""
+    status = "KILLED" if exit_outcome() == "killed" else "FAILED"
+    try:
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == run.info.run_id:
+            mlflow.end_run(status)
+            return
+        client = mlflow.MlflowClient()
+        if client.get_run(run.info.run_id).info.status == "FINISHED":
+            client.set_terminated(run.info.run_id, status)
+    except Exception as exc:  # at exit or in a finalizer: never raise
+        log.warning("gpulens: ending MLflow run %s %s failed: %r", run.info.run_id, status, exc)
 
 
 def _work_of(args: Any, model: Any) -> tuple[str | None, Any]:
