@@ -8,8 +8,10 @@ may come in with the modules below; pynvml may also be imported lazily, later.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +81,20 @@ def test_import_brings_only_stdlib_and_core_dependencies(module: str) -> None:
         f"import {module} imported {foreign}, which are not declared core dependencies "
         f"({', '.join(CORE[1:])}): a plain `pip install gpulens` would not have them"
     )
+
+
+def test_a_start_without_wandb_imports_no_wandb_module(tmp_path: Path) -> None:
+    """A monitor with a JSONL sink imports neither wandb nor gpulens's W&B sink in the
+    training process (the W&B finish hook looks for W&B sinks without importing them)."""
+    probe = (
+        "import json, sys, gpulens\n"
+        f"with gpulens.Monitor(sinks=['jsonl:{tmp_path / 'r.jsonl'}'], interval=0.05) as m:\n"
+        "    m.log(1, loss=1.0)\n"
+        "print(json.dumps(sorted(n for n in sys.modules if 'wandb' in n)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "GPULENS_BACKEND": "simulated"},
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert loaded & {"wandb", "gpulens.sinks.wandb"} == set(), loaded

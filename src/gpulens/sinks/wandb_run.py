@@ -308,15 +308,15 @@ def _no_hook() -> None:
 def _runs_written(sinks: Any) -> list[Any]:
     """The W&B runs of this process that ``sinks`` (``(name, sink)`` pairs, prepared) write
     to: a ``"wandb"`` spec's handle made here, a :class:`WandbSink`'s own run, else the active
-    ``wandb.run`` for a sink that takes it at open."""
-    from gpulens.sinks.wandb import WandbSink
-
+    ``wandb.run`` for a sink that takes it at open.  Imports nothing (a start without W&B
+    pays no import): a :class:`WandbSink` exists only where its module was imported."""
+    module = sys.modules.get("gpulens.sinks.wandb")
     runs: list[Any] = []
     for _, sink in sinks:
         if getattr(sink, "kind", None) == "wandb":
             handle = sink.options.get("run")
             run = handle.here if isinstance(handle, RunHandle) else None
-        elif isinstance(sink, WandbSink):
+        elif module is not None and isinstance(sink, module.WandbSink):
             run = sink._run
             if run is None:
                 run = getattr(sys.modules.get("wandb"), "run", None)
