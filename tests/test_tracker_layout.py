@@ -159,6 +159,11 @@ def test_key_set_spellings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_TRACKER_KEYS", "some")
     with pytest.raises(ValueError, match="GPULENS_TRACKER_KEYS='some'"):
         WandbSink()
+    # named sinks: when the monitor is made, one line, not a WARNING at the engine's open
+    # and every row dropped
+    for name in ("wandb", "mlflow"):
+        with pytest.raises(ValueError, match="GPULENS_TRACKER_KEYS='some'"):
+            gpulens.Monitor(sinks=[name])
 
 
 # -- W&B ----------------------------------------------------------------------------------------
@@ -239,6 +244,8 @@ def test_wandb_detail_at_most_once_an_interval_of_the_rows_times(
     monkeypatch.setenv("GPULENS_WANDB_DETAIL_S", "often")
     with pytest.raises(ValueError, match="GPULENS_WANDB_DETAIL_S='often'"):
         WandbSink()
+    with pytest.raises(ValueError, match="GPULENS_WANDB_DETAIL_S='often'"):
+        gpulens.Monitor(sinks=["wandb"])  # when it is made, not at the engine's open
     with pytest.raises(ValueError, match="detail_interval=-1"):
         WandbSink(detail_interval=-1)
     # the same option in a spec (what an integration's sink is built from)

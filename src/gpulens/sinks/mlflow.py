@@ -113,14 +113,14 @@ class MlflowSink:
     @staticmethod
     def check_options(options: dict[str, Any]) -> dict[str, Any]:
         """``ValueError`` (one line) for a run id MLflow would refuse (a tracking URI written
-        where the run id goes, say), an unknown key set or section."""
+        where the run id goes, say), an unknown key set (also ``GPULENS_TRACKER_KEYS``'s) or
+        section."""
         if options.get("run_id") is not None:
             check_run_id(options["run_id"])
         uri = options.get("tracking_uri")
         if uri is not None and (not isinstance(uri, str) or not uri.strip()):
             raise ValueError(f"the mlflow sink's tracking_uri must be text, got {uri!r}")
-        if options.get("keys") is not None:
-            resolve_keys(options["keys"])
+        resolve_keys(options.get("keys"))
         check_section(options.get("section"))
         return options
 

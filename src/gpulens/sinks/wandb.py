@@ -250,12 +250,11 @@ class WandbSink:
 
     @staticmethod
     def check_options(options: dict[str, Any]) -> dict[str, Any]:
-        """``ValueError`` (one line) for an unknown key set or section."""
-        if options.get("keys") is not None:
-            resolve_keys(options["keys"])
+        """``ValueError`` (one line) for an unknown key set or section, also where it comes from
+        ``GPULENS_TRACKER_KEYS`` or ``GPULENS_WANDB_DETAIL_S`` (the engine reads them again)."""
+        resolve_keys(options.get("keys"))
         check_section(options.get("section"))
-        if "detail_interval" in options:
-            resolve_detail_interval(options["detail_interval"])
+        resolve_detail_interval(options.get("detail_interval"))
         metric = options.get("step_metric", AXIS_KEY)
         if not isinstance(metric, str) or not metric:
             raise ValueError(f"the wandb sink's step_metric must be a key, got {metric!r}")
