@@ -381,10 +381,15 @@ def test_lightning_trials_print_no_banner_and_levels_come_back() -> None:
     come back: INFO as Lightning sets it, and a level you raised is not lowered."""
     lightning_log, fabric_log = logging.getLogger("lightning.pytorch"), \
         logging.getLogger("lightning.fabric")
-    levels = (lightning_log.level, fabric_log.level)
+    # where pytorch_lightning was imported too (an earlier test in this process), the banner
+    # of lightning.pytorch's Trainer comes through the standalone package's logger
+    standalone = logging.getLogger("pytorch_lightning")
+    levels = (lightning_log.level, fabric_log.level, standalone.level)
     records = Records()
     lightning_log.addHandler(records)
+    standalone.addHandler(records)
     try:
+        standalone.setLevel(logging.INFO)
         lightning_log.setLevel(logging.INFO)
         fabric_log.setLevel(logging.ERROR)
         model, trainer = Module(), pl_trainer()
@@ -407,5 +412,7 @@ def test_lightning_trials_print_no_banner_and_levels_come_back() -> None:
         assert any(m.startswith("GPU available") for m in records.messages)
     finally:
         lightning_log.removeHandler(records)
+        standalone.removeHandler(records)
         lightning_log.setLevel(levels[0])
         fabric_log.setLevel(levels[1])
+        standalone.setLevel(levels[2])

@@ -186,9 +186,11 @@ def _instance_attr(owner: Any, name: str, value: Any) -> Iterator[None]:
             owner.__dict__[name] = own
 
 
-LOGGERS = ("lightning.pytorch", "lightning.fabric")
+LOGGERS = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
 """Lightning's loggers: its banner at every ``fit`` (``GPU available: ...``, the LitLogger
-tip, ``LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: ...``) is their INFO."""
+tip, ``LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: ...``) is their INFO.  The standalone packages'
+names too: where ``pytorch_lightning`` was imported as well, ``lightning.pytorch``'s Trainer
+says its banner through ``pytorch_lightning.utilities.rank_zero`` (seen with 2.6.6)."""
 
 
 @contextmanager
