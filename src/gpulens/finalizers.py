@@ -31,6 +31,13 @@ def drop_exit_finalizer(finalizer: weakref.finalize[Any, Any]) -> bool:
     return finalizer.detach() is not None
 
 
+def unfinished_outcome() -> Outcome:
+    """The outcome of training found still running when its owner was dropped or the process
+    exits (a framework's end hook would have stopped it): ``"killed"`` where the script ends
+    on a ``KeyboardInterrupt``, else ``"failed"``."""
+    return "killed" if exit_outcome() == "killed" else "failed"
+
+
 def exit_outcome() -> Outcome:
     """How training ended, seen from an exit hook or a finalizer: ``"failed"`` (``"killed"``
     for a ``KeyboardInterrupt``) where the script is ending on an exception nobody caught

@@ -67,7 +67,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol
 
-from gpulens.finalizers import drop_exit_finalizer, exit_finalizer, exit_outcome
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer, unfinished_outcome
 from gpulens.integrations.phases import StepPhases
 from gpulens.log import warn_once
 from gpulens.model import Outcome
@@ -147,8 +147,7 @@ def _finish(monitor: Monitor, work: WorkSource | None, box: list[_Held], hook: A
                 _write(monitor, box.pop(), None)
             except Exception as exc:  # the stop below must still run
                 warn_once("session:held", "gpulens: a row could not be written (%r)", exc)
-        monitor.stop(collective=False,
-                     outcome="killed" if exit_outcome() == "killed" else "failed")
+        monitor.stop(collective=False, outcome=unfinished_outcome())
     finally:
         if work is not None:
             work.close()

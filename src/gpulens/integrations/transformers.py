@@ -99,7 +99,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpulens.finalizers import drop_exit_finalizer, exit_finalizer, exit_outcome
+from gpulens.finalizers import drop_exit_finalizer, exit_finalizer, unfinished_outcome
 from gpulens.integrations.session import (
     SessionCallback,
     TrainingSession,
@@ -364,12 +364,16 @@ def _ensure_mlflow_run(args: Any) -> Any:
     return run
 
 
-def _end_mlflow_run(run: Any, status: str = "FINISHED") -> None:
+def _end_mlflow_run(run: Any, status: str = "FINISHED") -> bool:
+    """End ``run`` with ``status`` where it is still this process's active run; whether it
+    was."""
     import mlflow
 
     active = mlflow.active_run()
-    if active is not None and active.info.run_id == run.info.run_id:
-        mlflow.end_run(status)
+    if active is None or active.info.run_id != run.info.run_id:
+        return False
+    mlflow.end_run(status)
+    return True
 
 
 def _end_dropped_mlflow_run(run: Any) -> None:
@@ -377,14 +381,12 @@ def _end_dropped_mlflow_run(run: Any) -> None:
     never reached ``on_train_end``) ends ``FAILED``, ``KILLED`` where the script ends on a
     Ctrl-C; at exit before MLflow's own hook would end it ``FINISHED``.  Collected, Hugging
     Face's ``MLflowCallback.__del__`` may have ended it ``FINISHED`` first: set again."""
-    status = "KILLED" if exit_outcome() == "killed" else "FAILED"
+    status = unfinished_outcome().upper()
     try:
+        if _end_mlflow_run(run, status):
+            return
         import mlflow
 
-        active = mlflow.active_run()
-        if active is not None and active.info.run_id == run.info.run_id:
-            mlflow.end_run(status)
-            return
         client = mlflow.MlflowClient()
         if client.get_run(run.info.run_id).info.status == "FINISHED":
             client.set_terminated(run.info.run_id, status)
