@@ -10,6 +10,8 @@
 #   bash benchmarks/run_on_device.sh paths-lw    # <9 min: Lightning and the W&B sink's loop
 #   bash benchmarks/run_on_device.sh paths-ddp   # <6 min, 2 GPUs: HF logging every step, DDP
 #                                                #   (GPULENS_BENCH_PATHS=hf_ls10: every 10)
+#   bash benchmarks/run_on_device.sh aftereffect # <8 min: the steps after a monitor's start,
+#                                                #   and after parts of it (start_aftereffect.py)
 # Each part installs the carried wheels (benchmarks/device_setup.sh, ~20 s), prints the hardware,
 # runs its scripts each under a time limit of its own (one hang cannot take the other figures),
 # and leaves at most 8 files under $OUT (the device tool brings back no more): run.log and the
@@ -127,8 +129,13 @@ main() {
             --budget-s "${GPULENS_BENCH_BUDGET_S:-230}" \
             --json "$OUT/paths_aa_ddp.json" "${EXTRA[@]}"
         ;;
+    aftereffect)
+        step "start_aftereffect.py" "${GPULENS_PART_LIMIT_S:-490}" aftereffect.md \
+            python3 benchmarks/start_aftereffect.py --budget-s "${GPULENS_BENCH_BUDGET_S:-360}" \
+            --json "$OUT/aftereffect.json" --records /tmp/gpulens-aftereffect "${EXTRA[@]}"
+        ;;
     *)
-        echo "usage: bash benchmarks/run_on_device.sh checks|peers|wandb|paths-hf|paths-lw|paths-ddp" >&2
+        echo "usage: bash benchmarks/run_on_device.sh checks|peers|wandb|paths-hf|paths-lw|paths-ddp|aftereffect" >&2
         return 2
         ;;
     esac

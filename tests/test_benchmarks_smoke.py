@@ -1326,3 +1326,33 @@ def test_start_split_times_its_arms_the_engines_start_phases_and_the_hf_begin(
     assert len(hf["with the spare"]) == len(hf["without"]) == 1
     assert all(s > 0 for way in hf.values() for s in way)
     assert "| without |" in out.stdout
+
+
+def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
+        tmp_path: Path) -> None:
+    """Each arm starts after the block's burn-in: the readers (simulated NVML on a CPU) read,
+    the monitors write their rows, and each counted step's time since the start is kept."""
+    out = run_script("start_aftereffect.py", tmp_path, "--json", str(tmp_path / "a.json"),
+                     "--records", str(tmp_path / "records"))
+    data = json.loads((tmp_path / "a.json").read_text())
+    arms = ["off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb"]
+    assert list(data["values"]) == arms and data["rounds"] == 2
+    assert {c["arm"] for c in data["comparisons"]} == set(arms[1:])
+    assert set(data["reads"]) == {"nvml", "gpm"}
+    assert all(n >= 1 for blocks in data["reads"].values() for n in blocks)
+    since = data["since_start_s"]
+    assert set(since) == set(arms) and all(len(b) == 2 for b in since.values())
+    assert all(len(ends) == 4 and ends == sorted(ends) and ends[0] > 0
+               for blocks in since.values() for ends in blocks)
+    assert min(data["start_s"]["mon"]) > max(data["start_s"]["off"])  # start() is timed
+    for arm in ("mon", "mon_nogpm", "mon_wandb"):  # a record a block, each with its rows
+        records = sorted((tmp_path / "records").glob(f"{arm}-*.jsonl"))
+        assert len(records) == 2, arm
+        for record in records:
+            rows = [r for r in map(json.loads, record.read_text().splitlines())
+                    if "step" in r and "event" not in r]
+            assert rows and all("train/loss" in r for r in rows), record
+            assert all(("gpu/0/sm_active_pct" in r) == (arm != "mon_nogpm") for r in rows)
+    assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 2  # mon_wandb: a W&B run each
+    positions = table_lines(out, "arm | 0 | 1 |")
+    assert [r[0] for r in positions] == arms and all(len(r) == 1 + 2 + 4 for r in positions)
