@@ -4,7 +4,8 @@ The HF every-step runs on one H200 (``results/2026-11-29-h200-hf-ls1-always-call
 ``slow_steps.md``) had most of the gpulens arm's slow steps among a block's first three,
 0.6-0.9 s after the monitor started, +5 to +19 ms each, mostly on the GPU's busy time. This
 harness starts the monitor (or a part of what its engine does) in the middle of a plain loop
-that syncs every step (``loss.item()``, the GPT-2-small-sized model of ``overhead_gpu.py``) and
+that syncs every step (``loss.item()``, the GPT-2-small-sized model of ``overhead_gpu.py``, an
+all-ones attention mask) and
 times each step around it on the GPU's timeline, so the after-effect shows by position, and its
 cause by which arm has it.
 
@@ -22,6 +23,13 @@ per-step work, then its stop. Arms (every arm once a round, balanced seeded orde
 ``mon_nogpm``      ``mon`` with ``gpm=False``
 ``mon_wandb``      ``mon`` with a W&B sink too (an offline run of the engine's own; skipped
                    when wandb is not installed)
+``sess``           what the Hugging Face callback runs a step, on this loop: a
+                   ``TrainingSession`` over ``mon``'s monitor with the step marks
+                   (``StepPhases``, CUDA events) and the token counter (``TokenCounter``, a
+                   forward pre-hook on an all-ones mask), each row written at the next step's
+                   optimizer mark (``later=True``), as ``session_parts.py``'s ``later`` arm
+``sess_phases``    ``sess`` without the token counter
+``sess_tokens``    ``sess`` without the step marks
 
 A block's value is the mean of its counted steps, read in percentage points of the same
 round's ``off`` (``paired.py``). Also printed: each arm's step by position in its block, less
@@ -51,7 +59,9 @@ import loop_rounds as lr
 import overhead_gpu as og
 import paired
 
-ARMS = ("off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb")
+ARMS = ("off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "sess", "sess_phases",
+        "sess_tokens")
+SESSIONS = ("sess", "sess_phases", "sess_tokens")
 
 READER = """
 import sys, time
@@ -64,42 +74,52 @@ dev = src.device(index)
 read = dev.read_gpm if kind == "gpm" else dev.read_fast
 while True:
     read()
-    print("read", flush=True)
+    print("read", time.monotonic(), flush=True)
     time.sleep(period)
 """
 
 
+def train_step(s: Any, step: int) -> float:
+    """One step of the loop, every arm's (``overhead_gpu.train_step`` with the all-ones
+    mask the sessions' token counter reads); the loss as a float (a sync)."""
+    x = s.batches[step % len(s.batches)]
+    loss = s.model(input_ids=x, attention_mask=s.masks[step % len(s.masks)], labels=x).loss
+    loss.backward()
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    return float(loss.item())
+
+
 class Started:
-    """What an arm started: ``log`` after each counted step, ``stop`` after the block."""
+    """What an arm started: ``train(step)`` runs one counted step with the arm's per-step
+    work, ``stop()`` ends it after the block and returns, for a reader process, the
+    ``time.monotonic()`` of each read it made (the system's clock: the same in every process)."""
 
-    def __init__(self, log: Callable[[int, float], None], stop: Callable[[], int | None]) -> None:
-        self.log, self.stop = log, stop
-        """``stop()``: the reads a reader process made (``None`` for a monitor)."""
-
-
-def _nothing(step: int, loss: float) -> None:
-    del step, loss
+    def __init__(self, train: Callable[[int], object], stop: Callable[[], list[float] | None]
+                 ) -> None:
+        self.train, self.stop = train, stop
 
 
-def _reader(kind: str, index: int, interval: float, simulated: bool) -> Started:
+def _reader(s: og.Setup, kind: str, index: int, interval: float, simulated: bool) -> Started:
     period = interval if kind == "nvml" else max(0.05, interval / 2)
     proc = subprocess.Popen(
         [sys.executable, "-c", READER, kind, str(index), str(period), "1" if simulated else "0"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
-    def stop() -> int:
+    def stop() -> list[float]:
         """After the block (outside its timing): wait for the reader's first read (its
-        start may outlast a short block), end it; the reads it made."""
+        start may outlast a short block), end it; the times of its reads."""
         assert proc.stdout is not None
         first = proc.stdout.readline()
         proc.terminate()
         rest = proc.communicate(timeout=10)[0]
-        return (first + rest).count("read")
+        return [float(line.split()[1]) for line in (first + rest).splitlines()
+                if line.startswith("read ")]
 
-    return Started(_nothing, stop)
+    return Started(lambda step: train_step(s, step), stop)
 
 
-def _monitor(arm: str, out: Path, step: int, interval: float) -> Started:
+def _monitor(s: og.Setup, arm: str, out: Path, step: int, interval: float) -> Started:
     import gpulens
 
     sinks = [f"jsonl:{out / f'{arm}-{step}.jsonl'}"]
@@ -107,20 +127,60 @@ def _monitor(arm: str, out: Path, step: int, interval: float) -> Started:
         sinks.append("wandb")
     mon = gpulens.Monitor(interval=interval, sinks=sinks, gpm=arm != "mon_nogpm")
     mon.start()
+
+    def train(step: int) -> None:
+        mon.log(step, loss=train_step(s, step))
+
     def stop() -> None:
         mon.stop()
 
-    return Started(lambda s, loss: mon.log(s, loss=loss), stop)
+    return Started(train, stop)
 
 
-def start_arm(arm: str, out: Path, step: int, args: argparse.Namespace, index: int,
-              simulated: bool) -> Started | None:
+def _session(s: Any, arm: str, out: Path, step: int, interval: float) -> Started:
+    """The HF callback's per-step work on this loop (``session_parts.py``'s ``later`` arm)."""
+    import gpulens
+    from gpulens.integrations.phases import StepPhases
+    from gpulens.integrations.session import TrainingSession
+    from gpulens.work.hf import TokenCounter, model_flops
+
+    mon = gpulens.Monitor(interval=interval, sinks=[f"jsonl:{out / f'{arm}-{step}.jsonl'}"])
+    phases = StepPhases() if arm in ("sess", "sess_phases") else None
+    work = TokenCounter(model_flops(s.model)).attach(s.model) \
+        if arm in ("sess", "sess_tokens") else None
+    session = TrainingSession(mon, start_step=step - 1, steps_done=step - 1, phases=phases,
+                              work=work).start()
+
+    def train(step: int) -> None:
+        x = s.batches[step % len(s.batches)]
+        session.resume()
+        session.step_begin()
+        loss = s.model(input_ids=x, attention_mask=s.masks[step % len(s.masks)], labels=x).loss
+        loss.backward()
+        session.before_optimizer()
+        s.optimizer.step()
+        s.optimizer.zero_grad(set_to_none=True)
+        session.step_end()
+        session.row(step, step, {"loss": float(loss.item())}, later=True)
+
+    def stop() -> None:
+        session.stop()
+        if work is not None:
+            work.detach()
+
+    return Started(train, stop)
+
+
+def start_arm(arm: str, s: og.Setup, out: Path, step: int, args: argparse.Namespace,
+              index: int, simulated: bool) -> Started | None:
     """Start ``arm`` (``None``: nothing to start)."""
     if arm.startswith("off"):
         return None
     if arm in ("nvml", "gpm"):
-        return _reader(arm, index, args.interval, simulated)
-    return _monitor(arm, out, step, args.interval)
+        return _reader(s, arm, index, args.interval, simulated)
+    if arm in SESSIONS:
+        return _session(s, arm, out, step, args.interval)
+    return _monitor(s, arm, out, step, args.interval)
 
 
 class Block:
@@ -131,35 +191,37 @@ class Block:
         self.s, self.args, self.out, self.index, self.simulated = s, args, out, index, simulated
         self.since_start: dict[str, list[list[float]]] = {}
         self.start_s: dict[str, list[float]] = {}
-        self.reads: dict[str, list[int]] = {}
-        """Per reader arm, the reads its process made in each block."""
+        self.reads: dict[str, list[list[float]]] = {}
+        """Per reader arm and block, the seconds from the arm's start to each read made."""
 
     def __call__(self, arm: str, first: int) -> list[float]:
         s, args = self.s, self.args
         clock = lr.StepClock(s)
         clock.stamp()
         for i in range(args.burn):
-            og.train_step(s, first + i)
+            train_step(s, first + i)
             clock.stamp()
         before = clock.times()
-        t0 = time.perf_counter()
-        started = start_arm(arm, self.out, first + args.burn, args, self.index, self.simulated)
+        t0, m0 = time.perf_counter(), time.monotonic()
+        started = start_arm(arm, s, self.out, first + args.burn, args, self.index,
+                            self.simulated)
         self.start_s.setdefault(arm, []).append(time.perf_counter() - t0)
         clock = lr.StepClock(s)
         clock.stamp()
         ends = []
         for i in range(args.steps):
             step = first + args.burn + i
-            loss = og.train_step(s, step)
             if started is not None:
-                started.log(step, loss)
+                started.train(step)
+            else:
+                train_step(s, step)
             clock.stamp()
             ends.append(time.perf_counter() - t0)
         after = clock.times()
         if started is not None:
             reads = started.stop()
             if reads is not None:
-                self.reads.setdefault(arm, []).append(reads)
+                self.reads.setdefault(arm, []).append([r - m0 for r in reads])
         self.since_start.setdefault(arm, []).append(ends)
         return before + after
 
@@ -175,6 +237,20 @@ class Block:
             start = sum(self.start_s[arm]) / len(self.start_s[arm])
             out.append(f"| {arm} | {start:.3f} | " + " | ".join(f"{v:.2f}" for v in means)
                        + " |")
+        return out
+
+
+    def reads_lines(self) -> list[str]:
+        """When each reader process read, against the block's end."""
+        out = []
+        for arm, blocks in self.reads.items():
+            firsts = [b[0] for b in blocks if b]
+            ends = [e[-1] for e in self.since_start[arm]]
+            within = [sum(r <= end for r in b) for b, end in zip(blocks, ends, strict=True)]
+            out.append(f"{arm}'s reader: first read {min(firsts):.2f}-{max(firsts):.2f} s after "
+                       f"its start; {min(within)}-{max(within)} reads within a block "
+                       f"(blocks end {min(ends):.2f}-{max(ends):.2f} s after the start)"
+                       if firsts else f"{arm}'s reader: no read")
         return out
 
 
@@ -198,7 +274,8 @@ def main() -> None:
         skipped.append("mon_wandb (wandb is not installed)")
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
-    s = og.setup(args.quick, args.target_ms, None, None)
+    s: Any = og.setup(args.quick, args.target_ms, None, None)
+    s.masks = [s.torch.ones_like(b) for b in s.batches]  # the sessions' token counter reads it
     cuda = s.device.type == "cuda"
     index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]) if cuda else 0
     tmp = args.records or Path(tempfile.mkdtemp(prefix="start-aftereffect-"))
@@ -220,8 +297,7 @@ def main() -> None:
              + (f"; skipped: {', '.join(skipped)}" if skipped else ""), "",
              paired.table(rounds.comparisons("off", args.seed), 0.3), "",
              *rounds.profile_table("off", args.burn), "", *block.since_table(), "",
-             "reads a reader process made a block (its first may come after the block): "
-             + "; ".join(f"{arm} {min(n)}-{max(n)}" for arm, n in block.reads.items())]
+             *block.reads_lines()]
     lr.write(args, lines, rounds, "off", extra(), s)
 
 

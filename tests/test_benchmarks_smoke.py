@@ -1335,17 +1335,20 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
     out = run_script("start_aftereffect.py", tmp_path, "--json", str(tmp_path / "a.json"),
                      "--records", str(tmp_path / "records"))
     data = json.loads((tmp_path / "a.json").read_text())
-    arms = ["off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb"]
+    arms = ["off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "sess",
+            "sess_phases", "sess_tokens"]
     assert list(data["values"]) == arms and data["rounds"] == 2
     assert {c["arm"] for c in data["comparisons"]} == set(arms[1:])
-    assert set(data["reads"]) == {"nvml", "gpm"}
-    assert all(n >= 1 for blocks in data["reads"].values() for n in blocks)
+    assert set(data["reads"]) == {"nvml", "gpm"}  # seconds after the start of each read
+    assert all(len(b) >= 1 and 0 < b[0] < 30 for blocks in data["reads"].values()
+               for b in blocks)
+    assert "nvml's reader: first read" in out
     since = data["since_start_s"]
     assert set(since) == set(arms) and all(len(b) == 2 for b in since.values())
     assert all(len(ends) == 4 and ends == sorted(ends) and ends[0] > 0
                for blocks in since.values() for ends in blocks)
     assert min(data["start_s"]["mon"]) > max(data["start_s"]["off"])  # start() is timed
-    for arm in ("mon", "mon_nogpm", "mon_wandb"):  # a record a block, each with its rows
+    for arm in ("mon", "mon_nogpm", "mon_wandb", *arms[-3:]):  # a record a block
         records = sorted((tmp_path / "records").glob(f"{arm}-*.jsonl"))
         assert len(records) == 2, arm
         for record in records:
