@@ -31,6 +31,11 @@ per-step work, then its stop. Arms (every arm once a round, balanced seeded orde
 ``sess_phases``    ``sess`` without the token counter
 ``sess_tokens``    ``sess`` without the step marks
 
+``--user-wandb``: the loop has a W&B run of its own (offline, made once before the rounds, as
+``paths_aa.py``'s HF paths have through ``report_to=["wandb"]``) and logs the loss to it after
+every step in every arm; the ``mon_wandb`` arm's sink then attaches to that run from the engine
+process, as the HF path's merged sink does, instead of starting one of its own.
+
 A block's value is the mean of its counted steps, read in percentage points of the same
 round's ``off`` (``paired.py``). Also printed: each arm's step by position in its block, less
 ``off``'s, and the seconds from the arm's start to the end of each counted step (mean of
@@ -81,13 +86,17 @@ while True:
 
 def train_step(s: Any, step: int) -> float:
     """One step of the loop, every arm's (``overhead_gpu.train_step`` with the all-ones
-    mask the sessions' token counter reads); the loss as a float (a sync)."""
+    mask the sessions' token counter reads); the loss as a float (a sync), logged to the
+    loop's own W&B run as ``user/loss`` if it has one (``--user-wandb``)."""
     x = s.batches[step % len(s.batches)]
     loss = s.model(input_ids=x, attention_mask=s.masks[step % len(s.masks)], labels=x).loss
     loss.backward()
     s.optimizer.step()
     s.optimizer.zero_grad(set_to_none=True)
-    return float(loss.item())
+    value = float(loss.item())
+    if s.user_run is not None:
+        s.user_run.log({"user/loss": value})
+    return value
 
 
 class Started:
@@ -104,7 +113,7 @@ def _reader(s: og.Setup, kind: str, index: int, interval: float, simulated: bool
     period = interval if kind == "nvml" else max(0.05, interval / 2)
     proc = subprocess.Popen(
         [sys.executable, "-c", READER, kind, str(index), str(period), "1" if simulated else "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def stop() -> list[float]:
         """After the block (outside its timing): wait for the reader's first read (its
@@ -112,7 +121,9 @@ def _reader(s: og.Setup, kind: str, index: int, interval: float, simulated: bool
         assert proc.stdout is not None
         first = proc.stdout.readline()
         proc.terminate()
-        rest = proc.communicate(timeout=10)[0]
+        rest, err = proc.communicate(timeout=10)
+        if err.strip():
+            s.reader_errors.append(f"{kind}: {err.strip().splitlines()[-1]}")
         return [float(line.split()[1]) for line in (first + rest).splitlines()
                 if line.startswith("read ")]
 
@@ -161,7 +172,10 @@ def _session(s: Any, arm: str, out: Path, step: int, interval: float) -> Started
         s.optimizer.step()
         s.optimizer.zero_grad(set_to_none=True)
         session.step_end()
-        session.row(step, step, {"loss": float(loss.item())}, later=True)
+        value = float(loss.item())
+        if s.user_run is not None:
+            s.user_run.log({"user/loss": value})
+        session.row(step, step, {"loss": value}, later=True)
 
     def stop() -> None:
         session.stop()
@@ -260,6 +274,8 @@ def main() -> None:
     p.set_defaults(steps=24)
     p.add_argument("--interval", type=float, default=0.1, help="the monitor's interval")
     p.add_argument("--arms", default=",".join(ARMS), help="a subset, off first")
+    p.add_argument("--user-wandb", action="store_true",
+                   help="the loop logs to a W&B run of its own (see above)")
     p.add_argument("--records", type=Path, default=None,
                    help="the monitors' JSONL records and W&B runs (default: a new temp folder)")
     args = p.parse_args()
@@ -276,16 +292,23 @@ def main() -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     s: Any = og.setup(args.quick, args.target_ms, None, None)
     s.masks = [s.torch.ones_like(b) for b in s.batches]  # the sessions' token counter reads it
+    s.reader_errors = []
     cuda = s.device.type == "cuda"
     index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]) if cuda else 0
     tmp = args.records or Path(tempfile.mkdtemp(prefix="start-aftereffect-"))
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_DIR", str(tmp))
+    s.user_run = None
+    if args.user_wandb:
+        import paths
+
+        s.user_run = paths.open_wandb_run(tmp, "start-aftereffect", args.quick)
     block = Block(s, args, tmp, index, simulated=not cuda)
     rounds = lr.Rounds(tuple(arms))
     def extra() -> dict[str, Any]:
         return {"since_start_s": block.since_start, "start_s": block.start_s,
-                "reads": block.reads, "skipped": skipped}
+                "reads": block.reads, "reader_errors": s.reader_errors, "skipped": skipped,
+                "user_wandb": args.user_wandb}
 
     rounds.run(args, block, extra)
     hw = og.hardware(s)
@@ -294,11 +317,16 @@ def main() -> None:
              f"model {s.n_params / 1e6:.1f}M params, batch {s.batch_size} x {s.seq_len}; "
              f"{rounds.rounds} rounds of {args.burn} steps, the arm's start, {args.steps} "
              f"counted steps; interval {args.interval:g} s"
+             + ("; the loop logs to a W&B run of its own every step" if args.user_wandb
+                else "")
              + (f"; skipped: {', '.join(skipped)}" if skipped else ""), "",
              paired.table(rounds.comparisons("off", args.seed), 0.3), "",
              *rounds.profile_table("off", args.burn), "", *block.since_table(), "",
-             *block.reads_lines()]
+             *block.reads_lines(),
+             *(f"a reader's last error line: {e}" for e in sorted(set(s.reader_errors)))]
     lr.write(args, lines, rounds, "off", extra(), s)
+    if s.user_run is not None:
+        og.wandb_finish(s.user_run)
 
 
 if __name__ == "__main__":

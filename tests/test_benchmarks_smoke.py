@@ -1359,3 +1359,20 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
     assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 2  # mon_wandb: a W&B run each
     positions = table_lines(out, "arm | 0 | 1 |")
     assert [r[0] for r in positions] == arms and all(len(r) == 1 + 2 + 4 for r in positions)
+
+
+def test_start_aftereffect_user_wandb_attaches_the_sink_to_the_loops_own_run(
+        tmp_path: Path) -> None:
+    """``--user-wandb``: the loop logs its loss to one W&B run of its own in every arm, and
+    ``mon_wandb``'s sink writes its rows into that run (no run of the engine's own)."""
+    from tests.support.wandb_reader import read_history
+
+    run_script("start_aftereffect.py", tmp_path, "--user-wandb", "--arms", "off,mon_wandb",
+               "--json", str(tmp_path / "a.json"), "--records", str(tmp_path / "records"))
+    assert json.loads((tmp_path / "a.json").read_text())["user_wandb"] is True
+    runs = list(tmp_path.rglob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    history = read_history(runs[0])
+    losses = [r for r in history if "user/loss" in r]  # (rows queued at a stop take records
+    assert len(losses) == 2 * 2 * (2 + 4)  # of their own) 2 rounds, 2 arms, burn-in + counted
+    assert len({r["gpulens/step"] for r in history if "gpulens/step" in r}) == 2 * 4
