@@ -36,6 +36,11 @@ per-step work, then its stop. Arms (every arm once a round, balanced seeded orde
 every step in every arm; the ``mon_wandb`` arm's sink then attaches to that run from the engine
 process, as the HF path's merged sink does, instead of starting one of its own.
 
+``--probe``: after each counted step, also where the host's CPU went in it: the training
+thread's run and run-queue wait (``/proc/self/task/<tid>/schedstat``), the training process's
+other threads (W&B's, gpulens's), and each child process by name (the engine, ``wandb-core``);
+each step over its block's median by more than 4 ms is listed with those figures.
+
 A block's value is the mean of its counted steps, read in percentage points of the same
 round's ``off`` (``paired.py``). Also printed: each arm's step by position in its block, less
 ``off``'s, and the seconds from the arm's start to the end of each counted step (mean of
@@ -51,6 +56,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -197,6 +203,41 @@ def start_arm(arm: str, s: og.Setup, out: Path, step: int, args: argparse.Namesp
     return _monitor(s, arm, out, step, args.interval)
 
 
+def _schedstat(tid: int) -> tuple[float, float]:
+    """(run, run-queue wait) seconds of a thread of this process."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        run, wait = f.read().split()[:2]
+    return int(run) / 1e9, int(wait) / 1e9
+
+
+def probe() -> dict[str, float]:
+    """Cumulative CPU seconds: the training thread's run and wait, the process's other
+    threads, and each child process (recursive) by name."""
+    import threading
+
+    import psutil
+
+    main = threading.main_thread().native_id or -1
+    out = {"train_run": 0.0, "train_wait": 0.0, "other_threads": 0.0}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            run, wait = _schedstat(int(tid))
+        except (OSError, ValueError):
+            continue
+        if int(tid) == main:
+            out["train_run"], out["train_wait"] = run, wait
+        else:
+            out["other_threads"] += run
+    for child in psutil.Process().children(recursive=True):
+        try:
+            name = og._child_name(child)
+            times = child.cpu_times()
+            out[f"child:{name}"] = out.get(f"child:{name}", 0.0) + times.user + times.system
+        except psutil.Error:
+            continue
+    return out
+
+
 class Block:
     """One block of an arm; keeps each counted step's seconds since the arm's start."""
 
@@ -205,6 +246,9 @@ class Block:
         self.s, self.args, self.out, self.index, self.simulated = s, args, out, index, simulated
         self.since_start: dict[str, list[list[float]]] = {}
         self.start_s: dict[str, list[float]] = {}
+        self.probes: dict[str, list[list[dict[str, float]]]] = {}
+        """``--probe``: per arm and block, each counted step's CPU (ms, :func:`probe`'s
+        differences), with its host seconds as ``step_ms``."""
         self.reads: dict[str, list[list[float]]] = {}
         """Per reader arm and block, the seconds from the arm's start to each read made."""
 
@@ -223,6 +267,8 @@ class Block:
         clock = lr.StepClock(s)
         clock.stamp()
         ends = []
+        probes = []
+        last = probe() if args.probe else {}
         for i in range(args.steps):
             step = first + args.burn + i
             if started is not None:
@@ -231,6 +277,14 @@ class Block:
                 train_step(s, step)
             clock.stamp()
             ends.append(time.perf_counter() - t0)
+            if args.probe:
+                now = probe()
+                probes.append({k: 1e3 * (v - last.get(k, 0.0)) for k, v in now.items()})
+                last = now
+        if args.probe:
+            for i, one in enumerate(probes):
+                one["step_ms"] = 1e3 * (ends[i] - (ends[i - 1] if i else 0.0))
+            self.probes.setdefault(arm, []).append(probes)
         after = clock.times()
         if started is not None:
             reads = started.stop()
@@ -254,6 +308,31 @@ class Block:
         return out
 
 
+    def probe_lines(self) -> list[str]:
+        """Each counted step over its block's median by more than 4 ms (host time), with
+        where the CPU went in it, beside the arm's median step."""
+        if not self.probes:
+            return []
+        out = ["steps over their block's median by > 4 ms (host time), and where the CPU went "
+               "in them (ms); the arm's median step below each arm", "",
+               "| arm | block | position | s after start | over (ms) | CPU (ms) |",
+               "|---|---|---|---|---|---|"]
+        for arm, blocks in self.probes.items():
+            for b, steps in enumerate(blocks):
+                median = statistics.median(p["step_ms"] for p in steps[1:])
+                for i, one in enumerate(steps[1:], 1):
+                    if one["step_ms"] - median > 4:
+                        cpu = ", ".join(f"{k} {v:.1f}" for k, v in one.items()
+                                        if k != "step_ms" and v >= 0.05)
+                        out.append(f"| {arm} | {b} | {i} | {self.since_start[arm][b][i]:.2f} "
+                                   f"| +{one['step_ms'] - median:.1f} | {cpu} |")
+            keys = sorted({k for steps in blocks for one in steps for k in one})
+            typical = {k: statistics.median(one.get(k, 0.0) for steps in blocks
+                                            for one in steps[1:]) for k in keys}
+            out.append(f"| {arm} | median | | | | " + ", ".join(
+                f"{k} {v:.1f}" for k, v in typical.items() if v >= 0.05) + " |")
+        return out
+
     def reads_lines(self) -> list[str]:
         """When each reader process read, against the block's end."""
         out = []
@@ -274,6 +353,8 @@ def main() -> None:
     p.set_defaults(steps=24)
     p.add_argument("--interval", type=float, default=0.1, help="the monitor's interval")
     p.add_argument("--arms", default=",".join(ARMS), help="a subset, off first")
+    p.add_argument("--probe", action="store_true",
+                   help="where the host's CPU went in each counted step (see above)")
     p.add_argument("--user-wandb", action="store_true",
                    help="the loop logs to a W&B run of its own (see above)")
     p.add_argument("--records", type=Path, default=None,
@@ -307,7 +388,8 @@ def main() -> None:
     rounds = lr.Rounds(tuple(arms))
     def extra() -> dict[str, Any]:
         return {"since_start_s": block.since_start, "start_s": block.start_s,
-                "reads": block.reads, "reader_errors": s.reader_errors, "skipped": skipped,
+                "reads": block.reads, "probes": block.probes,
+                "reader_errors": s.reader_errors, "skipped": skipped,
                 "user_wandb": args.user_wandb}
 
     rounds.run(args, block, extra)
@@ -322,7 +404,7 @@ def main() -> None:
              + (f"; skipped: {', '.join(skipped)}" if skipped else ""), "",
              paired.table(rounds.comparisons("off", args.seed), 0.3), "",
              *rounds.profile_table("off", args.burn), "", *block.since_table(), "",
-             *block.reads_lines(),
+             *block.probe_lines(), "", *block.reads_lines(),
              *(f"a reader's last error line: {e}" for e in sorted(set(s.reader_errors)))]
     lr.write(args, lines, rounds, "off", extra(), s)
     if s.user_run is not None:
