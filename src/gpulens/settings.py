@@ -149,6 +149,32 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     return value
 
 
+ENGINE_NICE = 10
+"""How much nicer than the training process its engine process runs (``GPULENS_ENGINE_NICE``,
+0-19; 0: as the training process).  Where the host's CPUs are busy, the kernel then runs the
+training's threads before the engine's: the engine's bursts (its start; ``import wandb`` and
+the attach to the user's W&B run, about a second of CPU) wait, not the training thread.  On an
+H200 host that attach made the training thread wait 6-9 ms a step for a CPU
+(``benchmarks/results/2026-11-29-h200-start-aftereffect``, ``c4``).  Steady state the engine
+needs a few percent of one CPU, which a nicer process still gets."""
+
+
+def engine_nice() -> int:
+    """:data:`ENGINE_NICE`, or ``GPULENS_ENGINE_NICE`` (``ValueError``, one line, if it is
+    not a whole number from 0 to 19)."""
+    raw = os.environ.get("GPULENS_ENGINE_NICE", "").strip()
+    if not raw:
+        return ENGINE_NICE
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise ValueError(f"GPULENS_ENGINE_NICE={raw!r}: expected a whole number from 0 to 19 "
+                         "(how much nicer than training the engine process runs)")
+    return value
+
+
 def isolation_asked(settings: Settings) -> str:
     """``"process"``, ``"thread"`` or ``"auto"``: the setting, or ``GPULENS_ISOLATION`` where
     the setting is ``"auto"`` (``ValueError``, one line, for a value it does not know)."""
@@ -173,8 +199,8 @@ def isolation_for(settings: Settings, backend: Any) -> tuple[str, str | None]:
     or ``("thread", why)``, ``why`` being the reason a thread was taken where a process is the
     default (``None`` when a thread was asked for, or is the only choice: not POSIX).
     ``ValueError`` (one line) where a process
-    was asked for and cannot be (not POSIX, a backend object that does not pickle), or for an
-    unknown ``GPULENS_ISOLATION``."""
+    was asked for and cannot be (not POSIX, a backend object that does not pickle), for an
+    unknown ``GPULENS_ISOLATION``, or, for a process, a bad ``GPULENS_ENGINE_NICE``."""
     choice = isolation_asked(settings)
     if choice == "thread":
         return "thread", None
@@ -192,6 +218,7 @@ def isolation_for(settings: Settings, backend: Any) -> tuple[str, str | None]:
                     "simulator a load from gpulens.testing (Square, Steps ...) or a "
                     "module-level function, or use isolation='thread'") from None
             return "thread", f"the backend object does not pickle ({exc})"
+    engine_nice()  # a bad GPULENS_ENGINE_NICE is the user's to mend: said at start
     return "process", None
 
 

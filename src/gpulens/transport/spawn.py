@@ -44,17 +44,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpulens.log import logger
+from gpulens.settings import ENGINE_NICE, engine_nice
 from gpulens.transport.base import SpawnFailed
 
 if TYPE_CHECKING:
     from gpulens.settings import Settings
 
 CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-         "signal.signal(signal.SIGTERM, signal.SIG_IGN); import sys; "
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN); import os, sys; "
+         "nice = int(os.environ.get('GPULENS_ENGINE_NICE') or 0); nice > 0 and os.nice(nice); "
          "from gpulens.transport.child import main; sys.exit(main(sys.argv[1:]))")
 """The engine process's bootstrap: it ignores SIGINT and SIGTERM before anything else (a
 Ctrl-C at the terminal, a launcher's stop, reach the whole process group; the training process
-decides when to stop, and the engine ends when it goes, after writing what it holds)."""
+decides when to stop, and the engine ends when it goes, after writing what it holds), then
+lowers its priority by ``GPULENS_ENGINE_NICE`` (:func:`child_env` sets it:
+:func:`gpulens.settings.engine_nice`) before its imports."""
 SPARE_ARG = "spare"
 """The engine process's fourth argument when it is a spare (it waits for its start)."""
 SPARE_IDLE_S = 600.0
@@ -95,6 +99,10 @@ def child_env() -> dict[str, str]:
     imported from first on ``PYTHONPATH``.  An installed gpulens is found as the parent found
     it; its site-packages is never put ahead of the standard library."""
     env = {**ENGINE_ENV, **os.environ}
+    try:
+        env["GPULENS_ENGINE_NICE"] = str(engine_nice())
+    except ValueError:  # said by the start that would take this process
+        env["GPULENS_ENGINE_NICE"] = str(ENGINE_NICE)
     root = str(Path(__file__).resolve().parent.parent.parent)
     if not _is_site_dir(root):
         env["PYTHONPATH"] = os.pathsep.join(
@@ -105,12 +113,13 @@ def child_env() -> dict[str, str]:
 def process_state() -> tuple[object, ...]:
     """What a new process takes from this one only when it is made, which a spare cannot take
     on later: the variables read then (the interpreter's ``PYTHON*``, the dynamic loader's
-    ``LD_*``), the umask (the mode of the files it writes), the CPUs it may run on, its
-    priority and scheduling policy (this thread's: on Linux a thread has its own nice value,
-    which the process it starts takes), its open-files limit, and the signals ignored (they
-    stay ignored across ``exec``).  A spare spawned under another state is not taken."""
+    ``LD_*``; ``GPULENS_ENGINE_NICE``, applied at its start), the umask (the mode of the files
+    it writes), the CPUs it may run on, its priority and scheduling policy (this thread's: on
+    Linux a thread has its own nice value, which the process it starts takes), its open-files
+    limit, and the signals ignored (they stay ignored across ``exec``).  A spare spawned
+    under another state is not taken."""
     made_with = frozenset((k, v) for k, v in child_env().items()
-                          if k.startswith(("PYTHON", "LD_")))
+                          if k.startswith(("PYTHON", "LD_")) or k == "GPULENS_ENGINE_NICE")
     mask: object = None
     with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
         for line in status:
