@@ -473,3 +473,76 @@ def test_a_gpu_the_row_no_longer_carries_is_gone_not_carried_forward() -> None:
     assert [(lbl["gpu"], v) for lbl, v in power] == [("0", 310.0)]
     energy = dict((lbl["gpu"], v) for lbl, v in exposed(sink)["gpulens_gpu_energy_joules_total"])
     assert energy == {"0": 61.0, "1": 58.0}  # a counter stays: what was used was used
+
+
+def test_a_sink_opened_again_serves_nothing_of_the_previous_run() -> None:
+    """One sink object for two runs (a monitor started again, an HPO loop passing the same
+    sink): the second run's endpoint has neither the first run's training series nor its GPUs
+    and energy; the energy counter counts from the second open, as the module says."""
+    from gpulens.model import GpuInfo, Row, RunContext
+
+    def context(gpus: int) -> RunContext:
+        return RunContext(gpus=tuple(GpuInfo(i, "NVIDIA H100 80GB HBM3", f"GPU-{i}", f"0:{i}")
+                                     for i in range(gpus)),
+                          hostname="n1", backend="nvml", interval=0.5)
+
+    sink = PrometheusSink(port=0, http=False)
+    sink.open(context(2))
+    sink.write(Row(step=30, time=T0, values={
+        "train/global_step": 30.0, "train/loss": 5.0, "train/learning_rate": 0.1,
+        "perf/steps": 30.0, "gpu/0/energy_j": 100.0, "gpu/1/energy_j": 100.0}))
+    sink.close()
+    sink.open(context(1))  # the next run: one GPU, nothing logged yet
+    m = exposed(sink)
+    assert not [n for n in m if n.startswith("gpulens_train")], sorted(m)
+    assert "gpulens_gpu_energy_joules_total" not in m
+    assert [lbl["gpu"] for lbl, _ in m["gpulens_gpu_info"]] == ["0"]
+    sink.write(Row(step=1, time=T0 + 60, values={"train/loss": 1.0, "perf/steps": 1.0,
+                                                  "gpu/0/energy_j": 7.0}))
+    m = exposed(sink)
+    assert [v for _, v in m["gpulens_gpu_energy_joules_total"]] == [7.0]
+    assert [v for _, v in m["gpulens_train_steps_total"]] == [1.0]
+    assert [v for _, v in m["gpulens_train_step"]] == [1.0]
+    assert "gpulens_train_learning_rate" not in m
+    sink.close()
+
+
+def test_dashboard_energy_counts_each_gpu_once_with_serve_and_training(tmp_path: Path) -> None:
+    """integrations/prometheus/prometheus.yml scrapes `gpulens serve` (9400) and the training's
+    sink (9401) on one node: both count the same GPUs' energy, told apart only by `instance`.
+    The "GPU energy in the selected range" stat must count each GPU once (promtool evaluates
+    the panel's expression; 360 J a minute per GPU, 2 GPUs, 10 minutes: 2 Wh)."""
+    exe = binary("promtool")
+    dash = json.loads(DASHBOARD.read_text())
+    (expr,) = [t["expr"] for p in dash["panels"] if p["title"] == "GPU energy in the selected range"
+               for t in p["targets"]]
+    (tmp_path / "rules.yml").write_text(json.dumps({"groups": [{"name": "panel", "rules": [
+        {"record": "panel_energy_wh", "expr": instantiate(expr).replace("[1m]", "[10m]")}]}]}))
+    series = [{"series": f'gpulens_gpu_energy_joules_total{{gpu="{i}",uuid="GPU-{i}",host="n1",'
+                         f'instance="n1:{port}",job="gpulens"}}', "values": "0+360x20"}
+              for i in (0, 1) for port in (9400, 9401)]
+    (tmp_path / "test.yml").write_text(json.dumps({
+        "rule_files": ["rules.yml"], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": [
+            {"expr": "panel_energy_wh", "eval_time": "10m",
+             "exp_samples": [{"labels": 'panel_energy_wh{host="n1"}', "value": 2}]}]}]}))
+    proc = subprocess.run([exe, "test", "rules", "test.yml"], capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_exporter_down_alert_leaves_out_the_training_sink() -> None:
+    """The training's sink (9401 in the scrape config) serves only while a training runs: a
+    job that ended is not an exporter down. GpulensExporterDown's job scrapes `gpulens serve`
+    alone, and the training's sink is still scraped, in a job of its own."""
+    import yaml
+
+    config = yaml.safe_load((RULES.parent / "prometheus.yml").read_text())
+    targets = {j["job_name"]: [t for c in j["static_configs"] for t in c["targets"]]
+               for j in config["scrape_configs"]}
+    (expr,) = [str(r["expr"]) for g in yaml.safe_load(RULES.read_text())["groups"]
+               for r in g["rules"] if r.get("alert") == "GpulensExporterDown"]
+    m = re.search(r'up\{job="([^"]+)"\}', expr)
+    assert m is not None, expr
+    assert targets[m.group(1)] and not [t for t in targets[m.group(1)] if t.endswith(":9401")]
+    assert [t for ts in targets.values() for t in ts if t.endswith(":9401")]

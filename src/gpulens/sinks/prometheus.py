@@ -258,7 +258,9 @@ class PrometheusSink:
         return dict(options)
 
     def open(self, context: RunContext) -> None:
-        """Start the HTTP server thread; ``ValueError`` if the port cannot be bound."""
+        """Start the HTTP server thread; ``ValueError`` if the port cannot be bound.  A sink
+        opened again (a monitor started again with the same sink object) starts empty: no
+        series of the previous run, its energy counters from 0."""
         try:
             from prometheus_client import CollectorRegistry, start_http_server
         except ImportError as e:
@@ -267,6 +269,8 @@ class PrometheusSink:
             ) from e
         with self._lock:
             self._context = context
+            self._gpu_values, self._energy_j, self._scalars = {}, {}, {}
+            self._steps_total, self._last_step, self._last_step_time = 0.0, None, None
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self))
         self._registry = registry
