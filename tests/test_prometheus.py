@@ -219,8 +219,19 @@ def test_throughput_mfu_alerts_and_ranks_with_proper_names_and_labels() -> None:
     serve.close()
 
 
+def _serve_default_port() -> int:
+    from gpulens.cli import build_parser
+
+    return int(build_parser().parse_args(["serve"]).port)
+
+
 def test_sink_spec_and_port_in_use() -> None:
-    assert PrometheusSink.from_spec(None).port == 9400
+    # the training's default is not `gpulens serve`'s (9400): a node runs both; the shipped
+    # scrape config scrapes the training's at 9401
+    assert PrometheusSink.from_spec(None).port == 9401
+    config = (RULES.parent / "prometheus.yml").read_text()
+    assert ":9401   # the training process's sink" in config
+    assert _serve_default_port() == 9400
     s = PrometheusSink.from_spec("0.0.0.0:9500")
     assert (s.host, s.port) == ("0.0.0.0", 9500)
     with pytest.raises(ValueError, match="expected 'prometheus:PORT'"):

@@ -136,7 +136,7 @@ class GPUMonitorCallback(SessionCallback, TrainerCallback):  # type: ignore[misc
     :class:`gpulens.integrations.session.TrainingSession`'s.
 
     Args:
-        sinks: extra sinks (names such as ``"jsonl:runs/gpu.jsonl"``, ``"prometheus:9400"`` or
+        sinks: extra sinks (names such as ``"jsonl:runs/gpu.jsonl"``, ``"prometheus:9401"`` or
             sink objects) that get full rows, training scalars included.
         interval: seconds between the sampler's cheap reads.
         gpus: device indices to sample; ``None``: the devices this process uses.

@@ -4,7 +4,7 @@ A sink is chosen in one of two ways:
 
 * **by name**, a spec string parsed once, here, into a :class:`SinkSpec`:
   ``"jsonl:runs/gpu.jsonl"``, ``"mlflow"``, ``"mlflow:RUN_ID"``, ``"mlflow:all"``,
-  ``"wandb"``, ``"wandb:all"``, ``"prometheus:9400"``, ``"dashboard:0.0.0.0:8765"``
+  ``"wandb"``, ``"wandb:all"``, ``"prometheus:9401"``, ``"dashboard:0.0.0.0:8765"``
   (:func:`parse_sink`), or with options
   given in code (:func:`sink_spec`: ``sink_spec("mlflow", include_train=False)``).  Parsing
   imports no tracker library and changes nothing (no file, no run, no environment variable); a

@@ -1,9 +1,9 @@
-"""Prometheus exporter sink: ``sinks=["prometheus:9400"]`` serves the latest row on
-``http://127.0.0.1:9400/metrics``.
+"""Prometheus exporter sink: ``sinks=["prometheus"]`` serves the latest row on
+``http://127.0.0.1:9401/metrics`` (:data:`DEFAULT_PORT`; ``"prometheus:PORT"`` for another).
 
 The sink keeps its own :class:`prometheus_client.CollectorRegistry` (never the global one), so
 several monitors, tests, or an application's own metrics do not collide.  It binds 127.0.0.1
-unless told otherwise (``"prometheus:0.0.0.0:9400"``); port 0 picks a free port, readable as
+unless told otherwise (``"prometheus:0.0.0.0:9401"``); port 0 picks a free port, readable as
 ``sink.port`` after ``open()``.
 
 Exposed series (labels ``gpu``, ``uuid``, ``name``, ``host``, ``node``, ``rank`` on every GPU
@@ -90,7 +90,10 @@ from gpulens.schema import GPU_METRIC_BY_KEY
 from gpulens.sinks import check_port, host_port_options, port_taken
 from gpulens.sinks.prometheus_job import job_families
 
-DEFAULT_PORT = 9400
+DEFAULT_PORT = 9401
+"""A training's endpoint, where ``integrations/prometheus/prometheus.yml`` scrapes it: one above
+``gpulens serve``'s 9400, so a node that runs both (serve always, the sink while it trains)
+binds each without a word (on one port the training's start failed: the port was taken)."""
 
 _GPU_KEY = re.compile(r"^gpu/(\d+)/([a-z0-9_]+)$")
 _GPU_LABELS = ("gpu", "uuid", "name", "host", "node", "rank")
@@ -223,7 +226,7 @@ class PrometheusSink:
 
     @staticmethod
     def spec_options(arg: str | None) -> dict[str, Any]:
-        """``"9400"``, ``"0"`` (free port) or ``"HOST:PORT"``; ``None`` -> 9400 on 127.0.0.1."""
+        """``"9401"``, ``"0"`` (free port) or ``"HOST:PORT"``; ``None`` -> 9401 on 127.0.0.1."""
         return host_port_options("prometheus", arg,
                                  "'prometheus:PORT' or 'prometheus:HOST:PORT'")
 
