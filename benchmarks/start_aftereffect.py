@@ -23,6 +23,8 @@ per-step work, then its stop. Arms (every arm once a round, balanced seeded orde
 ``mon_nogpm``      ``mon`` with ``gpm=False``
 ``mon_wandb``      ``mon`` with a W&B sink too (an offline run of the engine's own; skipped
                    when wandb is not installed)
+``mon_wandb_nice0`` ``mon_wandb`` with ``GPULENS_ENGINE_NICE=0``: the engine process as nice as
+                   training (before 2026-11-29 it always was; now 10 nicer by default)
 ``sess``           what the Hugging Face callback runs a step, on this loop: a
                    ``TrainingSession`` over ``mon``'s monitor with the step marks
                    (``StepPhases``, CUDA events) and the token counter (``TokenCounter``, a
@@ -70,8 +72,8 @@ import loop_rounds as lr
 import overhead_gpu as og
 import paired
 
-ARMS = ("off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "sess", "sess_phases",
-        "sess_tokens")
+ARMS = ("off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice0", "sess",
+        "sess_phases", "sess_tokens")
 SESSIONS = ("sess", "sess_phases", "sess_tokens")
 
 READER = """
@@ -140,10 +142,18 @@ def _monitor(s: og.Setup, arm: str, out: Path, step: int, interval: float) -> St
     import gpulens
 
     sinks = [f"jsonl:{out / f'{arm}-{step}.jsonl'}"]
-    if arm == "mon_wandb":
+    if arm.startswith("mon_wandb"):
         sinks.append("wandb")
     mon = gpulens.Monitor(interval=interval, sinks=sinks, gpm=arm != "mon_nogpm")
-    mon.start()
+    nice = os.environ.pop("GPULENS_ENGINE_NICE", None)
+    if arm == "mon_wandb_nice0":
+        os.environ["GPULENS_ENGINE_NICE"] = "0"
+    try:
+        mon.start()
+    finally:
+        os.environ.pop("GPULENS_ENGINE_NICE", None)
+        if nice is not None:
+            os.environ["GPULENS_ENGINE_NICE"] = nice
 
     def train(step: int) -> None:
         mon.log(step, loss=train_step(s, step))
@@ -366,9 +376,10 @@ def main() -> None:
     if not arms or arms[0] != "off" or not set(arms) <= set(ARMS):
         raise SystemExit(f"--arms: a subset of {ARMS}, off first")
     skipped = []
-    if "mon_wandb" in arms and importlib.util.find_spec("wandb") is None:
-        arms.remove("mon_wandb")
-        skipped.append("mon_wandb (wandb is not installed)")
+    if importlib.util.find_spec("wandb") is None:
+        for arm in [a for a in arms if a.startswith("mon_wandb")]:
+            arms.remove(arm)
+            skipped.append(f"{arm} (wandb is not installed)")
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     s: Any = og.setup(args.quick, args.target_ms, None, None)

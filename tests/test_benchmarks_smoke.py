@@ -1335,8 +1335,8 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
     out = run_script("start_aftereffect.py", tmp_path, "--json", str(tmp_path / "a.json"),
                      "--records", str(tmp_path / "records"))
     data = json.loads((tmp_path / "a.json").read_text())
-    arms = ["off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "sess",
-            "sess_phases", "sess_tokens"]
+    arms = ["off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice0",
+            "sess", "sess_phases", "sess_tokens"]
     assert list(data["values"]) == arms and data["rounds"] == 2
     assert {c["arm"] for c in data["comparisons"]} == set(arms[1:])
     assert set(data["reads"]) == {"nvml", "gpm"}  # seconds after the start of each read
@@ -1348,7 +1348,8 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
     assert all(len(ends) == 4 and ends == sorted(ends) and ends[0] > 0
                for blocks in since.values() for ends in blocks)
     assert min(data["start_s"]["mon"]) > max(data["start_s"]["off"])  # start() is timed
-    for arm in ("mon", "mon_nogpm", "mon_wandb", *arms[-3:]):  # a record a block
+    for arm in ("mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice0", *arms[-3:]):  # a record
+        # a block
         records = sorted((tmp_path / "records").glob(f"{arm}-*.jsonl"))
         assert len(records) == 2, arm
         for record in records:
@@ -1356,7 +1357,7 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
                     if "step" in r and "event" not in r]
             assert rows and all("train/loss" in r for r in rows), record
             assert all(("gpu/0/sm_active_pct" in r) == (arm != "mon_nogpm") for r in rows)
-    assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 2  # mon_wandb: a W&B run each
+    assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 4  # mon_wandb*: a W&B run each
     positions = table_lines(out, "arm | 0 | 1 |")
     assert [r[0] for r in positions] == arms and all(len(r) == 1 + 2 + 4 for r in positions)
 
@@ -1376,3 +1377,19 @@ def test_start_aftereffect_user_wandb_attaches_the_sink_to_the_loops_own_run(
     losses = [r for r in history if "user/loss" in r]  # (rows queued at a stop take records
     assert len(losses) == 2 * 2 * (2 + 4)  # of their own) 2 rounds, 2 arms, burn-in + counted
     assert len({r["gpulens/step"] for r in history if "gpulens/step" in r}) == 2 * 4
+
+
+def test_engine_priority_quick_starts_each_arms_engine_at_its_nice(tmp_path: Path) -> None:
+    """The loop's own W&B run gets its loss every step in every arm; each monitor arm's
+    engine runs at its ``GPULENS_ENGINE_NICE`` (recorded by the script as it ran)."""
+    from tests.support.wandb_reader import read_history
+
+    out = run_script("engine_priority.py", tmp_path, "--json", str(tmp_path / "e.json"))
+    data = json.loads((tmp_path / "e.json").read_text())
+    assert list(data["values"]) == ["off", "nice0", "nice10"] and data["rounds"] == 2
+    assert data["engine_nice"] == {"nice0": [0, 0], "nice10": [10, 10]}
+    assert {c["arm"] for c in data["comparisons"]} == {"nice0", "nice10"}
+    (run,) = tmp_path.rglob("offline-run-*/run-*.wandb")
+    losses = [r for r in read_history(run) if "user/loss" in r]
+    assert len(losses) == 2 * 3 * (2 + 6)  # rounds x arms x (burn-in + counted steps)
+    assert "| nice10 |" in out and "CPUs busy" in out
