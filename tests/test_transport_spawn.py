@@ -450,7 +450,7 @@ def test_a_bad_engine_nice_is_a_one_line_error_at_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str,
 ) -> None:
     monkeypatch.setenv("GPULENS_ENGINE_NICE", value)
-    with pytest.raises(ValueError, match="GPULENS_ENGINE_NICE=.*whole number from 0 to 19"):
+    with pytest.raises(ValueError, match=r"GPULENS_ENGINE_NICE=.*whole number from 0 to 19"):
         gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'a.jsonl'}"]).start()
     # a thread runs no engine process: nothing to lower
     gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'b.jsonl'}"], isolation="thread").start().stop()
