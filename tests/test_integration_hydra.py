@@ -113,6 +113,35 @@ def test_bad_value_names_the_key(compose: Any, overrides: list[str], key: str) -
         from_config(compose(overrides))
 
 
+@pytest.mark.parametrize(
+    ("overrides", "key", "meant"),
+    [
+        (["+trainer.enable_gpu_monitor=true"], "trainer.enable_gpu_monitor",
+         "trainer.enable_gpu_monitoring"),
+        (["+trainer.enable_gpu_monitoring=true", "+trainer.gpu_monitor_intervl=0.2"],
+         "trainer.gpu_monitor_intervl", "trainer.gpu_monitor_interval"),
+        (["+trainer.enable_gpu_monitoring=true", "+trainer.gpu_monitor_sink=[wandb]"],
+         "trainer.gpu_monitor_sink", "trainer.gpu_monitor_sinks"),
+        (["+gpu_monitor=default", "+gpu_monitor.intervall=0.2"], "gpu_monitor.intervall",
+         "gpu_monitor.interval"),
+    ],
+)
+def test_a_misspelt_key_is_an_error_not_ignored(compose: Any, overrides: list[str], key: str,
+                                                meant: str) -> None:
+    """A struct config takes any key added with ``+``: a typo would leave monitoring off, or
+    on with the default interval and sinks, without a word."""
+    with pytest.raises(ValueError) as raised:
+        from_config(compose(overrides))
+    message = str(raised.value)
+    assert message.startswith(f"{key}: not a gpulens key")
+    assert f"did you mean {meant}?" in message and "\n" not in message
+
+
+def test_the_apps_own_trainer_keys_are_not_checked(compose: Any) -> None:
+    cfg = compose(["+trainer.gpu_count=8", "+trainer.enable_profiler=true"])
+    assert from_config(cfg) is None
+
+
 def test_sinks_as_comma_separated_string_and_defaults(tmp_path: Path) -> None:
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     cfg = OmegaConf.create({"trainer": {"enable_gpu_monitoring": True,

@@ -249,6 +249,21 @@ def test_off_passes_straight_through() -> None:
     logger.close()
 
 
+def test_a_rank_without_a_tracker_still_monitors() -> None:
+    """verl's SFT trainer (torchrun) makes ``Tracking`` on its logging rank only; the other
+    ranks pass ``None`` so that their monitors start and log the same steps as rank 0's."""
+    arrived = MemorySink()
+    logger = MergingLogger.from_config(None, ON, sinks=[arrived], max_delay_s=ROW_WAIT_S)
+    assert logger.monitor is not None
+    for step in range(1, 5):
+        time.sleep(0.05)
+        logger.log(data={"train/loss": 1.0}, step=step)
+    assert logger.monitor.running
+    logger.close()
+    assert not logger.monitor.running
+    assert [r.step for r in arrived.rows] == [2, 3, 4]  # the monitor ran on this rank
+
+
 def test_a_row_that_does_not_come_in_time_is_given_up() -> None:
     rec = Recorder()
     handoff = RowHandoff()

@@ -27,7 +27,9 @@ Keys read (all optional):
 ==================================  =========================================================
 
 ``trainer.*`` keys win over the ``gpu_monitor`` group. A bad value raises ``ValueError`` naming
-the key; sink names are parsed by the same parser as everywhere
+the key, and so does a misspelt key, which would otherwise be ignored
+(``trainer.gpu_monitor_intervl``, ``trainer.enable_gpu_monitor``, a ``gpu_monitor.*`` key the
+group lacks); sink names are parsed by the same parser as everywhere
 (:func:`gpulens.sinks.parse_sink`) into the monitor's :class:`~gpulens.settings.Settings`
 (:func:`settings_from_config`). The app starts the returned monitor itself (``with monitor:
 ...``) and calls ``monitor.log(step, loss=...)`` where it logs.
@@ -35,8 +37,9 @@ the key; sink names are parsed by the same parser as everywhere
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from gpulens.settings import Settings
@@ -122,6 +125,9 @@ def settings_from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (
     if group is not _MISSING and group is not None and not isinstance(group, Mapping):
         raise ValueError(f"{GROUP}: expected a config node, got {group!r}")
     has_group = isinstance(group, Mapping)
+    _check_names(_get(cfg, "trainer"), "trainer", _TRAINER_NAMES, loose=True)
+    if has_group:
+        _check_names(group, GROUP, _GROUP_NAMES, loose=False)
 
     enabled = _first(cfg, (ENABLE_KEY, f"{GROUP}.enabled"))
     if enabled is not None:
@@ -148,6 +154,27 @@ def settings_from_config(cfg: Any, *, sinks: Sequence[str | SinkSpec | Sink] = (
 
 
 # -- reading ---------------------------------------------------------------------------------
+_TRAINER_NAMES = tuple(k.split(".", 1)[1] for k in (ENABLE_KEY, INTERVAL_KEY, SINKS_KEY, GPM_KEY))
+_GROUP_NAMES = tuple(f.name for f in fields(GpuMonitorConfig))
+
+
+def _check_names(node: Any, where: str, known: tuple[str, ...], *, loose: bool) -> None:
+    """A ``ValueError`` for a key of ``node`` that looks like one of gpulens's ``known`` keys but
+    is not one (a typo a struct config lets through with ``+``). ``loose``: ``node`` is the
+    app's own (``trainer``), so only keys named like gpulens's are checked."""
+    if not isinstance(node, Mapping):
+        return
+    for name in node:
+        if not isinstance(name, str) or name in known:
+            continue
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if loose and not near and not name.startswith(("gpu_monitor", "enable_gpu")):
+            continue
+        hint = f"did you mean {where}.{near[0]}? " if near else ""
+        raise ValueError(f"{where}.{name}: not a gpulens key ({hint}gpulens reads "
+                         f"{', '.join(f'{where}.{k}' for k in known)})")
+
+
 def _get(cfg: Any, dotted: str) -> Any:
     """The value at ``dotted`` or ``_MISSING``; never raises for an absent key, even on a struct
     config. A mandatory value left unset (``???``) is a ``ValueError`` naming the key."""

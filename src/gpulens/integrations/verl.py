@@ -43,6 +43,16 @@ Rows and calls, in order:
 
 In verl the training loop runs in the driver process, which sees every GPU of its node, so the
 driver's monitor (``gpus=None``) watches the node's GPUs while Ray workers train on them.
+
+In a ``torchrun`` job (verl's SFT trainer makes its ``Tracking`` on the logging rank only) every
+rank must watch its own GPU and log the same steps: make the ``MergingLogger`` on every rank,
+with ``None`` for the tracking object where the rank has none (its calls go nowhere; rank 0's
+rows hold every rank's GPU)::
+
+    logger = MergingLogger.from_config(Tracking(...) if is_logging else None, config)
+
+Made on rank 0 alone, its first ``log`` waits for the other ranks' monitors (120 s, with a
+WARNING), then goes on watching rank 0's GPU only.
 """
 
 from __future__ import annotations
@@ -140,6 +150,8 @@ class _State:
         self.closed = False
 
     def send(self, data: dict[str, Any], step: int, backends: list[str] | None) -> None:
+        if self.logger is None:
+            return
         if backends is None:
             self.logger.log(data, step=step)
         elif backends:
@@ -148,7 +160,8 @@ class _State:
     def forward(self, call: _Call) -> None:
         """A call of the trainer's own: to every backend, as if unwrapped."""
         assert call.data is not None
-        self.logger.log(call.data, step=call.step)
+        if self.logger is not None:
+            self.logger.log(call.data, step=call.step)
 
     def pump(self, *, final: bool = False) -> None:
         """Forward what can go, in order (see the module docstring)."""
@@ -195,7 +208,8 @@ class MergingLogger:
     of that step follows as a call of its own (see the module docstring).
 
     Args:
-        logger: the trainer's tracking object (``log(data, step)``).
+        logger: the trainer's tracking object (``log(data, step)``); ``None`` on a rank
+            of a ``torchrun`` job that has none (the monitor runs, nothing is forwarded).
         monitor: a :class:`gpulens.Monitor` whose sinks include ``handoff`` (started here when
             it is not running: at the first ``log`` call, or now with ``start_step``); ``None``:
             calls pass straight through.
@@ -210,9 +224,9 @@ class MergingLogger:
         rows_missing: GPU rows given up on (they did not come within ``max_delay_s``).
     """
 
-    def __init__(self, logger: TrackingLogger, monitor: Any, handoff: RowHandoff | None = None,
-                 *, max_delay_s: float = 10.0, start_step: int | None = None,
-                 gpu_backends: Sequence[str] | None = None) -> None:
+    def __init__(self, logger: TrackingLogger | None, monitor: Any,
+                 handoff: RowHandoff | None = None, *, max_delay_s: float = 10.0,
+                 start_step: int | None = None, gpu_backends: Sequence[str] | None = None) -> None:
         if monitor is not None and (handoff is None or not _has_sink(monitor, handoff)):
             raise ValueError("MergingLogger: pass the RowHandoff that is among the monitor's "
                              "sinks (or build both with MergingLogger.from_config)")
@@ -265,7 +279,7 @@ class MergingLogger:
         return self._state.rows_missing
 
     @classmethod
-    def from_config(cls, logger: TrackingLogger, cfg: Any, *,
+    def from_config(cls, logger: TrackingLogger | None, cfg: Any, *,
                     sinks: Sequence[str | Sink] = (), max_delay_s: float = 10.0,
                     start_step: int | None = None,
                     gpu_backends: Sequence[str] | None = None) -> MergingLogger:
@@ -282,8 +296,7 @@ class MergingLogger:
         """Forward ``data`` at ``step`` to the wrapped logger, and end the GPU window at ``step``
         (the first call for a step only; the first call of all starts the window).
 
-        Meant for the single process that owns the tracking logger (verl's driver); in a
-        ``torchrun`` job use a framework callback or ``Monitor.log`` on every rank instead."""
+        In a ``torchrun`` job call it on every rank, for the same steps (module docstring)."""
         state = self._state
         step = int(step)
         call = _Call(step, dict(data))
