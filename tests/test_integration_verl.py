@@ -340,3 +340,23 @@ def test_a_wandb_sink_beside_a_wandb_backend_is_a_clear_error(wandb_offline: Pat
     logger = MergingLogger.from_config(Tracking(), cfg, gpu_backends=["console"])
     logger.close()
     reset_wandb()
+
+
+def test_an_mlflow_sink_beside_an_mlflow_backend_is_a_clear_error() -> None:
+    """``+trainer.gpu_monitor_sinks=[mlflow]`` with a ``Tracking`` whose ``mlflow`` backend gets
+    the GPU rows: the sink would attach to the trainer's MLflow run and write every GPU figure
+    a second time under its tracker view's names (review 23b); refused before training."""
+
+    class Tracking:  # verl's Tracking with its mlflow and console backends
+        def __init__(self) -> None:
+            self.logger: dict[str, Any] = {"mlflow": object(), "console": None}
+            self.calls: list[tuple[dict[str, Any], int]] = []
+
+        def log(self, data: dict[str, Any], step: int, backend: Any = None) -> None:
+            self.calls.append((data, step))
+
+    cfg = {"trainer": {**ON["trainer"], "gpu_monitor_sinks": ["mlflow"]}}
+    with pytest.raises(ValueError, match="'mlflow' sink, but the GPU rows already go to MLflow"):
+        MergingLogger.from_config(Tracking(), cfg)
+    logger = MergingLogger.from_config(Tracking(), cfg, gpu_backends=["console"])
+    logger.close()

@@ -242,13 +242,16 @@ class MergingLogger:
         self.handoff = handoff
         self.max_delay_s = float(max_delay_s)
         gpu, rest = _split_backends(logger, gpu_backends)
-        if monitor is not None and gpu and "wandb" in gpu and any(
-                getattr(s, "kind", None) == "wandb" for s in monitor.sinks):
-            # two writers of one W&B run: the sink's records move W&B's step past calls this
-            # logger still holds, and W&B drops them (the trainer's own values)
-            raise ValueError("the monitor has a 'wandb' sink, but the GPU rows already go to "
-                             "W&B through the logger's 'wandb' backend: leave 'wandb' out of "
-                             "the sinks (trainer.gpu_monitor_sinks)")
+        for kind, name in (("wandb", "W&B"), ("mlflow", "MLflow")):
+            # wandb: two writers of one W&B run, the sink's records move W&B's step past calls
+            # this logger still holds, and W&B drops them (the trainer's own values); mlflow:
+            # the sink attaches to the trainer's active run, which then holds every GPU figure
+            # twice, as the logger's raw keys and as the sink's tracker view
+            if monitor is not None and gpu and kind in gpu and any(
+                    getattr(s, "kind", None) == kind for s in monitor.sinks):
+                raise ValueError(f"the monitor has a '{kind}' sink, but the GPU rows already go "
+                                 f"to {name} through the logger's '{kind}' backend: leave "
+                                 f"'{kind}' out of the sinks (trainer.gpu_monitor_sinks)")
         self._state = _State(logger, monitor, handoff, gpu, rest, self.max_delay_s)
         self._gate = StepGate()
         self._window_open = monitor is not None and monitor.running
