@@ -4,19 +4,20 @@
 On an H200 host, the steps 0.8-2 s after a ``Monitor`` with a W&B sink started beside the
 user's own W&B run were up to 14 ms slower, and in them the training thread waited 6-9 ms a step
 for a CPU while the engine process burned CPU (``import wandb``, the attach to the user's run):
-``benchmarks/results/2026-11-29-h200-start-aftereffect``, ``c3`` and ``c4``. The engine process
-now runs ``GPULENS_ENGINE_NICE`` (default 10) nicer than training. This measures what that
-does on a host whose CPUs the training keeps busy: a loop of float32 matrix products on every
-CPU (``torch.set_num_threads(os.cpu_count())``, sized for ``--step-ms``), logging its loss to
-its own offline W&B run every step, as a Hugging Face ``Trainer`` with ``report_to="wandb"``
+``benchmarks/results/2026-11-29-h200-start-aftereffect``, ``c3`` and ``c4``.
+``GPULENS_ENGINE_NICE=N`` runs the engine process N nicer than training (default 0). This
+measures what 10 does on a host whose CPUs the training keeps busy: a loop of float32 matrix
+products on every CPU (``torch.set_num_threads(os.cpu_count())``, sized for ``--step-ms``),
+logging its loss to its own offline W&B run every step, as a Hugging Face ``Trainer`` with
+``report_to="wandb"``
 does. Each block runs ``--burn`` steps, then the arm's start, then ``--steps`` counted steps
 with ``Monitor.log`` after each, then ``stop()``. Arms (every arm once a round, balanced
 seeded order):
 
 ``off``       no monitor
 ``nice0``     ``Monitor(sinks=["jsonl", "wandb"])`` (its W&B sink attaches to the loop's run)
-              with ``GPULENS_ENGINE_NICE=0``: the engine as the training process (the old way)
-``nice10``    the same with the default, 10
+              with ``GPULENS_ENGINE_NICE=0``: the engine as nice as training (the default)
+``nice10``    the same with ``GPULENS_ENGINE_NICE=10``
 
 Each block's value is the mean of its counted steps (wall time), read in percentage points of
 the same round's ``off`` (``paired.py``); each arm's step by position after the start is

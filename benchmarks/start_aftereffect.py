@@ -23,8 +23,8 @@ per-step work, then its stop. Arms (every arm once a round, balanced seeded orde
 ``mon_nogpm``      ``mon`` with ``gpm=False``
 ``mon_wandb``      ``mon`` with a W&B sink too (an offline run of the engine's own; skipped
                    when wandb is not installed)
-``mon_wandb_nice0`` ``mon_wandb`` with ``GPULENS_ENGINE_NICE=0``: the engine process as nice as
-                   training (before 2026-11-29 it always was; now 10 nicer by default)
+``mon_wandb_nice10`` ``mon_wandb`` with ``GPULENS_ENGINE_NICE=10``: the engine process 10
+                   nicer than training (the default is as nice)
 ``sess``           what the Hugging Face callback runs a step, on this loop: a
                    ``TrainingSession`` over ``mon``'s monitor with the step marks
                    (``StepPhases``, CUDA events) and the token counter (``TokenCounter``, a
@@ -72,7 +72,7 @@ import loop_rounds as lr
 import overhead_gpu as og
 import paired
 
-ARMS = ("off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice0", "sess",
+ARMS = ("off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice10", "sess",
         "sess_phases", "sess_tokens")
 SESSIONS = ("sess", "sess_phases", "sess_tokens")
 
@@ -146,8 +146,8 @@ def _monitor(s: og.Setup, arm: str, out: Path, step: int, interval: float) -> St
         sinks.append("wandb")
     mon = gpulens.Monitor(interval=interval, sinks=sinks, gpm=arm != "mon_nogpm")
     nice = os.environ.pop("GPULENS_ENGINE_NICE", None)
-    if arm == "mon_wandb_nice0":
-        os.environ["GPULENS_ENGINE_NICE"] = "0"
+    if arm == "mon_wandb_nice10":
+        os.environ["GPULENS_ENGINE_NICE"] = "10"
     try:
         mon.start()
     finally:

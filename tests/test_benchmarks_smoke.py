@@ -1335,7 +1335,7 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
     out = run_script("start_aftereffect.py", tmp_path, "--json", str(tmp_path / "a.json"),
                      "--records", str(tmp_path / "records"))
     data = json.loads((tmp_path / "a.json").read_text())
-    arms = ["off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice0",
+    arms = ["off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice10",
             "sess", "sess_phases", "sess_tokens"]
     assert list(data["values"]) == arms and data["rounds"] == 2
     assert {c["arm"] for c in data["comparisons"]} == set(arms[1:])
@@ -1348,7 +1348,7 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
     assert all(len(ends) == 4 and ends == sorted(ends) and ends[0] > 0
                for blocks in since.values() for ends in blocks)
     assert min(data["start_s"]["mon"]) > max(data["start_s"]["off"])  # start() is timed
-    for arm in ("mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice0", *arms[-3:]):  # a record
+    for arm in ("mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice10", *arms[-3:]):  # a record
         # a block
         records = sorted((tmp_path / "records").glob(f"{arm}-*.jsonl"))
         assert len(records) == 2, arm

@@ -149,14 +149,17 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
     return value
 
 
-ENGINE_NICE = 10
-"""How much nicer than the training process its engine process runs (``GPULENS_ENGINE_NICE``,
-0-19; 0: as the training process).  Where the host's CPUs are busy, the kernel then runs the
-training's threads before the engine's: the engine's bursts (its start; ``import wandb`` and
-the attach to the user's W&B run, about a second of CPU) wait, not the training thread.  On an
-H200 host that attach made the training thread wait 6-9 ms a step for a CPU
-(``benchmarks/results/2026-11-29-h200-start-aftereffect``, ``c4``).  Steady state the engine
-needs a few percent of one CPU, which a nicer process still gets."""
+ENGINE_NICE = 0
+"""How much nicer than the training process its engine process runs by default
+(``GPULENS_ENGINE_NICE``, 0-19).  Nicer, the kernel runs the training's threads before the
+engine's where CPUs are busy: the engine's start (``import wandb`` and the attach to the user's
+W&B run, about a second of CPU), which on an H200 host made the training thread wait 6-9 ms a
+step for a CPU for a few steps (``benchmarks/results/2026-11-29-h200-start-aftereffect``,
+``c4``), waits instead; on a 2-core VM kept busy by training, nice 10 cut that start's cost
+from +1,180 to +429 ms (``benchmarks/results/2026-11-29-cpu-engine-priority``).  But a nicer
+engine falls behind on a loaded host: with three busy processes beside it, nice 10 dropped
+every W&B row of a script that ended without ``stop()`` (the exit's 2 s ran out before the
+sink opened) and left ``gpulens watch``'s lines empty, where nice 0 did neither.  So 0."""
 
 
 def engine_nice() -> int:

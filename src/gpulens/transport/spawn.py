@@ -57,7 +57,7 @@ CHILD = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
 """The engine process's bootstrap: it ignores SIGINT and SIGTERM before anything else (a
 Ctrl-C at the terminal, a launcher's stop, reach the whole process group; the training process
 decides when to stop, and the engine ends when it goes, after writing what it holds), then
-lowers its priority by ``GPULENS_ENGINE_NICE`` (:func:`child_env` sets it:
+lowers its priority by ``GPULENS_ENGINE_NICE``, if above 0 (:func:`child_env` sets it:
 :func:`gpulens.settings.engine_nice`) before its imports."""
 SPARE_ARG = "spare"
 """The engine process's fourth argument when it is a spare (it waits for its start)."""
