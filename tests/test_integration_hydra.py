@@ -142,6 +142,17 @@ def test_the_apps_own_trainer_keys_are_not_checked(compose: Any) -> None:
     assert from_config(cfg) is None
 
 
+@pytest.mark.parametrize("key", ["enable_gpu_offload", "enable_gpu_profiling",
+                                 "cpu_monitor_interval", "gpu_memory_interval",
+                                 "enable_gpu_memory_monitoring"])
+def test_an_apps_own_key_like_gpulenss_is_not_taken_for_a_typo(compose: Any, key: str) -> None:
+    """An app's own ``trainer`` key that resembles gpulens's (the same prefix, or one letter
+    off) is the app's: with monitoring off, ``from_config`` must not fail the app's start."""
+    assert from_config(compose([f"+trainer.{key}=true"])) is None
+    on = compose(["+trainer.enable_gpu_monitoring=true", f"+trainer.{key}=true"])
+    assert settings_from_config(on) is not None
+
+
 def test_sinks_as_comma_separated_string_and_defaults(tmp_path: Path) -> None:
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     cfg = OmegaConf.create({"trainer": {"enable_gpu_monitoring": True,

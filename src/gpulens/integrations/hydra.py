@@ -161,15 +161,17 @@ _GROUP_NAMES = tuple(f.name for f in fields(GpuMonitorConfig))
 def _check_names(node: Any, where: str, known: tuple[str, ...], *, loose: bool) -> None:
     """A ``ValueError`` for a key of ``node`` that looks like one of gpulens's ``known`` keys but
     is not one (a typo a struct config lets through with ``+``). ``loose``: ``node`` is the
-    app's own (``trainer``), so only keys named like gpulens's are checked."""
+    app's own (``trainer``), so only keys in gpulens's namespace (``gpu_mon...``:
+    ``gpu_monitor_intervl``, ``enable_gpu_monitor``) are checked, not an app's own key that
+    merely resembles one (``cpu_monitor_interval``, ``enable_gpu_offload``)."""
     if not isinstance(node, Mapping):
         return
     for name in node:
         if not isinstance(name, str) or name in known:
             continue
-        near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-        if loose and not near and not name.startswith(("gpu_monitor", "enable_gpu")):
+        if loose and "gpu_mon" not in name:
             continue
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
         hint = f"did you mean {where}.{near[0]}? " if near else ""
         raise ValueError(f"{where}.{name}: not a gpulens key ({hint}gpulens reads "
                          f"{', '.join(f'{where}.{k}' for k in known)})")
