@@ -25,6 +25,9 @@ per-step work, then its stop. Arms (every arm once a round, balanced seeded orde
                    when wandb is not installed)
 ``mon_wandb_nice10`` ``mon_wandb`` with ``GPULENS_ENGINE_NICE=10``: the engine process 10
                    nicer than training (the default is as nice)
+``mon_wandb_blas`` ``mon_wandb`` with the engine's BLAS and OpenMP threads as the training
+                   process's environment has them (before ``spawn.ENGINE_ONE_THREAD``: NumPy's
+                   OpenBLAS, imported with wandb, started a spinning thread per CPU)
 ``sess``           what the Hugging Face callback runs a step, on this loop: a
                    ``TrainingSession`` over ``mon``'s monitor with the step marks
                    (``StepPhases``, CUDA events) and the token counter (``TokenCounter``, a
@@ -72,8 +75,8 @@ import loop_rounds as lr
 import overhead_gpu as og
 import paired
 
-ARMS = ("off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice10", "sess",
-        "sess_phases", "sess_tokens")
+ARMS = ("off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice10",
+        "mon_wandb_blas", "sess", "sess_phases", "sess_tokens")
 SESSIONS = ("sess", "sess_phases", "sess_tokens")
 
 READER = """
@@ -145,12 +148,18 @@ def _monitor(s: og.Setup, arm: str, out: Path, step: int, interval: float) -> St
     if arm.startswith("mon_wandb"):
         sinks.append("wandb")
     mon = gpulens.Monitor(interval=interval, sinks=sinks, gpm=arm != "mon_nogpm")
+    from gpulens.transport import spawn
+
     nice = os.environ.pop("GPULENS_ENGINE_NICE", None)
+    one_thread = spawn.ENGINE_ONE_THREAD
     if arm == "mon_wandb_nice10":
         os.environ["GPULENS_ENGINE_NICE"] = "10"
+    if arm == "mon_wandb_blas":
+        spawn.ENGINE_ONE_THREAD = {}
     try:
         mon.start()
     finally:
+        spawn.ENGINE_ONE_THREAD = one_thread
         os.environ.pop("GPULENS_ENGINE_NICE", None)
         if nice is not None:
             os.environ["GPULENS_ENGINE_NICE"] = nice

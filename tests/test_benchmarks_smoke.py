@@ -1336,7 +1336,7 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
                      "--records", str(tmp_path / "records"))
     data = json.loads((tmp_path / "a.json").read_text())
     arms = ["off", "off_b", "nvml", "gpm", "mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice10",
-            "sess", "sess_phases", "sess_tokens"]
+            "mon_wandb_blas", "sess", "sess_phases", "sess_tokens"]
     assert list(data["values"]) == arms and data["rounds"] == 2
     assert {c["arm"] for c in data["comparisons"]} == set(arms[1:])
     assert set(data["reads"]) == {"nvml", "gpm"}  # seconds after the start of each read
@@ -1348,7 +1348,7 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
     assert all(len(ends) == 4 and ends == sorted(ends) and ends[0] > 0
                for blocks in since.values() for ends in blocks)
     assert min(data["start_s"]["mon"]) > max(data["start_s"]["off"])  # start() is timed
-    for arm in ("mon", "mon_nogpm", "mon_wandb", "mon_wandb_nice10", *arms[-3:]):  # a record
+    for arm in ("mon", "mon_nogpm", *arms[6:9], *arms[-3:]):  # a record
         # a block
         records = sorted((tmp_path / "records").glob(f"{arm}-*.jsonl"))
         assert len(records) == 2, arm
@@ -1357,7 +1357,7 @@ def test_start_aftereffect_starts_each_arm_mid_block_and_times_the_steps_after(
                     if "step" in r and "event" not in r]
             assert rows and all("train/loss" in r for r in rows), record
             assert all(("gpu/0/sm_active_pct" in r) == (arm != "mon_nogpm") for r in rows)
-    assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 4  # mon_wandb*: a W&B run each
+    assert len(list(tmp_path.glob("wandb/offline-run-*"))) == 6  # mon_wandb*: a W&B run each
     positions = table_lines(out, "arm | 0 | 1 |")
     assert [r[0] for r in positions] == arms and all(len(r) == 1 + 2 + 4 for r in positions)
 

@@ -456,3 +456,28 @@ def test_a_bad_engine_nice_is_a_one_line_error_at_start(
         gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'a.jsonl'}"]).start()
     # a thread runs no engine process: nothing to lower
     gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'b.jsonl'}"], isolation="thread").start().stop()
+
+
+def test_the_engine_runs_blas_on_one_thread_whatever_training_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``import wandb`` in the engine imports NumPy, whose OpenBLAS would start a spinning
+    thread per CPU (on an H200 host: 16 CPUs at once, the training thread kept waiting): the
+    engine's environment says one thread, a spawned engine's and a spare's alike, and the
+    training process keeps its own values."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    one = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'a.jsonl'}"], interval=0.05) as mon:
+        engine = psutil.Process(mon._transport.pid)  # type: ignore[union-attr]
+        assert {k: engine.environ().get(k) for k in one} == one
+        mon.log(1)
+    assert spawn.prepare()
+    spare = psutil.Process(_spare_pid())
+    assert {k: spare.environ().get(k) for k in one} == one
+    with gpulens.Monitor(sinks=[f"jsonl:{tmp_path / 'b.jsonl'}"], interval=0.05) as mon:
+        assert mon._transport.pid == spare.pid  # type: ignore[union-attr]
+        mon.log(1)
+    assert (os.environ["OMP_NUM_THREADS"], os.environ["OPENBLAS_NUM_THREADS"]) == ("8", "4")
+    assert "MKL_NUM_THREADS" not in os.environ

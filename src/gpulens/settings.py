@@ -152,14 +152,15 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
 ENGINE_NICE = 0
 """How much nicer than the training process its engine process runs by default
 (``GPULENS_ENGINE_NICE``, 0-19).  Nicer, the kernel runs the training's threads before the
-engine's where CPUs are busy: the engine's start (``import wandb`` and the attach to the user's
-W&B run, about a second of CPU), which on an H200 host made the training thread wait 6-9 ms a
-step for a CPU for a few steps (``benchmarks/results/2026-11-29-h200-start-aftereffect``,
-``c4``), waits instead; on a 2-core VM kept busy by training, nice 10 cut that start's cost
-from +1,180 to +429 ms (``benchmarks/results/2026-11-29-cpu-engine-priority``).  But a nicer
-engine falls behind on a loaded host: with three busy processes beside it, nice 10 dropped
-every W&B row of a script that ended without ``stop()`` (the exit's 2 s ran out before the
-sink opened) and left ``gpulens watch``'s lines empty, where nice 0 did neither.  So 0."""
+engine's where CPUs are busy: on a 2-core VM kept busy by training, nice 10 cut the cost of the
+engine's start beside the user's W&B run from +1,180 to +429 ms over 120 steps
+(``benchmarks/results/2026-11-29-cpu-engine-priority``).  But a nicer engine falls behind on a
+loaded host: with three busy processes beside it, at nice 10 a script that ended without
+``stop()`` lost its W&B rows (the exit's 2 s ran out before the sink opened) and ``gpulens
+watch`` printed ``n/a`` (the two checks failed 5 times of 6), at 0 never
+(``benchmarks/results/2026-11-29-cpu-engine-nice-under-load``).  So 0.  (What made that start
+costly on an H200 host, NumPy's OpenBLAS spinning a thread per CPU in the engine, is mended at
+its cause: :data:`gpulens.transport.spawn.ENGINE_ONE_THREAD`.)"""
 
 
 def engine_nice() -> int:

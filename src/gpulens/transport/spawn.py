@@ -80,6 +80,16 @@ hears of it; gpulens retries the row itself, with its own back-off, and says so.
 process's environment is never changed."""
 
 
+ENGINE_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+"""Set in the engine process's environment whatever the user set (theirs are for training): the
+engine does no linear algebra, but ``import wandb`` imports NumPy, whose OpenBLAS starts a
+thread per CPU that spins before it sleeps (NumPy issue 29193: ``import numpy`` took 1.28 s of
+CPU at 1742 % on a many-core machine, 0.05 s with ``OMP_NUM_THREADS=1``).  On an H200 host the
+engine's W&B start took about 3.3 CPU-seconds more than without W&B, on up to all 16 CPUs at
+once, and the training thread waited 6-9 ms a step for a CPU meanwhile
+(``benchmarks/results/2026-11-29-h200-start-aftereffect``, ``c4``)."""
+
+
 def _is_site_dir(path: str) -> bool:
     """Whether ``path`` is a site-packages directory (an installed gpulens lives there)."""
     dirs: list[str] = []
@@ -94,11 +104,12 @@ def _is_site_dir(path: str) -> bool:
 
 
 def child_env() -> dict[str, str]:
-    """The engine process's environment: this one's, with :data:`ENGINE_ENV`, and for a
-    gpulens that is not installed (a source checkout, a ``sys.path`` entry) the folder it was
-    imported from first on ``PYTHONPATH``.  An installed gpulens is found as the parent found
-    it; its site-packages is never put ahead of the standard library."""
-    env = {**ENGINE_ENV, **os.environ}
+    """The engine process's environment: this one's, with :data:`ENGINE_ENV` and
+    :data:`ENGINE_ONE_THREAD`, and for a gpulens that is not installed (a source checkout, a
+    ``sys.path`` entry) the folder it was imported from first on ``PYTHONPATH``.  An installed
+    gpulens is found as the parent found it; its site-packages is never put ahead of the
+    standard library."""
+    env = {**ENGINE_ENV, **os.environ, **ENGINE_ONE_THREAD}
     try:
         env["GPULENS_ENGINE_NICE"] = str(engine_nice())
     except ValueError:  # said by the start that would take this process
