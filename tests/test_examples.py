@@ -149,4 +149,5 @@ def test_verl_style_one_wandb_record_per_step(tmp_path: Path) -> None:
                            "GPULENS_EXAMPLE_OUT": str(tmp_path / "out")})
     history = read_history(find_run_file(wandb_dir))
     assert [h["_step"] for h in history] == list(range(1, 21))  # W&B's step = global_step
-    assert all("actor/loss" in h and "gpu/0/util_pct" in h for h in history)
+    assert all("actor/loss" in h and "train/gpu_util_pct_mean" in h for h in history)
+    assert not any(k.startswith("gpu/") for h in history for k in h)  # the trackers' view

@@ -16,13 +16,15 @@ import pytest
 
 from gpulens import Monitor
 from gpulens.integrations.verl import MergingLogger, RowHandoff
+from gpulens.sinks.layout import HEADLINES, TrackerLayout
 from gpulens.testing import MemorySink
 from tests.support.wait import wait_until
 from tests.support.wandb_offline import reset_wandb
 from tests.support.wandb_reader import find_run_file, read_history
 
 ON = {"trainer": {"enable_gpu_monitoring": True, "gpu_monitor_interval": 0.05}}
-GPU_KEY = "gpu/0/util_pct"
+GPU_KEY = "train/gpu_util_pct_mean"
+"""A key of every GPU row in the trackers' view (the default key set)."""
 ROW_WAIT_S = 600.0
 """``max_delay_s`` of the loggers of tests that count every row: a late row is waited for (the
 calls after it queue behind it; ``log()`` never blocks), so a row is given up on only if it
@@ -36,6 +38,11 @@ def _simulated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "1")
 
 
+def is_gpu(data: dict[str, Any]) -> bool:
+    """A GPU row's call, in the default view or with every key (``GPULENS_TRACKER_KEYS=all``)."""
+    return GPU_KEY in data or "gpu/0/util_pct" in data
+
+
 class Recorder:
     """A tracking logger without backends that remembers its calls."""
 
@@ -46,10 +53,10 @@ class Recorder:
         self.calls.append((step, dict(data)))
 
     def user_calls(self) -> list[tuple[int, dict[str, Any]]]:
-        return [(s, d) for s, d in self.calls if GPU_KEY not in d]
+        return [(s, d) for s, d in self.calls if not is_gpu(d)]
 
     def gpu_calls(self) -> list[tuple[int, dict[str, Any]]]:
-        return [(s, d) for s, d in self.calls if GPU_KEY in d]
+        return [(s, d) for s, d in self.calls if is_gpu(d)]
 
 
 class BackendTracking:
@@ -68,8 +75,8 @@ class BackendTracking:
 def assert_rows_follow_their_step(calls: list[tuple[int, dict[str, Any]]]) -> None:
     """A step's GPU row goes out after that step's own call and before any later step's."""
     for i, (step, data) in enumerate(calls):
-        if GPU_KEY in data:
-            assert any(s == step and GPU_KEY not in d for s, d in calls[:i]), (step, calls)
+        if is_gpu(data):
+            assert any(s == step and not is_gpu(d) for s, d in calls[:i]), (step, calls)
             assert not any(s > step for s, _ in calls[:i]), (step, [s for s, _ in calls])
 
 
@@ -85,9 +92,10 @@ def test_calls_go_through_at_once_and_rows_follow_on_their_step() -> None:
     # the first call starts the first window; every later step gets its row, once
     assert [s for s, _ in rec.gpu_calls()] == list(range(2, 9))
     assert logger.rows_missing == 0
-    for _, data in rec.gpu_calls():
-        assert "perf/step_time_s" in data and data["perf/steps"] == 1
-        assert not any(k.startswith("train/") for k in data)
+    for _, data in rec.gpu_calls():  # the trackers' view, not the row's own names
+        assert "train/step_time_s" in data and "train/gpu_sm_active_pct_mean" in data
+        assert not any(k.startswith(("gpu/", "perf/", "host/")) for k in data), sorted(data)
+        assert "train/loss" not in data  # the trainer logs its own scalars
     assert_rows_follow_their_step(rec.calls)
 
 
@@ -130,8 +138,10 @@ def test_two_calls_at_one_step_do_not_stall() -> None:
     assert_rows_follow_their_step(rec.calls)
 
 
-def test_start_step_from_the_first_call_or_given() -> None:
-    """A run resumed at step 100: the first row counts only the steps run since."""
+def test_start_step_from_the_first_call_or_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run resumed at step 100: the first row counts only the steps run since (every key:
+    ``perf/steps`` is not in the default view)."""
+    monkeypatch.setenv("GPULENS_TRACKER_KEYS", "all")
     rec = Recorder()
     logger = MergingLogger.from_config(rec, ON, max_delay_s=ROW_WAIT_S)
     for step in range(101, 104):
@@ -360,3 +370,43 @@ def test_an_mlflow_sink_beside_an_mlflow_backend_is_a_clear_error() -> None:
         MergingLogger.from_config(Tracking(), cfg)
     logger = MergingLogger.from_config(Tracking(), cfg, gpu_backends=["console"])
     logger.close()
+
+
+@pytest.mark.parametrize("keys", [None, "all"])
+def test_the_trackers_get_the_view_not_every_key(monkeypatch: pytest.MonkeyPatch,
+                                                 keys: str | None) -> None:
+    """verl's backends get what the ``"wandb"`` and ``"mlflow"`` sinks write: about ten
+    job-level figures in ``train/`` (with 8 GPUs the row has ~265 keys, all in one W&B record
+    and MLflow run otherwise, and ``perf/*`` beside verl's own ``perf/*``);
+    ``GPULENS_TRACKER_KEYS=all`` gives every key under the row's names."""
+    monkeypatch.setenv("GPULENS_SIMULATED_GPUS", "8")
+    if keys is None:
+        monkeypatch.delenv("GPULENS_TRACKER_KEYS", raising=False)
+    else:
+        monkeypatch.setenv("GPULENS_TRACKER_KEYS", keys)
+    tracking = BackendTracking(["wandb", "mlflow", "console"])
+    logger = MergingLogger.from_config(tracking, ON, max_delay_s=ROW_WAIT_S)
+    for step in range(1, 5):
+        time.sleep(0.05)
+        logger.log(data={"actor/loss": 1.0}, step=step)
+    logger.close()
+    rows = tracking.logger["mlflow"].gpu_calls()
+    assert [s for s, _ in rows] == [2, 3, 4]
+    assert rows == tracking.logger["wandb"].gpu_calls()
+    assert tracking.logger["console"].gpu_calls() == []
+    for _, data in rows:
+        if keys is None:
+            view = {TrackerLayout().name(h.name) for h in HEADLINES}
+            assert set(data) <= view | {k for k in data if k.startswith("alerts/")}, sorted(data)
+            assert {GPU_KEY, "train/gpu_sm_active_pct_mean"} <= set(data)
+        else:
+            assert {f"gpu/{i}/util_pct" for i in range(8)} <= set(data)
+            assert len(data) > 200
+            assert not any(k.startswith("train/") for k in data)
+
+
+def test_a_bad_tracker_key_set_is_a_one_line_error_when_the_logger_is_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPULENS_TRACKER_KEYS", "some")
+    with pytest.raises(ValueError, match="GPULENS_TRACKER_KEYS"):
+        MergingLogger.from_config(Recorder(), ON)

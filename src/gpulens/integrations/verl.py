@@ -73,6 +73,7 @@ from gpulens.model import Outcome, Row, RunContext
 from gpulens.schema import STEP_KEY
 from gpulens.sinks import check_sinks
 from gpulens.sinks.base import Sink
+from gpulens.sinks.layout import TrackerLayout
 from gpulens.transport.spawn import prepare_engine
 
 __all__ = ["MergingLogger", "RowHandoff", "TrackingLogger"]
@@ -91,24 +92,35 @@ class RowHandoff:
     """A sink that keeps finished rows for the training loop to pick up with :meth:`take`.
 
     Written on the training thread (inside ``Monitor.log``/``stop``), so no lock is needed.
-    ``train/*`` keys are dropped by default: the trainer logs its own scalars.
+    A row is kept as the trackers' view of it (:class:`~gpulens.sinks.layout.TrackerLayout`,
+    as the ``"wandb"`` and ``"mlflow"`` sinks write it): with ``keys="default"`` about ten
+    job-level GPU figures in the ``train/`` section (``train/gpu_sm_active_pct_mean``,
+    ``train/mfu_pct`` ...) and ``alerts/<rule>`` once that rule has fired; the per-GPU detail
+    (``gpu/{i}/*``, ``gpu/all/*``, ``host/*``, ``perf/*``) is left to the JSONL record and
+    Prometheus (verl's ``Tracking`` cannot hide keys, and ``perf/*`` is a section of verl's
+    own).  ``keys="all"``: every key under the schema's names.  ``None``:
+    ``GPULENS_TRACKER_KEYS``, else ``"default"``.  ``train/*`` keys are dropped by default:
+    the trainer logs its own scalars.
     """
 
     on_training_thread = True
 
-    def __init__(self, *, include_train: bool = False) -> None:
+    def __init__(self, *, include_train: bool = False, keys: str | None = None) -> None:
         self.include_train = include_train
+        self._layout = TrackerLayout(keys, include_train=include_train)
         self._rows: dict[int, dict[str, float]] = {}
 
+    @property
+    def keys(self) -> str:
+        """The key set: ``"default"`` or ``"all"``."""
+        return self._layout.keys
+
     def open(self, context: RunContext) -> None:
-        pass
+        self._layout.reset()
 
     def write(self, row: Row) -> None:
-        values = {
-            k: v for k, v in row.values.items()
-            if k != STEP_KEY and (self.include_train or not k.startswith("train/"))
-        }
-        self._rows[row.step] = values
+        shown, _detail = self._layout.split(row.values)
+        self._rows[row.step] = {k: v for k, v in shown.items() if k != STEP_KEY}
 
     def close(self) -> None:
         pass
