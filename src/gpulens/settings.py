@@ -159,8 +159,8 @@ loaded host: with three busy processes beside it, at nice 10 a script that ended
 ``stop()`` lost its W&B rows (the exit's 2 s ran out before the sink opened) and ``gpulens
 watch`` printed ``n/a`` (the two checks failed 5 times of 6), at 0 never
 (``benchmarks/results/2026-11-29-cpu-engine-nice-under-load``).  So 0.  (What made that start
-costly on an H200 host, NumPy's OpenBLAS spinning a thread per CPU in the engine, is mended at
-its cause: :data:`gpulens.transport.spawn.ENGINE_ONE_THREAD`.)"""
+costly on an H200 host was, by its signature, NumPy's OpenBLAS spinning a thread per CPU in
+the engine: :data:`gpulens.transport.spawn.ENGINE_ONE_THREAD`; not yet measured on a GPU.)"""
 
 
 def engine_nice() -> int:
