@@ -110,11 +110,6 @@ class RowHandoff:
         self._layout = TrackerLayout(keys, include_train=include_train)
         self._rows: dict[int, dict[str, float]] = {}
 
-    @property
-    def keys(self) -> str:
-        """The key set: ``"default"`` or ``"all"``."""
-        return self._layout.keys
-
     def open(self, context: RunContext) -> None:
         self._layout.reset()
 

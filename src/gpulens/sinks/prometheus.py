@@ -215,14 +215,19 @@ class PrometheusSink:
         self._registry: Any = None
         self._lock = threading.Lock()
         self._context: RunContext | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        """Forget every run's figures (at construction, and at each open: a sink opened again
+        serves nothing of the previous run)."""
         self._gpu_values: dict[str, dict[str, float]] = {}
         self._energy_j: dict[str, float] = {}
         self._scalars: dict[str, float] = {}
         self._steps_total = 0.0
         self._last_step: float | None = None
         self._last_step_time: float | None = None
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
 
     @staticmethod
     def spec_options(arg: str | None) -> dict[str, Any]:
@@ -272,8 +277,7 @@ class PrometheusSink:
             ) from e
         with self._lock:
             self._context = context
-            self._gpu_values, self._energy_j, self._scalars = {}, {}, {}
-            self._steps_total, self._last_step, self._last_step_time = 0.0, None, None
+            self._clear()
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self))
         self._registry = registry
