@@ -1393,3 +1393,18 @@ def test_engine_priority_quick_starts_each_arms_engine_at_its_nice(tmp_path: Pat
     losses = [r for r in read_history(run) if "user/loss" in r]
     assert len(losses) == 2 * 3 * (2 + 6)  # rounds x arms x (burn-in + counted steps)
     assert "| nice10 |" in out and "CPUs busy" in out
+
+
+def test_handoff_cost_times_the_view_and_the_old_write_by_gpus(tmp_path: Path) -> None:
+    """verl's ``RowHandoff.write`` on the training thread, timed on a simulated run's rows at
+    each GPU count beside the comprehension it replaced; the view keeps a handful of keys."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "handoff_cost.py"), "--gpus", "1,4", "--steps", "4",
+         "--repeat", "2", "--json", str(tmp_path / "h.json")],
+        cwd=tmp_path, env=bench_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads((tmp_path / "h.json").read_text())
+    assert [f["gpus"] for f in figures] == [1, 4]
+    assert figures[1]["keys"] > figures[0]["keys"] > figures[0]["kept"] > 0
+    assert all(f["view_us"] > 0 and f["old_us"] > 0 and f["rows"] >= 2 for f in figures)
+    assert "| GPUs | keys in a row |" in proc.stdout
