@@ -15,6 +15,7 @@ with ``Monitor.log`` after each, then ``stop()``. Arms (every arm once a round, 
 seeded order):
 
 ``off``       no monitor
+``off_b``     no monitor either (the A/A arm: the noise a difference must clear)
 ``nice0``     ``Monitor(sinks=["jsonl", "wandb"])`` (its W&B sink attaches to the loop's run)
               with ``GPULENS_ENGINE_NICE=0``: the engine as nice as training (the default)
 ``nice10``    the same with ``GPULENS_ENGINE_NICE=10``
@@ -43,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import paired
 
-ARMS = ("off", "nice0", "nice10")
+ARMS = ("off", "off_b", "nice0", "nice10")
 PROCS = ("training", "engine", "wandb-core")
 
 
@@ -122,7 +123,7 @@ def block(loop: Loop, arm: str, args: argparse.Namespace, tmp: Path, first: int,
         loop.step()
         burn.append(time.perf_counter() - t0)
     mon = None
-    if arm != "off":
+    if not arm.startswith("off"):
         os.environ["GPULENS_ENGINE_NICE"] = "0" if arm == "nice0" else "10"
         mon = gpulens.Monitor(interval=0.1,
                               sinks=[f"jsonl:{tmp / f'{arm}-{first}.jsonl'}", "wandb"])
@@ -169,7 +170,7 @@ def main() -> None:
     values: dict[str, dict[int, float]] = {a: {} for a in ARMS}
     profile: dict[str, list[list[float]]] = {a: [] for a in ARMS}
     cpu: dict[str, list[dict[str, float]]] = {a: [] for a in ARMS}
-    nice: dict[str, list[int]] = {a: [] for a in ARMS if a != "off"}
+    nice: dict[str, list[int]] = {a: [] for a in ARMS if not a.startswith("off")}
     t_end, rounds, first = time.monotonic() + args.budget_s, 0, 0
     while rounds < args.max_rounds and (rounds < 2 or time.monotonic() < t_end):
         for arm in paired.round_order(list(ARMS), args.seed, rounds):

@@ -1386,12 +1386,13 @@ def test_engine_priority_quick_starts_each_arms_engine_at_its_nice(tmp_path: Pat
 
     out = run_script("engine_priority.py", tmp_path, "--json", str(tmp_path / "e.json"))
     data = json.loads((tmp_path / "e.json").read_text())
-    assert list(data["values"]) == ["off", "nice0", "nice10"] and data["rounds"] == 2
+    assert list(data["values"]) == ["off", "off_b", "nice0", "nice10"] and data["rounds"] == 2
     assert data["engine_nice"] == {"nice0": [0, 0], "nice10": [10, 10]}
-    assert {c["arm"] for c in data["comparisons"]} == {"nice0", "nice10"}
+    assert {c["arm"] for c in data["comparisons"]} == {"off_b", "nice0", "nice10"}
+    assert all(c["aa_envelope"] is not None for c in data["comparisons"] if c["arm"] != "off_b")
     (run,) = tmp_path.rglob("offline-run-*/run-*.wandb")
     losses = [r for r in read_history(run) if "user/loss" in r]
-    assert len(losses) == 2 * 3 * (2 + 6)  # rounds x arms x (burn-in + counted steps)
+    assert len(losses) == 2 * 4 * (2 + 6)  # rounds x arms x (burn-in + counted steps)
     assert "| nice10 |" in out and "CPUs busy" in out
 
 
