@@ -152,9 +152,10 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str | None:
 ENGINE_NICE = 0
 """How much nicer than the training process its engine process runs by default
 (``GPULENS_ENGINE_NICE``, 0-19).  Nicer, the kernel runs the training's threads before the
-engine's where CPUs are busy: on a 2-core VM kept busy by training, nice 10 cut the cost of the
-engine's start beside the user's W&B run from +1,180 to +429 ms over 120 steps
-(``benchmarks/results/2026-11-29-cpu-engine-priority``).  But a nicer engine falls behind on a
+engine's where CPUs are busy: on a 2-core VM kept busy by training, nice 10 took the engine's
+start beside the user's W&B run out of the first second (+119 ms against +748 over 20 steps)
+and cost more in the steps after: its work comes later, not less
+(``benchmarks/results/2026-11-29-cpu-engine-priority``, ``with-aa``).  But a nicer engine falls behind on a
 loaded host: with three busy processes beside it, at nice 10 a script that ended without
 ``stop()`` lost its W&B rows (the exit's 2 s ran out before the sink opened) and ``gpulens
 watch`` printed ``n/a`` (the two checks failed 5 times of 6), at 0 never
