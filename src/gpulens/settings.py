@@ -155,10 +155,10 @@ ENGINE_NICE = 0
 engine's where CPUs are busy: on a 2-core VM kept busy by training, nice 10 took the engine's
 start beside the user's W&B run out of the first second (+119 ms against +748 over 20 steps)
 and cost more in the steps after: its work comes later, not less
-(``benchmarks/results/2026-11-29-cpu-engine-priority``, ``with-aa``).  But a nicer engine falls behind on a
-loaded host: with three busy processes beside it, at nice 10 a script that ended without
-``stop()`` lost its W&B rows (the exit's 2 s ran out before the sink opened) and ``gpulens
-watch`` printed ``n/a`` (the two checks failed 5 times of 6), at 0 never
+(``benchmarks/results/2026-11-29-cpu-engine-priority``, ``with-aa``).  But a nicer engine
+falls behind on a loaded host: with three busy processes beside it, at nice 10 a script
+that ended without ``stop()`` lost its W&B rows (the exit's 2 s ran out before the sink
+opened) and ``gpulens watch`` printed ``n/a`` (the two checks failed 5 times of 6), at 0 never
 (``benchmarks/results/2026-11-29-cpu-engine-nice-under-load``).  So 0.  (What made that start
 costly on an H200 host was, by its signature, NumPy's OpenBLAS spinning a thread per CPU in
 the engine: :data:`gpulens.transport.spawn.ENGINE_ONE_THREAD`; not yet measured on a GPU.)"""
